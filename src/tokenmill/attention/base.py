@@ -1,0 +1,41 @@
+"""The attention backend interface: write new K/V through a slot mapping, read context through block tables."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One request's queries in the flattened batch.
+
+    Tokens [query_start, query_start + query_len) of the batch sit at absolute positions
+    [context_len - query_len, context_len) of the sequence; after this step's K/V writes the
+    cache holds positions [0, context_len) in `block_ids`.
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_ids: list[int]
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention over a paged KV cache for a flattened, unpadded token batch."""
+
+    @abstractmethod
+    def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
+                       block_size: int, device: torch.device) -> Any:
+        """Precompute, once per step, whatever every layer's forward needs."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, slots, KVH, D]. Returns [T, H, D].
+
+        Writes k and v into the cache at metadata's slot mapping first, then attends.
+        """

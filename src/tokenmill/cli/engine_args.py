@@ -1,0 +1,39 @@
+"""Engine flags generated from the config dataclasses, so every field is a flag with its help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from tokenmill.config import SECTIONS
+
+
+def _flag_type(annotation: Any) -> Any:
+    text = str(annotation)
+    for name, kind in (("int", int), ("float", float), ("str", str)):
+        if name in text:
+            return kind
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one --flag per engine config field (model is positional elsewhere, hence `skip`)."""
+    group = parser.add_argument_group("engine options")
+    for klass in SECTIONS.values():
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            help_text = f"{f.metadata.get('help', '')} (default: {default})"
+            group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=default,
+                               choices=f.metadata.get("choices"), help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine keywords present in parsed `args`."""
+    names = {f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
+    return {k: v for k, v in vars(args).items() if k in names}

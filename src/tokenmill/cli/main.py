@@ -1,0 +1,82 @@
+"""`tokenmill generate`: complete a prompt from the command line, streaming to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete one prompt and stream the text to stdout",
+                       description="Complete PROMPT with the model and stream the text to stdout.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens, -1 = all (default: -1)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty")
+    p.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_engine_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.config import EngineConfig
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.sampling_seed, stop=args.stop)
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    prompt = args.prompt
+    add_special = True
+    if args.chat:
+        template = engine.source.chat_template
+        if not template:
+            raise ValueError("this model has no chat template; drop --chat")
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      chat_template=template, add_generation_prompt=True)
+        add_special = False
+    engine.add_request("cli", None, params, prompt_token_ids=engine.tokenize(prompt, add_special))
+    shown = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full `tokenmill` argument parser."""
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `tokenmill` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Engine configuration as data: frozen dataclasses, validated once, that the CLI is generated from.
+
+Every field carries a one-line help in its metadata; `EngineConfig.from_kwargs` takes the flat
+keyword form (`LLM(dtype=..., block_size=...)`) and routes each keyword to its section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how to run them."""
+
+    model: Optional[str] = _opt(None, "HF folder, .gguf file or alias (default: smollm2-135m-instruct)")
+    dtype: str = _opt("auto", "compute dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA",
+                      choices=DTYPES)
+    max_model_len: Optional[int] = _opt(None, "longest sequence (prompt + output) in tokens; "
+                                        "default: the model's context length")
+    device: str = _opt("auto", "where to run: cuda if available when auto", choices=DEVICES)
+    seed: int = _opt(0, "seed of the global sampling generator (requests without their own seed)")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size and shape of the paged KV cache."""
+
+    block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_memory_gb: float = _opt(1.0, "memory budget of the KV cache in GiB")
+    num_kv_blocks: Optional[int] = _opt(None, "explicit number of KV blocks (overrides the memory budget)")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits of continuous batching."""
+
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
+    max_num_seqs: int = _opt(128, "most sequences in the running batch")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine settings, composed from the sections above."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        for section in (self.model, self.cache, self.scheduler):
+            section.validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keywords (`dtype="float32", block_size=16, ...`); unknown ones raise."""
+        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in kwargs.items():
+            section = field_section(key)
+            if section is None:
+                known = ", ".join(sorted(all_field_names()))
+                raise ValueError(f"unknown engine option {key!r}; known options: {known}")
+            parts[section][key] = value
+        return cls(**{name: SECTIONS[name](**values) for name, values in parts.items()})
+
+
+def field_section(name: str) -> Optional[str]:
+    """The section that owns the field `name`, or None."""
+    for section, klass in SECTIONS.items():
+        if name in {f.name for f in dataclasses.fields(klass)}:
+            return section
+    return None
+
+
+def all_field_names() -> list[str]:
+    """Every flat engine option name."""
+    return [f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)]

@@ -1,0 +1,236 @@
+"""Continuous batching with chunked prefill and preemption by recompute (no torch)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.sched_output import (
+    ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput)
+from tokenmill.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulingLimits:
+    """The per-step limits the scheduler enforces."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Every step hands out a token budget: running requests first (in priority order), then waiting
+    ones. A request gets min(tokens it lacks, budget left), so long prompts are chunked and mixed
+    with decode tokens of other requests in the same step. When the pool cannot hold a running
+    request's next tokens, the lowest-priority, latest-arriving running request is preempted:
+    its blocks are freed and it restarts from num_computed_tokens = 0 (recompute).
+
+    Invariant: `running` and `waiting` are both sorted by Request.priority_key, so the preemption
+    victim is always running[-1] and the next admission is always waiting[0].
+    """
+
+    def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ admission
+    def check_admissible(self, prompt_len: int, max_total_tokens: int) -> None:
+        """Raise ValueError if a request of this size could never run; the message gives the numbers."""
+        max_len = self.limits.max_model_len
+        if prompt_len > max_len:
+            raise ValueError(
+                f"The prompt has {prompt_len} tokens, more than the model's maximum context length "
+                f"of {max_len} tokens.")
+        if max_total_tokens > max_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens, but {max_total_tokens} "
+                f"were requested ({prompt_len} in the prompt + {max_total_tokens - prompt_len} for "
+                f"max_tokens).")
+        pool_tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if max_total_tokens > pool_tokens:
+            raise ValueError(
+                f"The request needs up to {max_total_tokens} tokens of KV cache ({prompt_len} prompt + "
+                f"{max_total_tokens - prompt_len} max_tokens), but the whole KV cache holds "
+                f"{pool_tokens} tokens.")
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (after checking it can ever fit)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_admissible(request.num_prompt_tokens, request.max_total_tokens)
+        self.requests[request.request_id] = request
+        self._insert(self.waiting, request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        """Finish (abort, or stop on a stop string) the named requests; returns those that were live."""
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.status.finished:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            request.num_samples_to_fork = 0
+            self._release(request)
+            done.append(rid)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        """Build this step's batch."""
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        num_preempted = 0
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_new
+            while not self.kv_cache.allocate_slots(request.request_id, target):
+                victim = self.running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+
+        if num_preempted == 0:
+            budget = self._admit_waiting(budget, scheduled)
+
+        output = SchedulerOutput(scheduled, self._finished_since_last_step, num_preempted)
+        self._finished_since_last_step = []
+        self.num_preemptions_total += num_preempted
+        return output
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_new
+            # With nothing running there is nobody to keep the watermark for: admit if it fits at all.
+            if self.running and not self.kv_cache.can_admit(request.request_id, target):
+                break
+            if not self.kv_cache.allocate_slots(request.request_id, target):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self._insert(self.running, request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            num_seqs += 1 + request.num_samples_to_fork
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_range(start, start + num_new),
+            start=start,
+            block_ids=self.kv_cache.block_table(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self._insert(self.waiting, request)
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance requests by what the step computed and sampled; returns one update per request touched."""
+        updates = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status.finished:
+                continue  # finished (e.g. aborted) while the step ran
+            update = RequestUpdate(item.request_id)
+            if item.request_id in result.prompt_logprobs:
+                update.new_prompt_logprobs = result.prompt_logprobs[item.request_id]
+                update.prompt_logprobs_start = item.start + 1
+            request.num_computed_tokens += item.num_tokens
+            if item.sample:
+                if request.num_samples_to_fork:
+                    self._fork_samples(request)
+                token = result.sampled_token_ids[item.request_id]
+                request.output_token_ids.append(token)
+                update.new_token_ids.append(token)
+                if item.request_id in result.logprobs:
+                    update.new_logprobs.append(result.logprobs[item.request_id])
+                if request.check_stop_token(token):
+                    self.running.remove(request)
+                    self._release(request)
+                    update.finish_reason = request.status.value
+                    update.stop_reason = request.stop_reason
+            updates.append(update)
+        return updates
+
+    def _fork_samples(self, parent: Request) -> None:
+        """Start samples 1..n-1 of an n>1 request, sharing the prompt's full blocks with it.
+
+        Each child recomputes at least the last prompt token (to get its own logits), so it shares
+        only the blocks before the one holding that token.
+        """
+        params = parent.sampling_params
+        for index in range(1, parent.num_samples_to_fork + 1):
+            child_id = f"{parent.request_id}#{index}"
+            shared = self.kv_cache.fork(parent.request_id, child_id, parent.num_prompt_tokens - 1)
+            child = parent.fork(child_id, params.for_sample(index), shared)
+            self.requests[child_id] = child
+            self._insert(self.running, child)
+        parent.num_samples_to_fork = 0
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        self._finished_since_last_step.append(request.request_id)
+
+    def pop_finished(self, request_id: str) -> Optional[Request]:
+        """Forget a finished request (the engine calls this once it has emitted the final output)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status.finished:
+            del self.requests[request_id]
+            return request
+        return None
+
+    @staticmethod
+    def _insert(queue: list[Request], request: Request) -> None:
+        keys = [r.priority_key for r in queue]
+        queue.insert(bisect.bisect_right(keys, request.priority_key), request)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (including preempted ones)."""
+        return len(self.waiting)

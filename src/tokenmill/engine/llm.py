@@ -1,0 +1,130 @@
+"""The offline API, shaped like vLLM's `LLM` so users' code ports."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text for batches of prompts in-process.
+
+    `LLM(model=..., **engine_options)` takes every engine option as a keyword (dtype, max_model_len,
+    block_size, num_kv_blocks, kv_cache_memory_gb, max_num_batched_tokens, max_num_seqs, seed, ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, **engine_options: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        """The model's (Hugging Face) tokenizer."""
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """Complete every prompt; returns one finished RequestOutput per prompt, in order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        A list of ints is one tokenised prompt; a list of strings or of lists is a batch.
+        """
+        batch = _as_batch(prompts)
+        params = _params_per_prompt(sampling_params, len(batch))
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        if len(priorities) != len(batch):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(batch)} prompts")
+        ids = []
+        try:
+            for prompt, p, prio in zip(batch, params, priorities):
+                request_id = str(next(self._ids))
+                text, token_ids = _split_prompt(prompt)
+                if token_ids is None and isinstance(prompt, dict) and not prompt.get("add_special_tokens", True):
+                    token_ids = self.llm_engine.tokenize(text, add_special_tokens=False)
+                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=token_ids, priority=prio)
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[Messages, Sequence[Messages]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate the assistant's reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template),
+                    "add_special_tokens": False} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None) -> str:
+        """The prompt text the model's chat template makes of `messages`."""
+        tokenizer = self.get_tokenizer()
+        template = chat_template or self.llm_engine.source.chat_template
+        if not template:
+            raise ValueError("this model has no chat template; pass chat_template=... or use generate()")
+        return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                             add_generation_prompt=add_generation_prompt)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while len(finished) < len(ids) and engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_batch(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _params_per_prompt(params: Union[None, SamplingParams, Sequence[SamplingParams]], count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params
+
+
+def _split_prompt(prompt: PromptType) -> tuple[Optional[str], Optional[list[int]]]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, list):
+        return None, prompt
+    raise ValueError(f"unsupported prompt type {type(prompt).__name__}")

@@ -1,0 +1,175 @@
+"""The synchronous engine: add requests, step, collect outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Union
+
+import torch
+
+from tokenmill.attention import get_attention_backend
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.scheduler import Scheduler, SchedulingLimits
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.models.loader import ModelSource, load_model_source
+from tokenmill.models.registry import build_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GIB = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """'auto' -> float32 on CPU (exact, and fastest without AMX), the checkpoint's dtype on CUDA."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+    return _DTYPES[name]
+
+
+class LLMEngine:
+    """Loads a model and runs requests through scheduler -> runner -> output processor, one step at a time."""
+
+    def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None) -> None:
+        self.config = config
+        started = time.perf_counter()
+        source = source or load_model_source(config.model.model)
+        self.source, self.tokenizer, self.arch = source, source.tokenizer, source.arch
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, self.arch.checkpoint_dtype)
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = self.arch.eos_token_ids
+
+        backend = get_attention_backend()
+        with torch.device(self.device):
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = build_model(self.arch, backend, self.max_model_len)
+            finally:
+                torch.set_default_dtype(previous)
+        self.model.load_weights(source.iter_weights())
+        self.model.rotary.to_device(self.device)
+        self.model.eval()
+
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_kv_blocks or self._blocks_for_budget(block_size)
+        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                  self.max_model_len)
+        self.scheduler = Scheduler(limits, self.kv_cache)
+        self.runner = ModelRunner(self.model, backend, num_blocks, block_size, self.arch.num_key_value_heads,
+                                  self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
+                                  config.model.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+                    time.perf_counter() - started, self.arch.architecture, self.device, self.dtype,
+                    num_blocks, block_size, self.max_model_len)
+
+    def _max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        asked = self.config.model.max_model_len
+        if asked is None:
+            return limit
+        if asked > limit:
+            raise ValueError(f"max_model_len {asked} is larger than the model's context length {limit}")
+        return asked
+
+    def _blocks_for_budget(self, block_size: int) -> int:
+        arch = self.arch
+        bytes_per_block = (2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim
+                           * torch.tensor([], dtype=self.dtype).element_size())
+        return max(1, int(self.config.cache.kv_cache_memory_gb * _GIB) // bytes_per_block)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `prompt` with the model's tokenizer."""
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+
+    def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
+                    prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue a request. Raises ValueError (naming the problem) if it can never run."""
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text: Optional[str] = None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                text, prompt_token_ids = prompt, self.tokenize(prompt)
+            elif isinstance(prompt, list):
+                prompt_token_ids = prompt
+            else:
+                raise ValueError("a request needs a prompt string or prompt token ids")
+        else:
+            text = prompt if isinstance(prompt, str) else None
+        prompt_token_ids = self._check_prompt_ids(prompt_token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_token_ids)
+            if max_tokens < 1:
+                raise ValueError(f"The prompt has {len(prompt_token_ids)} tokens, which leaves no room to "
+                                 f"generate within the model's maximum context length of "
+                                 f"{self.max_model_len} tokens.")
+        self.scheduler.check_admissible(len(prompt_token_ids), len(prompt_token_ids) + max_tokens)
+        request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
+                          priority, arrival_time, num_samples_to_fork=params.n - 1)
+        self.scheduler.add_request(request)
+        self.output_processor.add(request_id, text, prompt_token_ids, params)
+
+    def _check_prompt_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return list(ids)
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        """Stop requests now; their KV blocks return to the pool. Unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            internal = self.output_processor.internal_ids(request_id)
+            self.scheduler.finish_requests(internal, RequestStatus.FINISHED_ABORTED)
+            for rid in internal:
+                self.scheduler.pop_finished(rid)
+            self.output_processor.drop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
+        return len(self.output_processor.states)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, and return the outputs of every request it touched."""
+        schedule = self.scheduler.schedule()
+        result = self.runner.execute(schedule)
+        updates = self.scheduler.update_from_output(schedule, result)
+        outputs, stopped = self.output_processor.process(updates)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for update in updates:
+            if update.finish_reason is not None or update.request_id in stopped:
+                self.scheduler.pop_finished(update.request_id)
+        return outputs

@@ -1,0 +1,156 @@
+"""Turns scheduler updates into RequestOutputs: detokenise, match stop strings, gather logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tokenmill.core.sched_output import RequestUpdate, TokenLogprobs
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.stop_strings import find_stop_string, partial_stop_suffix
+from tokenmill.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sample:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: Optional[list[LogprobsDict]] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    prompt_logprobs: Optional[list[Optional[LogprobsDict]]] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """Internal id of sample `index` of an n>1 request (sample 0 keeps the request's own id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+class OutputProcessor:
+    """Keeps the user-visible state of every live request."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self._sample_of: dict[str, tuple[str, int]] = {}
+
+    def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+            params: SamplingParams) -> None:
+        """Start tracking a request and its n samples."""
+        samples = []
+        for index in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            sample = _Sample(index, detok)
+            if params.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            samples.append(sample)
+            self._sample_of[sample_request_id(request_id, index)] = (request_id, index)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), params, samples)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        self.states[request_id] = state
+
+    def internal_ids(self, request_id: str) -> list[str]:
+        """Scheduler ids of all samples of a request."""
+        state = self.states.get(request_id)
+        return [] if state is None else [sample_request_id(request_id, i) for i in range(len(state.samples))]
+
+    def drop(self, request_id: str) -> None:
+        """Stop tracking a request (after abort)."""
+        for internal in self.internal_ids(request_id):
+            self._sample_of.pop(internal, None)
+        self.states.pop(request_id, None)
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's updates. Returns (outputs of touched requests, internal ids stopped by a stop string)."""
+        touched: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        for update in updates:
+            owner = self._sample_of.get(update.request_id)
+            if owner is None:
+                continue
+            state = self.states[owner[0]]
+            sample = state.samples[owner[1]]
+            touched[state.request_id] = state
+            if update.new_prompt_logprobs and owner[1] == 0:
+                self._add_prompt_logprobs(state, update)
+            for token, entry in zip(update.new_token_ids, update.new_logprobs or [None] * len(update.new_token_ids)):
+                if sample.finish_reason is not None:
+                    break
+                if self._append_token(state, sample, token, entry):
+                    stopped.append(update.request_id)
+            if update.finish_reason is not None and sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
+        outputs = [self._output(state) for state in touched.values()]
+        for state in touched.values():
+            if state.finished:
+                self.drop(state.request_id)
+        return outputs, stopped
+
+    def _append_token(self, state: _RequestState, sample: _Sample, token: int,
+                      entry: Optional[TokenLogprobs]) -> bool:
+        sample.token_ids.append(token)
+        if entry is not None and sample.logprobs is not None:
+            sample.logprobs.append(self._logprobs_dict(entry))
+            sample.cumulative_logprob += entry.logprob
+        delta = sample.detokenizer.push(token)
+        sample.text += delta
+        stops = state.params.stop_strings
+        if not stops or not delta:
+            return False
+        match = find_stop_string(sample.text, len(delta), stops)
+        if match is None:
+            return False
+        index, stop = match
+        end = index + len(stop) if state.params.include_stop_str_in_output else index
+        sample.text = sample.text[:end]
+        sample.finish_reason, sample.stop_reason = "stop", stop
+        return True
+
+    def _add_prompt_logprobs(self, state: _RequestState, update: RequestUpdate) -> None:
+        assert state.prompt_logprobs is not None
+        for offset, entry in enumerate(update.new_prompt_logprobs):
+            position = update.prompt_logprobs_start + offset
+            if position == len(state.prompt_logprobs):  # positions already seen (recompute) are skipped
+                state.prompt_logprobs.append(self._logprobs_dict(entry))
+
+    def _logprobs_dict(self, entry: TokenLogprobs) -> LogprobsDict:
+        result = {entry.token_id: Logprob(entry.logprob, entry.rank, self._token_text(entry.token_id))}
+        for rank, (token, logprob) in enumerate(entry.top, start=1):
+            if token not in result:
+                result[token] = Logprob(logprob, rank, self._token_text(token))
+        return result
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        completions = []
+        for s in state.samples:
+            text = s.text
+            if s.finish_reason is None and state.params.stop_strings:
+                held = partial_stop_suffix(text, state.params.stop_strings)
+                text = text[:len(text) - held]
+            completions.append(CompletionOutput(s.index, text, list(s.token_ids), s.cumulative_logprob,
+                                                None if s.logprobs is None else list(s.logprobs),
+                                                s.finish_reason, s.stop_reason))
+        prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             state.finished, prompt_logprobs)

@@ -1,0 +1,121 @@
+"""Linear layers written for tensor-parallel sharding.
+
+Each layer holds only its rank's shard and knows how to cut that shard out of a full checkpoint
+tensor (`weight_loader`). With tp_size == 1 (the only size wired up today) the shard is the whole
+tensor; adding tensor parallelism means passing a rank/size and an all-reduce, not rewriting models.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _ShardedLinear(nn.Module):
+    """y = x W^T (+ b) over this rank's shard of W."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        if tp_size != 1:
+            raise NotImplementedError("tensor parallelism (tp_size > 1) is not supported yet")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to the last dimension of x."""
+        return F.linear(x, self.weight, self.bias)
+
+    @staticmethod
+    def _copy(dest: torch.Tensor, source: torch.Tensor) -> None:
+        if dest.shape != source.shape:
+            raise ValueError(f"weight shape mismatch: checkpoint {tuple(source.shape)}, "
+                             f"model expects {tuple(dest.shape)}")
+        dest.copy_(source)
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """Output features split across ranks: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's rows of a full checkpoint tensor into `param`."""
+        rows = param.shape[0]
+        self._copy(param.data, loaded.narrow(0, self.tp_rank * rows, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (e.g. gate+up)."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
+        self.local_sizes = [size // tp_size for size in out_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's rows of projection number `shard_id` into its slice of `param`."""
+        index = int(shard_id)  # type: ignore[arg-type]
+        size = self.local_sizes[index]
+        offset = sum(self.local_sizes[:index])
+        self._copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across ranks (kv heads replicated when fewer than ranks)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.num_local_heads = num_heads // tp_size
+        self.num_local_kv_heads = max(1, num_kv_heads // tp_size)
+        self.head_dim = head_dim
+        out = (self.num_local_heads + 2 * self.num_local_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+        self.q_size = self.num_local_heads * head_dim
+        self.kv_size = self.num_local_kv_heads * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's heads of the q, k or v checkpoint tensor (`shard_id`) into `param`."""
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size = self.kv_size
+            replicas = max(1, self.tp_size // max(1, loaded.shape[0] // self.head_dim))
+            rank = self.tp_rank // replicas
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        self._copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the fused output into q, k, v."""
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(_ShardedLinear):
+    """Input features split across ranks; partial outputs are summed (all-reduce) when tp_size > 1."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's columns of a full checkpoint tensor into `param` (bias only on rank 0's sum)."""
+        if param.dim() == 1:
+            self._copy(param.data, loaded)
+            return
+        cols = param.shape[1]
+        self._copy(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
+
+
+LinearLayer = Union[ColumnParallelLinear, RowParallelLinear]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[object] = None) -> None:
+    """Copy a whole checkpoint tensor into a replicated parameter."""
+    _ShardedLinear._copy(param.data, loaded)

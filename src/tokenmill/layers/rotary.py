@@ -1,0 +1,71 @@
+"""Rotary position embeddings (RoPE), the "rotate half" layout Hugging Face checkpoints use."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.models.arch import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
+    """Inverse frequencies 1 / base^(2i/d), with linear or Llama-3 scaling applied (float32)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None or scaling.kind == "factors":
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported RoPE scaling {scaling.kind!r} (supported: linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k given each token's absolute position, from a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float,
+                 scaling: Optional[RopeScaling] = None) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.inv_freq = rope_inv_freq(head_dim, base, scaling)
+        self._build_table()
+
+    def _build_table(self) -> None:
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def set_frequency_divisors(self, divisors: torch.Tensor) -> None:
+        """Divide the inverse frequencies by per-frequency factors (GGUF's rope_freqs) and rebuild."""
+        self.inv_freq = self.inv_freq / divisors.float().reshape(-1)
+        self._build_table()
+
+    def to_device(self, device: torch.device) -> None:
+        """Move the tables to `device`."""
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; returns both rotated."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,162 @@
+"""The Llama family: Llama 2/3, Mistral, SmolLM2, Qwen2 (QKV bias) and Qwen3 (q/k norm).
+
+GQA, RMSNorm, RoPE (optionally scaled), SwiGLU, tied or untied embeddings — one implementation
+whose differences come from `ArchConfig` flags, running on a flattened token batch with a paged KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.attention.base import AttentionBackend
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.linear import (
+    MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader)
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.arch import ArchConfig
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused QKV, optional per-head q/k RMSNorm, RoPE and paged KV."""
+
+    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
+                                          arch.num_key_value_heads, bias=arch.attention_bias)
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        """hidden: [T, hidden] -> [T, hidden]."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(q.shape[0], -1, self.head_dim)
+        k = k.view(k.shape[0], -1, self.head_dim)
+        v = v.view(v.shape[0], -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        """One transformer block."""
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM over a flattened token batch; `compute_logits` runs the head on chosen rows only."""
+
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+               ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, self.rotary, backend)
+                                    for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if arch.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+            self.lm_head_weight = self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: Any) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; raise if any parameter is left unset or a name is unknown."""
+        params = dict(self.named_parameters())
+        if self.arch.tie_word_embeddings:
+            params.pop("lm_head.weight", None)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "rope_freqs":
+                self.rotary.set_frequency_divisors(tensor)
+                continue
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            if "rotary_emb.inv_freq" in name:
+                continue
+            target, shard = name, None
+            for ckpt, fused, shard_id in self.STACKED:
+                if f".{ckpt}." in name:
+                    target, shard = name.replace(ckpt, fused), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+            loader = getattr(_owner(self, target), "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard)
+            loaded.add(target if shard is None else f"{target}:{shard}")
+        expected = self._expected_tensor_keys(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _expected_tensor_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
+        keys: set[str] = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                keys.update(f"{name}:{s}" for s in ("q", "k", "v"))
+            elif ".gate_up_proj." in name:
+                keys.update(f"{name}:{s}" for s in (0, 1))
+            else:
+                keys.add(name)
+        return keys
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])

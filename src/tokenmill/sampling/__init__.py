@@ -1,0 +1,1 @@
+"""Turning logits into tokens: penalties, truncation, seeded sampling, log-probabilities."""

@@ -1,0 +1,78 @@
+"""Vectorised sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tokenmill.sampling.batch import SamplingRow
+from tokenmill.sampling.penalties import apply_min_tokens, apply_penalties
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Pick one token per row of float32 `logits` [B, V]; returns int64 [B].
+
+    Order: penalties, min_tokens masking, then greedy rows take the argmax; the others divide by
+    temperature, keep top-k, then top-p, then min-p, and draw with the exponential-race trick
+    argmax(p / E), E ~ Exp(1) — which lets seeded rows draw their noise from their own generator,
+    so a seeded request samples the same tokens whatever else is in the batch.
+    """
+    logits = logits.clone()
+    apply_penalties(logits, rows)
+    apply_min_tokens(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random_rows:
+        return tokens
+    sub = logits[random_rows]
+    params = [rows[i].params for i in random_rows]
+    temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
+    sub = sub / temps.unsqueeze(1)
+    sub = _top_k_top_p(sub, [p.top_k for p in params], [p.top_p for p in params])
+    sub = _min_p(sub, [p.min_p for p in params])
+    probs = sub.softmax(dim=-1)
+    noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], probs.device,
+                               default_generator)
+    tokens[random_rows] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    ks = [vocab if k == -1 else min(k, vocab) for k in top_k]
+    if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k_tensor = torch.tensor(ks, device=logits.device).unsqueeze(1)
+    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(positions >= k_tensor, float("-inf"))
+    p_tensor = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p_tensor, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    if all(p == 0.0 for p in min_p):
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+    threshold = threshold * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _exponential_noise(shape: torch.Size, generators: list[Optional[torch.Generator]],
+                       device: torch.device, default_generator: Optional[torch.Generator]) -> torch.Tensor:
+    noise = torch.empty(shape, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        block = torch.empty(len(unseeded), shape[1], device=device).exponential_(generator=default_generator)
+        noise[unseeded] = block
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise

@@ -1,0 +1,1 @@
+"""Executes SchedulerOutputs on a model: batch tensors, forward, logits, sampling."""

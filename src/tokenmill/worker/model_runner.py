@@ -1,0 +1,130 @@
+"""The model runner: one SchedulerOutput in, one forward pass over a flattened batch, sampled tokens out."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from tokenmill.attention.base import AttentionBackend, SequenceChunk
+from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.sampling.batch import SamplingRow
+from tokenmill.sampling.logprobs import token_logprobs
+from tokenmill.sampling.sampler import sample
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and the per-request generators; turns a step's schedule into tokens.
+
+    KV cache layout: one tensor per layer, [2 (k, v), num_blocks * block_size, kv_heads, head_dim];
+    slot s of a layer holds the K/V of the token the scheduler mapped to s.
+    """
+
+    def __init__(self, model: Any, backend: AttentionBackend, num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.model, self.backend = model, backend
+        self.block_size, self.device = block_size, device
+        self.eos_token_ids = eos_token_ids
+        self.kv_caches = [
+            torch.zeros(2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(model.arch.num_hidden_layers)
+        ]
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step."""
+        for request_id in schedule.finished_request_ids:
+            self.generators.pop(request_id, None)
+        result = ModelRunnerOutput()
+        if schedule.is_empty:
+            return result
+        batch = schedule.scheduled
+        input_ids, positions, slots, chunks = self._flatten(batch)
+        metadata = self.backend.build_metadata(chunks, slots, self.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+
+        rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        self._sample(batch, logits, sample_rows, result)
+        self._prompt_logprobs(batch, logits, prompt_rows, result)
+        return result
+
+    def _flatten(self, batch: list[ScheduledRequest]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        chunks = []
+        bs = self.block_size
+        for item in batch:
+            start, end = item.start, item.start + item.num_tokens
+            chunks.append(SequenceChunk(len(ids), item.num_tokens, end, item.block_ids))
+            ids.extend(item.token_ids)
+            pos.extend(range(start, end))
+            table = item.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(ids), as_tensor(pos), as_tensor(slots), chunks
+
+    @staticmethod
+    def _logit_rows(batch: list[ScheduledRequest], chunks: list[SequenceChunk]):
+        """Which hidden rows need logits: the last of each sampling chunk, and every prompt row asked for.
+
+        Returns (hidden row indices, {batch index: logits row}, {batch index: (first logits row, count)}).
+        """
+        rows: list[int] = []
+        sample_rows: dict[int, int] = {}
+        prompt_rows: dict[int, tuple[int, int]] = {}
+        for i, (item, chunk) in enumerate(zip(batch, chunks)):
+            if item.wants_prompt_logprobs:
+                last_scored = min(item.start + item.num_tokens, len(item.prompt_token_ids) - 1)
+                count = max(0, last_scored - item.start)
+                prompt_rows[i] = (len(rows), count)
+                rows.extend(range(chunk.query_start, chunk.query_start + count))
+            if item.sample:
+                sample_rows[i] = len(rows)
+                rows.append(chunk.query_start + chunk.query_len - 1)
+        return rows, sample_rows, prompt_rows
+
+    def _generator(self, item: ScheduledRequest) -> Optional[torch.Generator]:
+        seed = item.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(item.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[item.request_id] = gen
+        return gen
+
+    def _sample(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], result: ModelRunnerOutput) -> None:
+        if not sample_rows:
+            return
+        order = list(sample_rows)
+        rows = [SamplingRow(batch[i].sampling_params, self._generator(batch[i]), batch[i].prompt_token_ids,
+                            batch[i].output_token_ids, self.eos_token_ids) for i in order]
+        sample_logits = logits[torch.tensor([sample_rows[i] for i in order], device=self.device)]
+        tokens = sample(sample_logits, rows, self.default_generator)
+        for i, token in zip(order, tokens.tolist()):
+            result.sampled_token_ids[batch[i].request_id] = token
+        wanted = [k for k, i in enumerate(order) if batch[i].sampling_params.logprobs is not None]
+        if wanted:
+            picked = torch.tensor(wanted, device=self.device)
+            entries = token_logprobs(sample_logits[picked], tokens[picked],
+                                     [batch[order[k]].sampling_params.logprobs for k in wanted])
+            for k, entry in zip(wanted, entries):
+                result.logprobs[batch[order[k]].request_id] = entry
+
+    def _prompt_logprobs(self, batch, logits: torch.Tensor, prompt_rows: dict[int, tuple[int, int]],
+                         result: ModelRunnerOutput) -> None:
+        for i, (first, count) in prompt_rows.items():
+            item = batch[i]
+            if count == 0:
+                result.prompt_logprobs[item.request_id] = []
+                continue
+            targets = item.prompt_token_ids[item.start + 1:item.start + 1 + count]
+            entries = token_logprobs(logits[first:first + count],
+                                     torch.tensor(targets, device=self.device),
+                                     [item.sampling_params.prompt_logprobs] * count)
+            result.prompt_logprobs[item.request_id] = entries
