@@ -1,0 +1,85 @@
+"""GGUF tensor names and encodings -> HF parameter names and torch tensors."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, ReaderTensor
+from gguf.quants import dequantize
+
+T = GGMLQuantizationType
+FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+QUANTIZED_TYPES = frozenset(
+    {
+        T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
+        T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+        T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS,
+        T.TQ1_0, T.TQ2_0,
+    }
+)  # fmt: skip
+SUPPORTED_TENSOR_TYPES = frozenset(FLOAT_TYPES) | QUANTIZED_TYPES
+
+ROPE_FREQS = "rope_freqs"
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": ROPE_FREQS,
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF parameter name of GGUF tensor `gguf_name` (e.g. `blk.3.attn_q.weight`)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the supported models")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def check_tensor_type(tensor: ReaderTensor) -> None:
+    """Raise ValueError when `tensor` is stored in an encoding the loader cannot decode."""
+    if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}; "
+            f"supported: {supported}"
+        )
+
+
+def to_torch(tensor: ReaderTensor) -> torch.Tensor:
+    """Decode `tensor` in HF layout ([out, in]): float types keep their dtype, quantized -> float32."""
+    if tensor.tensor_type == T.BF16:
+        return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
+    if tensor.tensor_type in FLOAT_TYPES:
+        return torch.from_numpy(np.array(tensor.data))
+    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
+
+
+def undo_llama_rope_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert the row permutation llama.cpp's converter applies to Llama q/k projections.
+
+    The converter regroups each head's rows from HF's rotate-half order into interleaved pairs;
+    this is transformers' `reverse_permute_weights`. Works for weights and biases.
+    """
+    half_head = weight.shape[0] // num_heads // 2
+    grouped = weight.reshape(num_heads, half_head, 2, *weight.shape[1:])
+    return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
