@@ -95,12 +95,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, self.rotary, backend)
                                     for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        if arch.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
+        self.lm_head = None
+        if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
-            self.lm_head_weight = self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
@@ -112,7 +110,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; raise if any parameter is left unset or a name is unknown."""

@@ -1,0 +1,114 @@
+"""Model loading: resolve a model name, describe its architecture, stream its weights.
+
+Two checkpoint formats are read: a Hugging Face folder (`config.json` + safetensors + tokenizer)
+and a single GGUF file (llama.cpp). Both produce a `ModelSource` with HF parameter names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+import torch
+from tqdm import tqdm
+
+from tokenmill.models.arch import ArchConfig
+from tokenmill.models.loader.gguf_file import GGUFCheckpoint
+from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf
+from tokenmill.models.loader.resolve import DEFAULT_MODEL, resolve_model_path
+from tokenmill.models.loader.safetensors_weights import SafetensorsWeights
+from tokenmill.models.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelSource",
+    "load_model_source",
+    "resolve_model_path",
+]
+
+_LM_HEAD = "lm_head.weight"
+_EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass
+class ModelSource:
+    """Everything needed to build a model: architecture, a weight stream, tokenizer."""
+
+    path: str
+    arch: ArchConfig
+    tokenizer: "PreTrainedTokenizerBase"
+    chat_template: Optional[str]
+    num_tensors: int
+    weight_stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_parameter_name, tensor)` pairs, with a progress bar on stderr.
+
+        Float checkpoints keep their stored dtype; dequantized GGUF tensors are float32.
+        """
+        progress = tqdm(
+            self.weight_stream(),
+            total=self.num_tensors,
+            desc=f"Loading {Path(self.path).name}",
+            unit="tensor",
+            file=sys.stderr,
+        )
+        with progress:
+            yield from progress
+
+
+def _hf_folder_source(folder: str) -> ModelSource:
+    weights = SafetensorsWeights(folder)
+    names = weights.names
+    if _EMBEDDING not in names:
+        raise ValueError(f"{folder} has no {_EMBEDDING} tensor")
+    arch = arch_config_from_hf(folder, stored_dtype=weights.dtype_name_of(_EMBEDDING))
+    if _LM_HEAD not in names and not arch.tie_word_embeddings:
+        arch = dataclasses.replace(arch, tie_word_embeddings=True)
+    wanted = {
+        name
+        for name in names
+        if not name.endswith("rotary_emb.inv_freq")
+        and not (name == _LM_HEAD and arch.tie_word_embeddings)
+    }
+    tokenizer = load_hf_tokenizer(folder)
+    return ModelSource(
+        path=folder,
+        arch=arch,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        num_tensors=len(wanted),
+        weight_stream=lambda: weights.iter_tensors(wanted),
+    )
+
+
+def _gguf_source(path: str) -> ModelSource:
+    checkpoint = GGUFCheckpoint(path)
+    tokenizer = load_gguf_tokenizer(path)
+    return ModelSource(
+        path=path,
+        arch=checkpoint.arch,
+        tokenizer=tokenizer,
+        chat_template=checkpoint.chat_template or tokenizer.chat_template,
+        num_tensors=checkpoint.num_tensors,
+        weight_stream=checkpoint.iter_weights,
+    )
+
+
+def load_model_source(model: Optional[str]) -> ModelSource:
+    """Open the checkpoint named by `model` (alias, GGUF file or HF folder; None = default)."""
+    path = resolve_model_path(model)
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").exists():
+            raise ValueError(f"{path} is a folder without config.json (not an HF checkpoint)")
+        return _hf_folder_source(path)
+    if path.endswith(".gguf"):
+        return _gguf_source(path)
+    raise ValueError(f"{path} is neither an HF checkpoint folder nor a .gguf file")

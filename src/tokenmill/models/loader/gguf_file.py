@@ -1,0 +1,140 @@
+"""A GGUF checkpoint: architecture from its metadata, HF-named float tensors from its data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from tokenmill.models.arch import ArchConfig, RopeScaling
+from tokenmill.models.loader.gguf_tensors import (
+    FLOAT_TYPES,
+    ROPE_FREQS,
+    check_tensor_type,
+    hf_name,
+    to_torch,
+    undo_llama_rope_permute,
+)
+
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_MISSING = object()
+
+
+class GGUFCheckpoint:
+    """An open GGUF file whose architecture, tensor names and tensor types have been checked.
+
+    `arch` is the `ArchConfig` read from the metadata and tensor set. The file is memory-mapped;
+    tensors are decoded one at a time by `iter_weights`.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.reader = GGUFReader(self.path)
+        self.gguf_architecture = self.metadata("general.architecture")
+        if self.gguf_architecture not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported GGUF architecture {self.gguf_architecture!r} in {self.path}; "
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        for tensor in self.reader.tensors:
+            hf_name(tensor.name)
+            check_tensor_type(tensor)
+        self.arch = self._read_arch_config()
+
+    def metadata(self, key: str, default: Any = _MISSING) -> Any:
+        """The value of metadata `key` (scalars as Python values, arrays as lists)."""
+        field = self.reader.get_field(key)
+        if field is None:
+            if default is _MISSING:
+                raise ValueError(f"GGUF file {self.path} lacks metadata {key!r}")
+            return default
+        return field.contents()
+
+    def _arch_metadata(self, key: str, default: Any = _MISSING) -> Any:
+        return self.metadata(f"{self.gguf_architecture}.{key}", default)
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The chat template stored in the file, if any."""
+        return self.metadata("tokenizer.chat_template", None)
+
+    @property
+    def num_tensors(self) -> int:
+        """How many tensors `iter_weights` yields."""
+        return len(self.tensors)
+
+    def _rope_scaling(self) -> Optional[RopeScaling]:
+        if "rope_freqs.weight" in self.tensors:
+            return RopeScaling(kind="factors")
+        kind = self._arch_metadata("rope.scaling.type", "none")
+        if kind == "none":
+            return None
+        if kind == "linear":
+            return RopeScaling(kind="linear", factor=float(self._arch_metadata("rope.scaling.factor")))
+        raise ValueError(f"unsupported GGUF RoPE scaling type {kind!r}; supported: none, linear")
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = [self.metadata(f"tokenizer.ggml.{key}", None) for key in keys]
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    def _checkpoint_dtype(self) -> str:
+        matrix_types = {t.tensor_type for t in self.reader.tensors if len(t.shape) == 2}
+        if len(matrix_types) == 1 and (only := matrix_types.pop()) in FLOAT_TYPES:
+            return str(FLOAT_TYPES[only]).removeprefix("torch.")
+        return "float32"
+
+    def _read_arch_config(self) -> ArchConfig:
+        hidden_size = int(self._arch_metadata("embedding_length"))
+        num_heads = int(self._arch_metadata("attention.head_count"))
+        head_dim = self._arch_metadata("attention.key_length", None)
+        sliding_window = self._arch_metadata("attention.sliding_window", None)
+        bos = self.metadata("tokenizer.ggml.bos_token_id", None)
+        return ArchConfig(
+            architecture=GGUF_ARCHITECTURES[self.gguf_architecture],
+            vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
+            hidden_size=hidden_size,
+            intermediate_size=int(self._arch_metadata("feed_forward_length")),
+            num_hidden_layers=int(self._arch_metadata("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(self._arch_metadata("attention.head_count_kv", num_heads)),
+            head_dim=int(head_dim) if head_dim is not None else hidden_size // num_heads,
+            rms_norm_eps=float(self._arch_metadata("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(self._arch_metadata("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self._arch_metadata("context_length")),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+            rope_scaling=self._rope_scaling(),
+            sliding_window=int(sliding_window) if sliding_window is not None else None,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=self._eos_token_ids(),
+            checkpoint_dtype=self._checkpoint_dtype(),
+        )
+
+    def _heads_of_permuted_rows(self, gguf_name: str) -> Optional[int]:
+        """Head count to un-permute `gguf_name` with, or None if llama.cpp did not permute it."""
+        if self.gguf_architecture != "llama":
+            return None
+        if ".attn_q." in gguf_name:
+            return self.arch.num_attention_heads
+        if ".attn_k." in gguf_name:
+            return self.arch.num_key_value_heads
+        return None
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)` for every tensor, decoded and in HF layout."""
+        for tensor in self.reader.tensors:
+            weight = to_torch(tensor)
+            num_heads = self._heads_of_permuted_rows(tensor.name)
+            if num_heads is not None:
+                weight = undo_llama_rope_permute(weight, num_heads)
+            name = hf_name(tensor.name)
+            yield name, weight.reshape(-1) if name == ROPE_FREQS else weight
