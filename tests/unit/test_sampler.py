@@ -1,0 +1,70 @@
+import math
+
+import torch
+
+from tokenmill.sampling.batch import SamplingRow
+from tokenmill.sampling.logprobs import token_logprobs
+from tokenmill.sampling.sampler import sample
+from tokenmill.sampling_params import SamplingParams
+
+
+def row(seed=None, prompt=(), output=(), eos=(), **kw):
+    params = SamplingParams(seed=seed, **kw)
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return SamplingRow(params, gen, list(prompt), list(output), tuple(eos))
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 1.0, 0.0]])
+    assert sample(logits, [row(temperature=0), row(temperature=0)]).tolist() == [1, 0]
+
+
+def test_top_k_top_p_min_p_never_pick_excluded_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    gen = torch.Generator().manual_seed(0)
+    for kw, allowed in [({"top_k": 2}, {0, 1}), ({"top_p": 0.7}, {0, 1}), ({"min_p": 0.4}, {0, 1}),
+                        ({"top_p": 0.5}, {0})]:
+        picks = set(sample(logits, [row(temperature=1.0, **kw) for _ in range(400)], gen).tolist())
+        assert picks == allowed, (kw, picks)
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().repeat(6000, 1)
+    picks = sample(logits, [row(temperature=1.0) for _ in range(6000)], torch.Generator().manual_seed(1))
+    freq = torch.bincount(picks, minlength=3).float() / 6000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_seeded_row_is_independent_of_the_rest_of_the_batch():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    alone = [sample(logits, [row(seed=42, temperature=1.0)]).item() for _ in range(1)]
+    crowd = torch.cat([torch.randn(5, 50), logits])
+    rows = [row(temperature=1.0) for _ in range(5)] + [row(seed=42, temperature=1.0)]
+    assert sample(crowd, rows, torch.Generator().manual_seed(9))[-1].item() == alone[0]
+
+
+def test_repetition_presence_frequency_penalties():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    out = sample(logits, [row(temperature=0, prompt=[0], repetition_penalty=4.0)])
+    assert out.item() == 2, "token 0 falls to 0.5 < 1.0"
+    logits = torch.tensor([[2.0, 0.0, 1.9, 0.0]])
+    assert sample(logits, [row(temperature=0, output=[0], presence_penalty=0.5)]).item() == 2
+    assert sample(logits, [row(temperature=0, output=[2, 2], frequency_penalty=0.05)]).item() == 0
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    r = row(temperature=0, eos=(1,), stop_token_ids=[2], min_tokens=2, output=[3])
+    assert sample(logits, [r]).item() == 3
+    r = row(temperature=0, eos=(1,), min_tokens=1, output=[3])
+    assert sample(logits, [r]).item() == 1
+
+
+def test_logprobs_rank_and_top():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    (entry,) = token_logprobs(logits, torch.tensor([2]), [2])
+    expected = torch.log_softmax(logits, -1)[0]
+    assert math.isclose(entry.logprob, expected[2].item(), rel_tol=1e-6)
+    assert entry.rank == 2
+    assert [t for t, _ in entry.top] == [1, 2]
