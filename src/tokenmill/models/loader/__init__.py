@@ -65,12 +65,15 @@ class ModelSource:
 
 
 def _hf_folder_source(folder: str) -> ModelSource:
+    def stored_dtype() -> str:
+        return SafetensorsWeights(folder).dtype_name_of(_EMBEDDING)
+
+    arch = arch_config_from_hf(folder, stored_dtype)
     weights = SafetensorsWeights(folder)
     names = weights.names
     if _EMBEDDING not in names:
         raise ValueError(f"{folder} has no {_EMBEDDING} tensor")
-    arch = arch_config_from_hf(folder, stored_dtype=weights.dtype_name_of(_EMBEDDING))
-    if _LM_HEAD not in names and not arch.tie_word_embeddings:
+    if _LM_HEAD not in names and not arch.tie_word_embeddings:  # output layer = embedding
         arch = dataclasses.replace(arch, tie_word_embeddings=True)
     wanted = {
         name

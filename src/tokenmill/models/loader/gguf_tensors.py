@@ -66,7 +66,7 @@ def check_tensor_type(tensor: ReaderTensor) -> None:
 
 
 def to_torch(tensor: ReaderTensor) -> torch.Tensor:
-    """Decode `tensor` in HF layout ([out, in]): float types keep their dtype, quantized -> float32."""
+    """Decode `tensor` in HF layout ([out, in]); float types keep their dtype, others -> float32."""
     if tensor.tensor_type == T.BF16:
         return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
     if tensor.tensor_type in FLOAT_TYPES:

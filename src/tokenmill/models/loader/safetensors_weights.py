@@ -42,13 +42,13 @@ class SafetensorsWeights:
         return [name for names in self.names_by_file.values() for name in names]
 
     def dtype_name_of(self, name: str) -> str:
-        """The stored dtype of tensor `name` as a torch name ("bfloat16"), read from the header only."""
+        """The stored dtype of tensor `name` as a torch name ("bfloat16"), from the file header."""
         for path, names in self.names_by_file.items():
             if name in names:
                 with safe_open(path, framework="pt") as f:
                     stored = f.get_slice(name).get_dtype()
                 return _TORCH_DTYPE_NAMES.get(stored, stored.lower())
-        raise KeyError(name)
+        raise ValueError(f"no tensor {name!r} in {self.folder}")
 
     def iter_tensors(self, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(name, tensor)` for every name in `wanted`, file by file, in stored dtype."""

@@ -1,0 +1,1 @@
+"""Test helpers: tiny checkpoints (HF folders and GGUF files) built on the fly."""

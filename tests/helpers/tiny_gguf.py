@@ -1,0 +1,250 @@
+"""Write tiny GGUF checkpoints the way llama.cpp's `convert_hf_to_gguf.py` does.
+
+Weights are random (fixed seed) and generated in HF naming/layout by `tiny_hf_weights`, then
+renamed to GGUF names, q/k-permuted for the llama architecture, and encoded in the requested type:
+- types gguf-py can quantize (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, ...) via
+  `gguf.quants.quantize`;
+- other block types (K-quants, which gguf-py only dequantizes) as random blocks whose fp16 scale
+  fields are set to small finite values, so they decode to finite weights.
+1-D tensors (norms, biases, rope_freqs) stay F32, as in llama.cpp.
+
+The tokenizer is SmolLM2's, copied from the packaged GGUF but cut to its first `VOCAB_SIZE` tokens
+(and the merges among them): gguf-py and transformers parse metadata arrays element by element, so
+the full 49k-token vocabulary would cost seconds on every open.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from tokenmill.models.loader.gguf_file import GGUFCheckpoint
+from tokenmill.models.loader.resolve import resolve_model_path
+
+VOCAB_SIZE = 512
+HIDDEN_SIZE = 256  # rows must be a multiple of 256 for K-quants
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+INTERMEDIATE_SIZE = 512
+NUM_LAYERS = 2
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default, which its GGUF loader relies on
+CONTEXT_LENGTH = 256
+RMS_NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+
+# Byte offsets of the fp16 scale fields inside one block, for block types gguf-py cannot quantize.
+_FP16_SCALE_OFFSETS = {
+    GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+def head_dim(architecture: str) -> int:
+    """The head size of the tiny model of `architecture`."""
+    return QWEN3_HEAD_DIM if architecture == "qwen3" else HIDDEN_SIZE // NUM_HEADS
+
+
+def tiny_hf_weights(
+    architecture: str = "llama", tie_word_embeddings: bool = True
+) -> dict[str, torch.Tensor]:
+    """The float32 weights of the tiny model, with HF names and layout (seeded, so reproducible)."""
+    generator = torch.Generator().manual_seed(0)
+    dim = head_dim(architecture)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=generator) * 0.02
+
+    def norm(size: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(size, generator=generator)
+
+    weights = {"model.embed_tokens.weight": matrix(VOCAB_SIZE, HIDDEN_SIZE)}
+    for i in range(NUM_LAYERS):
+        prefix = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": norm(HIDDEN_SIZE),
+            "self_attn.q_proj.weight": matrix(NUM_HEADS * dim, HIDDEN_SIZE),
+            "self_attn.k_proj.weight": matrix(NUM_KV_HEADS * dim, HIDDEN_SIZE),
+            "self_attn.v_proj.weight": matrix(NUM_KV_HEADS * dim, HIDDEN_SIZE),
+            "self_attn.o_proj.weight": matrix(HIDDEN_SIZE, NUM_HEADS * dim),
+            "post_attention_layernorm.weight": norm(HIDDEN_SIZE),
+            "mlp.gate_proj.weight": matrix(INTERMEDIATE_SIZE, HIDDEN_SIZE),
+            "mlp.up_proj.weight": matrix(INTERMEDIATE_SIZE, HIDDEN_SIZE),
+            "mlp.down_proj.weight": matrix(HIDDEN_SIZE, INTERMEDIATE_SIZE),
+        }
+        if architecture == "qwen2":
+            for proj, heads in (("q", NUM_HEADS), ("k", NUM_KV_HEADS), ("v", NUM_KV_HEADS)):
+                bias = 0.1 * torch.randn(heads * dim, generator=generator)
+                layer[f"self_attn.{proj}_proj.bias"] = bias
+        if architecture == "qwen3":
+            layer["self_attn.q_norm.weight"] = norm(dim)
+            layer["self_attn.k_norm.weight"] = norm(dim)
+        weights.update({prefix + name: value for name, value in layer.items()})
+    weights["model.norm.weight"] = norm(HIDDEN_SIZE)
+    if not tie_word_embeddings:
+        weights["lm_head.weight"] = matrix(VOCAB_SIZE, HIDDEN_SIZE)
+    return weights
+
+
+_GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """The llama.cpp tensor name of HF parameter `hf_name`."""
+    if hf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute`: rotate-half rows of each head -> interleaved pairs."""
+    grouped = weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _random_blocks(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    for offset in _FP16_SCALE_OFFSETS.get(qtype, ()):
+        scales = rng.uniform(1e-4, 1e-3, size=len(blocks)).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // block_size * type_size)
+
+
+def encode(weight: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """`weight` stored as `qtype`: quantized by gguf-py when it can, else random valid blocks."""
+    try:
+        return gguf.quants.quantize(weight, qtype)
+    except NotImplementedError:
+        return _random_blocks(weight.shape, qtype, seed)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer_metadata() -> dict:
+    """SmolLM2's tokenizer metadata (packaged GGUF), cut to the first `VOCAB_SIZE` tokens."""
+    source = GGUFCheckpoint(resolve_model_path(None))
+    tokens = source.metadata("tokenizer.ggml.tokens")[:VOCAB_SIZE]
+    kept = set(tokens)
+
+    def within_kept_tokens(merge: str) -> bool:
+        left, right = merge.split(" ")
+        return left in kept and right in kept and left + right in kept
+
+    merges = list(filter(within_kept_tokens, source.metadata("tokenizer.ggml.merges")))
+    return {
+        "tokens": tokens,
+        "token_types": source.metadata("tokenizer.ggml.token_type")[:VOCAB_SIZE],
+        "merges": merges,
+        "pre": source.metadata("tokenizer.ggml.pre"),
+        "chat_template": source.chat_template,
+    }
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
+    tokenizer = smollm2_tokenizer_metadata()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer["pre"])
+    writer.add_token_list(tokenizer["tokens"])
+    writer.add_token_types(tokenizer["token_types"])
+    writer.add_token_merges(tokenizer["merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer["chat_template"])
+
+
+def _file_type(qtype: GGMLQuantizationType) -> int:
+    if qtype == GGMLQuantizationType.F32:
+        return gguf.LlamaFileType.ALL_F32
+    by_name = {t.name: t for t in gguf.LlamaFileType}
+    exact = by_name.get(f"MOSTLY_{qtype.name}")
+    return exact or by_name.get(f"MOSTLY_{qtype.name}_M", gguf.LlamaFileType.GUESSED)
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    tensor_type: str,
+    *,
+    architecture: str = "llama",
+    tie_word_embeddings: bool = True,
+    rope_freqs: bool = False,
+) -> Path:
+    """Write the tiny model to `path` with its matrices stored as `tensor_type` (e.g. "Q4_K").
+
+    `architecture` is llama, qwen2 or qwen3 (any other name writes llama tensors under that
+    architecture name). `rope_freqs` adds a Llama-3 style `rope_freqs.weight` tensor.
+    """
+    path = Path(path)
+    qtype = GGMLQuantizationType[tensor_type]
+    dim = head_dim(architecture)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-{architecture}-{tensor_type}")
+    writer.add_vocab_size(VOCAB_SIZE)
+    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_embedding_length(HIDDEN_SIZE)
+    writer.add_block_count(NUM_LAYERS)
+    writer.add_feed_forward_length(INTERMEDIATE_SIZE)
+    writer.add_rope_dimension_count(dim)
+    writer.add_head_count(NUM_HEADS)
+    writer.add_head_count_kv(NUM_KV_HEADS)
+    if architecture == "qwen3":
+        writer.add_key_length(dim)
+        writer.add_value_length(dim)
+    writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
+    writer.add_rope_freq_base(ROPE_THETA)
+    writer.add_file_type(_file_type(qtype))
+    _add_tokenizer(writer)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, dim // 2, dtype=np.float32))
+    llama_like = architecture not in ("qwen2", "qwen3")
+    weights = tiny_hf_weights("llama" if llama_like else architecture, tie_word_embeddings)
+    for seed, (name, weight) in enumerate(weights.items()):
+        array = weight.numpy()
+        if llama_like and ".q_proj." in name:
+            array = llama_cpp_permute(array, NUM_HEADS)
+        if llama_like and ".k_proj." in name:
+            array = llama_cpp_permute(array, NUM_KV_HEADS)
+        if array.ndim == 1:
+            writer.add_tensor(gguf_name(name), array)
+        else:
+            encoded = encode(array, qtype, seed)
+            raw_dtype = qtype if encoded.dtype == np.uint8 else None
+            writer.add_tensor(gguf_name(name), encoded, raw_dtype=raw_dtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

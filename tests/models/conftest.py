@@ -1,0 +1,42 @@
+"""Shared, expensive fixtures: the real default model in tokenmill and in HF transformers (float32)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    from tokenmill.models.loader import load_model_source
+    return load_model_source(None)
+
+
+@pytest.fixture(scope="session")
+def make_smollm2(smollm2_source):
+    """Build an LLM on the default model with extra engine options (weights are re-read, tokenizer shared)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    def make(**options):
+        llm = LLM.__new__(LLM)
+        llm.llm_engine = LLMEngine(EngineConfig.from_kwargs(**options), source=smollm2_source)
+        llm._ids = iter(range(10**9))
+        return llm
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2(make_smollm2):
+    return make_smollm2(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_source):
+    from transformers import AutoModelForCausalLM
+    folder, name = os.path.split(smollm2_source.path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
