@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.engine_probe import hf_greedy_tokens
 from tokenmill import SamplingParams
 
 PROMPTS = [
@@ -23,17 +24,6 @@ NUM_TOKENS = 64
 
 def greedy(max_tokens=NUM_TOKENS, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def hf_greedy_tokens(model, ids: list[int], count: int) -> list[int]:
-    """Plain greedy decoding with HF's own KV cache; EOS is just another token (like ignore_eos)."""
-    out = model(torch.tensor([ids]), use_cache=True)
-    tokens = []
-    for _ in range(count):
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
 
 
 @pytest.fixture(scope="module")
