@@ -1,0 +1,39 @@
+"""`tokenmill generate` as a user runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import SECTIONS
+
+
+def tokenmill(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli.main", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help_explains_every_engine_flag():
+    result = tokenmill("generate", "--help")
+    assert result.returncode == 0
+    for klass in SECTIONS.values():
+        for f in dataclasses.fields(klass):
+            assert "--" + f.name.replace("_", "-") in result.stdout
+            assert f.metadata["help"].split()[0] in result.stdout
+
+
+def test_generate_streams_the_greedy_completion(tmp_path):
+    path = str(make_tiny_hf_model(tmp_path, arch="llama"))
+    result = tokenmill("generate", "Hello there", "--model", path, "--max-tokens", "8", "--num-kv-blocks", "64")
+    assert result.returncode == 0, result.stderr
+    expected = LLM(path, num_kv_blocks=64).generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
+    assert result.stdout == expected[0].outputs[0].text + "\n"
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    result = tokenmill("generate", "hi", "--model", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert "nope" in result.stderr and "Traceback" not in result.stderr
