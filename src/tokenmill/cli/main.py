@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Optional
 
+from tokenmill.cli.bench import add_bench_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
 
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
