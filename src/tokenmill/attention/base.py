@@ -28,6 +28,10 @@ class AttentionBackend(ABC):
     """Computes causal attention over a paged KV cache for a flattened, unpadded token batch."""
 
     @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor (the backend chooses the layout)."""
+
+    @abstractmethod
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> Any:
         """Precompute, once per step, whatever every layer's forward needs."""
@@ -35,7 +39,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, slots, KVH, D]. Returns [T, H, D].
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: one layer's tensor. Returns [T, H, D].
 
         Writes k and v into the cache at metadata's slot mapping first, then attends.
         """

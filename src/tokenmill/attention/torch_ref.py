@@ -1,6 +1,11 @@
 """The reference paged-attention backend: gather through block tables + scaled_dot_product_attention.
 
 Runs anywhere PyTorch does and is the oracle faster backends are tested against.
+
+Cache layout per layer: [2 (k, v), num_blocks, kv_heads, block_size, head_dim]. One (block, kv head)
+pair is a contiguous [block_size, head_dim] tile, so a sequence's context for one head is gathered
+tile by tile — whole-tile copies — straight into [kv_heads, blocks * block_size, head_dim], the layout
+attention reads.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from tokenmill.attention.base import AttentionBackend, SequenceChunk
 class _Prefill:
     query_start: int
     query_len: int
-    context_slots: Optional[torch.Tensor]  # None when the chunk starts at position 0
+    context_len: int
+    block_table: Optional[torch.Tensor]  # [blocks]; None when the chunk starts at position 0
     mask: Optional[torch.Tensor]  # [query_len, context_len], True = may attend
 
 
@@ -26,72 +32,90 @@ class _Prefill:
 class TorchRefMetadata:
     """Per-step indices: decode tokens are batched into one padded SDPA call, prefill chunks each get one."""
 
-    slot_mapping: torch.Tensor  # [T]
-    decode_token_index: Optional[torch.Tensor]  # [B]
-    decode_slots: Optional[torch.Tensor]  # [B, Lmax], padded with slot 0
-    decode_mask: Optional[torch.Tensor]  # [B, 1, 1, Lmax]
+    block_ids: torch.Tensor  # [T] block of each new token
+    offsets: torch.Tensor  # [T] position of each new token inside its block
     prefills: list[_Prefill]
+    decode_token_index: Optional[torch.Tensor] = None  # [B]
+    decode_tables: Optional[torch.Tensor] = None  # [B, max_blocks], padded with block 0
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_blocks * block_size]
 
 
-def context_slots(block_ids: list[int], context_len: int, block_size: int, device: torch.device) -> torch.Tensor:
-    """Cache slots of positions [0, context_len) of a sequence with block table `block_ids`."""
-    positions = torch.arange(context_len, device=device)
-    table = torch.tensor(block_ids, dtype=torch.long, device=device)
-    return table[positions // block_size] * block_size + positions % block_size
+def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Gather [..., blocks] block tables into [..., kv_heads, blocks * block_size, head_dim]."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    heads = torch.arange(num_kv_heads, device=tables.device)
+    rows = tables.unsqueeze(-2) * num_kv_heads + heads.unsqueeze(-1)  # [..., KVH, blocks]
+    tiles = cache.view(num_blocks * num_kv_heads, block_size * head_dim).index_select(0, rows.reshape(-1))
+    return tiles.view(*rows.shape[:-1], rows.shape[-1] * block_size, head_dim)
 
 
 class TorchReferenceBackend(AttentionBackend):
     """Exact, simple, and the test oracle."""
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor."""
+        return (2, num_blocks, num_kv_heads, block_size, head_dim)
+
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> TorchRefMetadata:
         """Split chunks into decode (one query) and prefill groups and precompute their gather indices."""
-        decodes = [c for c in chunks if c.query_len == 1]
         prefills = []
+        decodes = []
         for c in chunks:
-            if c.query_len == 1:
-                continue
             start = c.context_len - c.query_len
-            if start == 0:
-                prefills.append(_Prefill(c.query_start, c.query_len, None, None))
-                continue
-            mask = torch.ones(c.query_len, c.context_len, dtype=torch.bool, device=device).tril(start)
-            prefills.append(_Prefill(c.query_start, c.query_len,
-                                     context_slots(c.block_ids, c.context_len, block_size, device), mask))
-        if not decodes:
-            return TorchRefMetadata(slot_mapping, None, None, None, prefills)
-        max_len = max(c.context_len for c in decodes)
-        slots = torch.zeros(len(decodes), max_len, dtype=torch.long, device=device)
-        for row, c in enumerate(decodes):
-            slots[row, :c.context_len] = context_slots(c.block_ids, c.context_len, block_size, device)
-        lengths = torch.tensor([c.context_len for c in decodes], device=device)
-        mask = (torch.arange(max_len, device=device)[None, :] < lengths[:, None])[:, None, None, :]
-        index = torch.tensor([c.query_start for c in decodes], dtype=torch.long, device=device)
-        return TorchRefMetadata(slot_mapping, index, slots, mask, prefills)
+            if c.query_len == 1 and start > 0:
+                decodes.append(c)
+            elif start == 0:
+                prefills.append(_Prefill(c.query_start, c.query_len, c.context_len, None, None))
+            else:
+                mask = torch.ones(c.query_len, c.context_len, dtype=torch.bool, device=device).tril(start)
+                table = torch.tensor(c.block_ids[:-(-c.context_len // block_size)], device=device)
+                prefills.append(_Prefill(c.query_start, c.query_len, c.context_len, table, mask))
+        meta = TorchRefMetadata(slot_mapping // block_size, slot_mapping % block_size, prefills)
+        if decodes:
+            max_blocks = max(-(-c.context_len // block_size) for c in decodes)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            for row, c in enumerate(decodes):
+                used = -(-c.context_len // block_size)
+                tables[row, :used] = torch.tensor(c.block_ids[:used])
+            lengths = torch.tensor([c.context_len for c in decodes])
+            mask = torch.arange(max_blocks * block_size)[None, :] < lengths[:, None]
+            meta.decode_token_index = torch.tensor([c.query_start for c in decodes], device=device)
+            meta.decode_tables = tables.to(device)
+            meta.decode_mask = mask[:, None, None, :].to(device)
+        return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TorchRefMetadata) -> torch.Tensor:
         """Write K/V, then attend (see AttentionBackend.forward)."""
         m = metadata
-        kv_cache[0].index_copy_(0, m.slot_mapping, k)
-        kv_cache[1].index_copy_(0, m.slot_mapping, v)
+        kv_cache[0][m.block_ids, :, m.offsets] = k
+        kv_cache[1][m.block_ids, :, m.offsets] = v
         out = torch.empty_like(q)
         if m.decode_token_index is not None:
-            qd = q[m.decode_token_index].unsqueeze(2)  # [B, H, 1, D]
-            kd = kv_cache[0][m.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-            vd = kv_cache[1][m.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask, enable_gqa=True)
-            out[m.decode_token_index] = od.squeeze(2)
+            out[m.decode_token_index] = self._decode(q[m.decode_token_index], kv_cache, m)
         for p in m.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            if p.context_slots is None:
-                kp, vp = k[rows], v[rows]
+            if p.block_table is None:
+                kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, KVH, Q, D]
+                vp = v[rows].transpose(0, 1).unsqueeze(0)
             else:
-                kp, vp = kv_cache[0][p.context_slots], kv_cache[1][p.context_slots]
-            kp = kp.transpose(0, 1).unsqueeze(0)
-            vp = vp.transpose(0, 1).unsqueeze(0)
+                kp = _tiles(kv_cache[0], p.block_table)[:, :p.context_len].unsqueeze(0)
+                vp = _tiles(kv_cache[1], p.block_table)[:, :p.context_len].unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
                                                 is_causal=p.mask is None, enable_gqa=True)
             out[rows] = op.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> torch.Tensor:
+        """One query per sequence. The G query heads sharing a kv head become G query rows of one
+        attention call, so K/V are gathered once and never repeated per query head."""
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[2]
+        k = _tiles(kv_cache[0], m.decode_tables)  # [B, KVH, L, D]
+        v = _tiles(kv_cache[1], m.decode_tables)
+        grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=m.decode_mask)
+        return out.reshape(batch, num_heads, head_dim)

@@ -84,12 +84,16 @@ class LLMEngine:
                     num_blocks, block_size, self.max_model_len)
 
     def _max_model_len(self) -> int:
-        limit = self.arch.max_position_embeddings
+        limit, reason = self.arch.max_position_embeddings, "the model's context length"
+        window = self.arch.sliding_window
+        if window is not None and window < limit:
+            # Sliding-window attention is not implemented: within the window it equals full attention.
+            limit, reason = window, "the model's sliding window (sliding-window attention is not supported)"
         asked = self.config.model.max_model_len
         if asked is None:
             return limit
         if asked > limit:
-            raise ValueError(f"max_model_len {asked} is larger than the model's context length {limit}")
+            raise ValueError(f"max_model_len {asked} is larger than {reason}, {limit}")
         return asked
 
     def _blocks_for_budget(self, block_size: int) -> int:

@@ -16,8 +16,8 @@ from tokenmill.sampling.sampler import sample
 class ModelRunner:
     """Owns the KV cache tensors and the per-request generators; turns a step's schedule into tokens.
 
-    KV cache layout: one tensor per layer, [2 (k, v), num_blocks * block_size, kv_heads, head_dim];
-    slot s of a layer holds the K/V of the token the scheduler mapped to s.
+    KV cache: one tensor per layer, in the layout the attention backend chooses; slot s (block
+    s // block_size, offset s % block_size) holds the K/V of the token the scheduler mapped to s.
     """
 
     def __init__(self, model: Any, backend: AttentionBackend, num_blocks: int, block_size: int,
@@ -27,7 +27,8 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         self.kv_caches = [
-            torch.zeros(2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
+                        dtype=dtype, device=device)
             for _ in range(model.arch.num_hidden_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
