@@ -93,10 +93,11 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def for_sample(self, index: int) -> "SamplingParams":
-        """The parameters of sample `index` of an n>1 request: n=1 and a seed derived from ours."""
-        seed = None if self.seed is None else self.seed + index
+        """The parameters of sample `index` >= 1 of an n>1 request: n=1, seed + index, and no prompt
+        logprobs (sample 0 reports those for the whole request)."""
         clone = SamplingParams(**{k: getattr(self, k) for k in _INIT_FIELDS})
-        clone.n, clone.seed = 1, seed
+        clone.n, clone.prompt_logprobs = 1, None
+        clone.seed = None if self.seed is None else self.seed + index
         return clone
 
 

@@ -33,7 +33,7 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """Complete every prompt; returns one finished RequestOutput per prompt, in order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
@@ -60,7 +60,7 @@ class LLM:
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: Optional[str] = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate the assistant's reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
