@@ -112,3 +112,24 @@ def field_section(name: str) -> Optional[str]:
 def all_field_names() -> list[str]:
     """Every flat engine option name."""
     return [f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How `tokenmill serve` listens and admits requests."""
+
+    host: str = _opt("0.0.0.0", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer KEY' on /v1 and tokenizer endpoints")
+    served_model_name: Optional[str] = _opt(None, "model name clients use (default: the model argument)")
+    max_waiting_requests: Optional[int] = _opt(None, "answer 429 when this many requests already wait")
+    shutdown_timeout: float = _opt(30.0, "seconds running requests may finish after SIGTERM before abort")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 # One position's log-probabilities: {token_id: Logprob}, the chosen token first, then the top-N.
@@ -41,6 +41,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (time.monotonic() seconds; None = not yet)."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
 class RequestOutput:
     """The state of one request: its prompt and every sample so far."""
 
@@ -50,4 +61,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: Optional[list[Optional[LogprobsDict]]] = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: Optional[RequestMetrics] = None

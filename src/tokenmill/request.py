@@ -61,6 +61,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Union[None, int, str] = None
         self.num_preemptions = 0
+        self.first_scheduled_time: Optional[float] = None
         # n>1: samples 1..n-1 are forked from this request once its prompt is computed.
         self.num_samples_to_fork = num_samples_to_fork
 

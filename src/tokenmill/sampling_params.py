@@ -16,6 +16,7 @@ class SamplingParams:
     `logprobs=N` returns the sampled token's log-probability plus the top N (0 = only the sampled
     one); `prompt_logprobs=N` does the same for every prompt token after the first.
     Log-probabilities are those of the model's raw distribution, before temperature and penalties.
+    `logit_bias` adds a bias to the logits of the given token ids before any other control.
     """
 
     n: int = 1
@@ -36,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +82,8 @@ class SamplingParams:
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be a list of non-negative token ids")
         _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _require(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+                 "logit_bias", "must map non-negative token ids to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

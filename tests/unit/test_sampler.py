@@ -68,3 +68,10 @@ def test_logprobs_rank_and_top():
     assert math.isclose(entry.logprob, expected[2].item(), rel_tol=1e-6)
     assert entry.rank == 2
     assert [t for t, _ in entry.top] == [1, 2]
+
+
+def test_logit_bias_applies_to_greedy_and_bans_tokens():
+    logits = torch.tensor([[3.0, 1.0, 2.0]])
+    assert sample(logits, [row(temperature=0, logit_bias={1: 5.0})]).item() == 1
+    picks = sample(logits.repeat(200, 1), [row(temperature=1.0, logit_bias={0: -100, 2: -100}) for _ in range(200)])
+    assert set(picks.tolist()) == {1}

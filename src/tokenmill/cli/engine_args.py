@@ -18,19 +18,25 @@ def _flag_type(annotation: Any) -> Any:
     return str
 
 
+def add_dataclass_args(parser: argparse.ArgumentParser, klass: type, title: str,
+                       skip: tuple[str, ...] = ()) -> None:
+    """Add one --flag per field of config dataclass `klass`, with the field's help and default."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(klass)
+    for f in dataclasses.fields(klass):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=default,
+                           choices=f.metadata.get("choices"), help=help_text)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add one --flag per engine config field (model is positional elsewhere, hence `skip`)."""
-    group = parser.add_argument_group("engine options")
-    for klass in SECTIONS.values():
-        hints = typing.get_type_hints(klass)
-        for f in dataclasses.fields(klass):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            help_text = f"{f.metadata.get('help', '')} (default: {default})"
-            group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=default,
-                               choices=f.metadata.get("choices"), help=help_text)
+    """Add one --flag per engine config field (`skip` names fields given another way)."""
+    for name, klass in SECTIONS.items():
+        add_dataclass_args(parser, klass, f"engine options: {name}", skip)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import sys
 from typing import Optional
 
 from tokenmill.cli.bench import add_bench_parser
-from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
+from tokenmill.cli.engine_args import add_dataclass_args, add_engine_args, engine_kwargs
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,12 +59,37 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.config import ServerConfig
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API "
+                                   "(/v1/completions, /v1/chat/completions, /v1/models, /metrics, ...).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF folder, .gguf file or alias (default: smollm2-135m-instruct)")
+    add_dataclass_args(p, ServerConfig, "server options")
+    add_engine_args(p, skip=("model",))
+    p.set_defaults(func=_run_serve, log_level_default="INFO")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tokenmill.config import EngineConfig, ServerConfig
+    from tokenmill.server.launch import run_server
+
+    server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    server = ServerConfig(**{k: v for k, v in vars(args).items() if k in server_fields})
+    return run_server(EngineConfig.from_kwargs(**engine_kwargs(args)), server)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full `tokenmill` argument parser."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--log-level", default=None,
+                        help="logging level (default: INFO for serve, WARNING otherwise)")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     add_bench_parser(sub)
     return parser
 
@@ -72,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `tokenmill` command."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or getattr(args, "log_level_default", "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValueError as exc:

@@ -94,3 +94,4 @@ class RequestUpdate:
     prompt_logprobs_start: int = 0
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
+    first_scheduled_time: Optional[float] = None

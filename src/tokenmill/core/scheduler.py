@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -138,6 +139,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self._insert(self.running, request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -172,7 +175,7 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status.finished:
                 continue  # finished (e.g. aborted) while the step ran
-            update = RequestUpdate(item.request_id)
+            update = RequestUpdate(item.request_id, first_scheduled_time=request.first_scheduled_time)
             if item.request_id in result.prompt_logprobs:
                 update.new_prompt_logprobs = result.prompt_logprobs[item.request_id]
                 update.prompt_logprobs_start = item.start + 1

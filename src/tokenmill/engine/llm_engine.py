@@ -135,7 +135,7 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
                           priority, arrival_time, num_samples_to_fork=params.n - 1)
         self.scheduler.add_request(request)
-        self.output_processor.add(request_id, text, prompt_token_ids, params)
+        self.output_processor.add(request_id, text, prompt_token_ids, params, request.arrival_time)
 
     def _check_prompt_ids(self, ids: list[int]) -> list[int]:
         if not ids:

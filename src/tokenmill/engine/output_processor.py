@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tokenmill.core.sched_output import RequestUpdate, TokenLogprobs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.stop_strings import find_stop_string, partial_stop_suffix
-from tokenmill.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: list[_Sample]
+    metrics: RequestMetrics
     prompt_logprobs: Optional[list[Optional[LogprobsDict]]] = None
 
     @property
@@ -52,7 +54,7 @@ class OutputProcessor:
         self._sample_of: dict[str, tuple[str, int]] = {}
 
     def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-            params: SamplingParams) -> None:
+            params: SamplingParams, arrival_time: float) -> None:
         """Start tracking a request and its n samples."""
         samples = []
         for index in range(params.n):
@@ -62,7 +64,8 @@ class OutputProcessor:
                 sample.logprobs, sample.cumulative_logprob = [], 0.0
             samples.append(sample)
             self._sample_of[sample_request_id(request_id, index)] = (request_id, index)
-        state = _RequestState(request_id, prompt, list(prompt_token_ids), params, samples)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), params, samples,
+                              RequestMetrics(arrival_time))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.states[request_id] = state
@@ -82,6 +85,7 @@ class OutputProcessor:
         """Apply one step's updates. Returns (outputs of touched requests, internal ids stopped by a stop string)."""
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
+        now = time.monotonic()
         for update in updates:
             owner = self._sample_of.get(update.request_id)
             if owner is None:
@@ -89,6 +93,12 @@ class OutputProcessor:
             state = self.states[owner[0]]
             sample = state.samples[owner[1]]
             touched[state.request_id] = state
+            metrics = state.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = update.first_scheduled_time
+            if update.new_token_ids:
+                metrics.first_token_time = metrics.first_token_time or now
+                metrics.last_token_time = now
             if update.new_prompt_logprobs and owner[1] == 0:
                 self._add_prompt_logprobs(state, update)
             for token, entry in zip(update.new_token_ids, update.new_logprobs or [None] * len(update.new_token_ids)):
@@ -98,6 +108,9 @@ class OutputProcessor:
                     stopped.append(update.request_id)
             if update.finish_reason is not None and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
         outputs = [self._output(state) for state in touched.values()]
         for state in touched.values():
             if state.finished:
@@ -153,4 +166,4 @@ class OutputProcessor:
                                                 s.finish_reason, s.stop_reason))
         prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             state.finished, prompt_logprobs)
+                             state.finished, prompt_logprobs, state.metrics)

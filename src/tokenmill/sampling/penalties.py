@@ -48,3 +48,12 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 banned += list(r.eos_token_ids)
             if banned:
                 logits[i, banned] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Add each row's logit_bias, in place."""
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i, ids] += bias

@@ -7,19 +7,20 @@ from typing import Optional
 import torch
 
 from tokenmill.sampling.batch import SamplingRow
-from tokenmill.sampling.penalties import apply_min_tokens, apply_penalties
+from tokenmill.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick one token per row of float32 `logits` [B, V]; returns int64 [B].
 
-    Order: penalties, min_tokens masking, then greedy rows take the argmax; the others divide by
+    Order: logit bias, penalties, min_tokens masking, then greedy rows take the argmax; the others divide by
     temperature, keep top-k, then top-p, then min-p, and draw with the exponential-race trick
     argmax(p / E), E ~ Exp(1) — which lets seeded rows draw their noise from their own generator,
     so a seeded request samples the same tokens whatever else is in the batch.
     """
     logits = logits.clone()
+    apply_logit_bias(logits, rows)
     apply_penalties(logits, rows)
     apply_min_tokens(logits, rows)
     tokens = logits.argmax(dim=-1)

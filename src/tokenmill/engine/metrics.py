@@ -1,0 +1,121 @@
+"""Prometheus metrics, named like vLLM's with a `tokenmill:` prefix so dashboards port."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.outputs import RequestOutput
+
+logger = logging.getLogger("tokenmill.requests")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    """Per-engine Prometheus collectors, fed by the engine loop after every step."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, label, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, label, registry=r).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.",
+                                    _LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
+        self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finish_reason"], registry=r)
+        self.model_name = model_name
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
+        self._seen_tokens: dict[str, list[int]] = {}
+        self._last_token_time: dict[str, float] = {}
+
+    def observe_step(self, outputs: list[RequestOutput], num_running: int, num_waiting: int,
+                     kv_usage: float, num_preempted: int) -> None:
+        """Record one engine step: its outputs, queue sizes and cache use."""
+        now = time.monotonic()
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        if num_preempted:
+            self.preemptions.inc(num_preempted)
+        for output in outputs:
+            self._observe_output(output, now)
+
+    def _observe_output(self, output: RequestOutput, now: float) -> None:
+        seen = self._seen_tokens.setdefault(output.request_id, [0] * len(output.outputs))
+        before = sum(seen)
+        for completion in output.outputs:
+            seen[completion.index] = len(completion.token_ids)
+        new_tokens = sum(seen) - before
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+            last = self._last_token_time.get(output.request_id)
+            if last is None:
+                if output.metrics is not None:
+                    self.ttft.observe(now - output.metrics.arrival_time)
+            else:
+                self.itl.observe(now - last)
+            self._last_token_time[output.request_id] = now
+        if output.finished:
+            self._finish(output, now)
+
+    def _finish(self, output: RequestOutput, now: float) -> None:
+        self._seen_tokens.pop(output.request_id, None)
+        self._last_token_time.pop(output.request_id, None)
+        metrics = output.metrics
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
+        if metrics is None:
+            return
+        self.e2e.observe(now - metrics.arrival_time)
+        queue = None
+        if metrics.first_scheduled_time is not None:
+            queue = metrics.first_scheduled_time - metrics.arrival_time
+            self.queue_time.observe(queue)
+        ttft = None if metrics.first_token_time is None else metrics.first_token_time - metrics.arrival_time
+        logger.info(json.dumps({
+            "event": "request_finished", "request_id": output.request_id,
+            "prompt_tokens": len(output.prompt_token_ids),
+            "output_tokens": sum(len(c.token_ids) for c in output.outputs),
+            "finish_reason": [c.finish_reason for c in output.outputs],
+            "queue_time_s": _round(queue), "ttft_s": _round(ttft), "total_s": _round(now - metrics.arrival_time),
+        }))
+
+    def record_abort(self, request_id: str) -> None:
+        """Count an aborted request and drop its per-request state."""
+        self._seen_tokens.pop(request_id, None)
+        self._last_token_time.pop(request_id, None)
+        self._success.labels(self.model_name, "abort").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus exposition text."""
+        return generate_latest(self.registry)
+
+
+def _round(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 4)

@@ -1,0 +1,158 @@
+"""The FastAPI app: OpenAI endpoints, tokenizer endpoints, health, version, metrics, auth, errors."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill import __version__
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tokenmill.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
+from tokenmill.server.serving_chat import ChatHandler
+from tokenmill.server.serving_common import APIError, ClientDisconnected, unless_disconnected
+from tokenmill.server.serving_completion import CompletionHandler
+
+logger = logging.getLogger(__name__)
+
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _error(status: int, message: str, type_: str, param: Optional[str] = None,
+           headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    error = exc.errors()[0]
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+    if kind == "extra_forbidden":
+        return f"'{param}' is not supported by this server", param
+    if kind == "missing":
+        return f"'{param}' is required", param
+    return f"'{param}': {error.get('msg')}" if param else str(error.get("msg")), param
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional[str]) -> FastAPI:
+    """The HTTP application over a running AsyncEngine."""
+    model_name = engine.model_name
+    app = FastAPI(title="tokenmill", version=__version__)
+    completions = CompletionHandler(engine, model_name)
+    chat = ChatHandler(engine, model_name, chat_template)
+    started = int(time.time())
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Any) -> Response:
+        if config.api_key and request.url.path.startswith(_PROTECTED_PREFIXES):
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                              "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), type_)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error(500, "internal server error", "internal_error")
+
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'.",
+                           "not_found_error", "model")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": started, "owned_by": "tokenmill",
+            "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if body.messages is not None:
+            tokens = engine.tokenizer(chat.render(body.messages, body.add_generation_prompt),
+                                      add_special_tokens=False).input_ids
+        else:
+            tokens = engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        vocab = engine.engine.arch.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if body.stream:
+            events = await unless_disconnected(request, completions.stream(body))
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(await unless_disconnected(request, completions.complete(body)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if body.stream:
+            events = await unless_disconnected(request, chat.stream(body))
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(await unless_disconnected(request, chat.complete(body)))
+
+    return app

@@ -1,0 +1,48 @@
+"""`tokenmill serve`: load the model, start the engine thread, run uvicorn, shut down gracefully."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from tokenmill.config import EngineConfig, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM. On SIGTERM: stop admitting, let running requests finish for up to
+    `shutdown_timeout` seconds, abort the rest, exit 0."""
+    import uvicorn
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.api_server import build_app
+
+    server_config.validate()
+    engine = LLMEngine(engine_config)
+    name = server_config.served_model_name or _default_name(engine_config.model.model)
+    async_engine = AsyncEngine(engine, name, server_config.max_waiting_requests)
+    app = build_app(async_engine, server_config, engine.source.chat_template)
+
+    class _GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            async_engine.stop_accepting()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="info",
+                            timeout_graceful_shutdown=server_config.shutdown_timeout, access_log=False)
+    server = _GracefulServer(config)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def _default_name(model: Optional[str]) -> str:
+    from tokenmill.models.loader import DEFAULT_MODEL
+    if model is None:
+        return DEFAULT_MODEL
+    return model if not os.path.exists(model) else model.rstrip("/")

@@ -1,0 +1,135 @@
+"""The OpenAI request bodies we accept, strictly: an unknown or unsupported field is a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    """`stream_options`: only include_usage is supported."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions (OpenAI's and vLLM's extensions)."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[None, str, list[str]] = None
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        """The engine's SamplingParams (raises ValueError naming a bad field)."""
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(token): float(value) for token, value in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+class TextPart(_Strict):
+    """A text part of a message's content list."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        """The message content as plain text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: a prompt, or chat messages rendered through the template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def error_body(message: str, type_: str, param: Optional[str] = None, code: Any = None) -> dict[str, Any]:
+    """The OpenAI error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,140 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or whole."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.server.serving_common import (
+    SSE_DONE, APIError, DeltaTracker, bad_request, new_id, now, sse, top_entries, usage)
+
+_FIELDS = set(ChatCompletionRequest.model_fields)
+
+
+class ChatHandler:
+    """Runs a chat completion on the engine and shapes the OpenAI response."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str]) -> None:
+        self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template makes of `messages`."""
+        if not self.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in messages]
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template may raise on a conversation it does not accept
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+    def _start(self, body: ChatCompletionRequest) -> tuple[list[int], AsyncIterator[RequestOutput]]:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+        prompt = self.render(body.messages, body.add_generation_prompt)
+        token_ids = self.engine.tokenizer(prompt, add_special_tokens=False).input_ids
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        try:
+            params = body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        return token_ids, self.engine.generate(new_id("chatcmpl"), token_ids, params, prompt, body.priority)
+
+    async def complete(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """The whole response."""
+        token_ids, stream = self._start(body)
+        final: Optional[RequestOutput] = None
+        try:
+            async for output in stream:
+                final = output
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        assert final is not None
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs, body),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
+                "choices": choices, "usage": usage(len(token_ids), completion_tokens)}
+
+    def _logprobs(self, token_ids: list[int], entries: Optional[list[LogprobsDict]],
+                  body: ChatCompletionRequest) -> Optional[dict[str, Any]]:
+        if not body.logprobs or entries is None:
+            return None
+        decode = self.engine.tokenizer.decode
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            text = decode([token_id])
+            top = [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+                   for _, lp in top_entries(entry, body.top_logprobs or 0)]
+            content.append({"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode()),
+                            "top_logprobs": top})
+        return {"content": content}
+
+    async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
+        """The SSE events of a streamed response (admission errors are raised before the first one)."""
+        token_ids, stream = self._start(body)
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        return self._events(body, len(token_ids), stream, first)
+
+    async def _events(self, body: ChatCompletionRequest, prompt_tokens: int,
+                      stream: AsyncIterator[RequestOutput], first: Optional[RequestOutput]) -> AsyncIterator[str]:
+        response_id, created = new_id("chatcmpl"), now()
+        tracker = DeltaTracker()
+        completion_tokens = 0
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                        "model": self.model_name, "choices": choices})
+
+        async def outputs() -> AsyncIterator[RequestOutput]:
+            if first is not None:
+                yield first
+            async for item in stream:
+                yield item
+
+        try:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(body.n)])
+            async for output in outputs():
+                choices = []
+                for completion in output.outputs:
+                    choice = self._delta_choice(body, tracker, completion)
+                    if choice is not None:
+                        completion_tokens += choice.pop("_new_tokens")
+                        choices.append(choice)
+                if choices:
+                    yield chunk(choices)
+            if body.include_usage:
+                yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model_name, "choices": [],
+                           "usage": usage(prompt_tokens, completion_tokens)})
+            yield SSE_DONE
+        finally:
+            await stream.aclose()
+
+    def _delta_choice(self, body: ChatCompletionRequest, tracker: DeltaTracker,
+                      completion: CompletionOutput) -> Optional[dict[str, Any]]:
+        index = completion.index
+        if index in tracker.finished:
+            return None
+        text, token_ids, entries = tracker.delta(index, completion)
+        if not (text or token_ids or completion.finished):
+            return None
+        if completion.finished:
+            tracker.finished.add(index)
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": self._logprobs(token_ids, entries, body),
+                "finish_reason": completion.finish_reason, "_new_tokens": len(token_ids)}

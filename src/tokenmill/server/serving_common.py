@@ -1,0 +1,145 @@
+"""What completions and chat share: errors, model checks, SSE, merging streams, disconnects, deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+
+from starlette.requests import Request
+
+from tokenmill.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape with `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def bad_request(exc: ValueError, fields: Any = ()) -> APIError:
+    """A 400 from a ValueError; `param` is the field its message starts with, when it names one."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    return APIError(400, message, param=first if first in fields else None)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (aborting its engine request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()
+
+
+def sse(payload: Any) -> str:
+    """One Server-Sent Event carrying `payload` as JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    """A response id like OpenAI's."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Unix time in seconds, for `created`."""
+    return int(time.time())
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as they produce, tagging each output with its stream index.
+
+    Closing the merged iterator cancels every producer, which closes (and aborts) their requests.
+    """
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+            await queue.put((index, done))
+        except BaseException as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class DeltaTracker:
+    """Remembers what was already streamed of each choice, to send only what is new."""
+
+    def __init__(self) -> None:
+        self.text_sent: dict[int, int] = {}
+        self.tokens_sent: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    def delta(self, choice: int, completion: CompletionOutput) -> tuple[str, list[int], Optional[list[LogprobsDict]]]:
+        """New text, new token ids and their logprobs since the last call for `choice`."""
+        text_from = self.text_sent.get(choice, 0)
+        tokens_from = self.tokens_sent.get(choice, 0)
+        self.text_sent[choice] = len(completion.text)
+        self.tokens_sent[choice] = len(completion.token_ids)
+        logprobs = None if completion.logprobs is None else completion.logprobs[tokens_from:]
+        return completion.text[text_from:], completion.token_ids[tokens_from:], logprobs
+
+
+def top_entries(entry: LogprobsDict, count: int) -> list[tuple[int, Logprob]]:
+    """The `count` most likely tokens of one position, most likely first."""
+    ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= count]
+    return sorted(ranked, key=lambda item: item[1].rank)[:count]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The OpenAI usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,184 @@
+"""POST /v1/completions: prompts in, text out, streamed or whole."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.serving_common import (
+    SSE_DONE, APIError, DeltaTracker, bad_request, merge, new_id, now, sse, top_entries, usage)
+
+_FIELDS = set(CompletionRequest.model_fields)
+
+
+class CompletionPrompt:
+    """One prompt of a completions request, tokenised."""
+
+    def __init__(self, text: Optional[str], token_ids: list[int]) -> None:
+        self.text, self.token_ids = text, token_ids
+
+
+def prompts_of(body: CompletionRequest, engine: AsyncEngine) -> list[CompletionPrompt]:
+    """The request's prompts: a string, a list of strings, token ids, or a list of token-id lists."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    tokenizer = engine.tokenizer
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            result.append(CompletionPrompt(item, tokenizer(item).input_ids))
+        else:
+            if not item:
+                raise APIError(400, "prompt token id lists must not be empty", param="prompt")
+            result.append(CompletionPrompt(None, list(item)))
+    return result
+
+
+class CompletionHandler:
+    """Runs a completions request on the engine and shapes the OpenAI response."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def _start(self, body: CompletionRequest) -> tuple[list[CompletionPrompt], list[AsyncIterator[RequestOutput]]]:
+        prompts = prompts_of(body, self.engine)
+        want_prompt_logprobs = body.echo and body.logprobs is not None
+        try:
+            params = body.sampling_params(body.max_tokens, body.logprobs,
+                                          body.logprobs if want_prompt_logprobs else None)
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        request_id = new_id("cmpl")
+        streams = [self.engine.generate(f"{request_id}-{i}", p.token_ids, params, p.text, body.priority)
+                   for i, p in enumerate(prompts)]
+        return prompts, streams
+
+    async def complete(self, body: CompletionRequest) -> dict[str, Any]:
+        """The whole response."""
+        prompts, streams = self._start(body)
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in merge(streams):
+                final[index] = output
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        choices = []
+        completion_tokens = 0
+        for index, prompt in enumerate(prompts):
+            output = final[index]
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                choices.append(self._choice(body, prompt, output, completion, index * body.n + completion.index))
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    def _choice(self, body: CompletionRequest, prompt: CompletionPrompt, output: RequestOutput,
+                completion: CompletionOutput, index: int) -> dict[str, Any]:
+        text = completion.text
+        logprobs = None
+        if body.echo:
+            text = self._prompt_text(prompt) + text
+        if body.logprobs is not None:
+            entries: list[Optional[LogprobsDict]] = list(completion.logprobs or [])
+            token_ids = list(completion.token_ids)
+            if body.echo:
+                entries = list(output.prompt_logprobs or [None] * len(prompt.token_ids)) + entries
+                token_ids = list(prompt.token_ids) + token_ids
+            logprobs = self._logprobs(token_ids, entries, body.logprobs)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def _prompt_text(self, prompt: CompletionPrompt) -> str:
+        return prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
+
+    def _logprobs(self, token_ids: list[int], entries: list[Optional[LogprobsDict]], count: int,
+                  offset: int = 0) -> dict[str, Any]:
+        tokenizer = self.engine.tokenizer
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            text = tokenizer.decode([token_id])
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(entry[token_id].logprob)
+            top = {lp.decoded_token: lp.logprob for _, lp in top_entries(entry, count)}
+            top.setdefault(text, entry[token_id].logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    async def stream(self, body: CompletionRequest) -> AsyncIterator[str]:
+        """The SSE events of a streamed response (admission errors are raised before the first one)."""
+        prompts, streams = self._start(body)
+        merged = merge(streams)
+        try:
+            first = await merged.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        return self._events(body, prompts, merged, first)
+
+    async def _events(self, body: CompletionRequest, prompts: list[CompletionPrompt],
+                      merged: AsyncIterator[tuple[int, RequestOutput]], first: Any) -> AsyncIterator[str]:
+        response_id, created = new_id("cmpl"), now()
+        tracker = DeltaTracker()
+        completion_tokens = 0
+        echoed: set[int] = set()
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            return sse({"id": response_id, "object": "text_completion", "created": created,
+                        "model": self.model_name, "choices": choices})
+
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            if first is not None:
+                yield first
+            async for item in merged:
+                yield item
+
+        try:
+            async for prompt_index, output in outputs():
+                choices = []
+                for completion in output.outputs:
+                    index = prompt_index * body.n + completion.index
+                    if index in tracker.finished:
+                        continue
+                    text, token_ids, entries = tracker.delta(index, completion)
+                    completion_tokens += len(token_ids)
+                    prefix = ""
+                    if body.echo and index not in echoed:
+                        echoed.add(index)
+                        prefix = self._prompt_text(prompts[prompt_index])
+                    if not (text or prefix or token_ids or completion.finished):
+                        continue
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = self._logprobs(token_ids, list(entries or []), body.logprobs)
+                    choices.append({"index": index, "text": prefix + text, "logprobs": logprobs,
+                                    "finish_reason": completion.finish_reason,
+                                    "stop_reason": completion.stop_reason})
+                    if completion.finished:
+                        tracker.finished.add(index)
+                if choices:
+                    yield chunk(choices)
+            if body.include_usage:
+                prompt_tokens = sum(len(p.token_ids) for p in prompts)
+                yield sse({"id": response_id, "object": "text_completion", "created": created,
+                           "model": self.model_name, "choices": [],
+                           "usage": usage(prompt_tokens, completion_tokens)})
+            yield SSE_DONE
+        finally:
+            await merged.aclose()
