@@ -21,7 +21,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/tokenmill generate --chat "Write a haiku about tokens."
+	$(VENV)/bin/tokenmill serve --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from tokenmill.cli.bench import add_bench_parser
+from tokenmill.cli.chat import add_chat_parser
 from tokenmill.cli.engine_args import add_dataclass_args, add_engine_args, engine_kwargs
 
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    add_chat_parser(sub)
     add_bench_parser(sub)
     return parser
 

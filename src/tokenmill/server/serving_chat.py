@@ -32,7 +32,7 @@ class ChatHandler:
         except Exception as exc:  # a template may raise on a conversation it does not accept
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    def _start(self, body: ChatCompletionRequest) -> tuple[list[int], AsyncIterator[RequestOutput]]:
+    def _start(self, body: ChatCompletionRequest) -> tuple[str, list[int], AsyncIterator[RequestOutput]]:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
@@ -45,11 +45,12 @@ class ChatHandler:
             params = body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
-        return token_ids, self.engine.generate(new_id("chatcmpl"), token_ids, params, prompt, body.priority)
+        request_id = new_id("chatcmpl")
+        return request_id, token_ids, self.engine.generate(request_id, token_ids, params, prompt, body.priority)
 
     async def complete(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """The whole response."""
-        token_ids, stream = self._start(body)
+        response_id, token_ids, stream = self._start(body)
         final: Optional[RequestOutput] = None
         try:
             async for output in stream:
@@ -61,7 +62,7 @@ class ChatHandler:
                     "logprobs": self._logprobs(c.token_ids, c.logprobs, body),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
+        return {"id": response_id, "object": "chat.completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": usage(len(token_ids), completion_tokens)}
 
     def _logprobs(self, token_ids: list[int], entries: Optional[list[LogprobsDict]],
@@ -80,18 +81,18 @@ class ChatHandler:
 
     async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
-        token_ids, stream = self._start(body)
+        response_id, token_ids, stream = self._start(body)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
             first = None
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
-        return self._events(body, len(token_ids), stream, first)
+        return self._events(response_id, body, len(token_ids), stream, first)
 
-    async def _events(self, body: ChatCompletionRequest, prompt_tokens: int,
+    async def _events(self, response_id: str, body: ChatCompletionRequest, prompt_tokens: int,
                       stream: AsyncIterator[RequestOutput], first: Optional[RequestOutput]) -> AsyncIterator[str]:
-        response_id, created = new_id("chatcmpl"), now()
+        created = now()
         tracker = DeltaTracker()
         completion_tokens = 0
 

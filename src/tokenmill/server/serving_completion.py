@@ -49,7 +49,7 @@ class CompletionHandler:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
 
-    def _start(self, body: CompletionRequest) -> tuple[list[CompletionPrompt], list[AsyncIterator[RequestOutput]]]:
+    def _start(self, body: CompletionRequest) -> tuple[str, list[CompletionPrompt], list[AsyncIterator[RequestOutput]]]:
         prompts = prompts_of(body, self.engine)
         want_prompt_logprobs = body.echo and body.logprobs is not None
         try:
@@ -60,11 +60,11 @@ class CompletionHandler:
         request_id = new_id("cmpl")
         streams = [self.engine.generate(f"{request_id}-{i}", p.token_ids, params, p.text, body.priority)
                    for i, p in enumerate(prompts)]
-        return prompts, streams
+        return request_id, prompts, streams
 
     async def complete(self, body: CompletionRequest) -> dict[str, Any]:
         """The whole response."""
-        prompts, streams = self._start(body)
+        response_id, prompts, streams = self._start(body)
         final: dict[int, RequestOutput] = {}
         try:
             async for index, output in merge(streams):
@@ -79,7 +79,7 @@ class CompletionHandler:
                 completion_tokens += len(completion.token_ids)
                 choices.append(self._choice(body, prompt, output, completion, index * body.n + completion.index))
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
+        return {"id": response_id, "object": "text_completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     def _choice(self, body: CompletionRequest, prompt: CompletionPrompt, output: RequestOutput,
@@ -122,7 +122,7 @@ class CompletionHandler:
 
     async def stream(self, body: CompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
-        prompts, streams = self._start(body)
+        response_id, prompts, streams = self._start(body)
         merged = merge(streams)
         try:
             first = await merged.__anext__()
@@ -130,11 +130,11 @@ class CompletionHandler:
             first = None
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
-        return self._events(body, prompts, merged, first)
+        return self._events(response_id, body, prompts, merged, first)
 
-    async def _events(self, body: CompletionRequest, prompts: list[CompletionPrompt],
+    async def _events(self, response_id: str, body: CompletionRequest, prompts: list[CompletionPrompt],
                       merged: AsyncIterator[tuple[int, RequestOutput]], first: Any) -> AsyncIterator[str]:
-        response_id, created = new_id("cmpl"), now()
+        created = now()
         tracker = DeltaTracker()
         completion_tokens = 0
         echoed: set[int] = set()
