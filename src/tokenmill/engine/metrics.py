@@ -111,6 +111,7 @@ class EngineMetrics:
         self._seen_tokens.pop(request_id, None)
         self._last_token_time.pop(request_id, None)
         self._success.labels(self.model_name, "abort").inc()
+        logger.info(json.dumps({"event": "request_aborted", "request_id": request_id}))
 
     def render(self) -> bytes:
         """The Prometheus exposition text."""
