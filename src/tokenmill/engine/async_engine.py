@@ -126,6 +126,11 @@ class AsyncEngine:
         self._accepting = False
 
     @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread.is_alive() and not self._stopping
+
+    @property
     def num_unfinished_requests(self) -> int:
         """Requests admitted and not yet finished."""
         return len(self._streams)
@@ -162,7 +167,10 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception:  # a failed command must not stop the loop
+                logger.exception("engine command failed")
 
     def _step(self) -> None:
         preemptions_before = self.engine.scheduler.num_preemptions_total

@@ -102,7 +102,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.is_alive else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
