@@ -113,6 +113,7 @@ class AsyncEngine:
             if self._streams.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)
                 self.metrics.record_abort(request_id)
+                self._refresh_gauges()  # no step may follow (idle engine): publish the freed blocks now
         self._submit(abort)
 
     def _submit(self, command: Callable[[], None]) -> None:
@@ -187,9 +188,14 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
 
+    def _refresh_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        self.metrics.observe_step([], scheduler.num_running, scheduler.num_waiting, self.engine.kv_cache.usage, 0)
+
     def _fail_all(self, exc: Exception) -> None:
         error = RuntimeError(f"internal engine error: {type(exc).__name__}")
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
         self._streams.clear()
+        self._refresh_gauges()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any, Optional
 
 from tokenmill.config import EngineConfig, ServerConfig
@@ -34,11 +35,21 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="info",
                             timeout_graceful_shutdown=server_config.shutdown_timeout, access_log=False)
     server = _GracefulServer(config)
+    # uvicorn re-raises the signal it stopped on once it has shut down gracefully; with the default
+    # SIGTERM action that kills the process (exit -15) before the engine shuts down. Exit 0 instead.
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         server.run()
+    except KeyboardInterrupt:  # Ctrl-C: the same graceful path, re-raised by uvicorn at its end
+        pass
     finally:
         async_engine.shutdown()
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_cleanly(sig: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _default_name(model: Optional[str]) -> str:

@@ -138,6 +138,7 @@ class CompletionHandler:
         tracker = DeltaTracker()
         completion_tokens = 0
         echoed: set[int] = set()
+        text_offsets: dict[int, int] = {}  # where each choice's next token starts in its whole text
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             return sse({"id": response_id, "object": "text_completion", "created": created,
@@ -166,7 +167,9 @@ class CompletionHandler:
                         continue
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = self._logprobs(token_ids, list(entries or []), body.logprobs)
+                        start = text_offsets.get(index, len(prefix))
+                        logprobs = self._logprobs(token_ids, list(entries or []), body.logprobs, start)
+                        text_offsets[index] = start + sum(len(t) for t in logprobs["tokens"])
                     choices.append({"index": index, "text": prefix + text, "logprobs": logprobs,
                                     "finish_reason": completion.finish_reason,
                                     "stop_reason": completion.stop_reason})
