@@ -139,20 +139,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
             raise APIError(400, f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    async def respond(handler: Any, body: Any, request: Request) -> Response:
         check_model(body.model)
         if body.stream:
-            events = await unless_disconnected(request, completions.stream(body))
+            events = await unless_disconnected(request, handler.stream(body))
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await unless_disconnected(request, completions.complete(body)))
+        return JSONResponse(await unless_disconnected(request, handler.complete(body)))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await respond(completions, body, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        if body.stream:
-            events = await unless_disconnected(request, chat.stream(body))
-            return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await unless_disconnected(request, chat.complete(body)))
+        return await respond(chat, body, request)
 
     return app

@@ -8,7 +8,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving_common import (
-    SSE_DONE, APIError, DeltaTracker, bad_request, new_id, now, sse, top_entries, usage)
+    SSE_DONE, APIError, DeltaTracker, bad_request, new_id, now, primed, sse, top_entries, usage)
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -82,16 +82,10 @@ class ChatHandler:
     async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
         response_id, token_ids, stream = self._start(body)
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except ValueError as exc:
-            raise bad_request(exc, _FIELDS) from None
-        return self._events(response_id, body, len(token_ids), stream, first)
+        return self._events(response_id, body, len(token_ids), await primed(stream, _FIELDS))
 
     async def _events(self, response_id: str, body: ChatCompletionRequest, prompt_tokens: int,
-                      stream: AsyncIterator[RequestOutput], first: Optional[RequestOutput]) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         created = now()
         tracker = DeltaTracker()
         completion_tokens = 0
@@ -100,16 +94,10 @@ class ChatHandler:
             return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                         "model": self.model_name, "choices": choices})
 
-        async def outputs() -> AsyncIterator[RequestOutput]:
-            if first is not None:
-                yield first
-            async for item in stream:
-                yield item
-
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(body.n)])
-            async for output in outputs():
+            async for output in outputs:
                 choices = []
                 for completion in output.outputs:
                     choice = self._delta_choice(body, tracker, completion)
@@ -124,7 +112,7 @@ class ChatHandler:
                            "usage": usage(prompt_tokens, completion_tokens)})
             yield SSE_DONE
         finally:
-            await stream.aclose()
+            await outputs.aclose()  # type: ignore[attr-defined]
 
     def _delta_choice(self, body: ChatCompletionRequest, tracker: DeltaTracker,
                       completion: CompletionOutput) -> Optional[dict[str, Any]]:

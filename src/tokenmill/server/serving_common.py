@@ -115,6 +115,29 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def primed(stream: AsyncIterator[T], fields: Any) -> AsyncIterator[T]:
+    """Wait for `stream`'s first item, so admission errors raise here (as a 400 for ValueError) before
+    any byte of a streamed response is sent; return an iterator that yields it and the rest.
+    Closing the returned iterator closes `stream`."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        return _replay([], stream)
+    except ValueError as exc:
+        raise bad_request(exc, fields) from None
+    return _replay([first], stream)
+
+
+async def _replay(items: list[T], stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        for item in items:
+            yield item
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
 class DeltaTracker:
     """Remembers what was already streamed of each choice, to send only what is new."""
 

@@ -8,7 +8,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving_common import (
-    SSE_DONE, APIError, DeltaTracker, bad_request, merge, new_id, now, sse, top_entries, usage)
+    SSE_DONE, APIError, DeltaTracker, bad_request, merge, new_id, now, primed, sse, top_entries, usage)
 
 _FIELDS = set(CompletionRequest.model_fields)
 
@@ -123,17 +123,10 @@ class CompletionHandler:
     async def stream(self, body: CompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
         response_id, prompts, streams = self._start(body)
-        merged = merge(streams)
-        try:
-            first = await merged.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except ValueError as exc:
-            raise bad_request(exc, _FIELDS) from None
-        return self._events(response_id, body, prompts, merged, first)
+        return self._events(response_id, body, prompts, await primed(merge(streams), _FIELDS))
 
     async def _events(self, response_id: str, body: CompletionRequest, prompts: list[CompletionPrompt],
-                      merged: AsyncIterator[tuple[int, RequestOutput]], first: Any) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         created = now()
         tracker = DeltaTracker()
         completion_tokens = 0
@@ -144,14 +137,8 @@ class CompletionHandler:
             return sse({"id": response_id, "object": "text_completion", "created": created,
                         "model": self.model_name, "choices": choices})
 
-        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
-            if first is not None:
-                yield first
-            async for item in merged:
-                yield item
-
         try:
-            async for prompt_index, output in outputs():
+            async for prompt_index, output in outputs:
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * body.n + completion.index
@@ -184,4 +171,4 @@ class CompletionHandler:
                            "usage": usage(prompt_tokens, completion_tokens)})
             yield SSE_DONE
         finally:
-            await merged.aclose()
+            await outputs.aclose()  # type: ignore[attr-defined]
