@@ -47,6 +47,7 @@ class CacheConfig:
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_memory_gb: float = _opt(1.0, "memory budget of the KV cache in GiB")
     num_kv_blocks: Optional[int] = _opt(None, "explicit number of KV blocks (overrides the memory budget)")
+    prefix_caching: bool = _opt(True, "reuse the KV blocks of earlier requests that share a prompt prefix")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""

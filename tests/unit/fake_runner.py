@@ -21,36 +21,46 @@ class FakeRunner:
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        self.sequences: dict[str, list[int]] = {}
         self.steps: list[SchedulerOutput] = []
+        self.block_contents: dict[int, dict[int, int]] = {}  # block -> offset -> token written there
+
+    def _check_reads_and_write(self, item) -> None:
+        """What attention would read must be what was written: no stale or foreign KV, ever."""
+        bs = self.kv.block_size
+        tokens = item.prompt_token_ids + item.output_token_ids
+        for position in range(item.start):
+            block = item.block_ids[position // bs]
+            written = self.block_contents.get(block, {}).get(position % bs)
+            assert written == tokens[position], f"{item.request_id} reads stale KV at position {position}"
+        for position, token in enumerate(item.token_ids, start=item.start):
+            self.block_contents.setdefault(item.block_ids[position // bs], {})[position % bs] = token
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(schedule)
         out = ModelRunnerOutput()
         for item in schedule.scheduled:
-            if item.request_id not in self.sequences:  # a fork starts with its parent's shared blocks
-                self.sequences[item.request_id] = item.prompt_token_ids[:item.start]
-            seq = self.sequences[item.request_id]
-            assert item.start <= len(seq), "a chunk must start where the cache ends (or earlier, on recompute)"
-            del seq[item.start:]
-            seq.extend(item.token_ids)
-            capacity = len(item.block_ids) * self.kv.block_size
-            assert capacity >= len(seq), "blocks must cover every computed token"
-            assert seq == (item.prompt_token_ids + item.output_token_ids)[:len(seq)]
+            self._check_reads_and_write(item)
+            tokens = item.prompt_token_ids + item.output_token_ids
+            end = item.start + item.num_tokens
+            assert item.token_ids == tokens[item.start:end], "a chunk computes the request's next tokens"
+            assert len(item.block_ids) * self.kv.block_size >= end, "blocks must cover every computed token"
             if item.sample:
-                out.sampled_token_ids[item.request_id] = next_token(seq)
+                assert end == len(tokens)
+                out.sampled_token_ids[item.request_id] = next_token(tokens)
         return out
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
-                   max_model_len: int = 256, watermark: float = 0.0) -> tuple[Scheduler, FakeRunner]:
-    kv = KVCacheManager(num_blocks, block_size, watermark=watermark)
+                   max_model_len: int = 256, watermark: float = 0.0,
+                   prefix_caching: bool = False) -> tuple[Scheduler, FakeRunner]:
+    kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching)
     return Scheduler(SchedulingLimits(budget, max_seqs, max_model_len), kv), FakeRunner(kv)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, n: int = 1,
-                 seed_token: int = 5) -> Request:
-    prompt = [(seed_token * 31 + i * 7) % 500 + 3 for i in range(prompt_len)]
+                 seed_token: int = 5, prompt: list[int] | None = None) -> Request:
+    if prompt is None:
+        prompt = [(seed_token * 31 + i * 7) % 500 + 3 for i in range(prompt_len)]
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n), max_tokens, (EOS,), priority,
                    num_samples_to_fork=n - 1)
 

@@ -29,6 +29,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, klass: type, title: str,
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        if hints[f.name] is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+            continue
         group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=default,
                            choices=f.metadata.get("choices"), help=help_text)
 

@@ -1,15 +1,24 @@
-"""A pool of fixed-size KV blocks with reference counts and a free list (no torch)."""
+"""A pool of fixed-size KV blocks: reference counts, an LRU free list, and a content-addressed cache (no torch)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Hashable, Optional
+
+BlockKey = Hashable  # identifies a full block's content: see KVCacheManager.block_key
 
 
 class BlockPool:
     """Hands out KV block ids and takes them back when their last holder lets go.
 
-    Invariant: every block id in [0, num_blocks) is either on the free list with ref count 0,
-    or off it with ref count >= 1 — never both. `check_invariants` verifies it (tests call it).
+    A full block may be registered under the key of its content; it then stays findable after its
+    last holder releases it, until the pool needs the memory and evicts it.
+
+    Invariants (`check_invariants` verifies them; tests call it after every operation):
+    - every block id is on the free list with ref count 0, or off it with ref count >= 1 — never both;
+    - the free list is in LRU order: allocation takes (and evicts, if cached) from the front,
+      release appends at the back, and a cache hit on a free block unlinks it — all O(1);
+    - `cached[key] == block` exactly when `keys[block] == key`.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -17,11 +26,14 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.keys: list[Optional[BlockKey]] = [None] * num_blocks
+        self.cached: dict[BlockKey, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no request holds."""
+        """Blocks no request holds (cached ones included: they can be evicted)."""
         return len(self._free)
 
     @property
@@ -30,37 +42,64 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     def allocate(self, count: int) -> list[int]:
-        """Take `count` free blocks, each with ref count 1."""
+        """Take `count` blocks from the front of the free list, each with ref count 1.
+
+        A cached block taken this way is evicted: its content key is forgotten.
+        """
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} KV blocks, only {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
             self.ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
+    def _evict(self, block: int) -> None:
+        key = self.keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.keys[block] = None
+            self.num_evictions += 1
+
     def share(self, blocks: list[int]) -> None:
-        """Add one holder to each of `blocks` (they must already be held)."""
+        """Add one holder to each of `blocks`; a free (cached) block is taken off the free list."""
         for block in blocks:
-            assert self.ref_counts[block] > 0, f"cannot share free block {block}"
+            if self.ref_counts[block] == 0:
+                del self._free[block]
             self.ref_counts[block] += 1
 
     def release(self, blocks: list[int]) -> None:
         """Drop one holder from each of `blocks`; a block whose count reaches 0 becomes free.
 
-        Blocks are released in reverse so the tail of a sequence (least likely to be shared) is
-        reused first.
+        Blocks are released in reverse so a sequence's tail is evicted before its prefix, which
+        other requests are more likely to share.
         """
         for block in reversed(blocks):
             count = self.ref_counts[block]
             assert count > 0, f"double free of block {block}"
             self.ref_counts[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                self._free[block] = None
+
+    def lookup(self, key: BlockKey) -> Optional[int]:
+        """The block holding content `key`, if cached."""
+        return self.cached.get(key)
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """Make a full, held block findable under `key` (no-op if another block already has that key)."""
+        assert self.ref_counts[block] > 0, f"only a held block can be registered, not {block}"
+        if key in self.cached or self.keys[block] is not None:
+            return
+        self.cached[key] = block
+        self.keys[block] = key
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the free list and the ref counts disagree."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        """Raise AssertionError if the free list, ref counts and cache disagree."""
         for block, count in enumerate(self.ref_counts):
             assert count >= 0, f"block {block} has negative ref count"
-            assert (count == 0) == (block in free), f"block {block}: ref {count}, free={block in free}"
+            assert (count == 0) == (block in self._free), f"block {block}: ref {count}, free={block in self._free}"
+        for key, block in self.cached.items():
+            assert self.keys[block] == key, f"cache entry for block {block} disagrees with its key"
+        assert sum(k is not None for k in self.keys) == len(self.cached)

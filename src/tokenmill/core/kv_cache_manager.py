@@ -1,8 +1,23 @@
-"""Block tables: which KV blocks hold each request's tokens (no torch)."""
+"""Block tables: which KV blocks hold each request's tokens, and prefix reuse across requests (no torch)."""
 
 from __future__ import annotations
 
-from tokenmill.core.block_pool import BlockPool
+import hashlib
+import struct
+from typing import Protocol, Sequence
+
+from tokenmill.core.block_pool import BlockKey, BlockPool
+
+_ROOT = b"tokenmill-prefix-root"
+
+
+class CachedSequence(Protocol):
+    """What the manager needs of a request to cache its blocks."""
+
+    request_id: str
+    num_computed_tokens: int
+
+    def token_ids_range(self, start: int, end: int) -> list[int]: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,12 +33,19 @@ class KVCacheManager:
     Invariant: a table always has exactly cdiv(tokens allocated, block_size) blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
+                 enable_prefix_caching: bool = False, cache_salt: str = "") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._salt = cache_salt.encode()
+        # keys of each request's leading full blocks whose content is known (computed or cache hit)
+        self._keys: dict[str, list[BlockKey]] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
         # New requests are admitted only while this many blocks stay free, so requests already
         # running can grow a little before anyone has to be preempted.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -41,26 +63,87 @@ class KVCacheManager:
         """The request's block table (the live list; callers must not modify it)."""
         return self.tables.get(request_id, [])
 
-    def _new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())))
+    def can_admit(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Whether a waiting request can get blocks for `num_tokens` (the first of them being
+        `cached_blocks`, a prefix-cache hit) and leave the watermark free."""
+        return self._num_free_after(request_id, num_tokens, cached_blocks) >= self.watermark_blocks
 
-    def can_admit(self, request_id: str, num_tokens: int) -> bool:
-        """Whether a waiting request can get blocks for `num_tokens` and leave the watermark free."""
-        needed = self._new_blocks_needed(request_id, num_tokens)
-        return self.pool.num_free_blocks - needed >= self.watermark_blocks
+    def _num_free_after(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int:
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # leave the free list
+        needed = max(0, self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())) - len(cached_blocks))
+        return self.pool.num_free_blocks - revived - needed
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold `num_tokens` tokens; False (and no change) if the pool is short."""
-        needed = self._new_blocks_needed(request_id, num_tokens)
-        if needed > self.pool.num_free_blocks:
+    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow the request's table to hold `num_tokens` tokens, starting with `cached_blocks` when it
+        has none yet; False (and no change) if the pool is short."""
+        if self._num_free_after(request_id, num_tokens, cached_blocks) < 0:
             return False
-        if needed:
-            self.tables.setdefault(request_id, []).extend(self.pool.allocate(needed))
+        table = self.tables.setdefault(request_id, [])
+        if cached_blocks:
+            assert not table, "cached blocks can only start a table"
+            self.pool.share(list(cached_blocks))
+            table.extend(cached_blocks)
+        needed = self.blocks_for(num_tokens) - len(table)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
         return True
+
+    # ------------------------------------------------------------------ prefix cache
+    def block_key(self, parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:
+        """The content key of a full block: a SHA-256 chained over every earlier block (and the
+        cache salt), paired with the block's own token ids so a hit is verified token by token."""
+        parent_digest = parent[0] if parent is not None else _ROOT + self._salt
+        tokens = tuple(token_ids)
+        digest = hashlib.sha256(parent_digest + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+        return (digest, tokens)
+
+    def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[int], int]:
+        """The cached blocks holding the longest cached prefix of the request's first `num_tokens`
+        tokens, and how many tokens they cover.
+
+        Only whole blocks count, and never the last token: it must be recomputed to get logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        blocks: list[int] = []
+        keys: list[BlockKey] = []
+        parent = None
+        for index in range((num_tokens - 1) // self.block_size):
+            start = index * self.block_size
+            key = self.block_key(parent, request.token_ids_range(start, start + self.block_size))
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+            keys.append(key)
+            parent = key
+        self._keys[request.request_id] = keys
+        return blocks, len(blocks) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix-cache lookup (for the hit-rate metrics)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def cache_computed_blocks(self, request: CachedSequence) -> None:
+        """Register the request's full blocks whose K/V are now computed, so later requests reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        keys = self._keys.setdefault(request.request_id, [])
+        table = self.tables.get(request.request_id, [])
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        while len(keys) < full:
+            index = len(keys)
+            start = index * self.block_size
+            key = self.block_key(keys[-1] if keys else None,
+                                 request.token_ids_range(start, start + self.block_size))
+            self.pool.register(table[index], key)
+            keys.append(key)
 
     def free(self, request_id: str) -> None:
         """Return every block of the request to the pool (shared blocks just lose one holder)."""
         table = self.tables.pop(request_id, None)
+        self._keys.pop(request_id, None)
         if table:
             self.pool.release(table)
 
@@ -75,6 +158,8 @@ class KVCacheManager:
         shared = self.tables[parent_id][:num_shared_blocks] if num_shared_blocks else []
         self.pool.share(shared)
         self.tables[child_id] = list(shared)
+        parent_keys = self._keys.get(parent_id, [])
+        self._keys[child_id] = parent_keys[:num_shared_blocks]
         return num_shared_blocks * self.block_size
 
     @property

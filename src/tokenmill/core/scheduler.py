@@ -130,13 +130,17 @@ class Scheduler:
             request = self.waiting[0]
             if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
+            # Cached tokens cost neither budget nor compute: the request starts past them.
+            cached_blocks, num_cached = self.kv_cache.match_prefix(request, request.num_tokens)
+            num_new = min(request.num_tokens - num_cached, budget)
+            target = num_cached + num_new
             # With nothing running there is nobody to keep the watermark for: admit if it fits at all.
-            if self.running and not self.kv_cache.can_admit(request.request_id, target):
+            if self.running and not self.kv_cache.can_admit(request.request_id, target, cached_blocks):
                 break
-            if not self.kv_cache.allocate_slots(request.request_id, target):
+            if not self.kv_cache.allocate_slots(request.request_id, target, cached_blocks):
                 break
+            self.kv_cache.record_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -180,6 +184,7 @@ class Scheduler:
                 update.new_prompt_logprobs = result.prompt_logprobs[item.request_id]
                 update.prompt_logprobs_start = item.start + 1
             request.num_computed_tokens += item.num_tokens
+            self.kv_cache.cache_computed_blocks(request)
             if item.sample:
                 if request.num_samples_to_fork:
                     self._fork_samples(request)

@@ -71,7 +71,8 @@ class LLMEngine:
 
         block_size = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or self._blocks_for_budget(block_size)
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
+                                       cache_salt=source.path)
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len)
         self.scheduler = Scheduler(limits, self.kv_cache)

@@ -1,0 +1,127 @@
+"""Prefix caching in the torch-free core: reuse, the last-token rule, LRU eviction, and invariants."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fake_runner import make_request, make_scheduler, run_to_completion
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.request import RequestStatus
+
+SHARED = list(range(100, 116))  # four 4-token blocks
+
+
+def first_chunk(scheduler, runner, request):
+    scheduler.add_request(request)
+    schedule = scheduler.schedule()
+    item = next(s for s in schedule.scheduled if s.request_id == request.request_id)
+    scheduler.update_from_output(schedule, runner.execute(schedule))
+    return item
+
+
+def test_a_later_request_starts_after_the_shared_prefix():
+    scheduler, runner = make_scheduler(prefix_caching=True)
+    first = first_chunk(scheduler, runner, make_request("a", 0, prompt=SHARED + [1, 2, 3, 4], max_tokens=2))
+    run_to_completion(scheduler, runner)
+    item = first_chunk(scheduler, runner, make_request("b", 0, prompt=SHARED + [9, 9], max_tokens=2))
+    assert item.start == 16 and item.token_ids == [9, 9]
+    assert item.block_ids[:4] == first.block_ids[:4]
+    assert scheduler.kv_cache.prefix_hits == 16
+    run_to_completion(scheduler, runner)
+    scheduler.kv_cache.pool.check_invariants()
+
+
+def test_a_full_hit_still_recomputes_the_last_prompt_token():
+    scheduler, runner = make_scheduler(prefix_caching=True)
+    first_chunk(scheduler, runner, make_request("a", 0, prompt=SHARED, max_tokens=1))
+    run_to_completion(scheduler, runner)
+    item = first_chunk(scheduler, runner, make_request("b", 0, prompt=SHARED, max_tokens=1))
+    assert item.start == 12 and item.token_ids == SHARED[12:] and item.sample
+
+
+def test_cache_off_reuses_nothing():
+    scheduler, runner = make_scheduler(prefix_caching=False)
+    first_chunk(scheduler, runner, make_request("a", 0, prompt=SHARED + [1], max_tokens=1))
+    run_to_completion(scheduler, runner)
+    assert first_chunk(scheduler, runner, make_request("b", 0, prompt=SHARED + [1], max_tokens=1)).start == 0
+
+
+def test_outputs_equal_with_cache_on_and_off_warm_and_after_preemption():
+    def run(prefix_caching, num_blocks):
+        scheduler, runner = make_scheduler(num_blocks=num_blocks, budget=16, prefix_caching=prefix_caching)
+        outputs = {}
+        for round_ in range(2):  # the second round is warm
+            for i in range(5):
+                scheduler.add_request(make_request(f"{round_}-{i}", 0, prompt=SHARED[: 4 + 3 * i] + [i] * (i + 1),
+                                                   max_tokens=6))
+            outputs.update(run_to_completion(scheduler, runner))
+        return outputs, scheduler
+
+    reference, _ = run(False, 256)
+    warm, scheduler = run(True, 256)
+    tight, tight_scheduler = run(True, 14)
+    assert warm == reference and tight == reference
+    assert scheduler.kv_cache.prefix_hits > 0
+    assert tight_scheduler.num_preemptions_total > 0 and tight_scheduler.kv_cache.pool.num_evictions > 0
+
+
+def test_eviction_takes_the_least_recently_used_free_block():
+    kv = KVCacheManager(num_blocks=4, block_size=2, watermark=0, enable_prefix_caching=True)
+    pool = kv.pool
+    blocks = pool.allocate(3)
+    for i, block in enumerate(blocks):
+        pool.register(block, kv.block_key(None, [i, i]))
+    pool.release([blocks[1]])
+    pool.release([blocks[0]])
+    pool.release([blocks[2]])
+    pool.share([pool.lookup(kv.block_key(None, [0, 0]))])  # a hit revives block 0
+    taken = pool.allocate(2)  # the never-used block first, then the oldest free cached one
+    assert blocks[1] in taken and blocks[0] not in taken
+    assert pool.lookup(kv.block_key(None, [1, 1])) is None and pool.num_evictions == 1
+    pool.check_invariants()
+
+
+def test_keys_verify_tokens_and_chain_parents():
+    kv = KVCacheManager(num_blocks=2, block_size=2, enable_prefix_caching=True)
+    a = kv.block_key(None, [1, 2])
+    assert kv.block_key(None, [1, 2]) == a and kv.block_key(None, [2, 1]) != a
+    assert kv.block_key(a, [3, 4]) != kv.block_key(kv.block_key(None, [9, 9]), [3, 4])
+    salted = KVCacheManager(num_blocks=2, block_size=2, enable_prefix_caching=True, cache_salt="other model")
+    assert salted.block_key(None, [1, 2]) != a
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]),
+                         st.integers(0, 7), st.integers(1, 30), st.integers(1, 6)), min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_random_interleavings_keep_the_pool_consistent(operations):
+    """add / step (finishing requests) / abort (and the evictions and preemptions they cause) in any
+    order: ref counts, the free list and the cache agree, cached keys match block contents, and no
+    request ever reads KV it did not (or a shared prefix did not) write."""
+    scheduler, runner = make_scheduler(num_blocks=12, block_size=4, budget=12, max_model_len=64,
+                                       prefix_caching=True)
+    pool = scheduler.kv_cache.pool
+    counter = 0
+    for op, variant, length, max_tokens in operations:
+        if op == "add":
+            prompt = (SHARED[: 4 * (variant % 4)] + [variant] * length)[:40]
+            if len(prompt) + max_tokens <= 48:
+                scheduler.add_request(make_request(f"r{counter}", 0, prompt=prompt, max_tokens=max_tokens))
+                counter += 1
+        elif op == "step":
+            schedule = scheduler.schedule()
+            scheduler.update_from_output(schedule, runner.execute(schedule))
+        else:
+            live = [r for r in scheduler.requests.values() if not r.status.finished]
+            if live:
+                scheduler.finish_requests([live[variant % len(live)].request_id], RequestStatus.FINISHED_ABORTED)
+        pool.check_invariants()
+        for key, block in pool.cached.items():
+            digest, tokens = key
+            written = runner.block_contents.get(block, {})
+            assert [written.get(i) for i in range(len(tokens))] == list(tokens), "cached key disagrees with KV"
+    run_to_completion(scheduler, runner)
+    assert pool.num_free_blocks == pool.num_blocks
