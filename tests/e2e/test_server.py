@@ -507,8 +507,9 @@ def test_full_waiting_queue_answers_429_with_retry_after(guarded_url, tiny_model
 # ---------------------------------------------------------------------------------------- metrics
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds"]
-COUNTERS = ["prompt_tokens", "generation_tokens", "num_preemptions", "request_success"]
-GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+COUNTERS = ["prompt_tokens", "generation_tokens", "num_preemptions", "request_success", "prefix_cache_queries",
+            "prefix_cache_hits", "prefix_cache_evictions"]
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate"]
 
 
 def test_metrics_families_and_counters(main_url, client):
@@ -530,6 +531,8 @@ def test_metrics_families_and_counters(main_url, client):
         return metric(after, name, **labels) - metric(before, name, **labels)
 
     assert grew("tokenmill:prompt_tokens_total") == prompt_tokens
+    assert grew("tokenmill:prefix_cache_queries_total") == prompt_tokens
+    assert 0 <= metric(after, "tokenmill:prefix_cache_hit_rate") <= 1
     assert grew("tokenmill:generation_tokens_total") == max_tokens
     assert grew("tokenmill:request_success_total", finish_reason="length") == 1
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):

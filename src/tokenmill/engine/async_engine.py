@@ -174,12 +174,8 @@ class AsyncEngine:
                 logger.exception("engine command failed")
 
     def _step(self) -> None:
-        preemptions_before = self.engine.scheduler.num_preemptions_total
         outputs = self.engine.step()
-        scheduler = self.engine.scheduler
-        self.metrics.observe_step(outputs, scheduler.num_running, scheduler.num_waiting,
-                                  self.engine.kv_cache.usage,
-                                  scheduler.num_preemptions_total - preemptions_before)
+        self.metrics.observe_step(outputs, self.engine.stats())
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -189,8 +185,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
 
     def _refresh_gauges(self) -> None:
-        scheduler = self.engine.scheduler
-        self.metrics.observe_step([], scheduler.num_running, scheduler.num_waiting, self.engine.kv_cache.usage, 0)
+        self.metrics.observe_step([], self.engine.stats())
 
     def _fail_all(self, exc: Exception) -> None:
         error = RuntimeError(f"internal engine error: {type(exc).__name__}")

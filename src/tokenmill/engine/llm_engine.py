@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -42,6 +43,19 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
             return torch.float32
         return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
     return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's queues and cache; the counters are totals since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
 
 
 class LLMEngine:
@@ -160,6 +174,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        """Queue sizes, cache use and cumulative counters, for metrics."""
+        kv, scheduler = self.kv_cache, self.scheduler
+        return EngineStats(scheduler.num_running, scheduler.num_waiting, kv.usage, scheduler.num_preemptions_total,
+                           kv.prefix_queries, kv.prefix_hits, kv.pool.num_evictions)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""

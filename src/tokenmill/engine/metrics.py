@@ -9,6 +9,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.outputs import RequestOutput
 
 logger = logging.getLogger("tokenmill.requests")
@@ -47,21 +48,32 @@ class EngineMetrics:
         self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finish_reason"], registry=r)
         self.model_name = model_name
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted to make room.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).")
+        self._last_totals = (0, 0, 0, 0)
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
         self._seen_tokens: dict[str, list[int]] = {}
         self._last_token_time: dict[str, float] = {}
 
-    def observe_step(self, outputs: list[RequestOutput], num_running: int, num_waiting: int,
-                     kv_usage: float, num_preempted: int) -> None:
-        """Record one engine step: its outputs, queue sizes and cache use."""
+    def observe_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        """Record one engine step: its outputs, queue sizes, cache use and counters."""
         now = time.monotonic()
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        self.kv_usage.set(kv_usage)
-        if num_preempted:
-            self.preemptions.inc(num_preempted)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                  stats.prefix_cache_evictions)
+        for counter, total, last in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.evictions),
+                                        totals, self._last_totals):
+            if total > last:
+                counter.inc(total - last)
+        self._last_totals = totals
+        if stats.prefix_cache_queries:
+            self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
         for output in outputs:
             self._observe_output(output, now)
 

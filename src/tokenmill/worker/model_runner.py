@@ -48,7 +48,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if not rows:  # every chunk is a partial prefill: nothing to sample or score yet
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
         self._sample(batch, logits, sample_rows, result)
         self._prompt_logprobs(batch, logits, prompt_rows, result)
         return result
