@@ -65,6 +65,8 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
     max_num_seqs: int = _opt(128, "most sequences in the running batch")
+    schedule_policy: str = _opt("fcfs", "order of admission: fcfs (priority, then arrival) or lpm "
+                                "(longest cached prefix first, never starving others)", choices=("fcfs", "lpm"))
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -72,6 +74,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}

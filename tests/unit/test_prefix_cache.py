@@ -125,3 +125,26 @@ def test_random_interleavings_keep_the_pool_consistent(operations):
             assert [written.get(i) for i in range(len(tokens))] == list(tokens), "cached key disagrees with KV"
     run_to_completion(scheduler, runner)
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_without_starving_others():
+    scheduler, runner = make_scheduler(prefix_caching=True, max_seqs=1, budget=64)
+    scheduler.limits = scheduler.limits.__class__(64, 1, 256, "lpm")
+    first_chunk(scheduler, runner, make_request("warm", 0, prompt=SHARED + [1], max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("cold", 0, prompt=[7] * 17, max_tokens=1))
+    scheduler.add_request(make_request("hit", 0, prompt=SHARED + [2], max_tokens=1))
+    assert [s.request_id for s in scheduler.schedule().scheduled] == ["hit"]
+
+    starving, runner = make_scheduler(prefix_caching=True, max_seqs=1, budget=64)
+    starving.limits = starving.limits.__class__(64, 1, 256, "lpm")
+    first_chunk(starving, runner, make_request("warm", 0, prompt=SHARED + [1], max_tokens=1))
+    run_to_completion(starving, runner)
+    starving.add_request(make_request("cold", 0, prompt=[7] * 17, max_tokens=1))
+    order = []
+    for i in range(12):  # a stream of cache hits keeps arriving
+        starving.add_request(make_request(f"hit{i}", 0, prompt=SHARED + [i + 10], max_tokens=1))
+        schedule = starving.schedule()
+        order += [s.request_id for s in schedule.scheduled if s.start == 0 or s.request_id.startswith("hit")]
+        starving.update_from_output(schedule, runner.execute(schedule))
+    assert "cold" in order and order.index("cold") <= 9

@@ -44,6 +44,7 @@ class KVCacheManager:
         self._salt = cache_salt.encode()
         # keys of each request's leading full blocks whose content is known (computed or cache hit)
         self._keys: dict[str, list[BlockKey]] = {}
+        self._lookup_memo: dict[str, tuple[int, list[BlockKey]]] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
         # New requests are admitted only while this many blocks stay free, so requests already
@@ -97,31 +98,48 @@ class KVCacheManager:
         digest = hashlib.sha256(parent_digest + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
         return (digest, tokens)
 
+    def _prefix_keys(self, request: CachedSequence, num_tokens: int) -> list[BlockKey]:
+        """Keys of the request's full blocks before its last token (memoised while it waits)."""
+        memo = self._lookup_memo.get(request.request_id)
+        if memo is not None and memo[0] == num_tokens:
+            return memo[1]
+        keys: list[BlockKey] = []
+        for index in range((num_tokens - 1) // self.block_size):
+            start = index * self.block_size
+            keys.append(self.block_key(keys[-1] if keys else None,
+                                       request.token_ids_range(start, start + self.block_size)))
+        self._lookup_memo[request.request_id] = (num_tokens, keys)
+        return keys
+
     def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[int], int]:
         """The cached blocks holding the longest cached prefix of the request's first `num_tokens`
         tokens, and how many tokens they cover.
 
         Only whole blocks count, and never the last token: it must be recomputed to get logits.
         """
+        blocks = self._cached_blocks(request, num_tokens)
+        if blocks:
+            self._keys[request.request_id] = self._prefix_keys(request, num_tokens)[:len(blocks)]
+        return blocks, len(blocks) * self.block_size
+
+    def num_cached_tokens(self, request: CachedSequence, num_tokens: int) -> int:
+        """How many of the request's first `num_tokens` tokens a match would cover now (no side effects)."""
+        return len(self._cached_blocks(request, num_tokens)) * self.block_size
+
+    def _cached_blocks(self, request: CachedSequence, num_tokens: int) -> list[int]:
         if not self.enable_prefix_caching:
-            return [], 0
+            return []
         blocks: list[int] = []
-        keys: list[BlockKey] = []
-        parent = None
-        for index in range((num_tokens - 1) // self.block_size):
-            start = index * self.block_size
-            key = self.block_key(parent, request.token_ids_range(start, start + self.block_size))
+        for key in self._prefix_keys(request, num_tokens):
             block = self.pool.lookup(key)
             if block is None:
                 break
             blocks.append(block)
-            keys.append(key)
-            parent = key
-        self._keys[request.request_id] = keys
-        return blocks, len(blocks) * self.block_size
+        return blocks
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_lookup(self, request_id: str, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's prefix-cache lookup (for the hit-rate metrics)."""
+        self._lookup_memo.pop(request_id, None)
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
@@ -144,6 +162,7 @@ class KVCacheManager:
         """Return every block of the request to the pool (shared blocks just lose one holder)."""
         table = self.tables.pop(request_id, None)
         self._keys.pop(request_id, None)
+        self._lookup_memo.pop(request_id, None)
         if table:
             self.pool.release(table)
 

@@ -13,13 +13,18 @@ from tokenmill.core.sched_output import (
 from tokenmill.request import Request, RequestStatus
 
 
+# Under lpm, a waiting request passed over this many times is admitted next: no starvation.
+MAX_TIMES_PASSED_OVER = 8
+
+
 @dataclass(frozen=True)
 class SchedulingLimits:
-    """The per-step limits the scheduler enforces."""
+    """The per-step limits and admission policy the scheduler enforces."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+    policy: str = "fcfs"
 
 
 class Scheduler:
@@ -32,7 +37,7 @@ class Scheduler:
     its blocks are freed and it restarts from num_computed_tokens = 0 (recompute).
 
     Invariant: `running` and `waiting` are both sorted by Request.priority_key, so the preemption
-    victim is always running[-1] and the next admission is always waiting[0].
+    victim is always running[-1] and, under fcfs, the next admission is always waiting[0].
     """
 
     def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager) -> None:
@@ -127,7 +132,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
         while self.waiting and budget > 0:
-            request = self.waiting[0]
+            request = self._next_waiting()
             if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
                 break
             # Cached tokens cost neither budget nor compute: the request starts past them.
@@ -139,9 +144,9 @@ class Scheduler:
                 break
             if not self.kv_cache.allocate_slots(request.request_id, target, cached_blocks):
                 break
-            self.kv_cache.record_lookup(request.num_tokens, num_cached)
+            self.kv_cache.record_lookup(request.request_id, request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -150,6 +155,21 @@ class Scheduler:
             budget -= num_new
             num_seqs += 1 + request.num_samples_to_fork
         return budget
+
+    def _next_waiting(self) -> Request:
+        """fcfs: the head of the queue. lpm: among the head's priority class, the request with the
+        longest cached prefix (ties: earliest), unless one was passed over too often — it goes first."""
+        head = self.waiting[0]
+        if self.limits.policy != "lpm" or len(self.waiting) == 1:
+            return head
+        peers = [r for r in self.waiting if r.priority == head.priority]
+        chosen = next((r for r in peers if r.num_times_passed_over >= MAX_TIMES_PASSED_OVER), None)
+        if chosen is None:
+            chosen = max(peers, key=lambda r: (self.kv_cache.num_cached_tokens(r, r.num_tokens), -r.arrival_seq))
+        for r in peers:
+            if r.arrival_seq < chosen.arrival_seq:
+                r.num_times_passed_over += 1
+        return chosen
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -88,7 +88,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
                                        cache_salt=source.path)
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                  self.max_model_len)
+                                  self.max_model_len, config.scheduler.schedule_policy)
         self.scheduler = Scheduler(limits, self.kv_cache)
         self.runner = ModelRunner(self.model, backend, num_blocks, block_size, self.arch.num_key_value_heads,
                                   self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
