@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from tokenmill.cli.bench_serve import add_bench_serve_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
 
@@ -20,6 +21,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register `tokenmill bench throughput`."""
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_parser(kinds)
     p = kinds.add_parser("throughput", help="offline throughput on a seeded random dataset",
                          description="Generate for NUM_PROMPTS random prompts of INPUT_LEN tokens, "
                                      "OUTPUT_LEN tokens each (greedy, ignore_eos), and report tokens/s.")
