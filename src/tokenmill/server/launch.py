@@ -22,10 +22,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from tokenmill.server.api_server import build_app
 
     server_config.validate()
-    engine = LLMEngine(engine_config)
     name = server_config.served_model_name or _default_name(engine_config.model.model)
-    async_engine = AsyncEngine(engine, name, server_config.max_waiting_requests)
-    app = build_app(async_engine, server_config, engine.source.chat_template)
+    async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, server_config.max_waiting_requests)
+    app = build_app(async_engine, server_config, async_engine.engine.source.chat_template)
 
     class _GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
