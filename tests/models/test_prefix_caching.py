@@ -63,3 +63,16 @@ def test_a_request_stopped_early_leaves_reusable_blocks(model_path, reference):
     assert run(llm, [first]) == reference[:1]
     assert run(llm, [first + stopped[0].outputs[0].text]) == run(
         LLM(model_path, prefix_caching=False, block_size=4, num_kv_blocks=512), [first + stopped[0].outputs[0].text])
+
+
+def test_prompt_logprobs_are_complete_on_a_warm_cache(model_path):
+    llm = LLM(model_path, block_size=4, num_kv_blocks=512)
+    prompt = SYSTEM + QUESTIONS[1]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    cold = llm.generate(prompt, params, use_tqdm=False)[0]
+    warm = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert len(warm.prompt_logprobs) == len(warm.prompt_token_ids) == len(cold.prompt_logprobs)
+    for position in range(1, len(cold.prompt_token_ids)):
+        token = cold.prompt_token_ids[position]
+        assert warm.prompt_logprobs[position][token].logprob == pytest.approx(
+            cold.prompt_logprobs[position][token].logprob, abs=1e-4)

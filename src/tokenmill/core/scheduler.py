@@ -135,8 +135,11 @@ class Scheduler:
             request = self._next_waiting()
             if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
                 break
-            # Cached tokens cost neither budget nor compute: the request starts past them.
-            cached_blocks, num_cached = self.kv_cache.match_prefix(request, request.num_tokens)
+            # Cached tokens cost neither budget nor compute: the request starts past them. A request
+            # that wants prompt logprobs must compute every prompt position, so it takes no hit.
+            cached_blocks, num_cached = [], 0
+            if request.sampling_params.prompt_logprobs is None:
+                cached_blocks, num_cached = self.kv_cache.match_prefix(request, request.num_tokens)
             num_new = min(request.num_tokens - num_cached, budget)
             target = num_cached + num_new
             # With nothing running there is nobody to keep the watermark for: admit if it fits at all.
