@@ -48,6 +48,9 @@ class CacheConfig:
     kv_cache_memory_gb: float = _opt(1.0, "memory budget of the KV cache in GiB")
     num_kv_blocks: Optional[int] = _opt(None, "explicit number of KV blocks (overrides the memory budget)")
     prefix_caching: bool = _opt(True, "reuse the KV blocks of earlier requests that share a prompt prefix")
+    secondary_kv_gb: float = _opt(0.0, "size in GiB of the second KV tier, where evicted prefix blocks wait "
+                                  "(a memory-mapped file on CPU, pinned host memory on GPU); 0 = off")
+    secondary_kv_folder: Optional[str] = _opt(None, "folder for the second tier's file (default: the temp folder)")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -57,6 +60,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.secondary_kv_gb < 0:
+            raise ValueError(f"secondary_kv_gb must be >= 0, got {self.secondary_kv_gb}")
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,17 @@ def test_prompt_logprobs_are_complete_on_a_warm_cache(model_path):
         token = cold.prompt_token_ids[position]
         assert warm.prompt_logprobs[position][token].logprob == pytest.approx(
             cold.prompt_logprobs[position][token].logprob, abs=1e-4)
+
+
+def test_second_tier_brings_evicted_prefixes_back_with_identical_tokens(model_path, reference, tmp_path):
+    llm = LLM(model_path, block_size=4, num_kv_blocks=24, secondary_kv_gb=0.001,
+              secondary_kv_folder=str(tmp_path))
+    flood = [[7 + i] * 80 for i in range(2)]
+    for index, question in enumerate(QUESTIONS[:3]):
+        assert run(llm, [SYSTEM + question]) == reference[index: index + 1]
+        run(llm, flood, SamplingParams(max_tokens=2))  # pushes the system prompt out of the pool
+    kv = llm.llm_engine.kv_cache
+    assert kv.pool.num_evictions > 0 and kv.tier.num_saves > 0
+    assert kv.tier.num_hits > 0, "the system prompt must come back from the second tier"
+    stats = llm.llm_engine.stats()
+    assert stats.secondary_cache_hits == kv.tier.num_hits * 4

@@ -23,6 +23,7 @@ class FakeRunner:
         self.kv = kv
         self.steps: list[SchedulerOutput] = []
         self.block_contents: dict[int, dict[int, int]] = {}  # block -> offset -> token written there
+        self.tier_contents: dict[int, dict[int, int]] = {}  # second-tier slot -> saved block contents
 
     def _check_reads_and_write(self, item) -> None:
         """What attention would read must be what was written: no stale or foreign KV, ever."""
@@ -38,6 +39,10 @@ class FakeRunner:
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(schedule)
         out = ModelRunnerOutput()
+        for block, slot in schedule.kv_saves:  # saves first, then loads, then the forward pass
+            self.tier_contents[slot] = dict(self.block_contents.get(block, {}))
+        for slot, block in schedule.kv_loads:
+            self.block_contents[block] = dict(self.tier_contents[slot])
         for item in schedule.scheduled:
             self._check_reads_and_write(item)
             tokens = item.prompt_token_ids + item.output_token_ids
@@ -52,8 +57,9 @@ class FakeRunner:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
                    max_model_len: int = 256, watermark: float = 0.0,
-                   prefix_caching: bool = False) -> tuple[Scheduler, FakeRunner]:
-    kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching)
+                   prefix_caching: bool = False, secondary_slots: int = 0) -> tuple[Scheduler, FakeRunner]:
+    kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching,
+                        secondary_slots=secondary_slots)
     return Scheduler(SchedulingLimits(budget, max_seqs, max_model_len), kv), FakeRunner(kv)
 
 

@@ -96,13 +96,14 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops)
-def test_random_interleavings_keep_the_pool_consistent(operations):
-    """add / step (finishing requests) / abort (and the evictions and preemptions they cause) in any
-    order: ref counts, the free list and the cache agree, cached keys match block contents, and no
-    request ever reads KV it did not (or a shared prefix did not) write."""
+@given(ops, st.sampled_from([0, 3, 16]))
+def test_random_interleavings_keep_the_pool_consistent(operations, secondary_slots):
+    """add / step (finishing requests) / abort (and the evictions, second-tier saves and loads, and
+    preemptions they cause) in any order: ref counts, the free list and the cache agree, cached keys
+    match block contents in both tiers, and no request ever reads KV it did not (or a shared prefix
+    did not) write."""
     scheduler, runner = make_scheduler(num_blocks=12, block_size=4, budget=12, max_model_len=64,
-                                       prefix_caching=True)
+                                       prefix_caching=True, secondary_slots=secondary_slots)
     pool = scheduler.kv_cache.pool
     counter = 0
     for op, variant, length, max_tokens in operations:
@@ -123,6 +124,12 @@ def test_random_interleavings_keep_the_pool_consistent(operations):
             digest, tokens = key
             written = runner.block_contents.get(block, {})
             assert [written.get(i) for i in range(len(tokens))] == list(tokens), "cached key disagrees with KV"
+        tier = scheduler.kv_cache.tier
+        if tier is not None:
+            tier.check_invariants()
+            for key, slot in tier._slots.items():
+                saved = runner.tier_contents.get(slot, {})
+                assert [saved.get(i) for i in range(len(key[1]))] == list(key[1]), "tier slot disagrees with key"
     run_to_completion(scheduler, runner)
     assert pool.num_free_blocks == pool.num_blocks
 
@@ -148,3 +155,17 @@ def test_lpm_admits_the_longest_cached_prefix_first_without_starving_others():
         order += [s.request_id for s in schedule.scheduled if s.start == 0 or s.request_id.startswith("hit")]
         starving.update_from_output(schedule, runner.execute(schedule))
     assert "cold" in order and order.index("cold") <= 9
+
+
+def test_evicted_prefix_comes_back_from_the_second_tier():
+    scheduler, runner = make_scheduler(num_blocks=8, block_size=4, budget=64, prefix_caching=True,
+                                       secondary_slots=8)
+    first_chunk(scheduler, runner, make_request("a", 0, prompt=SHARED + [1], max_tokens=1))
+    run_to_completion(scheduler, runner)
+    first_chunk(scheduler, runner, make_request("flood", 0, prompt=[3] * 31, max_tokens=1))  # evicts all of a's blocks
+    run_to_completion(scheduler, runner)
+    kv = scheduler.kv_cache
+    assert kv.pool.num_evictions >= 4 and kv.tier.num_saves >= 4
+    item = first_chunk(scheduler, runner, make_request("b", 0, prompt=SHARED + [2], max_tokens=1))
+    assert item.start == 16, "the shared prefix came back from the second tier instead of being recomputed"
+    assert kv.tier.num_hits == 4 and len(runner.steps[-1].kv_loads) == 4

@@ -29,7 +29,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor (the backend chooses the layout)."""
+        """Shape of one layer's KV cache tensor (the backend chooses the layout, but dimension 1 is
+        always the block dimension: the second KV tier copies whole blocks along it)."""
 
     @abstractmethod
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 BlockKey = Hashable  # identifies a full block's content: see KVCacheManager.block_key
 
@@ -30,6 +30,9 @@ class BlockPool:
         self.keys: list[Optional[BlockKey]] = [None] * num_blocks
         self.cached: dict[BlockKey, int] = {}
         self.num_evictions = 0
+        # called with (block, key) just before a cached block is handed out again: the last moment
+        # its content can be saved elsewhere (the second KV tier)
+        self.on_evict: Optional[Callable[[int, BlockKey], None]] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,6 +62,8 @@ class BlockPool:
     def _evict(self, block: int) -> None:
         key = self.keys[block]
         if key is not None:
+            if self.on_evict is not None:
+                self.on_evict(block, key)
             del self.cached[key]
             self.keys[block] = None
             self.num_evictions += 1

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 from tokenmill.core.block_pool import BlockKey, BlockPool
+from tokenmill.core.secondary_tier import SecondaryTier
 
 _ROOT = b"tokenmill-prefix-root"
 
@@ -34,7 +35,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False, cache_salt: str = "") -> None:
+                 enable_prefix_caching: bool = False, cache_salt: str = "", secondary_slots: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -46,7 +47,15 @@ class KVCacheManager:
         self._keys: dict[str, list[BlockKey]] = {}
         self._lookup_memo: dict[str, tuple[int, list[BlockKey]]] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of those, tokens found
+        self.prefix_hits = 0  # of those, tokens found (in either tier)
+        # Second tier: cached blocks evicted from the pool are copied there and copied back on a hit.
+        # Copies are queued here while scheduling and carried out by the runner before the step's
+        # forward pass: all (block -> slot) saves first, then all (slot -> block) loads.
+        self.tier = SecondaryTier(secondary_slots) if enable_prefix_caching and secondary_slots > 0 else None
+        self._pending_saves: list[tuple[int, int]] = []
+        self._pending_loads: list[tuple[int, int]] = []
+        if self.tier is not None:
+            self.pool.on_evict = self._save_to_tier
         # New requests are admitted only while this many blocks stay free, so requests already
         # running can grow a little before anyone has to be preempted.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -64,30 +73,53 @@ class KVCacheManager:
         """The request's block table (the live list; callers must not modify it)."""
         return self.tables.get(request_id, [])
 
-    def can_admit(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def can_admit(self, request_id: str, num_tokens: int, cached_blocks: Sequence[Optional[int]] = ()) -> bool:
         """Whether a waiting request can get blocks for `num_tokens` (the first of them being
-        `cached_blocks`, a prefix-cache hit) and leave the watermark free."""
+        `cached_blocks`, a prefix-cache match) and leave the watermark free."""
         return self._num_free_after(request_id, num_tokens, cached_blocks) >= self.watermark_blocks
 
-    def _num_free_after(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int:
-        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # leave the free list
-        needed = max(0, self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())) - len(cached_blocks))
+    def _num_free_after(self, request_id: str, num_tokens: int, cached_blocks: Sequence[Optional[int]]) -> int:
+        in_pool = [b for b in cached_blocks if b is not None]  # None: a second-tier hit, needs a block
+        revived = sum(1 for b in in_pool if self.pool.ref_counts[b] == 0)  # they leave the free list
+        needed = max(0, self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())) - len(in_pool))
         return self.pool.num_free_blocks - revived - needed
 
-    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        """Grow the request's table to hold `num_tokens` tokens, starting with `cached_blocks` when it
-        has none yet; False (and no change) if the pool is short."""
+    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: Sequence[Optional[int]] = ()) -> bool:
+        """Grow the request's table to hold `num_tokens` tokens, starting with `cached_blocks` (from
+        `match_prefix`) when it has none yet; False (and no change) if the pool is short."""
         if self._num_free_after(request_id, num_tokens, cached_blocks) < 0:
             return False
         table = self.tables.setdefault(request_id, [])
         if cached_blocks:
             assert not table, "cached blocks can only start a table"
-            self.pool.share(list(cached_blocks))
-            table.extend(cached_blocks)
+            self.pool.share([b for b in cached_blocks if b is not None])  # before any allocation can evict them
+            keys = self._keys[request_id]
+            for index, block in enumerate(cached_blocks):
+                if block is None:
+                    (block,) = self.pool.allocate(1)
+                    self.pool.register(block, keys[index])
+                    self._pending_loads.append((self.tier.take(keys[index]), block))
+                table.append(block)
         needed = self.blocks_for(num_tokens) - len(table)
         if needed > 0:
             table.extend(self.pool.allocate(needed))
         return True
+
+    def _save_to_tier(self, block: int, key: BlockKey) -> None:
+        slot = self.tier.save(key)
+        if slot is not None:
+            self._pending_saves.append((block, slot))
+
+    def take_pending_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The second-tier copies this step needs: ((block, slot) saves, (slot, block) loads)."""
+        saves, loads = self._pending_saves, self._pending_loads
+        self._pending_saves, self._pending_loads = [], []
+        return saves, loads
+
+    def end_step(self) -> None:
+        """The runner has done the step's copies."""
+        if self.tier is not None:
+            self.tier.end_step()
 
     # ------------------------------------------------------------------ prefix cache
     def block_key(self, parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:
@@ -111,7 +143,7 @@ class KVCacheManager:
         self._lookup_memo[request.request_id] = (num_tokens, keys)
         return keys
 
-    def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[int], int]:
+    def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[Optional[int]], int]:
         """The cached blocks holding the longest cached prefix of the request's first `num_tokens`
         tokens, and how many tokens they cover.
 
@@ -126,13 +158,14 @@ class KVCacheManager:
         """How many of the request's first `num_tokens` tokens a match would cover now (no side effects)."""
         return len(self._cached_blocks(request, num_tokens)) * self.block_size
 
-    def _cached_blocks(self, request: CachedSequence, num_tokens: int) -> list[int]:
+    def _cached_blocks(self, request: CachedSequence, num_tokens: int) -> list[Optional[int]]:
+        """Pool blocks of the cached prefix, None where a block's content waits in the second tier."""
         if not self.enable_prefix_caching:
             return []
-        blocks: list[int] = []
+        blocks: list[Optional[int]] = []
         for key in self._prefix_keys(request, num_tokens):
             block = self.pool.lookup(key)
-            if block is None:
+            if block is None and not (self.tier is not None and key in self.tier):
                 break
             blocks.append(block)
         return blocks

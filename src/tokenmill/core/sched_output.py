@@ -48,6 +48,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    # Second KV tier copies, done before the forward pass in this order: saves, then loads.
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (pool block, tier slot)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, pool block)
 
     @property
     def total_num_tokens(self) -> int:

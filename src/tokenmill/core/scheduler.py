@@ -124,7 +124,8 @@ class Scheduler:
         if num_preempted == 0:
             budget = self._admit_waiting(budget, scheduled)
 
-        output = SchedulerOutput(scheduled, self._finished_since_last_step, num_preempted)
+        saves, loads = self.kv_cache.take_pending_copies()
+        output = SchedulerOutput(scheduled, self._finished_since_last_step, num_preempted, saves, loads)
         self._finished_since_last_step = []
         self.num_preemptions_total += num_preempted
         return output
@@ -197,6 +198,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance requests by what the step computed and sampled; returns one update per request touched."""
+        self.kv_cache.end_step()
         updates = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)

@@ -56,6 +56,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefix_cache_evictions: int
+    secondary_cache_hits: int
+    secondary_cache_saves: int
 
 
 class LLMEngine:
@@ -84,15 +86,18 @@ class LLMEngine:
         self.model.eval()
 
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_kv_blocks or self._blocks_for_budget(block_size)
+        num_blocks = config.cache.num_kv_blocks or self._blocks_for_budget(block_size, config.cache.kv_cache_memory_gb)
+        tier_slots = 0
+        if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
+            tier_slots = self._blocks_for_budget(block_size, config.cache.secondary_kv_gb)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
-                                       cache_salt=source.path)
+                                       cache_salt=source.path, secondary_slots=tier_slots)
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, config.scheduler.schedule_policy)
         self.scheduler = Scheduler(limits, self.kv_cache)
         self.runner = ModelRunner(self.model, backend, num_blocks, block_size, self.arch.num_key_value_heads,
                                   self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
-                                  config.model.seed)
+                                  config.model.seed, tier_slots, config.cache.secondary_kv_folder)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - started, self.arch.architecture, self.device, self.dtype,
@@ -111,11 +116,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len {asked} is larger than {reason}, {limit}")
         return asked
 
-    def _blocks_for_budget(self, block_size: int) -> int:
+    def _blocks_for_budget(self, block_size: int, gib: float) -> int:
         arch = self.arch
         bytes_per_block = (2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim
                            * torch.tensor([], dtype=self.dtype).element_size())
-        return max(1, int(self.config.cache.kv_cache_memory_gb * _GIB) // bytes_per_block)
+        return max(1, int(gib * _GIB) // bytes_per_block)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -178,8 +183,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Queue sizes, cache use and cumulative counters, for metrics."""
         kv, scheduler = self.kv_cache, self.scheduler
+        tier_hits = kv.tier.num_hits * kv.block_size if kv.tier is not None else 0
+        tier_saves = kv.tier.num_saves if kv.tier is not None else 0
         return EngineStats(scheduler.num_running, scheduler.num_waiting, kv.usage, scheduler.num_preemptions_total,
-                           kv.prefix_queries, kv.prefix_hits, kv.pool.num_evictions)
+                           kv.prefix_queries, kv.prefix_hits, kv.pool.num_evictions, tier_hits, tier_saves)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""

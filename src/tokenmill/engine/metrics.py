@@ -52,7 +52,9 @@ class EngineMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted to make room.")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).")
-        self._last_totals = (0, 0, 0, 0)
+        self.secondary_hits = counter("secondary_cache_hits", "Prompt tokens copied back from the second KV tier.")
+        self.secondary_saves = counter("secondary_cache_saves", "KV blocks saved to the second tier on eviction.")
+        self._last_totals = (0, 0, 0, 0, 0, 0)
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
@@ -66,9 +68,10 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
-                  stats.prefix_cache_evictions)
-        for counter, total, last in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.evictions),
-                                        totals, self._last_totals):
+                  stats.prefix_cache_evictions, stats.secondary_cache_hits, stats.secondary_cache_saves)
+        counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.evictions, self.secondary_hits,
+                    self.secondary_saves)
+        for counter, total, last in zip(counters, totals, self._last_totals):
             if total > last:
                 counter.inc(total - last)
         self._last_totals = totals

@@ -11,6 +11,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sch
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.sampler import sample
+from tokenmill.worker.kv_tier_store import KVTierStore
 
 
 class ModelRunner:
@@ -22,7 +23,8 @@ class ModelRunner:
 
     def __init__(self, model: Any, backend: AttentionBackend, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...], seed: int = 0, tier_slots: int = 0,
+                 tier_folder: Optional[str] = None) -> None:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -31,6 +33,10 @@ class ModelRunner:
                         dtype=dtype, device=device)
             for _ in range(model.arch.num_hidden_layers)
         ]
+        self.tier = None
+        if tier_slots:
+            self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, num_kv_heads, head_dim),
+                                    len(self.kv_caches), dtype, device, tier_folder)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -39,6 +45,10 @@ class ModelRunner:
         """Run one step."""
         for request_id in schedule.finished_request_ids:
             self.generators.pop(request_id, None)
+        if schedule.kv_saves or schedule.kv_loads:
+            assert self.tier is not None, "second-tier copies scheduled without a second tier"
+            self.tier.save(self.kv_caches, schedule.kv_saves)  # saves before loads: see SecondaryTier
+            self.tier.load(self.kv_caches, schedule.kv_loads)
         result = ModelRunnerOutput()
         if schedule.is_empty:
             return result
