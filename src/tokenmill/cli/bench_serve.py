@@ -26,9 +26,12 @@ def add_bench_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name the server serves")
     p.add_argument("--api-key", default=None, help="API key, sent as a Bearer token")
-    p.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random",
+    p.add_argument("--dataset", choices=("random", "shared-prefix", "multi-turn", "jsonl"), default="random",
                    help="random: --input-len random tokens; shared-prefix: one --prefix-len prefix shared by "
-                        "all + --input-len unique tokens each; jsonl: one {\"prompt\": ...} per line of --dataset-path")
+                        "all + --input-len unique tokens each; multi-turn: --num-prompts conversations of "
+                        "--turns turns, each turn resending the whole history plus --input-len new tokens; "
+                        "jsonl: one {\"prompt\": ...} per line of --dataset-path")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation for multi-turn (default: 4)")
     p.add_argument("--dataset-path", default=None, help="JSONL file for --dataset jsonl")
     p.add_argument("--num-prompts", type=int, default=64, help="number of requests (default: 64)")
     p.add_argument("--input-len", type=int, default=256, help="random / unique tokens per prompt (default: 256)")
@@ -57,6 +60,18 @@ def build_prompts(args: argparse.Namespace) -> list[Any]:
         with open(args.dataset_path, encoding="utf-8") as f:
             prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
         return prompts[:args.num_prompts]
+    if args.dataset == "multi-turn":
+        # one list of turns per conversation; turn k's prompt extends turn k-1's prompt and a reply
+        conversations = []
+        for _ in range(args.num_prompts):
+            history: list[int] = tokens(args.prefix_len) if args.prefix_len else []
+            turns = []
+            for _ in range(args.turns):
+                history = history + tokens(args.input_len)
+                turns.append(history)
+                history = history + tokens(args.output_len)  # stands for the assistant's reply
+            conversations.append(turns)
+        return conversations
     if args.dataset == "shared-prefix":
         prefix = tokens(args.prefix_len)
         return [prefix + tokens(args.input_len) for _ in range(args.num_prompts)]
@@ -117,7 +132,8 @@ async def _run(args: argparse.Namespace, prompts: list[Any]) -> tuple[list[Reque
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency)
-    bar = tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr)
+    total = len(prompts) * (args.turns if args.dataset == "multi-turn" else 1)
+    bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
 
     async def bounded(prompt: Any) -> RequestResult:
         async with limit:
@@ -127,18 +143,24 @@ async def _run(args: argparse.Namespace, prompts: list[Any]) -> tuple[list[Reque
             bar.update(1)
             return result
 
+    async def conversation(turns: list[list[int]]) -> list[RequestResult]:
+        return [await bounded(turn) for turn in turns]  # each turn waits for the previous reply
+
     timeout = httpx.Timeout(None, connect=30.0)
     limits = httpx.Limits(max_connections=args.max_concurrency + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         started = time.perf_counter()
         tasks = []
         for prompt in prompts:
-            tasks.append(asyncio.ensure_future(bounded(prompt)))
+            work = conversation(prompt) if args.dataset == "multi-turn" else bounded(prompt)
+            tasks.append(asyncio.ensure_future(work))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
     bar.close()
+    if args.dataset == "multi-turn":
+        results = [r for turns in results for r in turns]
     return list(results), elapsed
 
 
@@ -162,7 +184,8 @@ def summarise(args: argparse.Namespace, results: list[RequestResult], elapsed: f
     return {
         "dataset": args.dataset, "num_prompts": len(results), "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        "input_len": args.input_len, "prefix_len": args.prefix_len if args.dataset == "shared-prefix" else 0,
+        "input_len": args.input_len, "prefix_len": args.prefix_len if args.dataset != "random" else 0,
+        "turns": args.turns if args.dataset == "multi-turn" else 1,
         "output_len": args.output_len, "seed": args.seed,
         "completed": len(ok), "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if not r.ok), None),
