@@ -43,9 +43,11 @@ def test_batched_greedy_matches_hf(smollm2, hf_greedy):
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
-def test_alone_equals_batched(smollm2, hf_greedy):
+def test_alone_and_warm_prefix_cache_equal_batched(smollm2, hf_greedy):
+    hits_before = smollm2.llm_engine.kv_cache.prefix_hits
     alone = [token_ids(smollm2.generate(p, greedy()))[0] for p in PROMPTS[:3]]
     assert alone == hf_greedy[:3]
+    assert smollm2.llm_engine.kv_cache.prefix_hits > hits_before, "the re-sent prompts hit the prefix cache"
 
 
 def test_chunked_prefill_gives_the_same_tokens(make_smollm2, hf_greedy):
