@@ -17,6 +17,7 @@ class CachedSequence(Protocol):
 
     request_id: str
     num_computed_tokens: int
+    num_tokens: int
 
     def token_ids_range(self, start: int, end: int) -> list[int]: ...
 
@@ -92,13 +93,16 @@ class KVCacheManager:
         table = self.tables.setdefault(request_id, [])
         if cached_blocks:
             assert not table, "cached blocks can only start a table"
-            self.pool.share([b for b in cached_blocks if b is not None])  # before any allocation can evict them
             keys = self._keys[request_id]
+            # Claim every hit before allocating anything: an allocation may evict a pool block, and
+            # saving that to a full tier may push out the LRU tier entry — which must not be ours.
+            self.pool.share([b for b in cached_blocks if b is not None])
+            tier_slots = {i: self.tier.take(keys[i]) for i, b in enumerate(cached_blocks) if b is None}
             for index, block in enumerate(cached_blocks):
                 if block is None:
                     (block,) = self.pool.allocate(1)
                     self.pool.register(block, keys[index])
-                    self._pending_loads.append((self.tier.take(keys[index]), block))
+                    self._pending_loads.append((tier_slots[index], block))
                 table.append(block)
         needed = self.blocks_for(num_tokens) - len(table)
         if needed > 0:
@@ -153,6 +157,13 @@ class KVCacheManager:
         if blocks:
             self._keys[request.request_id] = self._prefix_keys(request, num_tokens)[:len(blocks)]
         return blocks, len(blocks) * self.block_size
+
+    def prefix_keys_between(self, request: CachedSequence, start: int, end: int) -> list[BlockKey]:
+        """Keys of a waiting request's full blocks lying in tokens [start, end) (none when caching is off)."""
+        if not self.enable_prefix_caching:
+            return []
+        keys = self._prefix_keys(request, request.num_tokens)
+        return keys[start // self.block_size:end // self.block_size]
 
     def num_cached_tokens(self, request: CachedSequence, num_tokens: int) -> int:
         """How many of the request's first `num_tokens` tokens a match would cover now (no side effects)."""

@@ -132,6 +132,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
+        computing = set()  # keys of full blocks that requests admitted in this step compute
         while self.waiting and budget > 0:
             request = self._next_waiting()
             if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
@@ -141,6 +142,11 @@ class Scheduler:
             cached_blocks, num_cached = [], 0
             if request.sampling_params.prompt_logprobs is None:
                 cached_blocks, num_cached = self.kv_cache.match_prefix(request, request.num_tokens)
+            # A request whose next block another request admitted in this step is computing waits one
+            # step and then finds it cached, instead of computing the same prefix again (a cold batch).
+            upcoming = self.kv_cache.prefix_keys_between(request, num_cached, num_cached + self.kv_cache.block_size)
+            if upcoming and upcoming[0] in computing:
+                break
             num_new = min(request.num_tokens - num_cached, budget)
             target = num_cached + num_new
             # With nothing running there is nobody to keep the watermark for: admit if it fits at all.
@@ -148,6 +154,7 @@ class Scheduler:
                 break
             if not self.kv_cache.allocate_slots(request.request_id, target, cached_blocks):
                 break
+            computing.update(self.kv_cache.prefix_keys_between(request, num_cached, target))
             self.kv_cache.record_lookup(request.request_id, request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             self.waiting.remove(request)
