@@ -37,11 +37,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """'auto' -> float32 on CPU (exact, and fastest without AMX), the checkpoint's dtype on CUDA."""
+    """'auto' -> float32 on CPU (exact); on CUDA the checkpoint's half dtype, bfloat16 for float32 ones."""
     if name == "auto":
         if device.type == "cpu":
             return torch.float32
-        return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
     return _DTYPES[name]
 
 
