@@ -144,11 +144,6 @@ class AsyncEngine:
         """True while the engine thread runs."""
         return self._thread.is_alive() and not self._stopping
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        """Requests admitted and not yet finished."""
-        return len(self._streams)
-
     def shutdown(self) -> None:
         """Abort every live request, stop the loop and wait for the thread."""
         self._accepting = False

@@ -7,7 +7,7 @@ tensor; adding tensor parallelism means passing a rank/size and an all-reduce, n
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -111,9 +111,6 @@ class RowParallelLinear(_ShardedLinear):
             return
         cols = param.shape[1]
         self._copy(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
-
-
-LinearLayer = Union[ColumnParallelLinear, RowParallelLinear]
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[object] = None) -> None:
