@@ -22,10 +22,7 @@ def make_smollm2(smollm2_source):
     from tokenmill.engine.llm_engine import LLMEngine
 
     def make(**options):
-        llm = LLM.__new__(LLM)
-        llm.llm_engine = LLMEngine(EngineConfig.from_kwargs(**options), source=smollm2_source)
-        llm._ids = iter(range(10**9))
-        return llm
+        return LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**options), source=smollm2_source))
     return make
 
 

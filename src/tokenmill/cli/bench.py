@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -50,9 +51,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.llm_engine import LLMEngine
 
-    llm = LLM.__new__(LLM)
-    llm.llm_engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
-    llm._ids = iter(range(10**9))
+    llm = LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args))))
     prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.arch.vocab_size, args.dataset_seed)
     if args.backend == "hf":
         elapsed = _run_hf(llm.llm_engine, prompts, args.output_len, args.hf_batch_size)
@@ -81,7 +80,6 @@ def _run_hf(engine: Any, prompts: list[list[int]], output_len: int, batch_size: 
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    import os
     path = engine.source.path
     if os.path.isdir(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype)

@@ -27,6 +27,13 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an engine that is already built (e.g. one sharing a loaded ModelSource)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine, llm._ids = engine, itertools.count()
+        return llm
+
     def get_tokenizer(self) -> Any:
         """The model's (Hugging Face) tokenizer."""
         return self.llm_engine.tokenizer

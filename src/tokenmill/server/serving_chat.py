@@ -8,7 +8,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving_common import (
-    SSE_DONE, APIError, DeltaTracker, bad_request, new_id, now, primed, sse, top_entries, usage)
+    SSE_DONE, APIError, DeltaTracker, bad_request, new_id, now, primed, stream_chunk, top_entries, usage)
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -90,9 +90,8 @@ class ChatHandler:
         tracker = DeltaTracker()
         completion_tokens = 0
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                        "model": self.model_name, "choices": choices})
+        def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, int]] = None) -> str:
+            return stream_chunk(response_id, "chat.completion.chunk", created, self.model_name, choices, usage_)
 
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -107,9 +106,7 @@ class ChatHandler:
                 if choices:
                     yield chunk(choices)
             if body.include_usage:
-                yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                           "model": self.model_name, "choices": [],
-                           "usage": usage(prompt_tokens, completion_tokens)})
+                yield chunk([], usage(prompt_tokens, completion_tokens))
             yield SSE_DONE
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]

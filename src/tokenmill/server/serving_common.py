@@ -68,6 +68,16 @@ def sse(payload: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def stream_chunk(response_id: str, object_: str, created: int, model: str, choices: list[dict[str, Any]],
+                 usage_: Optional[dict[str, int]] = None) -> str:
+    """One SSE event of a streamed response; the usage chunk has no choices and carries `usage_`."""
+    payload: dict[str, Any] = {"id": response_id, "object": object_, "created": created, "model": model,
+                               "choices": choices}
+    if usage_ is not None:
+        payload["usage"] = usage_
+    return sse(payload)
+
+
 def new_id(prefix: str) -> str:
     """A response id like OpenAI's."""
     return f"{prefix}-{uuid.uuid4().hex}"

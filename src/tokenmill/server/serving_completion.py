@@ -8,7 +8,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving_common import (
-    SSE_DONE, APIError, DeltaTracker, bad_request, merge, new_id, now, primed, sse, top_entries, usage)
+    SSE_DONE, APIError, DeltaTracker, bad_request, merge, new_id, now, primed, stream_chunk, top_entries, usage)
 
 _FIELDS = set(CompletionRequest.model_fields)
 
@@ -133,9 +133,8 @@ class CompletionHandler:
         echoed: set[int] = set()
         text_offsets: dict[int, int] = {}  # where each choice's next token starts in its whole text
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            return sse({"id": response_id, "object": "text_completion", "created": created,
-                        "model": self.model_name, "choices": choices})
+        def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, int]] = None) -> str:
+            return stream_chunk(response_id, "text_completion", created, self.model_name, choices, usage_)
 
         try:
             async for prompt_index, output in outputs:
@@ -166,9 +165,7 @@ class CompletionHandler:
                     yield chunk(choices)
             if body.include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
-                yield sse({"id": response_id, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [],
-                           "usage": usage(prompt_tokens, completion_tokens)})
+                yield chunk([], usage(prompt_tokens, completion_tokens))
             yield SSE_DONE
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
