@@ -69,10 +69,9 @@ class ChatHandler:
                   body: ChatCompletionRequest) -> Optional[dict[str, Any]]:
         if not body.logprobs or entries is None:
             return None
-        decode = self.engine.tokenizer.decode
         content = []
         for token_id, entry in zip(token_ids, entries):
-            text = decode([token_id])
+            text = entry[token_id].decoded_token  # decoded once, by the engine's output processor
             top = [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
                    for _, lp in top_entries(entry, body.top_logprobs or 0)]
             content.append({"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode()),

@@ -106,7 +106,8 @@ class CompletionHandler:
         tokenizer = self.engine.tokenizer
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
-            text = tokenizer.decode([token_id])
+            # the engine already decoded every scored token; only the first prompt token has no entry
+            text = tokenizer.decode([token_id]) if entry is None else entry[token_id].decoded_token
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
