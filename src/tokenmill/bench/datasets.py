@@ -1,0 +1,69 @@
+"""Seeded benchmark datasets: the same prompts for `bench serve` and `bench throughput`.
+
+random: exact-length random token ids; shared-prefix: one common prefix + unique tails;
+multi-turn: conversations whose turn k resends turn k-1 plus a reply and new tokens (serve only);
+jsonl: one {"prompt": ...} object per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from typing import Any
+
+DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+
+
+def add_dataset_args(p: argparse.ArgumentParser, datasets: tuple[str, ...] = DATASETS,
+                     seed_flag: str = "--seed") -> None:
+    """The dataset flags both benchmarks take (`seed_flag` names the seed where --seed means the engine's)."""
+    p.add_argument("--dataset", choices=datasets, default="random",
+                   help="random: --input-len random tokens; shared-prefix: one --prefix-len prefix shared by "
+                        "all + --input-len unique tokens each; "
+                        + ("multi-turn: --num-prompts conversations of --turns turns, each turn resending the "
+                           "whole history plus --input-len new tokens; " if "multi-turn" in datasets else "")
+                        + "jsonl: one {\"prompt\": ...} per line of --dataset-path (default: random)")
+    if "multi-turn" in datasets:
+        p.add_argument("--turns", type=int, default=4, help="turns per conversation for multi-turn (default: 4)")
+    p.add_argument("--dataset-path", default=None, help="JSONL file for --dataset jsonl")
+    p.add_argument("--num-prompts", type=int, default=64, help="number of requests (default: 64)")
+    p.add_argument("--input-len", type=int, default=256, help="random / unique tokens per prompt (default: 256)")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens (default: 512)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
+    p.add_argument(seed_flag, dest="seed", type=int, default=0,
+                   help="seed of the prompts (and arrivals); vary it for cold caches (default: 0)")
+
+
+def build_prompts(args: argparse.Namespace, vocab_size: int) -> list[Any]:
+    """Token-id lists (random, shared-prefix), lists of turns (multi-turn) or strings (jsonl).
+
+    Ids are drawn from [min(1000, vocab/2), vocab) to stay clear of special tokens.
+    """
+    rng = random.Random(args.seed)
+    low = min(1000, vocab_size // 2)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    if args.dataset == "jsonl":
+        if not args.dataset_path:
+            raise ValueError("--dataset jsonl needs --dataset-path")
+        with open(args.dataset_path, encoding="utf-8") as f:
+            prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        return prompts[:args.num_prompts]
+    if args.dataset == "multi-turn":
+        conversations = []
+        for _ in range(args.num_prompts):
+            history: list[int] = tokens(args.prefix_len) if args.prefix_len else []
+            turns = []
+            for _ in range(args.turns):
+                history = history + tokens(args.input_len)
+                turns.append(history)
+                history = history + tokens(args.output_len)  # stands for the assistant's reply
+            conversations.append(turns)
+        return conversations
+    if args.dataset == "shared-prefix":
+        prefix = tokens(args.prefix_len)
+        return [prefix + tokens(args.input_len) for _ in range(args.num_prompts)]
+    return [tokens(args.input_len) for _ in range(args.num_prompts)]

@@ -1,0 +1,91 @@
+"""`tokenmill bench serve` against a real server and `tokenmill bench throughput` in-process, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from e2e.server_harness import ServerProcess
+from helpers.tiny_models import make_tiny_hf_model
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tokenmill(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli.main", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=1024))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    proc = ServerProcess(tiny_model, "--served-model-name", "bench-test", "--num-kv-blocks", "256",
+                         log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_bench_serve_reports_exact_token_counts_latencies_memory_and_plots(server, tmp_path):
+    out = tmp_path / "result.json"
+    result = tokenmill("bench", "serve", "--base-url", server.url, "--model", "bench-test",
+                       "--dataset", "shared-prefix", "--prefix-len", "32", "--input-len", "8", "--output-len", "5",
+                       "--num-prompts", "6", "--max-concurrency", "2", "--request-rate", "50", "--seed", "7",
+                       "--server-pid", str(server.proc.pid), "--plot-dir", str(tmp_path / "plots"),
+                       "--output-json", str(out))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert summary == json.loads(result.stdout)
+    assert (summary["completed"], summary["errors"]) == (6, 0)
+    # greedy + ignore_eos: every request produced exactly --output-len tokens from 40-token prompts
+    assert summary["output_tokens_per_s"] * summary["elapsed_s"] == pytest.approx(6 * 5, rel=0.01)
+    assert summary["total_tokens_per_s"] * summary["elapsed_s"] == pytest.approx(6 * 45, rel=0.01)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = summary[key]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], key
+    assert summary["ttft_ms"]["p50"] < summary["e2e_ms"]["p50"]
+    assert 0.05 < summary["server_peak_rss_gib"] < 20
+    assert len(summary["plots"]) == 2
+    for path in summary["plots"]:
+        assert open(path, "rb").read(8) == PNG_MAGIC
+    assert "requests" in result.stderr  # the progress bar
+
+
+def test_bench_serve_counts_errors_instead_of_stopping(server):
+    result = tokenmill("bench", "serve", "--base-url", server.url, "--model", "no-such-model",
+                       "--num-prompts", "2", "--input-len", "4", "--output-len", "2")
+    assert result.returncode == 1
+    summary = json.loads(result.stdout)
+    assert (summary["completed"], summary["errors"]) == (0, 2)
+    assert "404" in summary["first_error"]
+
+
+def test_bench_throughput_runs_the_same_datasets_in_process(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me a story about the number {i}."})
+                                 for i in range(5)) + "\n")
+    for dataset in (("--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "4"),
+                    ("--dataset", "jsonl", "--dataset-path", str(prompts))):
+        result = tokenmill("bench", "throughput", "--model", tiny_model, "--num-kv-blocks", "256",
+                           "--num-prompts", "5", "--output-len", "3", *dataset)
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert (summary["completed"], summary["errors"]) == (5, 0)
+        assert summary["output_tokens_per_s"] * summary["elapsed_s"] == pytest.approx(15, rel=0.01)
+        assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+        assert summary["peak_rss_gib"] > 0.05
+
+
+def test_bench_rejects_bad_flags_clearly():
+    result = tokenmill("bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                       "--max-concurrency", "0")
+    assert result.returncode == 2
+    assert "--max-concurrency must be at least 1" in result.stderr and "Traceback" not in result.stderr
