@@ -16,34 +16,33 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import (
     MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader)
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
 
 
 class LlamaAttention(nn.Module):
     """Self-attention with fused QKV, optional per-head q/k RMSNorm, RoPE and paged KV."""
 
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.head_dim = arch.head_dim
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
                                           arch.num_key_value_heads, bias=arch.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any) -> torch.Tensor:
-        """hidden: [T, hidden] -> [T, hidden]."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(q.shape[0], -1, self.head_dim)
-        k = k.view(k.shape[0], -1, self.head_dim)
-        v = v.view(v.shape[0], -1, self.head_dim)
+        """hidden: [T, hidden] -> [T, hidden]; rope: this step's (cos, sin) per token."""
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # heads: q..., k..., v...
+        q_and_k, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
+            q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = apply_rotary(q_and_k, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -65,17 +64,17 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, rotary, backend)
+        self.self_attn = LlamaAttention(arch, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any) -> torch.Tensor:
         """One transformer block."""
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -92,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, self.rotary, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend)
                                     for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None
@@ -104,8 +103,9 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+            hidden = layer(rope, hidden, kv_cache, attn_metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
