@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+LINEAR_KERNELS = ("auto", "dense")
+ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -30,9 +32,21 @@ class ModelConfig:
                                         "default: the model's context length")
     device: str = _opt("auto", "where to run: cuda if available when auto", choices=DEVICES)
     seed: int = _opt(0, "seed of the global sampling generator (requests without their own seed)")
+    linear_kernel: str = _opt("auto", "how linear layers multiply; auto = weights packed once for oneDNN "
+                              "when computing in bfloat16 on CPU, dense = plain F.linear (the reference)",
+                              choices=LINEAR_KERNELS)
+    attention_backend: str = _opt("auto", "paged attention implementation; auto = cpu_paged (native kernels, "
+                                  "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "
+                                  "when a C compiler is available, else torch_ref (the PyTorch reference)",
+                                  choices=ATTENTION_BACKENDS)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -1,13 +1,33 @@
 """Paged attention backends behind one interface."""
 
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
 from tokenmill.attention.base import AttentionBackend, SequenceChunk
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 __all__ = ["AttentionBackend", "SequenceChunk", "TorchReferenceBackend", "get_attention_backend"]
 
 
-def get_attention_backend(name: str = "torch_ref") -> AttentionBackend:
-    """The backend called `name` (only the torch reference backend exists today)."""
-    if name != "torch_ref":
-        raise ValueError(f"unknown attention backend {name!r} (available: torch_ref)")
-    return TorchReferenceBackend()
+def get_attention_backend(name: str, device: torch.device) -> tuple[AttentionBackend, Optional[Any]]:
+    """The backend for `name` (auto | torch_ref | cpu_paged) on `device`, and the native CPU kernels
+    when it uses them. auto picks cpu_paged on CPU when the kernels build, else torch_ref."""
+    if name not in ("auto", "torch_ref", "cpu_paged"):
+        raise ValueError(f"unknown attention backend {name!r} (available: auto, torch_ref, cpu_paged)")
+    if name == "torch_ref" or (name == "auto" and device.type != "cpu"):
+        return TorchReferenceBackend(), None
+    if device.type != "cpu":
+        raise ValueError("attention backend cpu_paged runs on the CPU only")
+    from tokenmill.attention.cpu_paged import CpuPagedBackend
+    from tokenmill.kernels.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        if name == "cpu_paged":
+            raise ValueError("attention backend cpu_paged needs the native kernels, which could not be built "
+                             "(see the warning above); use torch_ref")
+        return TorchReferenceBackend(), None
+    return CpuPagedBackend(kernels), kernels

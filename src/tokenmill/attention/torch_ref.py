@@ -89,11 +89,10 @@ class TorchReferenceBackend(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: TorchRefMetadata) -> torch.Tensor:
         """Write K/V, then attend (see AttentionBackend.forward)."""
         m = metadata
-        kv_cache[0][m.block_ids, :, m.offsets] = k
-        kv_cache[1][m.block_ids, :, m.offsets] = v
-        out = torch.empty_like(q)
+        self._write(k, v, kv_cache, m)
+        out = q.new_empty(q.shape)
         if m.decode_token_index is not None:
-            out[m.decode_token_index] = self._decode(q[m.decode_token_index], kv_cache, m)
+            self._decode_into(out, q, kv_cache, m)
         for p in m.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
@@ -107,6 +106,14 @@ class TorchReferenceBackend(AttentionBackend):
                                                 is_causal=p.mask is None, enable_gqa=True)
             out[rows] = op.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        kv_cache[0][m.block_ids, :, m.offsets] = k
+        kv_cache[1][m.block_ids, :, m.offsets] = v
+
+    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        out[m.decode_token_index] = self._decode(q[m.decode_token_index], kv_cache, m)
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> torch.Tensor:

@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.layers.linear_kernels import onednn_packing_available
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.models.registry import build_model
 from tokenmill.outputs import RequestOutput
@@ -73,7 +74,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self.arch.eos_token_ids
 
-        backend = get_attention_backend()
+        backend, kernels = get_attention_backend(config.model.attention_backend, self.device)
         with torch.device(self.device):
             previous = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
@@ -82,6 +83,11 @@ class LLMEngine:
             finally:
                 torch.set_default_dtype(previous)
         self.model.load_weights(source.iter_weights())
+        self.model.use_linear_kernels(config.model.linear_kernel == "auto"
+                                      and onednn_packing_available(self.dtype, self.device))
+        if kernels is not None and self.dtype == torch.bfloat16:
+            # float32 keeps PyTorch's element-wise ops, whose results the HF comparisons pin down
+            self.model.use_fused_kernels(kernels)
         self.model.rotary.to_device(self.device)
         self.model.eval()
 
@@ -99,8 +105,9 @@ class LLMEngine:
                                   self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
                                   config.model.seed, tier_slots, config.cache.secondary_kv_folder)
         self.output_processor = OutputProcessor(self.tokenizer)
-        logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
-                    time.perf_counter() - started, self.arch.architecture, self.device, self.dtype,
+        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention), %d KV blocks x %d tokens, "
+                    "max_model_len %d", time.perf_counter() - started, self.arch.architecture, self.device,
+                    self.dtype, type(backend).__name__,
                     num_blocks, block_size, self.max_model_len)
 
     def _max_model_len(self) -> int:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
+
 
 class _ShardedLinear(nn.Module):
     """y = x W^T (+ b) over this rank's shard of W."""
@@ -24,10 +26,20 @@ class _ShardedLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.kernel: Optional[LinearKernel] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to the last dimension of x."""
+        if self.kernel is not None:
+            return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
+
+    def use_kernel(self, packed: bool) -> None:
+        """After loading: multiply through a kernel from now on. A packed kernel keeps its own copy
+        of the weight, so the layer's is dropped (no more weights can be loaded into it)."""
+        self.kernel = make_kernel(self.weight.data, None if self.bias is None else self.bias.data, packed)
+        if packed:
+            self.weight = None
 
     @staticmethod
     def _copy(dest: torch.Tensor, source: torch.Tensor) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional, Union
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +16,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.kernels: Any = None  # CpuKernels when the fused native kernel is used
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise x; the result has x's dtype."""
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """norm(x); or, given a residual stream, (norm(x + residual), x + residual)."""
+        if self.kernels is not None and x.dim() == 2 and x.is_contiguous():
+            if residual is None:
+                return self.kernels.add_rms_norm(x, None, self.weight, self.eps)
+            residual = residual.contiguous()
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps), residual  # residual += x
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        residual = x + residual
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual

@@ -6,7 +6,7 @@ whose differences come from `ArchConfig` flags, running on a flattened token bat
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import (
     MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader)
+from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
@@ -34,15 +35,15 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.backend = backend
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: "RopeInputs", hidden: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any) -> torch.Tensor:
-        """hidden: [T, hidden] -> [T, hidden]; rope: this step's (cos, sin) per token."""
+        """hidden: [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # heads: q..., k..., v...
         q_and_k, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = apply_rotary(q_and_k, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rope.apply(q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -71,11 +72,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: Any) -> torch.Tensor:
-        """One transformer block."""
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: "RopeInputs", hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """One transformer block on the (block output, residual stream) pair; the first layer gets
+        residual=None and the embeddings as `hidden`. The stream's value after the block is
+        residual + hidden, which the next norm adds up (fused with it where a kernel does both)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, normed, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -98,20 +106,43 @@ class LlamaForCausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
+        self.logits_kernel: Optional[LinearKernel] = None
+        self.kernels: Any = None  # see use_fused_kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        return self.norm(hidden, residual)[0]
+
+    def use_fused_kernels(self, kernels: Any) -> None:
+        """Route RMSNorm (+ residual add), SiLU-and-mul and RoPE through native kernels (CpuKernels)."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SiluAndMul)):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
+        if self.logits_kernel is not None:
+            return self.logits_kernel(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+    def use_linear_kernels(self, packed: bool) -> None:
+        """After loading: route every projection and the LM head through `make_kernel`. A tied head
+        keeps the embedding table for lookups and, when packed, a packed copy for the head."""
+        for module in self.modules():
+            if hasattr(module, "use_kernel"):
+                module.use_kernel(packed)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.logits_kernel = make_kernel(head.data, None, packed)
+        if packed and self.lm_head is not None:
+            self.lm_head.weight = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; raise if any parameter is left unset or a name is unknown."""
@@ -155,6 +186,22 @@ class LlamaForCausalLM(nn.Module):
             else:
                 keys.add(name)
         return keys
+
+
+class RopeInputs:
+    """This step's rotary embedding: cos/sin looked up once for all layers (PyTorch path), or
+    positions for the native kernel, which reads the float32 tables itself and rotates in place."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, kernels: Any) -> None:
+        self.rotary, self.positions, self.kernels = rotary, positions, kernels
+        self.cos_sin = None if kernels is not None else rotary.cos_sin(positions, dtype)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim]; the kernel path rotates x itself and returns it."""
+        if self.cos_sin is not None:
+            return apply_rotary(x, *self.cos_sin)
+        self.kernels.rope(x, self.positions, self.rotary.cos, self.rotary.sin)
+        return x
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

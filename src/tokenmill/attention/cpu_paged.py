@@ -1,0 +1,59 @@
+"""The CPU paged-attention backend: native kernels for the KV writes and for decode.
+
+Decode reads each sequence's K/V straight out of its cache blocks (no gathered copies, no padding
+mask) with one kernel call per layer for the whole batch, parallel over (sequence, kv head).
+Prefill chunks go through the reference backend's SDPA path. Same cache layout as the reference,
+which stays the oracle the tests compare this backend with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tokenmill.attention.base import SequenceChunk
+from tokenmill.attention.torch_ref import TorchRefMetadata, TorchReferenceBackend
+from tokenmill.kernels.cpu_kernels import CpuKernels
+
+
+@dataclass
+class CpuPagedMetadata(TorchRefMetadata):
+    """The reference metadata plus what the kernels read: slots, int32 decode tables and lengths."""
+
+    slots: Optional[torch.Tensor] = None  # [T] int64
+    decode_lens: Optional[torch.Tensor] = None  # [B] int32
+    decode_tables_i32: Optional[torch.Tensor] = None  # [B, max_blocks] int32
+
+
+class CpuPagedBackend(TorchReferenceBackend):
+    """Reference layout and prefill; native cache writes and decode attention."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+
+    def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
+                       block_size: int, device: torch.device) -> CpuPagedMetadata:
+        """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
+        decodes = [c for c in chunks if c.query_len == 1 and c.context_len > 1]
+        ref = super().build_metadata([c for c in chunks if not (c.query_len == 1 and c.context_len > 1)],
+                                     slot_mapping, block_size, device)
+        meta = CpuPagedMetadata(ref.block_ids, ref.offsets, ref.prefills, slots=slot_mapping)
+        if decodes:
+            max_blocks = max(-(-c.context_len // block_size) for c in decodes)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.int32)
+            for row, c in enumerate(decodes):
+                used = -(-c.context_len // block_size)
+                tables[row, :used] = torch.tensor(c.block_ids[:used], dtype=torch.int32)
+            meta.decode_token_index = torch.tensor([c.query_start for c in decodes], dtype=torch.int64)
+            meta.decode_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.int32)
+            meta.decode_tables_i32 = tables
+        return meta
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        self.kernels.cache_write(kv_cache, k, v, m.slots)
+
+    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
+                                      m.decode_lens, q.shape[-1] ** -0.5)

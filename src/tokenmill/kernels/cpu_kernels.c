@@ -1,0 +1,325 @@
+/* tokenmill's CPU kernels: paged decode attention, KV cache writes, and the fused element-wise ops of
+ * a Llama block. Plain C over raw pointers, called through ctypes (see cpu_kernels.py), built once
+ * per machine with -O3 -march=native and OpenMP (the libgomp PyTorch already loaded is reused).
+ *
+ * Storage is float32 or bfloat16 (`bf16` flag); all arithmetic is float32. Built with
+ * -ffp-contract=off so a*b + c*d rounds the way PyTorch's element-wise ops do.
+ */
+#include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Load n contiguous values as float32. */
+static inline void load_row(float *dst, const void *base, int64_t offset, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * 4);
+    }
+}
+
+/* Store n float32 values contiguously in the storage dtype. */
+static inline void store_row(void *base, int64_t offset, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + offset, src, (size_t)n * 4);
+    }
+}
+
+/* The values of n float32 results once stored in the storage dtype, in place. */
+static inline void round_row(float *v, int64_t n, int bf16) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+}
+
+/* exp for the softmax: Cody-Waite range reduction and a degree-6 polynomial, within 2 ulp of expf
+ * on [-87, 88]; written branch-free so the compiler vectorises the loops that call it. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    /* k = round(x / ln 2) by the 1.5 * 2^23 trick: pure arithmetic, so the loops vectorise */
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - k * 0.693145751953125f;
+    r = r - k * 1.428606765330187045e-06f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666666666f + r * (0.041666666666f
+              + r * (0.0083333333333f + r * 0.0013888888889f)))));
+    union { int32_t i; float f; } scale = { .i = ((int32_t)k + 127) << 23 };
+    return p * scale.f;
+}
+
+/* One query token per sequence against its paged context.
+ * q/out rows: token_index[b] selects the row of sequence b; heads at q_head_stride within a row.
+ * Cache (one layer, one of K or V): [num_blocks, kv_heads, block_size, head_dim], contiguous.
+ * Query head h reads kv head h / (num_heads / kv_heads). */
+#ifdef __AVX512F__
+/* Load 16 storage values as float32 lanes. */
+static inline __m512 load16(const void *base, int64_t i, int bf16) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* One (sequence, kv head) of decode attention with NV 16-lane vectors per head row: the G query
+ * rows and the G output accumulators stay in registers while K and V stream through once each. */
+#define DEFINE_DECODE_ITEM(NV)                                                                          \
+static void decode_item_##NV(float *out_rows, const void *q, int64_t q_row, int64_t q_head_stride,    \
+                             const void *k_cache, const void *v_cache, const int32_t *table,             \
+                             int64_t ctx, int64_t kvh, int64_t num_kv_heads, int64_t block_size,         \
+                             int64_t group, float scale, int bf16, float *scores) {                     \
+    const int64_t head_dim = 16 * NV, tile = block_size * head_dim;                                      \
+    for (int64_t g = 0; g < group; g++) {                                                                \
+        __m512 qv[NV];                                                                                   \
+        for (int v = 0; v < NV; v++) qv[v] = load16(q, q_row + (kvh * group + g) * q_head_stride + 16 * v, bf16); \
+        float mx = -INFINITY;                                                                            \
+        for (int64_t start = 0; start < ctx; start += block_size) {                                      \
+            const int64_t n = ctx - start < block_size ? ctx - start : block_size;                       \
+            const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;  \
+            for (int64_t j = 0; j < n; j++) {                                                            \
+                const int64_t base = tile_base + j * head_dim;                                           \
+                __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, base, bf16));                         \
+                for (int v = 1; v < NV; v++)                                                             \
+                    acc = _mm512_fmadd_ps(qv[v], load16(k_cache, base + 16 * v, bf16), acc);             \
+                float sc = _mm512_reduce_add_ps(acc) * scale;                                            \
+                scores[g * ctx + start + j] = sc;                                                        \
+                mx = sc > mx ? sc : mx;                                                                  \
+            }                                                                                            \
+        }                                                                                                \
+        float sum = 0.0f;                                                                                \
+        float *sg = scores + g * ctx;                                                                    \
+        for (int64_t t = 0; t < ctx; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }               \
+        const float inv = 1.0f / sum;                                                                    \
+        for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;                                                 \
+    }                                                                                                    \
+    __m512 acc[8][NV];                                                                                   \
+    for (int64_t g = 0; g < group; g++)                                                                  \
+        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();                                   \
+    for (int64_t start = 0; start < ctx; start += block_size) {                                          \
+        const int64_t n = ctx - start < block_size ? ctx - start : block_size;                           \
+        const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;      \
+        for (int64_t j = 0; j < n; j++) {                                                                \
+            __m512 row[NV];                                                                              \
+            for (int v = 0; v < NV; v++) row[v] = load16(v_cache, tile_base + j * head_dim + 16 * v, bf16); \
+            for (int64_t g = 0; g < group; g++) {                                                        \
+                const __m512 p = _mm512_set1_ps(scores[g * ctx + start + j]);                            \
+                for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);         \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int64_t g = 0; g < group; g++)                                                                  \
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(out_rows + g * head_dim + 16 * v, acc[g][v]);     \
+}
+DEFINE_DECODE_ITEM(4)
+DEFINE_DECODE_ITEM(8)
+#endif
+
+void tm_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
+                         int64_t out_row_stride, float scale, int bf16) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t tile_elems = block_size * head_dim;  /* one (block, kv head) tile is contiguous */
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_seqs; b++) {
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            const int64_t ctx = context_lens[b];
+            const int32_t *table = block_tables + b * max_blocks;
+#ifdef __AVX512F__
+            if ((head_dim == 64 || head_dim == 128) && group <= 8) {
+                float *buf = (float *)malloc(sizeof(float) * (size_t)(group * ctx + group * head_dim));
+                float *rows = buf + group * ctx;
+                if (head_dim == 64)
+                    decode_item_4(rows, q, token_index[b] * q_row_stride, q_head_stride, k_cache, v_cache, table,
+                                  ctx, kvh, num_kv_heads, block_size, group, scale, bf16, buf);
+                else
+                    decode_item_8(rows, q, token_index[b] * q_row_stride, q_head_stride, k_cache, v_cache, table,
+                                  ctx, kvh, num_kv_heads, block_size, group, scale, bf16, buf);
+                for (int64_t g = 0; g < group; g++)
+                    store_row(out, token_index[b] * out_row_stride + (kvh * group + g) * head_dim,
+                              rows + g * head_dim, head_dim, bf16);
+                free(buf);
+                continue;
+            }
+#endif
+            float *qf = (float *)malloc(sizeof(float) * (size_t)(group * head_dim * 2 + tile_elems + group * ctx));
+            float *acc = qf + group * head_dim;
+            float *tile = acc + group * head_dim;
+            float *scores = tile + tile_elems;
+            const int64_t qrow = token_index[b] * q_row_stride;
+            for (int64_t g = 0; g < group; g++)
+                load_row(qf + g * head_dim, q, qrow + (kvh * group + g) * q_head_stride, head_dim, bf16);
+            memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+            for (int64_t start = 0; start < ctx; start += block_size) {
+                const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+                const int64_t base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile_elems;
+                load_row(tile, k_cache, base, n * head_dim, bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qf + g * head_dim;
+                    int64_t t = 0;
+                    for (; t + 4 <= n; t += 4) {  /* four independent dot products keep the FMA units busy */
+                        const float *r0 = tile + t * head_dim, *r1 = r0 + head_dim, *r2 = r1 + head_dim,
+                                    *r3 = r2 + head_dim;
+                        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+                        #pragma omp simd reduction(+:s0, s1, s2, s3)
+                        for (int64_t d = 0; d < head_dim; d++) {
+                            s0 += qg[d] * r0[d]; s1 += qg[d] * r1[d]; s2 += qg[d] * r2[d]; s3 += qg[d] * r3[d];
+                        }
+                        float *sg = scores + g * ctx + start + t;
+                        sg[0] = s0 * scale; sg[1] = s1 * scale; sg[2] = s2 * scale; sg[3] = s3 * scale;
+                    }
+                    for (; t < n; t++) {
+                        const float *r = tile + t * head_dim;
+                        float s0 = 0.0f;
+                        #pragma omp simd reduction(+:s0)
+                        for (int64_t d = 0; d < head_dim; d++) s0 += qg[d] * r[d];
+                        scores[g * ctx + start + t] = s0 * scale;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * ctx;
+                float mx = -INFINITY, sum = 0.0f;
+                #pragma omp simd reduction(max:mx)
+                for (int64_t t = 0; t < ctx; t++) mx = sg[t] > mx ? sg[t] : mx;
+                #pragma omp simd reduction(+:sum)
+                for (int64_t t = 0; t < ctx; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
+                const float inv = 1.0f / sum;
+                for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
+            }
+            for (int64_t start = 0; start < ctx; start += block_size) {
+                const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+                const int64_t base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile_elems;
+                load_row(tile, v_cache, base, n * head_dim, bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    float *a = acc + g * head_dim;
+                    const float *p = scores + g * ctx + start;
+                    for (int64_t t = 0; t < n; t++) {
+                        const float *r = tile + t * head_dim;
+                        const float pt = p[t];
+                        for (int64_t d = 0; d < head_dim; d++) a[d] += pt * r[d];
+                    }
+                }
+            }
+            const int64_t orow = token_index[b] * out_row_stride;
+            for (int64_t g = 0; g < group; g++)
+                store_row(out, orow + (kvh * group + g) * head_dim, acc + g * head_dim, head_dim, bf16);
+            free(qf);
+        }
+    }
+}
+
+/* Write token t's K and V (rows of k/v at k_row_stride/v_row_stride, kv heads contiguous) into slot
+ * slots[t] of one layer's cache [2, num_blocks, kv_heads, block_size, head_dim]. */
+void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *slots, int64_t num_tokens,
+                    int64_t num_blocks, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                    int64_t k_row_stride, int64_t v_row_stride, int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t half = num_blocks * num_kv_heads * block_size * head_dim;
+    #pragma omp parallel for if (num_tokens > 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * head_dim;
+            memcpy((char *)cache + dst * elem, (const char *)k + (t * k_row_stride + h * head_dim) * elem,
+                   (size_t)(head_dim * elem));
+            memcpy((char *)cache + (half + dst) * elem, (const char *)v + (t * v_row_stride + h * head_dim) * elem,
+                   (size_t)(head_dim * elem));
+        }
+    }
+}
+
+/* residual += x (rounded to the storage dtype, as a PyTorch add would), then
+ * out = residual / sqrt(mean(residual^2) + eps) * weight. With residual == NULL: out = norm(x). */
+void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weight, int64_t num_tokens,
+                     int64_t hidden, float eps, int bf16) {
+    #pragma omp parallel for if (num_tokens > 16)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float *row = (float *)malloc(sizeof(float) * (size_t)hidden * 2);
+        float *other = row + hidden;
+        load_row(row, x, t * hidden, hidden, bf16);
+        if (residual) {
+            load_row(other, residual, t * hidden, hidden, bf16);
+            for (int64_t i = 0; i < hidden; i++) row[i] += other[i];
+            round_row(row, hidden, bf16);
+            store_row(residual, t * hidden, row, hidden, bf16);
+        }
+        float ss = 0.0f;
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < hidden; i++) ss += row[i] * row[i];
+        float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        load_row(other, weight, 0, hidden, bf16);
+        for (int64_t i = 0; i < hidden; i++) row[i] *= inv;
+        round_row(row, hidden, bf16);
+        for (int64_t i = 0; i < hidden; i++) row[i] *= other[i];
+        store_row(out, t * hidden, row, hidden, bf16);
+        free(row);
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inner + i], each factor rounded to the storage dtype
+ * first, as the unfused PyTorch ops would. */
+void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16) {
+    #pragma omp parallel for if (num_tokens > 4)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float *g = (float *)malloc(sizeof(float) * (size_t)inner * 2);
+        float *u = g + inner;
+        load_row(g, gate_up, t * 2 * inner, inner, bf16);
+        load_row(u, gate_up, t * 2 * inner + inner, inner, bf16);
+        for (int64_t i = 0; i < inner; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i]));
+        round_row(g, inner, bf16);
+        for (int64_t i = 0; i < inner; i++) g[i] *= u[i];
+        store_row(out, t * inner, g, inner, bf16);
+        free(g);
+    }
+}
+
+/* Rotate heads [0, num_heads) of each token's row in place (the "rotate half" layout):
+ * x' = x * cos + rotate_half(x) * sin, with cos/sin rows (float32, head_dim wide) picked by position. */
+void tm_rope(void *x, const int64_t *positions, const float *cos_table, const float *sin_table,
+             int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t row_stride, int bf16) {
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for if (num_tokens > 16)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos_table + positions[t] * head_dim;
+        const float *s = sin_table + positions[t] * head_dim;
+        float cr[512], sr[512], v[512];
+        memcpy(cr, c, sizeof(float) * (size_t)head_dim);
+        memcpy(sr, s, sizeof(float) * (size_t)head_dim);
+        round_row(cr, head_dim, bf16);
+        round_row(sr, head_dim, bf16);
+        for (int64_t h = 0; h < num_heads; h++) {
+            int64_t base = t * row_stride + h * head_dim;
+            float rot[512];
+            load_row(v, x, base, head_dim, bf16);
+            for (int64_t d = 0; d < half; d++) { rot[d] = -v[d + half]; rot[d + half] = v[d]; }
+            for (int64_t d = 0; d < head_dim; d++) { v[d] *= cr[d]; rot[d] *= sr[d]; }
+            round_row(v, head_dim, bf16);
+            round_row(rot, head_dim, bf16);
+            for (int64_t d = 0; d < head_dim; d++) v[d] += rot[d];
+            store_row(x, base, v, head_dim, bf16);
+        }
+    }
+}

@@ -1,0 +1,175 @@
+"""Build, load and call the C kernels in cpu_kernels.c.
+
+The library is compiled once per machine (gcc -O3 -march=native -fopenmp) into
+$TOKENMILL_CACHE_DIR/kernels (default ~/.cache/tokenmill/kernels), named by a hash of the source,
+the compiler flags and the CPU, and loaded with ctypes; ctypes drops the GIL during each call. When
+no compiler is found or the build fails, `cpu_kernels()` returns None and the engine keeps the
+PyTorch reference ops. Every wrapper checks what the C code relies on (dtype, device, layout) and
+raises ValueError otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _INT],
+    "tm_cache_write": [_P] * 4 + [_I64] * 7 + [_INT],
+    "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
+    "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
+    "tm_rope": [_P] * 4 + [_I64] * 4 + [_INT],
+}
+_lock = threading.Lock()
+_loaded: dict[str, Optional["CpuKernels"]] = {}
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept."""
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tokenmill")
+    return Path(root) / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build() -> Path:
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"compiling {_SOURCE.name} failed: {exc.stderr[-2000:]}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def cpu_kernels() -> Optional["CpuKernels"]:
+    """The loaded kernels, built on first use; None (with a warning) when they cannot be built."""
+    with _lock:
+        if "lib" not in _loaded:
+            try:
+                _loaded["lib"] = CpuKernels(ctypes.CDLL(str(_build())))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                logger.warning("native CPU kernels unavailable, using the PyTorch ops: %s", exc)
+                _loaded["lib"] = None
+        return _loaded["lib"]
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _storage_flag(*tensors: torch.Tensor) -> int:
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"CPU kernels take float32 or bfloat16, got {dtype}")
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError("CPU kernels need CPU tensors of one dtype")
+    return int(dtype == torch.bfloat16)
+
+
+class CpuKernels:
+    """Typed wrappers over the C functions."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self.lib = lib
+
+    def decode_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                         token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float) -> None:
+        """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
+        cached tokens. q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [2, blocks, kv_heads,
+        block_size, head_dim] contiguous; block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
+        bf16 = _storage_flag(out, q, kv_cache)
+        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+        if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != head_dim or not kv_cache.is_contiguous():
+            raise ValueError("decode_attention needs contiguous head rows, a contiguous out row and cache")
+        if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
+            raise ValueError("decode_attention takes int32 block tables and lengths, int64 token indices")
+        half = num_blocks * num_kv_heads * block_size * head_dim * kv_cache.element_size()
+        self.lib.tm_decode_attention(
+            _ptr(out), _ptr(q), _ptr(kv_cache), _ptr(kv_cache) + half, _ptr(token_index), _ptr(block_tables),
+            _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
+            block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, bf16)
+
+    def cache_write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] (rows may be strided, heads contiguous) at `slots` (int64)."""
+        bf16 = _storage_flag(kv_cache, k, v)
+        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+        if not kv_cache.is_contiguous() or k.stride(1) != head_dim or k.stride(2) != 1 \
+                or v.stride(1) != head_dim or v.stride(2) != 1 or slots.dtype != torch.int64:
+            raise ValueError("cache_write needs a contiguous cache, contiguous heads and int64 slots")
+        self.lib.tm_cache_write(_ptr(kv_cache), _ptr(k), _ptr(v), _ptr(slots), k.shape[0], num_blocks,
+                                num_kv_heads, block_size, head_dim, k.stride(0), v.stride(0), bf16)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """norm(x) or, with a residual, residual += x in place and norm(residual). x: [T, hidden] contiguous."""
+        bf16 = _storage_flag(x, weight, *([residual] if residual is not None else []))
+        if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+            raise ValueError("add_rms_norm needs contiguous tensors")
+        out = torch.empty_like(x)
+        self.lib.tm_add_rms_norm(_ptr(out), _ptr(x), None if residual is None else _ptr(residual), _ptr(weight),
+                                 x.shape[0], x.shape[1], eps, bf16)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a contiguous [T, 2 * inner] input."""
+        bf16 = _storage_flag(gate_up)
+        if not gate_up.is_contiguous():
+            raise ValueError("silu_mul needs a contiguous input")
+        inner = gate_up.shape[1] // 2
+        out = gate_up.new_empty(gate_up.shape[0], inner)
+        self.lib.tm_silu_mul(_ptr(out), _ptr(gate_up), gate_up.shape[0], inner, bf16)
+        return out
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [T, heads, head_dim] (heads contiguous, rows strided) in place; cos/sin are the
+        float32 [max_positions, head_dim] tables, positions int64."""
+        bf16 = _storage_flag(x)
+        head_dim = x.shape[2]
+        if x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > 512 or positions.dtype != torch.int64 \
+                or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
+            raise ValueError("rope needs contiguous heads (head_dim <= 512), int64 positions, float32 tables")
+        self.lib.tm_rope(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), x.shape[0], x.shape[1], head_dim,
+                         x.stride(0), bf16)

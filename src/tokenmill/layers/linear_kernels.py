@@ -1,0 +1,60 @@
+"""How a linear layer multiplies, chosen once after the weights are loaded.
+
+`DenseKernel` is `F.linear` over the loaded weight: exact, and what every other kernel is checked
+against. `OneDnnPackedKernel` hands the weight to oneDNN once, in its blocked layout, so bfloat16
+matmuls on CPUs with AVX512-BF16/AMX skip the per-call weight reorder (measured in
+docs/benchmarks.md). A kernel owns the weight it multiplies with; the layer drops its own copy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+# oneDNN's packing takes a batch-size hint; decode batches are what the packing is tuned for.
+_PACKING_BATCH_HINT = 16
+
+
+class LinearKernel(Protocol):
+    """y = x W^T (+ b) for x [..., in_features]."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseKernel:
+    """`F.linear` on a plain weight tensor."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class OneDnnPackedKernel:
+    """oneDNN matmul over a weight reordered once into oneDNN's blocked layout (CPU, bfloat16)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACKING_BATCH_HINT)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply (any leading dimensions)."""
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where `OneDnnPackedKernel` applies: CPU, bfloat16, and a PyTorch built with oneDNN."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool) -> LinearKernel:
+    """The kernel for one weight: oneDNN-packed when `packed`, else dense."""
+    return OneDnnPackedKernel(weight, bias) if packed else DenseKernel(weight, bias)
