@@ -25,8 +25,8 @@ class ModelConfig:
     """Which weights to load and how to run them."""
 
     model: Optional[str] = _opt(None, "HF folder, .gguf file or alias (default: smollm2-135m-instruct)")
-    dtype: str = _opt("auto", "compute dtype; auto = float32 on CPU, on CUDA the checkpoint's half dtype "
-                      "(bfloat16 for float32 checkpoints)",
+    dtype: str = _opt("auto", "compute dtype; auto = bfloat16 on CPUs with AVX512-BF16/AMX, else float32 "
+                      "(exact); on CUDA the checkpoint's half dtype (bfloat16 for float32 checkpoints)",
                       choices=DTYPES)
     max_model_len: Optional[int] = _opt(None, "longest sequence (prompt + output) in tokens; "
                                         "default: the model's context length")
