@@ -5,11 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from typing import Any, Optional
 
 from tokenmill.config import EngineConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
+
+# The engine thread takes the GIL back after every PyTorch op and kernel call; while the event loop
+# holds it, the engine waits up to the switch interval (5 ms by default). 1 ms measured 6% more
+# throughput under 16 streams (docs/benchmarks.md).
+_GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
@@ -22,6 +28,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from tokenmill.server.api_server import build_app
 
     server_config.validate()
+    sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     name = server_config.served_model_name or _default_name(engine_config.model.model)
     async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, server_config.max_waiting_requests)
     app = build_app(async_engine, server_config, async_engine.engine.source.chat_template)
