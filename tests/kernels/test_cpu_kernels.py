@@ -22,7 +22,7 @@ def random_batch(seed, dtype, heads, kv_heads, head_dim, block_size, lengths, nu
     gen = torch.Generator().manual_seed(seed)
     cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    chunks, slots, start = [], [], 0
+    chunks, slots = [], []
     for i, length in enumerate(lengths):
         used = -(-length // block_size)
         blocks, order = order[:used], order[used:]
@@ -55,7 +55,7 @@ def test_decode_attention_and_cache_writes_match_the_reference_backend(dtype, he
 
 def test_decode_reads_q_rows_in_place_within_a_mixed_batch():
     """Decode rows sit between prefill rows in the flat batch; q is a strided view of a fused qkv output."""
-    dtype, heads, kv_heads, head_dim, block_size = torch.float32, 9, 3, 64, 16
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(2, 32, kv_heads, block_size, head_dim, generator=gen)
     qkv = torch.randn(7, heads + 2 * kv_heads, head_dim, generator=gen)

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.datasets import add_dataset_args, build_prompts
-from tokenmill.bench.report import RequestResult, own_peak_rss_gib, summarise, write_plots
+from tokenmill.bench.report import RequestResult, own_peak_rss_gib, summarise
 from tokenmill.cli.bench_serve import add_bench_serve_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
@@ -32,7 +32,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokenmill, or HF transformers generate() as a baseline (default: tokenmill)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf backend (default: 64)")
     p.add_argument("--output-json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--plot-dir", default=None, help="write latency_cdf.png here (needs matplotlib)")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
 
@@ -59,8 +58,6 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.backend == "hf":
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             summary.pop(key)  # one batched generate() call has no per-request latencies
-    elif args.plot_dir:
-        summary["plots"] = write_plots(results, args.plot_dir, f"tokenmill bench throughput {args.dataset}")[:1]
     print(json.dumps(summary, indent=2))
     if args.output_json:
         with open(args.output_json, "w") as f:
