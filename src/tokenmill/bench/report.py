@@ -55,6 +55,7 @@ def summarise(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
         "completed": len(ok), "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if not r.ok), None),
         "elapsed_s": round(elapsed, 3),
+        "input_tokens": total_tokens - output_tokens, "output_tokens": output_tokens,
         "request_throughput": round(len(ok) / elapsed, 3),
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
         "total_tokens_per_s": round(total_tokens / elapsed, 1),
