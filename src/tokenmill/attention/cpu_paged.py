@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from tokenmill.attention.base import SequenceChunk
-from tokenmill.attention.torch_ref import TorchRefMetadata, TorchReferenceBackend
+from tokenmill.attention.torch_ref import TorchRefMetadata, TorchReferenceBackend, decode_block_tables, is_decode
 from tokenmill.kernels.cpu_kernels import CpuKernels
 
 
@@ -36,19 +36,13 @@ class CpuPagedBackend(TorchReferenceBackend):
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> CpuPagedMetadata:
         """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
-        decodes = [c for c in chunks if c.query_len == 1 and c.context_len > 1]
-        ref = super().build_metadata([c for c in chunks if not (c.query_len == 1 and c.context_len > 1)],
-                                     slot_mapping, block_size, device)
+        decodes = [c for c in chunks if is_decode(c)]
+        ref = super().build_metadata([c for c in chunks if not is_decode(c)], slot_mapping, block_size, device)
         meta = CpuPagedMetadata(ref.block_ids, ref.offsets, ref.prefills, slots=slot_mapping)
         if decodes:
-            max_blocks = max(-(-c.context_len // block_size) for c in decodes)
-            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.int32)
-            for row, c in enumerate(decodes):
-                used = -(-c.context_len // block_size)
-                tables[row, :used] = torch.tensor(c.block_ids[:used], dtype=torch.int32)
+            meta.decode_tables_i32 = decode_block_tables(decodes, block_size, torch.int32)
             meta.decode_token_index = torch.tensor([c.query_start for c in decodes], dtype=torch.int64)
             meta.decode_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.int32)
-            meta.decode_tables_i32 = tables
         return meta
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:

@@ -40,6 +40,21 @@ class TorchRefMetadata:
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_blocks * block_size]
 
 
+def is_decode(chunk: SequenceChunk) -> bool:
+    """One new token with earlier context: attends through the cache alone (no causal block of its own)."""
+    return chunk.query_len == 1 and chunk.context_len > 1
+
+
+def decode_block_tables(decodes: list[SequenceChunk], block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block tables of decode sequences, each row padded with block 0 past its context."""
+    max_blocks = max(-(-c.context_len // block_size) for c in decodes)
+    tables = torch.zeros(len(decodes), max_blocks, dtype=dtype)
+    for row, c in enumerate(decodes):
+        used = -(-c.context_len // block_size)
+        tables[row, :used] = torch.tensor(c.block_ids[:used], dtype=dtype)
+    return tables
+
+
 def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Gather [..., blocks] block tables into [..., kv_heads, blocks * block_size, head_dim]."""
     num_blocks, num_kv_heads, block_size, head_dim = cache.shape
@@ -63,7 +78,7 @@ class TorchReferenceBackend(AttentionBackend):
         decodes = []
         for c in chunks:
             start = c.context_len - c.query_len
-            if c.query_len == 1 and start > 0:
+            if is_decode(c):
                 decodes.append(c)
             elif start == 0:
                 prefills.append(_Prefill(c.query_start, c.query_len, c.context_len, None, None))
@@ -73,13 +88,9 @@ class TorchReferenceBackend(AttentionBackend):
                 prefills.append(_Prefill(c.query_start, c.query_len, c.context_len, table, mask))
         meta = TorchRefMetadata(slot_mapping // block_size, slot_mapping % block_size, prefills)
         if decodes:
-            max_blocks = max(-(-c.context_len // block_size) for c in decodes)
-            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-            for row, c in enumerate(decodes):
-                used = -(-c.context_len // block_size)
-                tables[row, :used] = torch.tensor(c.block_ids[:used])
+            tables = decode_block_tables(decodes, block_size, torch.long)
             lengths = torch.tensor([c.context_len for c in decodes])
-            mask = torch.arange(max_blocks * block_size)[None, :] < lengths[:, None]
+            mask = torch.arange(tables.shape[1] * block_size)[None, :] < lengths[:, None]
             meta.decode_token_index = torch.tensor([c.query_start for c in decodes], device=device)
             meta.decode_tables = tables.to(device)
             meta.decode_mask = mask[:, None, None, :].to(device)
