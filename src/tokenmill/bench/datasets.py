@@ -67,3 +67,11 @@ def build_prompts(args: argparse.Namespace, vocab_size: int) -> list[Any]:
         prefix = tokens(args.prefix_len)
         return [prefix + tokens(args.input_len) for _ in range(args.num_prompts)]
     return [tokens(args.input_len) for _ in range(args.num_prompts)]
+
+
+def describe_dataset(args: argparse.Namespace, num_requests: int) -> dict[str, Any]:
+    """The dataset settings a benchmark summary starts with."""
+    return {"dataset": args.dataset, "num_prompts": num_requests, "input_len": args.input_len,
+            "prefix_len": args.prefix_len if args.dataset != "random" else 0,
+            "turns": args.turns if args.dataset == "multi-turn" else 1,
+            "output_len": args.output_len, "seed": args.seed}

@@ -3,6 +3,7 @@ PNG plots, and peak resident memory."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import statistics
@@ -13,12 +14,11 @@ from typing import Any, Optional
 
 @dataclass
 class RequestResult:
-    """One request: times are seconds from the benchmark's start (`start`) or durations."""
+    """One request: durations in seconds; `chunk_times` are seconds since the benchmark started."""
 
     ok: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
-    start: float = 0.0
     ttft: Optional[float] = None
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -64,6 +64,14 @@ def summarise(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
         "itl_ms": percentiles([x for r in ok for x in r.itl]),
         "e2e_ms": percentiles([r.e2e for r in ok]),
     }
+
+
+def emit(summary: dict[str, Any], output_json: Optional[str]) -> None:
+    """Print the summary as JSON, and write it to `output_json` too when given."""
+    print(json.dumps(summary, indent=2))
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(summary, f, indent=2)
 
 
 def write_plots(results: list[RequestResult], folder: str, title: str) -> list[str]:

@@ -7,14 +7,13 @@ from one run on the same machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any
 
-from tokenmill.bench.datasets import add_dataset_args, build_prompts
-from tokenmill.bench.report import RequestResult, own_peak_rss_gib, summarise
+from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
+from tokenmill.bench.report import RequestResult, emit, own_peak_rss_gib, summarise
 from tokenmill.cli.bench_serve import add_bench_serve_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
@@ -51,17 +50,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         results = [RequestResult(ok=True, prompt_tokens=len(p), output_tokens=args.output_len) for p in prompts]
     else:
         results, elapsed = _run_tokenmill(llm, prompts, args.output_len)
-    summary = {"backend": args.backend, "dataset": args.dataset, "num_prompts": len(prompts),
-               "input_len": args.input_len, "prefix_len": args.prefix_len if args.dataset != "random" else 0,
-               "output_len": args.output_len, "seed": args.seed, "dtype": str(engine.dtype).replace("torch.", ""),
+    summary = {"backend": args.backend, **describe_dataset(args, len(prompts)),
+               "dtype": str(engine.dtype).replace("torch.", ""),
                **summarise(results, elapsed), "peak_rss_gib": round(own_peak_rss_gib(), 3)}
     if args.backend == "hf":
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             summary.pop(key)  # one batched generate() call has no per-request latencies
-    print(json.dumps(summary, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
+    emit(summary, args.output_json)
     return 0
 
 

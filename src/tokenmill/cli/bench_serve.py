@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -15,8 +16,8 @@ import sys
 import time
 from typing import Any, Optional
 
-from tokenmill.bench.datasets import add_dataset_args, build_prompts
-from tokenmill.bench.report import RequestResult, TreeRssSampler, summarise, write_plots
+from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
+from tokenmill.bench.report import RequestResult, TreeRssSampler, emit, summarise, write_plots
 
 
 def add_bench_serve_parser(kinds: argparse._SubParsersAction) -> None:
@@ -42,7 +43,7 @@ def add_bench_serve_parser(kinds: argparse._SubParsersAction) -> None:
 
 async def _one(client: Any, url: str, headers: dict[str, str], body: dict[str, Any], t0: float) -> RequestResult:
     started = time.perf_counter()
-    result = RequestResult(ok=False, start=started - t0)
+    result = RequestResult(ok=False)
     last = started
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -122,18 +123,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("--request-rate must be positive (inf sends everything at once)")
     prompts = build_prompts(args, args.vocab_size)
     sampler: Optional[TreeRssSampler] = TreeRssSampler(args.server_pid) if args.server_pid else None
-    if sampler:
-        with sampler:
-            results, elapsed = asyncio.run(_run(args, prompts))
-    else:
+    with sampler or contextlib.nullcontext():
         results, elapsed = asyncio.run(_run(args, prompts))
     summary = {
-        "base_url": args.base_url, "dataset": args.dataset, "num_prompts": len(results),
+        "base_url": args.base_url, **describe_dataset(args, len(results)),
         "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        "input_len": args.input_len, "prefix_len": args.prefix_len if args.dataset != "random" else 0,
-        "turns": args.turns if args.dataset == "multi-turn" else 1,
-        "output_len": args.output_len, "seed": args.seed,
         **summarise(results, elapsed),
     }
     if sampler:
@@ -141,8 +136,5 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.plot_dir:
         title = f"{args.base_url} {args.dataset} x{len(results)}, concurrency {args.max_concurrency}"
         summary["plots"] = write_plots(results, args.plot_dir, title)
-    print(json.dumps(summary, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
+    emit(summary, args.output_json)
     return 0 if summary["errors"] == 0 else 1
