@@ -13,6 +13,7 @@ from tokenmill.attention import get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits
+from tokenmill.cpu_features import has_native_bf16
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.layers.linear_kernels import onednn_packing_available
 from tokenmill.models.loader import ModelSource, load_model_source
@@ -37,22 +38,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16; Linux /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
     """'auto' -> on CPU, bfloat16 where the CPU computes it natively, else float32 (exact); on CUDA the
     checkpoint's half dtype, bfloat16 for float32 checkpoints."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            return torch.bfloat16 if has_native_bf16() else torch.float32
         return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
     return _DTYPES[name]
 

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from tokenmill.cpu_features import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -46,18 +48,9 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
 def _build() -> Path:
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + (platform.machine() + " ".join(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{digest}.so"
     if target.exists():
         return target
