@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_KERNELS = ("auto", "dense")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -39,9 +40,16 @@ class ModelConfig:
                                   "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "
                                   "when a C compiler is available, else torch_ref (the PyTorch reference)",
                                   choices=ATTENTION_BACKENDS)
+    quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K "
+                             "weights packed (other encodings are dequantised), none = dequantise everything "
+                             "to --dtype (the float reference), int8/int4 = also quantise float weights per "
+                             "32-weight block at load time (the embedding and LM head to int8)",
+                             choices=QUANTIZATIONS)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

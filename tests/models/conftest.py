@@ -28,7 +28,8 @@ def make_smollm2(smollm2_source):
 
 @pytest.fixture(scope="session")
 def smollm2(make_smollm2):
-    return make_smollm2(dtype="float32")
+    """The float reference: float32, every weight dequantised, as HF transformers loads the GGUF."""
+    return make_smollm2(dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

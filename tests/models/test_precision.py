@@ -38,7 +38,7 @@ def hf_perplexity(hf_smollm2, text_ids):
 
 @pytest.fixture(scope="module")
 def smollm2_bf16(make_smollm2):
-    return make_smollm2(dtype="bfloat16")
+    return make_smollm2(dtype="bfloat16", quantization="none")
 
 
 def test_float32_perplexity_equals_hf(smollm2, text_ids, hf_perplexity):

@@ -51,12 +51,12 @@ def test_alone_and_warm_prefix_cache_equal_batched(smollm2, hf_greedy):
 
 
 def test_chunked_prefill_gives_the_same_tokens(make_smollm2, hf_greedy):
-    llm = make_smollm2(dtype="float32", max_num_batched_tokens=16)
+    llm = make_smollm2(dtype="float32", quantization="none", max_num_batched_tokens=16)
     assert token_ids(llm.generate(PROMPTS, greedy())) == hf_greedy
 
 
 def test_preemption_gives_the_same_tokens(make_smollm2, hf_greedy):
-    llm = make_smollm2(dtype="float32", num_kv_blocks=24, block_size=8)
+    llm = make_smollm2(dtype="float32", quantization="none", num_kv_blocks=24, block_size=8)
     assert token_ids(llm.generate(PROMPTS, greedy())) == hf_greedy
     engine = llm.llm_engine
     assert engine.scheduler.num_preemptions_total > 0, "a 192-token pool must preempt 8 sequences"

@@ -15,6 +15,8 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits
 from tokenmill.cpu_features import has_native_bf16
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.layers.linear_kernels import onednn_packing_available
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.models.registry import build_model
@@ -36,6 +38,11 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA device is available")
     return torch.device(name)
+
+
+def _has_quantized_weights(model: torch.nn.Module) -> bool:
+    return any(isinstance(getattr(m, name, None), QuantizedWeight) for m in model.modules()
+               for name in ("quantized", "embed_quantized", "head_quantized"))
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
@@ -84,9 +91,14 @@ class LLMEngine:
                 self.model = build_model(self.arch, backend, self.max_model_len)
             finally:
                 torch.set_default_dtype(previous)
-        self.model.load_weights(source.iter_weights())
+        quantization = config.model.quantization
+        self.model.load_weights(source.iter_weights(keep_quantized=quantization != "none"),
+                                quantize_to=quantization if quantization in ("int8", "int4") else None)
+        native = kernels
+        if native is None and self.device.type == "cpu" and _has_quantized_weights(self.model):
+            native = cpu_kernels()  # the quantised products need them whatever the attention backend
         self.model.use_linear_kernels(config.model.linear_kernel == "auto"
-                                      and onednn_packing_available(self.dtype, self.device))
+                                      and onednn_packing_available(self.dtype, self.device), native)
         if kernels is not None and self.dtype == torch.bfloat16:
             # float32 keeps PyTorch's element-wise ops, whose results the HF comparisons pin down
             self.model.use_fused_kernels(kernels)

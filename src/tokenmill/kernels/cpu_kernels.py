@@ -1,4 +1,4 @@
-"""Build, load and call the C kernels in cpu_kernels.c.
+"""Build, load and call the C kernels in cpu_kernels.c and quant_kernels.c.
 
 The library is compiled once per machine (gcc -O3 -march=native -fopenmp) into
 $TOKENMILL_CACHE_DIR/kernels (default ~/.cache/tokenmill/kernels), named by a hash of the source,
@@ -20,15 +20,24 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from tokenmill.cpu_features import cpu_flags
 
+from tokenmill.layers.quantized import DEQUANTIZE_FROM_ROWS
+
+if TYPE_CHECKING:
+    from tokenmill.layers.quantized import QuantizedWeight
+
+_DEQUANTIZED_TILE_BYTES = 1 << 20  # half the L2 of the cores measured on
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "quant_kernels.c"]
+_HEADERS = [_HERE / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -37,6 +46,9 @@ _SIGNATURES = {
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
     "tm_rope": [_P] * 4 + [_I64] * 4 + [_INT],
+    "tm_qlinear": [_P] * 6 + [_I64] * 5 + [_INT, _INT, _INT],
+    "tm_quantize_activations": [_P] * 4 + [_I64] * 3 + [_INT],
+    "tm_dequantize": [_P] * 4 + [_I64] * 2 + [_INT] * 3,
 }
 _lock = threading.Lock()
 _loaded: dict[str, Optional["CpuKernels"]] = {}
@@ -49,7 +61,7 @@ def cache_dir() -> Path:
 
 
 def _build() -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + (platform.machine() + " ".join(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{digest}.so"
     if target.exists():
@@ -61,11 +73,11 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
     except subprocess.CalledProcessError as exc:
-        raise RuntimeError(f"compiling {_SOURCE.name} failed: {exc.stderr[-2000:]}") from exc
+        raise RuntimeError(f"compiling the kernels failed: {exc.stderr[-2000:]}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -166,3 +178,88 @@ class CpuKernels:
             raise ValueError("rope needs contiguous heads (head_dim <= 512), int64 positions, float32 tables")
         self.lib.tm_rope(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), x.shape[0], x.shape[1], head_dim,
                          x.stride(0), bf16)
+
+    def qlinear_op(self, weight: "QuantizedWeight", bias: Optional[torch.Tensor]) -> "QLinearOp":
+        """The native product with a packed weight, its pointers bound once (see QLinearOp)."""
+        return QLinearOp(self.lib, weight, bias)
+
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's own input quantisation of x [m, cols]: (q int8 [m, padded], dx float32 [m, blocks])."""
+        bf16 = _storage_flag(x)
+        m, cols = x.shape
+        padded = (cols + 63) // 64 * 64
+        if x.stride(1) != 1:
+            raise ValueError("quantize_activations needs contiguous rows")
+        q = torch.empty(m, padded, dtype=torch.int8)
+        dx = torch.empty(m, padded // 32)
+        sums = torch.empty(m, padded // 32)
+        self.lib.tm_quantize_activations(_ptr(q), _ptr(dx), _ptr(sums), _ptr(x), m, cols, x.stride(0), bf16)
+        return q, dx
+
+
+class QLinearOp:
+    """x [..., cols] (float32 or bfloat16, CPU) -> x W^T + bias for one packed weight, computed as
+    `reference_linear` does: below `DEQUANTIZE_FROM_ROWS` input rows by the int8 dot-product kernel,
+    from there on by dequantising the weight, a tile of rows at a time into a per-thread scratch
+    buffer small enough to stay in the core's cache, and a matmul per tile. Holds the weight and bias,
+    so the pointers it passes stay valid."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor]) -> None:
+        self.rows, self.cols = weight.shape
+        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (self.rows,)
+                                 or not bias.is_contiguous()):
+            raise ValueError("qlinear takes a contiguous float32 bias of one value per output")
+        for part in (weight.data, weight.scale, weight.offset):
+            if not part.is_contiguous() or part.device.type != "cpu":
+                raise ValueError("qlinear needs a contiguous CPU weight")
+        if weight.scale.dtype not in (torch.float16, torch.float32) or weight.offset.dtype != weight.scale.dtype:
+            raise ValueError("qlinear takes float16 or float32 scales and offsets of one dtype")
+        self.lib, self.weight, self.bias = lib, weight, bias
+        self.bits = 8 if weight.format == "int8" else 4
+        self.half = int(weight.scale.dtype == torch.float16)
+        self.pointers = (_ptr(weight.data), _ptr(weight.scale), _ptr(weight.offset))
+        self.row_strides = (weight.data.stride(0), weight.scale.stride(0) * weight.scale.element_size())
+        self.bias_pointer = None if bias is None else _ptr(bias)
+        self.bias_by_dtype = {} if bias is None else {torch.float32: bias, torch.bfloat16: bias.bfloat16()}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply."""
+        bf16 = _storage_flag(x)
+        rows, cols = self.rows, self.cols
+        if x.shape[-1] != cols:
+            raise ValueError(f"input has {x.shape[-1]} features, the weight takes {cols}")
+        flat = x.reshape(-1, cols)
+        if flat.shape[0] >= DEQUANTIZE_FROM_ROWS:
+            tile = max(1, _DEQUANTIZED_TILE_BYTES // (cols * x.element_size()))
+            bias = self.bias_by_dtype.get(x.dtype)
+            data, scale, offset = self.pointers
+            data_stride, scale_stride = self.row_strides
+            parts = []
+            for first in range(0, rows, tile):
+                count = min(tile, rows - first)
+                weight = _scratch(count * cols, x.dtype).view(count, cols)
+                self.lib.tm_dequantize(_ptr(weight), data + first * data_stride, scale + first * scale_stride,
+                                       offset + first * scale_stride, count, cols, self.bits, self.half, bf16)
+                parts.append(torch.nn.functional.linear(flat, weight, None if bias is None else bias[first:first + count]))
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        else:
+            if flat.stride(1) != 1:
+                flat = flat.contiguous()
+            out = torch.empty((flat.shape[0], rows), dtype=x.dtype)
+            self.lib.tm_qlinear(_ptr(out), _ptr(flat), *self.pointers, self.bias_pointer, flat.shape[0], cols, rows,
+                                flat.stride(0), rows, self.bits, self.half, bf16)
+        return out.view(*x.shape[:-1], rows)
+
+
+_scratch_space = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reusable buffer of at least `numel` elements for this thread (grown, never shrunk)."""
+    buffers = getattr(_scratch_space, "buffers", None)
+    if buffers is None:
+        buffers = _scratch_space.buffers = {}
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]

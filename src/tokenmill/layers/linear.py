@@ -3,6 +3,10 @@
 Each layer holds only its rank's shard and knows how to cut that shard out of a full checkpoint
 tensor (`weight_loader`). With tp_size == 1 (the only size wired up today) the shard is the whole
 tensor; adding tensor parallelism means passing a rank/size and an all-reduce, not rewriting models.
+
+A layer's weight may instead be kept quantised (layers/quantized.py): when a checkpoint part arrives
+quantised, or `quantize_to` names a format, the parts are gathered until every row is there and then
+packed into one `QuantizedWeight`; the float parameter is dropped without ever being written.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
+from tokenmill.layers.linear_kernels import LinearKernel, QuantizedKernel, make_kernel
+from tokenmill.layers.quantized import QuantizedWeight, cat_rows, quantize
 
 
 class _ShardedLinear(nn.Module):
@@ -24,9 +29,13 @@ class _ShardedLinear(nn.Module):
         if tp_size != 1:
             raise NotImplementedError("tensor parallelism (tp_size > 1) is not supported yet")
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernel: Optional[LinearKernel] = None
+        self.quantize_to: Optional[str] = None  # set before loading: quantise float parts to this format
+        self.quantized: Optional[QuantizedWeight] = None
+        self._parts: dict[int, object] = {}  # first row -> loaded part, until all rows have arrived
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to the last dimension of x."""
@@ -34,18 +43,56 @@ class _ShardedLinear(nn.Module):
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
-    def use_kernel(self, packed: bool) -> None:
+    def use_kernel(self, packed: bool, native: object = None) -> None:
         """After loading: multiply through a kernel from now on. A packed kernel keeps its own copy
-        of the weight, so the layer's is dropped (no more weights can be loaded into it)."""
-        self.kernel = make_kernel(self.weight.data, None if self.bias is None else self.bias.data, packed)
+        of the weight, so the layer's is dropped (no more weights can be loaded into it). Quantised
+        weights use `native` (CpuKernels) when given, else the PyTorch reference."""
+        bias = None if self.bias is None else self.bias.data
+        if self.quantized is not None:
+            self.kernel = QuantizedKernel(self.quantized, bias, native)
+            return
+        self.kernel = make_kernel(self.weight.data, bias, packed)
         if packed:
             self.weight = None
 
+    def _place(self, param: nn.Parameter, first_row: int, part: object) -> None:
+        """Put a loaded part (float tensor or QuantizedWeight) at rows [first_row, ...) of `param`."""
+        if param is not self.weight:  # the bias
+            self._copy(param.data.narrow(0, first_row, part.shape[0]), part)  # type: ignore[attr-defined]
+            return
+        if part.shape[1] != self.in_features:  # type: ignore[attr-defined]
+            raise ValueError(f"weight shape mismatch: checkpoint part {tuple(part.shape)}, "  # type: ignore[attr-defined]
+                             f"model expects {self.in_features} input features")
+        self._parts[first_row] = part
+        # invariant: the parts never overlap, so a full row count means every row has arrived
+        if sum(p.shape[0] for p in self._parts.values()) == self.out_features:  # type: ignore[attr-defined]
+            parts = [self._parts[row] for row in sorted(self._parts)]
+            self._parts = {}
+            self._assemble(parts)
+
+    def _assemble(self, parts: list) -> None:
+        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if not quantized and self.quantize_to is None:
+            row = 0
+            for part in parts:
+                self._copy(self.weight.data.narrow(0, row, part.shape[0]), part)
+                row += part.shape[0]
+            return
+        fmt = self.quantize_to
+        if fmt is None:  # a quantised checkpoint: int4 only if every part is int4, else int8
+            fmt = "int4" if len(quantized) == len(parts) and all(p.format == "int4" for p in quantized) else "int8"
+        self.quantized = cat_rows([p.to_format(fmt) if isinstance(p, QuantizedWeight) else quantize(p, fmt)
+                                   for p in parts])
+        self.weight = None
+
     @staticmethod
-    def _copy(dest: torch.Tensor, source: torch.Tensor) -> None:
-        if dest.shape != source.shape:
-            raise ValueError(f"weight shape mismatch: checkpoint {tuple(source.shape)}, "
+    def _copy(dest: torch.Tensor, source: object) -> None:
+        """Copy a float tensor, or a QuantizedWeight dequantised, into `dest`."""
+        if tuple(dest.shape) != tuple(source.shape):  # type: ignore[attr-defined]
+            raise ValueError(f"weight shape mismatch: checkpoint {tuple(source.shape)}, "  # type: ignore[attr-defined]
                              f"model expects {tuple(dest.shape)}")
+        if isinstance(source, QuantizedWeight):
+            source = source.dequantize(dest.dtype)
         dest.copy_(source)
 
 
@@ -59,7 +106,7 @@ class ColumnParallelLinear(_ShardedLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of a full checkpoint tensor into `param`."""
         rows = param.shape[0]
-        self._copy(param.data, loaded.narrow(0, self.tp_rank * rows, rows))
+        self._place(param, 0, loaded.narrow(0, self.tp_rank * rows, rows))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -75,7 +122,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         index = int(shard_id)  # type: ignore[arg-type]
         size = self.local_sizes[index]
         offset = sum(self.local_sizes[:index])
-        self._copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        self._place(param, offset, loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -102,7 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             rank = self.tp_rank // replicas
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
-        self._copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        self._place(param, offset, loaded.narrow(0, rank * size, size))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the fused output into q, k, v."""
@@ -122,9 +169,9 @@ class RowParallelLinear(_ShardedLinear):
             self._copy(param.data, loaded)
             return
         cols = param.shape[1]
-        self._copy(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
+        self._place(param, 0, loaded.narrow(1, self.tp_rank * cols, cols))
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[object] = None) -> None:
-    """Copy a whole checkpoint tensor into a replicated parameter."""
+def default_weight_loader(param: nn.Parameter, loaded: object, shard_id: Optional[object] = None) -> None:
+    """Copy a whole checkpoint tensor (a QuantizedWeight dequantised) into a replicated parameter."""
     _ShardedLinear._copy(param.data, loaded)

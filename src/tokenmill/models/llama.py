@@ -15,7 +15,8 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import (
     MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader)
-from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
+from tokenmill.layers.linear_kernels import LinearKernel, QuantizedKernel, make_kernel
+from tokenmill.layers.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
@@ -108,11 +109,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.requires_grad_(False)
         self.logits_kernel: Optional[LinearKernel] = None
         self.kernels: Any = None  # see use_fused_kernels
+        # the embedding table and untied head when kept quantised (see load_weights)
+        self.embed_quantized: Optional[QuantizedWeight] = None
+        self.head_quantized: Optional[QuantizedWeight] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
+        if self.embed_quantized is not None:
+            hidden = self.embed_quantized.embedding(input_ids, self.norm.weight.dtype)
+        else:
+            hidden = self.embed_tokens(input_ids)
         rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -133,19 +140,32 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
-    def use_linear_kernels(self, packed: bool) -> None:
-        """After loading: route every projection and the LM head through `make_kernel`. A tied head
-        keeps the embedding table for lookups and, when packed, a packed copy for the head."""
+    def use_linear_kernels(self, packed: bool, native: Any = None) -> None:
+        """After loading: route every projection and the LM head through `make_kernel`, or through
+        `QuantizedKernel` (with the native kernels `native`, if any) where the weight is quantised.
+        A tied float head keeps the embedding table for lookups and, when packed, a packed copy."""
         for module in self.modules():
             if hasattr(module, "use_kernel"):
-                module.use_kernel(packed)
+                module.use_kernel(packed, native)
+        quantized_head = self.embed_quantized if self.lm_head is None else self.head_quantized
+        if quantized_head is not None:
+            self.logits_kernel = QuantizedKernel(quantized_head, None, native)
+            return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_kernel = make_kernel(head.data, None, packed)
         if packed and self.lm_head is not None:
             self.lm_head.weight = None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors; raise if any parameter is left unset or a name is unknown."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]], quantize_to: Optional[str] = None) -> None:
+        """Load Hugging Face-named tensors; raise if any parameter is left unset or a name is unknown.
+
+        Tensors may come as `QuantizedWeight`s (a quantised GGUF); `quantize_to` ("int8"/"int4")
+        quantises the float ones as well. Projections keep such weights packed; the embedding table and
+        the LM head keep a quantised checkpoint's own format, or become int8 under `quantize_to`
+        (their precision matters most, as in llama.cpp's quantised files)."""
+        for module in self.modules():
+            if hasattr(module, "quantize_to"):
+                module.quantize_to = quantize_to
         params = dict(self.named_parameters())
         if self.arch.tie_word_embeddings:
             params.pop("lm_head.weight", None)
@@ -168,13 +188,30 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+            if target in ("embed_tokens.weight", "lm_head.weight") and (
+                    isinstance(tensor, QuantizedWeight) or quantize_to is not None):
+                self._keep_vocab_matrix_quantized(target, tensor)
+                loaded.add(target)
+                continue
             loader = getattr(_owner(self, target), "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard)
+            loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor, shard)
             loaded.add(target if shard is None else f"{target}:{shard}")
         expected = self._expected_tensor_keys(params)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _keep_vocab_matrix_quantized(self, target: str, tensor: Any) -> None:
+        if tuple(tensor.shape) != (self.arch.vocab_size, self.arch.hidden_size):
+            raise ValueError(f"weight shape mismatch: checkpoint {tuple(tensor.shape)}, model expects "
+                             f"{(self.arch.vocab_size, self.arch.hidden_size)} for {target}")
+        packed = tensor if isinstance(tensor, QuantizedWeight) else quantize(tensor, "int8")
+        if target == "embed_tokens.weight":
+            self.embed_quantized = packed
+            self.embed_tokens.weight = None
+        else:
+            self.head_quantized = packed
+            self.lm_head.weight = None
 
     def _expected_tensor_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
         keys: set[str] = set()

@@ -25,6 +25,8 @@ from tokenmill.models.loader.tokenizer import load_gguf_tokenizer, load_hf_token
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from tokenmill.layers.quantized import QuantizedWeight
+
 __all__ = [
     "DEFAULT_MODEL",
     "SUPPORTED_ARCHITECTURES",
@@ -46,15 +48,18 @@ class ModelSource:
     tokenizer: "PreTrainedTokenizerBase"
     chat_template: Optional[str]
     num_tensors: int
-    weight_stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    # keep_quantized -> (hf_parameter_name, float tensor or QuantizedWeight) pairs
+    weight_stream: Callable[[bool], Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]] = field(repr=False)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
         """Yield `(hf_parameter_name, tensor)` pairs, with a progress bar on stderr.
 
-        Float checkpoints keep their stored dtype; dequantized GGUF tensors are float32.
+        Float checkpoints keep their stored dtype; dequantized GGUF tensors are float32. With
+        `keep_quantized`, GGUF tensors whose encoding converts exactly (Q8_0, Q4_0, Q4_1, Q4_K) come
+        as `QuantizedWeight`s instead.
         """
         progress = tqdm(
-            self.weight_stream(),
+            self.weight_stream(keep_quantized),
             total=self.num_tensors,
             desc=f"Loading {Path(self.path).name}",
             unit="tensor",
@@ -88,7 +93,7 @@ def _hf_folder_source(folder: str) -> ModelSource:
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
         num_tensors=len(wanted),
-        weight_stream=lambda: weights.iter_tensors(wanted),
+        weight_stream=lambda keep_quantized: weights.iter_tensors(wanted),
     )
 
 

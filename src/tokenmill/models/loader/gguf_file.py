@@ -1,4 +1,4 @@
-"""A GGUF checkpoint: architecture from its metadata, HF-named float tensors from its data."""
+"""A GGUF checkpoint: architecture from its metadata, HF-named tensors (float or kept quantised) from its data."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
+from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, QuantizedWeight, from_gguf
 from tokenmill.models.arch import ArchConfig, RopeScaling
 from tokenmill.models.loader.gguf_tensors import (
     FLOAT_TYPES,
@@ -150,10 +151,14 @@ class GGUFCheckpoint:
             return self.arch.num_key_value_heads
         return None
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)` for every tensor, decoded and in HF layout."""
+    def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+        """Yield `(hf_name, tensor)` for every tensor in HF layout: decoded to float, or with
+        `keep_quantized` converted into a `QuantizedWeight` where the encoding allows it exactly."""
         for tensor in self.reader.tensors:
-            weight = to_torch(tensor)
+            if keep_quantized and tensor.tensor_type in EXACT_GGUF_FORMATS and len(tensor.shape) == 2:
+                weight = from_gguf(tensor.tensor_type, np.asarray(tensor.data), cols=int(tensor.shape[0]))
+            else:
+                weight = to_torch(tensor)
             num_heads = self._heads_of_permuted_rows(tensor.name)
             if num_heads is not None:
                 weight = undo_llama_rope_permute(weight, num_heads)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from typing import Union
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
+
+from tokenmill.layers.quantized import QuantizedWeight
 
 T = GGMLQuantizationType
 FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -74,12 +77,14 @@ def to_torch(tensor: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
 
 
-def undo_llama_rope_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def undo_llama_rope_permute(weight: Union[torch.Tensor, QuantizedWeight], num_heads: int):
     """Invert the row permutation llama.cpp's converter applies to Llama q/k projections.
 
     The converter regroups each head's rows from HF's rotate-half order into interleaved pairs;
-    this is transformers' `reverse_permute_weights`. Works for weights and biases.
+    this is transformers' `reverse_permute_weights`. Works for weights, biases and quantised weights.
     """
+    if isinstance(weight, QuantizedWeight):
+        return weight.index_rows(undo_llama_rope_permute(torch.arange(weight.shape[0]), num_heads))
     half_head = weight.shape[0] // num_heads // 2
     grouped = weight.reshape(num_heads, half_head, 2, *weight.shape[1:])
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()

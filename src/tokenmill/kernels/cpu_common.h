@@ -1,0 +1,42 @@
+/* Helpers shared by tokenmill's C kernels: bfloat16 <-> float32 as PyTorch converts them. */
+#ifndef TOKENMILL_CPU_COMMON_H
+#define TOKENMILL_CPU_COMMON_H
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* IEEE half -> float32, exactly (subnormals included). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t u;
+    if (exponent == 0x1fu) {
+        u = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        u = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        u = sign;
+    } else {  /* subnormal: normalise */
+        int shift = 0;
+        while (!(mantissa & 0x400u)) { mantissa <<= 1; shift++; }
+        u = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#endif

@@ -1,0 +1,229 @@
+"""Weight-only quantised weights, kept packed in memory and multiplied without dequantising them.
+
+One layout serves every quantised format (kernels/quant_kernels.c reads it): a [rows, cols] weight in
+32-column blocks, each with a scale and offset, `w = scale * u + offset` for an unsigned byte value u.
+Scales and offsets are float16 when every one of them is exactly a float16 (GGUF's own Q8_0/Q4_0/Q4_1
+scales are, and load-time quantisation rounds its scales to float16 first), else float32 (Q4_K's
+products of two scales). Rows are padded to a multiple of 64 columns with blocks of scale 0 and offset 0.
+
+- int8: u in 0..255, one per byte; offset = -128 * scale. GGUF Q8_0 converts exactly; float weights
+  quantise symmetrically (absmax / 127 per block).
+- int4: u in 0..15, two per byte: the 32 bytes of block pair p hold block 2p in their low nibbles and
+  block 2p + 1 in their high nibbles. GGUF Q4_0 (offset = -8 * scale), Q4_1 and Q4_K (per 32-weight
+  sub-block) convert exactly; float weights quantise asymmetrically (min/max per block, llama.cpp's Q4_1).
+
+A product with fewer than `DEQUANTIZE_FROM_ROWS` input rows (decode) quantises its input per 32-value
+block to int8 (absmax / 127, round half to even) and takes integer dot products, as llama.cpp does; with
+more rows (prefill) the weight is dequantised to the compute dtype and multiplied as a float weight, where
+one dequantisation serves many rows. `reference_linear` is the same arithmetic in PyTorch, the oracle of
+the native kernels and their stand-in where they cannot run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+BLOCK = 32
+# measured crossover of the two ways to multiply (docs/benchmarks.md)
+DEQUANTIZE_FROM_ROWS = 16
+FORMATS = ("int8", "int4")
+T = GGMLQuantizationType
+# GGUF encodings that convert into this layout without loss, and the format they become
+EXACT_GGUF_FORMATS = {T.Q8_0: "int8", T.Q4_0: "int4", T.Q4_1: "int4", T.Q4_K: "int4"}
+
+
+def padded_cols(cols: int) -> int:
+    """Columns rounded up to the 64 the kernel consumes per step."""
+    return (cols + 2 * BLOCK - 1) // (2 * BLOCK) * (2 * BLOCK)
+
+
+@dataclass
+class QuantizedWeight:
+    """A [rows, cols] weight in the packed layout above. Row operations (narrow, index, concatenate)
+    work like a float weight's, so checkpoint shards fuse and permute the same way."""
+
+    format: str
+    cols: int
+    data: torch.Tensor  # uint8 [rows, padded_cols] (int8) or [rows, padded_cols / 2] (int4)
+    scale: torch.Tensor  # float16 or float32 [rows, padded_cols / 32]
+    offset: torch.Tensor  # same dtype and shape as scale
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, cols), as a float weight's."""
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held, in bytes."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset))
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
+        """Rows [start, start + length) (dim 0); columns only whole (packing is per row)."""
+        if dim == 1 and (start, length) == (0, self.cols):
+            return self
+        if dim != 0:
+            raise NotImplementedError("quantised weights can be split by rows only (tensor parallelism "
+                                      "over input features is not supported for them)")
+        return self.index_rows(torch.arange(start, start + length))
+
+    def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        """The rows picked by `index` (a permutation or a selection)."""
+        return QuantizedWeight(self.format, self.cols, self.data[index], self.scale[index], self.offset[index])
+
+    def unsigned_values(self) -> torch.Tensor:
+        """u as uint8 [rows, padded_cols]."""
+        if self.format == "int8":
+            return self.data
+        rows = self.data.shape[0]
+        pairs = self.data.view(rows, -1, BLOCK)
+        return torch.stack((pairs & 0x0F, pairs >> 4), dim=2).reshape(rows, -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [rows, cols]."""
+        rows = self.data.shape[0]
+        u = self.unsigned_values().view(rows, -1, BLOCK).float()
+        w = u * self.scale.float().unsqueeze(-1) + self.offset.float().unsqueeze(-1)
+        return w.reshape(rows, -1)[:, :self.cols].to(dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` dequantised: an embedding lookup that keeps the table packed."""
+        return self.index_rows(ids).dequantize(dtype)
+
+    def to_format(self, fmt: str) -> "QuantizedWeight":
+        """Self when already in `fmt`, else requantised through float32."""
+        return self if fmt == self.format else quantize(self.dequantize(), fmt)
+
+
+def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights of one format and width by rows (fusing q/k/v or gate/up)."""
+    first = parts[0]
+    if any(p.format != first.format or p.cols != first.cols for p in parts):
+        raise ValueError("only weights of one format and width can be fused")
+    scale_dtype = torch.float16 if all(p.scale.dtype == torch.float16 for p in parts) else torch.float32
+    return QuantizedWeight(first.format, first.cols, torch.cat([p.data for p in parts]),
+                           torch.cat([p.scale.to(scale_dtype) for p in parts]),
+                           torch.cat([p.offset.to(scale_dtype) for p in parts]))
+
+
+def _pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> QuantizedWeight:
+    """From u [rows, padded_cols] (uint8) and per-block scale/offset [rows, padded_cols / 32]."""
+    rows = u.shape[0]
+    if fmt == "int4":
+        pairs = u.view(rows, -1, 2, BLOCK)
+        u = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(rows, -1)
+    scale, offset = scale.float(), offset.float()
+    if _exact_in_half(scale) and _exact_in_half(offset):
+        scale, offset = scale.half(), offset.half()
+    return QuantizedWeight(fmt, cols, u.contiguous(), scale.contiguous(), offset.contiguous())
+
+
+def _exact_in_half(values: torch.Tensor) -> bool:
+    return bool(torch.equal(values.half().float(), values))
+
+
+def _half_rounded(values: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to the nearest float16 (kept finite)."""
+    return values.clamp(-65504, 65504).half().float()
+
+
+def _check_cols(cols: int) -> None:
+    if cols % BLOCK:
+        raise ValueError(f"quantised weights need a multiple of {BLOCK} input features, got {cols}")
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """Quantise a float [rows, cols] weight per 32-column block (int8: absmax; int4: min/max)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"quantisation format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    rows, cols = weight.shape
+    _check_cols(cols)
+    w = F.pad(weight.float(), (0, padded_cols(cols) - cols)).view(rows, -1, BLOCK)
+    if fmt == "int8":
+        scale = _half_rounded(w.abs().amax(-1) / 127)
+        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        u = (torch.round(w * inverse.unsqueeze(-1)).clamp(-127, 127) + 128).to(torch.uint8)
+        return _pack(fmt, cols, u.reshape(rows, -1), scale, -128 * scale)
+    low, high = _half_rounded(w.amin(-1)), w.amax(-1)
+    scale = _half_rounded((high - low) / 15)
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    u = torch.round((w - low.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    return _pack(fmt, cols, u.reshape(rows, -1), scale, low)
+
+
+def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> QuantizedWeight:
+    """Convert GGUF blocks (raw uint8 [rows, bytes per row]) of an `EXACT_GGUF_FORMATS` type, exactly."""
+    _check_cols(cols)
+    rows = raw.shape[0]
+    half = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.float16).astype(np.float32))  # noqa: E731
+    if tensor_type == T.Q8_0:
+        blocks = raw.reshape(rows, -1, 34)
+        scale = half(blocks[..., 0:2]).reshape(rows, -1)
+        u = torch.from_numpy((blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
+        return _pad_and_pack("int8", cols, u.reshape(rows, -1), scale, -128 * scale)
+    if tensor_type in (T.Q4_0, T.Q4_1):
+        size = 18 if tensor_type == T.Q4_0 else 20
+        blocks = raw.reshape(rows, -1, size)
+        scale = half(blocks[..., 0:2]).reshape(rows, -1)
+        offset = -8 * scale if tensor_type == T.Q4_0 else half(blocks[..., 2:4]).reshape(rows, -1)
+        nibbles = blocks[..., size - 16:]  # byte i: element i (low nibble) and i + 16 (high)
+        u = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)
+        return _pad_and_pack("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+    if tensor_type == T.Q4_K:
+        blocks = raw.reshape(rows, -1, 144)  # 256 weights: d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
+        d, dmin = half(blocks[..., 0:2]), half(blocks[..., 2:4])
+        sc, mins = _q4_k_scales_and_mins(blocks[..., 4:16])
+        scale = (d * torch.from_numpy(sc).float()).reshape(rows, -1)
+        offset = -(dmin * torch.from_numpy(mins).float()).reshape(rows, -1)
+        nibbles = blocks[..., 16:].reshape(rows, -1, 4, 32)  # chunk c: sub-block 2c low, 2c + 1 high
+        u = np.stack((nibbles & 0x0F, nibbles >> 4), axis=3)
+        return _pad_and_pack("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+    raise ValueError(f"GGUF type {tensor_type.name} does not convert exactly; "
+                     f"exact: {', '.join(t.name for t in EXACT_GGUF_FORMATS)}")
+
+
+def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of each Q4_K super-block (llama.cpp's get_scale_min_k4)."""
+    d, m, m_d = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), axis=-1)
+    mins = np.concatenate((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), axis=-1)
+    return scales, mins
+
+
+def _pad_and_pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> QuantizedWeight:
+    extra = padded_cols(cols) - cols
+    if extra:
+        u = F.pad(u, (0, extra))
+        scale, offset = F.pad(scale, (0, extra // BLOCK)), F.pad(offset, (0, extra // BLOCK))
+    return _pack(fmt, cols, u, scale, offset)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, cols] -> (q as float32 [m, padded_cols] in [-127, 127], dx [m, padded_cols / 32]):
+    x ~ dx * q per 32-value block, as the native kernel quantises it."""
+    m, cols = x.shape
+    blocks = F.pad(x.float(), (0, padded_cols(cols) - cols)).view(m, -1, BLOCK)
+    dx = blocks.abs().amax(-1) / 127
+    inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    q = torch.round(blocks * inverse.unsqueeze(-1)).clamp(-127, 127)
+    return q.reshape(m, -1), dx
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The quantised product in PyTorch. Few rows: input quantised per block, then a float32 matmul
+    with the dequantised weight; many rows: the weight dequantised to x's dtype, then x W^T. Equals the
+    native kernels up to summation order."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] >= DEQUANTIZE_FROM_ROWS:
+        y = F.linear(flat, weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+        return y.view(*x.shape[:-1], -1)
+    q, dx = quantize_activations(flat)
+    x_hat = (q.view(q.shape[0], -1, BLOCK) * dx.unsqueeze(-1)).reshape(q.shape[0], -1)[:, :weight.cols]
+    y = F.linear(x_hat, weight.dequantize(), None if bias is None else bias.float())
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
