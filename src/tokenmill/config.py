@@ -34,7 +34,8 @@ class ModelConfig:
     device: str = _opt("auto", "where to run: cuda if available when auto", choices=DEVICES)
     seed: int = _opt(0, "seed of the global sampling generator (requests without their own seed)")
     linear_kernel: str = _opt("auto", "how linear layers multiply; auto = weights packed once for oneDNN "
-                              "when computing in bfloat16 on CPU, dense = plain F.linear (the reference)",
+                              "when computing in bfloat16 on CPU and native kernels for quantised weights, "
+                              "dense = plain F.linear and the PyTorch quantised product (the references)",
                               choices=LINEAR_KERNELS)
     attention_backend: str = _opt("auto", "paged attention implementation; auto = cpu_paged (native kernels, "
                                   "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "

@@ -97,8 +97,9 @@ class LLMEngine:
         native = kernels
         if native is None and self.device.type == "cpu" and _has_quantized_weights(self.model):
             native = cpu_kernels()  # the quantised products need them whatever the attention backend
-        self.model.use_linear_kernels(config.model.linear_kernel == "auto"
-                                      and onednn_packing_available(self.dtype, self.device), native)
+        fast_linears = config.model.linear_kernel == "auto"
+        self.model.use_linear_kernels(fast_linears and onednn_packing_available(self.dtype, self.device),
+                                      native if fast_linears else None)
         if kernels is not None and self.dtype == torch.bfloat16:
             # float32 keeps PyTorch's element-wise ops, whose results the HF comparisons pin down
             self.model.use_fused_kernels(kernels)

@@ -26,7 +26,7 @@ import torch
 
 from tokenmill.cpu_features import cpu_flags
 
-from tokenmill.layers.quantized import DEQUANTIZE_FROM_ROWS
+from tokenmill.layers import quantized
 
 if TYPE_CHECKING:
     from tokenmill.layers.quantized import QuantizedWeight
@@ -199,7 +199,7 @@ class CpuKernels:
 
 class QLinearOp:
     """x [..., cols] (float32 or bfloat16, CPU) -> x W^T + bias for one packed weight, computed as
-    `reference_linear` does: below `DEQUANTIZE_FROM_ROWS` input rows by the int8 dot-product kernel,
+    `reference_linear` does: below `quantized.DEQUANTIZE_FROM_ROWS` input rows by the int8 dot-product kernel,
     from there on by dequantising the weight, a tile of rows at a time into a per-thread scratch
     buffer small enough to stay in the core's cache, and a matmul per tile. Holds the weight and bias,
     so the pointers it passes stay valid."""
@@ -229,7 +229,7 @@ class QLinearOp:
         if x.shape[-1] != cols:
             raise ValueError(f"input has {x.shape[-1]} features, the weight takes {cols}")
         flat = x.reshape(-1, cols)
-        if flat.shape[0] >= DEQUANTIZE_FROM_ROWS:
+        if flat.shape[0] >= quantized.DEQUANTIZE_FROM_ROWS:
             tile = max(1, _DEQUANTIZED_TILE_BYTES // (cols * x.element_size()))
             bias = self.bias_by_dtype.get(x.dtype)
             data, scale, offset = self.pointers

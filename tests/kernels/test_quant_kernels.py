@@ -1,0 +1,116 @@
+"""The quantised weight layout and its native products, against GGUF's own decoding and the PyTorch
+reference (`reference_linear`)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from helpers.tiny_gguf import encode
+from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.layers.quantized import (DEQUANTIZE_FROM_ROWS, EXACT_GGUF_FORMATS, cat_rows, from_gguf,
+                                        quantize, quantize_activations, reference_linear)
+from tokenmill.models.loader.gguf_tensors import undo_llama_rope_permute
+
+T = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    lib = cpu_kernels()
+    assert lib is not None, "the native kernels must build on the test machine"
+    return lib
+
+
+def gguf_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    weight = np.random.default_rng(seed).normal(0, 0.05, size=(rows, cols)).astype(np.float32)
+    return encode(weight, qtype, seed)
+
+
+@pytest.mark.parametrize("qtype", list(EXACT_GGUF_FORMATS))
+def test_gguf_blocks_convert_exactly(qtype):
+    rows, cols = 24, 512  # 512 columns: two Q4_K super-blocks per row
+    raw = gguf_blocks(qtype, rows, cols)
+    packed = from_gguf(qtype, raw, cols)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert packed.format == EXACT_GGUF_FORMATS[qtype]
+    assert torch.equal(packed.dequantize(), expected)
+    # GGUF's own scales are half precision and stay so; Q4_K's products of two scales need float32
+    assert packed.scale.dtype == (torch.float32 if qtype == T.Q4_K else torch.float16)
+
+
+def test_padded_width_and_row_operations_keep_values():
+    weight = torch.randn(10, 96)  # 96 columns: padded to 128 inside
+    packed = quantize(weight, "int4")
+    full = packed.dequantize()
+    assert full.shape == (10, 96)
+    assert torch.equal(packed.narrow(0, 3, 4).dequantize(), full[3:7])
+    assert torch.equal(cat_rows([packed.narrow(0, 5, 5), packed.narrow(0, 0, 5)]).dequantize(),
+                       torch.cat([full[5:], full[:5]]))
+    permuted = undo_llama_rope_permute(packed, num_heads=5)
+    assert torch.equal(permuted.dequantize(), undo_llama_rope_permute(full, num_heads=5))
+    with pytest.raises(NotImplementedError, match="rows only"):
+        packed.narrow(1, 0, 32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), "int8")
+
+
+@pytest.mark.parametrize("fmt, bound", [("int8", 0.5 / 127), ("int4", 0.5 / 15)])
+def test_load_time_quantisation_error_is_half_a_step(fmt, bound):
+    weight = torch.randn(64, 256)
+    error = (quantize(weight, fmt).dequantize() - weight).abs().view(64, -1, 32)
+    block_range = weight.view(64, -1, 32)
+    span = block_range.abs().amax(-1) if fmt == "int8" else block_range.amax(-1) - block_range.amin(-1)
+    # half a quantisation step, plus the float16 rounding of the block's scale and offset
+    assert (error.amax(-1) <= span * bound * 1.01 + 1e-3 * span).all()
+
+
+def test_native_activation_quantisation_equals_the_reference(kernels):
+    x = torch.randn(7, 96) * torch.logspace(-3, 2, 96)
+    x[2] = 0  # an all-zero row has scale 0
+    q, dx = kernels.quantize_activations(x)
+    q_ref, dx_ref = quantize_activations(x)
+    assert torch.equal(q.float(), q_ref) and torch.equal(dx, dx_ref)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, DEQUANTIZE_FROM_ROWS - 1, DEQUANTIZE_FROM_ROWS, 37])
+@pytest.mark.parametrize("cols", [96, 576])
+def test_native_product_equals_the_reference_in_float32(kernels, fmt, rows, cols):
+    torch.manual_seed(rows * cols)
+    packed = quantize(torch.randn(45, cols) * 0.1, fmt)  # 45 outputs: a partial tile of 4
+    bias = torch.randn(45)
+    x = torch.randn(rows, cols)
+    got = kernels.qlinear_op(packed, bias)(x)
+    expected = reference_linear(x, packed, bias)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0])
+def test_native_product_with_gguf_weights_in_bfloat16(kernels, qtype):
+    packed = from_gguf(qtype, gguf_blocks(qtype, 40, 512, seed=3), 512)
+    for rows in (2, DEQUANTIZE_FROM_ROWS + 3):
+        x = torch.randn(rows, 512).bfloat16()
+        got = kernels.qlinear_op(packed, None)(x).float()
+        expected = reference_linear(x.float(), packed, None)
+        # the only differences: bfloat16 rounding of the output (and of the weight on the many-row path)
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_few_row_products_do_not_depend_on_the_rest_of_the_batch(kernels):
+    packed = quantize(torch.randn(64, 256), "int4")
+    op = kernels.qlinear_op(packed, None)
+    batch = torch.randn(DEQUANTIZE_FROM_ROWS - 1, 256)
+    together = op(batch)
+    alone = torch.cat([op(batch[i:i + 1]) for i in range(batch.shape[0])])
+    assert torch.equal(together, alone)
+
+
+def test_native_product_checks_its_input(kernels):
+    op = kernels.qlinear_op(quantize(torch.randn(8, 64), "int8"), None)
+    with pytest.raises(ValueError, match="features"):
+        op(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        op(torch.randn(2, 64).half())
