@@ -90,3 +90,17 @@ def test_bfloat16_quantised_model_generates(tiny_hf):
 def test_unknown_quantization_is_a_clear_error(tiny_hf):
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(tiny_hf), quantization="int3")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
+def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path, architecture):
+    path = write_tiny_gguf(tmp_path / f"{architecture}.gguf", "Q4_1", architecture=architecture)
+    fused = build(path, dtype="bfloat16")
+    model = fused.llm_engine.model
+    assert model.fused_decode is not None
+    decisions = []
+    applies = model.fused_decode.applies
+    model.fused_decode.applies = lambda *args: decisions.append(applies(*args)) or decisions[-1]
+    outputs = greedy(fused)
+    assert any(decisions) and not all(decisions)  # pure decode steps fused, mixed ones layer by layer
+    assert outputs == greedy(build(path, dtype="bfloat16", fused_decode=False))

@@ -103,6 +103,8 @@ class LLMEngine:
         if kernels is not None and self.dtype == torch.bfloat16:
             # float32 keeps PyTorch's element-wise ops, whose results the HF comparisons pin down
             self.model.use_fused_kernels(kernels)
+            if config.model.fused_decode:
+                self.model.use_fused_decode()
         self.model.rotary.to_device(self.device)
         self.model.eval()
 

@@ -1,4 +1,4 @@
-"""Build, load and call the C kernels in cpu_kernels.c and quant_kernels.c.
+"""Build, load and call the C kernels in cpu_kernels.c, quant_kernels.c and decode_step.c.
 
 The library is compiled once per machine (gcc -O3 -march=native -fopenmp) into
 $TOKENMILL_CACHE_DIR/kernels (default ~/.cache/tokenmill/kernels), named by a hash of the source,
@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ _DEQUANTIZED_TILE_BYTES = 1 << 20  # half the L2 of the cores measured on
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "quant_kernels.c"]
+_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "quant_kernels.c", _HERE / "decode_step.c"]
 _HEADERS = [_HERE / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -49,6 +49,7 @@ _SIGNATURES = {
     "tm_qlinear": [_P] * 6 + [_I64] * 5 + [_INT, _INT, _INT],
     "tm_quantize_activations": [_P] * 4 + [_I64] * 3 + [_INT],
     "tm_dequantize": [_P] * 4 + [_I64] * 2 + [_INT] * 3,
+    "tm_decode_step": [_P, _P, _I64, _P],
 }
 _lock = threading.Lock()
 _loaded: dict[str, Optional["CpuKernels"]] = {}

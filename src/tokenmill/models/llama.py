@@ -112,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         # the embedding table and untied head when kept quantised (see load_weights)
         self.embed_quantized: Optional[QuantizedWeight] = None
         self.head_quantized: Optional[QuantizedWeight] = None
+        self.fused_decode: Any = None  # see use_fused_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
@@ -120,6 +121,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_quantized.embedding(input_ids, self.norm.weight.dtype)
         else:
             hidden = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and self.fused_decode.applies(attn_metadata, hidden.shape[0]):
+            return self.fused_decode(hidden, positions, kv_caches, attn_metadata)
         rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -132,6 +135,14 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, SiluAndMul)):
                 module.kernels = kernels
+
+    def use_fused_decode(self) -> bool:
+        """Run qualifying decode steps as one native call (models/fused_decode.py); after
+        `use_linear_kernels` and `use_fused_kernels`. Returns whether the model qualifies."""
+        from tokenmill.models.fused_decode import FusedDecode
+
+        self.fused_decode = FusedDecode.build(self)
+        return self.fused_decode is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""

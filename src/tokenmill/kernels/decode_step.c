@@ -1,0 +1,108 @@
+/* A whole decode step of a Llama-family model with quantised projections, in one call.
+ *
+ * It runs exactly the kernels the Python module path calls, in the same order, on the same inputs
+ * (norms, quantised products, RoPE, KV writes, paged decode attention, SiLU-and-mul), so its output is
+ * bit-identical to that path; what it saves is the Python between them. models/fused_decode.py
+ * decides when it applies (every row a decode, few enough rows for the int8 product path).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The kernels of cpu_kernels.c and quant_kernels.c. */
+void tm_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
+                         int64_t out_row_stride, float scale, int bf16);
+void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *slots, int64_t num_tokens,
+                    int64_t num_blocks, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                    int64_t k_row_stride, int64_t v_row_stride, int bf16);
+void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weight, int64_t num_tokens,
+                     int64_t hidden, float eps, int bf16);
+void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16);
+void tm_rope(void *x, const int64_t *positions, const float *cos_table, const float *sin_table,
+             int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t row_stride, int bf16);
+void tm_qlinear(void *y, const void *x, const uint8_t *data, const void *scale, const void *offset,
+                const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride, int64_t y_stride,
+                int bits, int half, int bf16);
+
+/* One packed projection (see quant_kernels.c for the layout). */
+typedef struct {
+    const uint8_t *data;
+    const void *scale, *offset;
+    const float *bias;  /* NULL: none */
+    int64_t rows, cols;
+    int32_t bits, half;
+} tm_projection;
+
+/* One decoder layer's weights and KV cache ([2, num_blocks, kv_heads, block_size, head_dim]). */
+typedef struct {
+    const void *input_norm, *post_norm;
+    tm_projection qkv, o, gate_up, down;
+    void *kv_cache;
+} tm_layer;
+
+/* Shapes and per-step inputs shared by every layer. */
+typedef struct {
+    int64_t num_tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t num_blocks, block_size, max_blocks;
+    float eps, scale;
+    int32_t bf16;
+    const int64_t *positions, *slots, *token_index;
+    const int32_t *block_tables, *context_lens;
+    const float *cos, *sin;
+    const void *final_norm;
+} tm_step;
+
+static void project(void *y, const void *x, const tm_projection *p, int64_t m, int bf16) {
+    tm_qlinear(y, x, p->data, p->scale, p->offset, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits,
+               p->half, bf16);
+}
+
+/* hidden [T, hidden] holds the embeddings on entry and the final-normed hidden states on return. */
+void tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, const tm_step *s) {
+    const int64_t t = s->num_tokens, elem = s->bf16 ? 2 : 4;
+    const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    char *residual = malloc((size_t)(t * s->hidden * elem));
+    char *normed = malloc((size_t)(t * s->hidden * elem));
+    char *x = malloc((size_t)(t * s->hidden * elem));
+    char *qkv = malloc((size_t)(t * qkv_width * elem));
+    char *attn = malloc((size_t)(t * q_size * elem));
+    char *gate_up = malloc((size_t)(t * 2 * s->intermediate * elem));
+    char *act = malloc((size_t)(t * s->intermediate * elem));
+    const int64_t cache_half = s->num_blocks * s->num_kv_heads * s->block_size * s->head_dim * elem;
+
+    for (int64_t l = 0; l < num_layers; l++) {
+        const tm_layer *layer = &layers[l];
+        if (l == 0) {  /* the residual stream starts as the embeddings */
+            tm_add_rms_norm(normed, hidden, NULL, layer->input_norm, t, s->hidden, s->eps, s->bf16);
+            memcpy(residual, hidden, (size_t)(t * s->hidden * elem));
+        } else {       /* residual += the previous layer's output, then norm */
+            tm_add_rms_norm(normed, x, residual, layer->input_norm, t, s->hidden, s->eps, s->bf16);
+        }
+        project(qkv, normed, &layer->qkv, t, s->bf16);
+        tm_rope(qkv, s->positions, s->cos, s->sin, t, s->num_heads + s->num_kv_heads, s->head_dim, qkv_width,
+                s->bf16);
+        const char *k = qkv + q_size * elem, *v = qkv + (q_size + kv_size) * elem;
+        tm_cache_write(layer->kv_cache, k, v, s->slots, t, s->num_blocks, s->num_kv_heads, s->block_size,
+                       s->head_dim, qkv_width, qkv_width, s->bf16);
+        tm_decode_attention(attn, qkv, layer->kv_cache, (char *)layer->kv_cache + cache_half, s->token_index,
+                            s->block_tables, s->context_lens, t, s->num_heads, s->num_kv_heads, s->head_dim,
+                            s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size, s->scale, s->bf16);
+        project(x, attn, &layer->o, t, s->bf16);
+        tm_add_rms_norm(normed, x, residual, layer->post_norm, t, s->hidden, s->eps, s->bf16);
+        project(gate_up, normed, &layer->gate_up, t, s->bf16);
+        tm_silu_mul(act, gate_up, t, s->intermediate, s->bf16);
+        project(x, act, &layer->down, t, s->bf16);
+    }
+    tm_add_rms_norm(hidden, x, residual, s->final_norm, t, s->hidden, s->eps, s->bf16);
+    free(residual);
+    free(normed);
+    free(x);
+    free(qkv);
+    free(attn);
+    free(gate_up);
+    free(act);
+}

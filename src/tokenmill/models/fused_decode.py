@@ -1,0 +1,115 @@
+"""One native call per decode step for Llama-family models whose projections are all quantised.
+
+`FusedDecode` gathers, once, each layer's packed weights and norm weights into the structures that
+kernels/decode_step.c reads, and per step hands it the step's metadata and KV caches. It applies to a
+step only where the module path would run the very same kernels in the same order: bfloat16 with the
+native element-wise kernels (the cpu_paged backend), every projection quantised with the native
+product, no q/k norm, every row a decode, and fewer rows than the products' dequantising threshold.
+There its output is bit-identical to the module path's (tests/models/test_quantized_models.py); what
+it removes is the Python between some 300 kernel calls per step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int32, c_int64, c_void_p
+from typing import Any, Optional
+
+import torch
+
+from tokenmill.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
+from tokenmill.kernels.cpu_kernels import QLinearOp
+from tokenmill.layers import quantized
+from tokenmill.layers.linear_kernels import QuantizedKernel
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("data", c_void_p), ("scale", c_void_p), ("offset", c_void_p), ("bias", c_void_p),
+                ("rows", c_int64), ("cols", c_int64), ("bits", c_int32), ("half", c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv", _Projection), ("o", _Projection),
+                ("gate_up", _Projection), ("down", _Projection), ("kv_cache", c_void_p)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
+                ("head_dim", c_int64), ("intermediate", c_int64), ("num_blocks", c_int64), ("block_size", c_int64),
+                ("max_blocks", c_int64), ("eps", c_float), ("scale", c_float), ("bf16", c_int32),
+                ("positions", c_void_p), ("slots", c_void_p), ("token_index", c_void_p), ("block_tables", c_void_p),
+                ("context_lens", c_void_p), ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p)]
+
+
+def _native_product(linear: Any) -> Optional[QLinearOp]:
+    kernel = getattr(linear, "kernel", None)
+    return kernel.native if isinstance(kernel, QuantizedKernel) else None
+
+
+def _projection(op: QLinearOp) -> _Projection:
+    data, scale, offset = op.pointers
+    return _Projection(data, scale, offset, op.bias_pointer, op.rows, op.cols, op.bits, op.half)
+
+
+class FusedDecode:
+    """The whole decoder stack of a decode step as one call of `tm_decode_step`."""
+
+    def __init__(self, model: Any, kernels: Any) -> None:
+        self.model, self.lib = model, kernels.lib
+        first = model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        self.eps = first.input_layernorm.eps
+        self.layers = (_Layer * len(model.layers))()
+        for struct, layer in zip(self.layers, model.layers):
+            struct.input_norm = layer.input_layernorm.weight.data_ptr()
+            struct.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for field, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                                  ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+                setattr(struct, field, _projection(_native_product(linear)))
+        self.shape = dict(hidden=model.arch.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                          head_dim=attn.head_dim, intermediate=mlp.down_proj.in_features)
+        self.cache_pointers: Optional[list[int]] = None
+
+    @staticmethod
+    def build(model: Any) -> Optional["FusedDecode"]:
+        """A FusedDecode for `model` (a LlamaForCausalLM after `use_linear_kernels` and
+        `use_fused_kernels`), or None where the conditions in the module docstring do not hold."""
+        kernels = model.kernels
+        if kernels is None or model.arch.qk_norm or not model.layers:
+            return None
+        for layer in model.layers:
+            if not isinstance(layer.self_attn.backend, CpuPagedBackend):
+                return None
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if any(_native_product(linear) is None for linear in linears):
+                return None
+            if layer.input_layernorm.eps != model.layers[0].input_layernorm.eps:
+                return None
+        return FusedDecode(model, kernels)
+
+    def applies(self, metadata: Any, num_tokens: int) -> bool:
+        """True for a step whose rows are all decodes, fewer than the dequantising threshold."""
+        return (isinstance(metadata, CpuPagedMetadata) and not metadata.prefills
+                and metadata.decode_token_index is not None and metadata.decode_token_index.numel() == num_tokens
+                and num_tokens < quantized.DEQUANTIZE_FROM_ROWS)
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 metadata: CpuPagedMetadata) -> torch.Tensor:
+        """Embeddings [T, hidden] -> final-normed hidden states [T, hidden] (computed in place)."""
+        pointers = [cache.data_ptr() for cache in kv_caches]
+        if pointers != self.cache_pointers:
+            for struct, pointer in zip(self.layers, pointers):
+                struct.kv_cache = pointer
+            self.cache_pointers = pointers
+        _, num_blocks, _, block_size, _ = kv_caches[0].shape
+        tables, rotary = metadata.decode_tables_i32, self.model.rotary
+        step = _Step(num_tokens=hidden.shape[0], num_blocks=num_blocks, block_size=block_size,
+                     max_blocks=tables.shape[1], eps=self.eps, scale=self.shape["head_dim"] ** -0.5,
+                     bf16=int(hidden.dtype == torch.bfloat16), positions=positions.data_ptr(),
+                     slots=metadata.slots.data_ptr(), token_index=metadata.decode_token_index.data_ptr(),
+                     block_tables=tables.data_ptr(), context_lens=metadata.decode_lens.data_ptr(),
+                     cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
+                     final_norm=self.model.norm.weight.data_ptr(), **self.shape)
+        hidden = hidden.contiguous()
+        self.lib.tm_decode_step(hidden.data_ptr(), self.layers, len(self.layers), ctypes.byref(step))
+        return hidden
