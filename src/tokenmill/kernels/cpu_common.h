@@ -11,12 +11,13 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as PyTorch does */
+/* Round to nearest even, as PyTorch does; NaN stays a quiet NaN. Branch-free, so loops vectorise. */
+static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 /* IEEE half -> float32, exactly (subnormals included). */
