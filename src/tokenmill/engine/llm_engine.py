@@ -16,7 +16,6 @@ from tokenmill.core.scheduler import Scheduler, SchedulingLimits
 from tokenmill.cpu_features import has_native_bf16
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.kernels.cpu_kernels import cpu_kernels
-from tokenmill.layers.quantized import QuantizedWeight
 from tokenmill.layers.linear_kernels import onednn_packing_available
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.models.registry import build_model
@@ -38,11 +37,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA device is available")
     return torch.device(name)
-
-
-def _has_quantized_weights(model: torch.nn.Module) -> bool:
-    return any(isinstance(getattr(m, name, None), QuantizedWeight) for m in model.modules()
-               for name in ("quantized", "embed_quantized", "head_quantized"))
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
@@ -95,7 +89,7 @@ class LLMEngine:
         self.model.load_weights(source.iter_weights(keep_quantized=quantization != "none"),
                                 quantize_to=quantization if quantization in ("int8", "int4") else None)
         native = kernels
-        if native is None and self.device.type == "cpu" and _has_quantized_weights(self.model):
+        if native is None and self.device.type == "cpu" and self.model.has_quantized_weights():
             native = cpu_kernels()  # the quantised products need them whatever the attention backend
         fast_linears = config.model.linear_kernel == "auto"
         self.model.use_linear_kernels(fast_linears and onednn_packing_available(self.dtype, self.device),

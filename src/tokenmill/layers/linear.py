@@ -11,7 +11,7 @@ packed into one `QuantizedWeight`; the float parameter is dropped without ever b
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ class _ShardedLinear(nn.Module):
         self.kernel: Optional[LinearKernel] = None
         self.quantize_to: Optional[str] = None  # set before loading: quantise float parts to this format
         self.quantized: Optional[QuantizedWeight] = None
-        self._parts: dict[int, object] = {}  # first row -> loaded part, until all rows have arrived
+        self._parts: dict[int, Any] = {}  # first row -> loaded part, until all rows have arrived
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to the last dimension of x."""
@@ -43,7 +43,7 @@ class _ShardedLinear(nn.Module):
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
-    def use_kernel(self, packed: bool, native: object = None) -> None:
+    def use_kernel(self, packed: bool, native: Any = None) -> None:
         """After loading: multiply through a kernel from now on. A packed kernel keeps its own copy
         of the weight, so the layer's is dropped (no more weights can be loaded into it). Quantised
         weights use `native` (CpuKernels) when given, else the PyTorch reference."""
@@ -55,17 +55,17 @@ class _ShardedLinear(nn.Module):
         if packed:
             self.weight = None
 
-    def _place(self, param: nn.Parameter, first_row: int, part: object) -> None:
+    def _place(self, param: nn.Parameter, first_row: int, part: Any) -> None:
         """Put a loaded part (float tensor or QuantizedWeight) at rows [first_row, ...) of `param`."""
         if param is not self.weight:  # the bias
-            self._copy(param.data.narrow(0, first_row, part.shape[0]), part)  # type: ignore[attr-defined]
+            self._copy(param.data.narrow(0, first_row, part.shape[0]), part)
             return
-        if part.shape[1] != self.in_features:  # type: ignore[attr-defined]
-            raise ValueError(f"weight shape mismatch: checkpoint part {tuple(part.shape)}, "  # type: ignore[attr-defined]
+        if part.shape[1] != self.in_features:
+            raise ValueError(f"weight shape mismatch: checkpoint part {tuple(part.shape)}, "
                              f"model expects {self.in_features} input features")
         self._parts[first_row] = part
         # invariant: the parts never overlap, so a full row count means every row has arrived
-        if sum(p.shape[0] for p in self._parts.values()) == self.out_features:  # type: ignore[attr-defined]
+        if sum(p.shape[0] for p in self._parts.values()) == self.out_features:
             parts = [self._parts[row] for row in sorted(self._parts)]
             self._parts = {}
             self._assemble(parts)
@@ -81,15 +81,15 @@ class _ShardedLinear(nn.Module):
         fmt = self.quantize_to
         if fmt is None:  # a quantised checkpoint: int4 only if every part is int4, else int8
             fmt = "int4" if len(quantized) == len(parts) and all(p.format == "int4" for p in quantized) else "int8"
-        self.quantized = cat_rows([p.to_format(fmt) if isinstance(p, QuantizedWeight) else quantize(p, fmt)
-                                   for p in parts])
+        packed = cat_rows([p.to_format(fmt) if isinstance(p, QuantizedWeight) else quantize(p, fmt) for p in parts])
+        self.quantized = packed.to(self.weight.device)
         self.weight = None
 
     @staticmethod
-    def _copy(dest: torch.Tensor, source: object) -> None:
+    def _copy(dest: torch.Tensor, source: Any) -> None:
         """Copy a float tensor, or a QuantizedWeight dequantised, into `dest`."""
-        if tuple(dest.shape) != tuple(source.shape):  # type: ignore[attr-defined]
-            raise ValueError(f"weight shape mismatch: checkpoint {tuple(source.shape)}, "  # type: ignore[attr-defined]
+        if tuple(dest.shape) != tuple(source.shape):
+            raise ValueError(f"weight shape mismatch: checkpoint {tuple(source.shape)}, "
                              f"model expects {tuple(dest.shape)}")
         if isinstance(source, QuantizedWeight):
             source = source.dequantize(dest.dtype)
@@ -172,6 +172,6 @@ class RowParallelLinear(_ShardedLinear):
         self._place(param, 0, loaded.narrow(1, self.tp_rank * cols, cols))
 
 
-def default_weight_loader(param: nn.Parameter, loaded: object, shard_id: Optional[object] = None) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Optional[object] = None) -> None:
     """Copy a whole checkpoint tensor (a QuantizedWeight dequantised) into a replicated parameter."""
     _ShardedLinear._copy(param.data, loaded)

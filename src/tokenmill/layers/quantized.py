@@ -92,6 +92,11 @@ class QuantizedWeight:
         w = u * self.scale.float().unsqueeze(-1) + self.offset.float().unsqueeze(-1)
         return w.reshape(rows, -1)[:, :self.cols].to(dtype)
 
+    def to(self, device: torch.device) -> "QuantizedWeight":
+        """The same weight on `device`."""
+        return QuantizedWeight(self.format, self.cols, self.data.to(device), self.scale.to(device),
+                               self.offset.to(device))
+
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantised: an embedding lookup that keeps the table packed."""
         return self.index_rows(ids).dequantize(dtype)

@@ -136,6 +136,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, SiluAndMul)):
                 module.kernels = kernels
 
+    def has_quantized_weights(self) -> bool:
+        """Whether any projection, the embedding or the LM head is kept quantised."""
+        return (self.embed_quantized is not None or self.head_quantized is not None
+                or any(getattr(m, "quantized", None) is not None for m in self.modules()))
+
     def use_fused_decode(self) -> bool:
         """Run qualifying decode steps as one native call (models/fused_decode.py); after
         `use_linear_kernels` and `use_fused_kernels`. Returns whether the model qualifies."""
@@ -216,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         if tuple(tensor.shape) != (self.arch.vocab_size, self.arch.hidden_size):
             raise ValueError(f"weight shape mismatch: checkpoint {tuple(tensor.shape)}, model expects "
                              f"{(self.arch.vocab_size, self.arch.hidden_size)} for {target}")
-        packed = tensor if isinstance(tensor, QuantizedWeight) else quantize(tensor, "int8")
+        packed = (tensor if isinstance(tensor, QuantizedWeight) else quantize(tensor, "int8")).to(self.norm.weight.device)
         if target == "embed_tokens.weight":
             self.embed_quantized = packed
             self.embed_tokens.weight = None
