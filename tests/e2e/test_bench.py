@@ -89,3 +89,13 @@ def test_bench_rejects_bad_flags_clearly():
                        "--max-concurrency", "0")
     assert result.returncode == 2
     assert "--max-concurrency must be at least 1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_linears_prints_one_line_per_row_count():
+    run = tokenmill("bench", "linears", "--rows", "1", "20", "--layers", "1", "--repeats", "1")
+    assert run.returncode == 0, run.stderr
+    header, *lines = run.stdout.strip().splitlines()
+    assert header.split() == ["rows", "bf16", "packed", "int8", "dot", "int8", "dequant", "int4", "dot",
+                              "int4", "dequant"]
+    assert [line.split()[0] for line in lines] == ["1", "20"]
+    assert all(float(cell) > 0 for line in lines for cell in line.split()[1:])

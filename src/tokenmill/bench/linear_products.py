@@ -1,6 +1,6 @@
 """How fast each way of multiplying a model's projections is, by number of input rows.
 
-`python -m tokenmill.bench.linear_products` times, for every row count asked, the projections of all
+`tokenmill bench linears` times, for every row count asked, the projections of all
 layers of a model shape (SmolLM2-135M by default) with distinct random weights, so that each pass
 reads them from memory as a decode step does: oneDNN-packed bfloat16, the quantised int8 dot-product
 kernel and the dequantise-then-matmul path, for int8 and int4 weights. It prints the median of the
@@ -38,19 +38,24 @@ def _time_passes(layers: list[list[Callable]], rows: int, repeats: int) -> float
     return statistics.median(times) * 1000
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, build the weights, print one line per row count."""
-    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.linear_products", description=__doc__)
+def add_linear_products_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `tokenmill bench linears`."""
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256],
                         help="input row counts to time (default: 1 4 16 64 256)")
     parser.add_argument("--layers", type=int, default=30, help="decoder layers of weights (default: 30)")
-    parser.add_argument("--repeats", type=int, default=10, help="passes per measurement; the median is shown")
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeats", type=int, default=10, help="passes per measurement; the median is shown "
+                        "(default: 10)")
+
+
+def run_linear_products(args: argparse.Namespace) -> int:
+    """Build the weights and print one line of milliseconds per row count."""
     kernels = cpu_kernels()
     if kernels is None:
-        sys.exit("the native kernels could not be built (see the warning above)")
+        print("the native kernels could not be built (see the warning above)", file=sys.stderr)
+        return 1
     torch.manual_seed(0)
-    floats = [[torch.randn(shape) * 0.02 for shape in SMOLLM2_SHAPES] for _ in tqdm(range(args.layers), desc="weights")]
+    floats = [[torch.randn(shape) * 0.02 for shape in SMOLLM2_SHAPES]
+              for _ in tqdm(range(args.layers), desc="weights", file=sys.stderr)]
     packed = [[OneDnnPackedKernel(w.bfloat16(), None) for w in layer] for layer in floats]
     ops = {fmt: [[kernels.qlinear_op(quantized.quantize(w, fmt), None) for w in layer] for layer in floats]
            for fmt in quantized.FORMATS}
@@ -66,7 +71,4 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{rows:>5} " + f"{cells[0]:>12.2f} " + " ".join(f"{c:>16.2f}" for c in cells[1:]), flush=True)
     finally:
         quantized.DEQUANTIZE_FROM_ROWS = threshold
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -12,17 +12,23 @@ import sys
 import time
 from typing import Any
 
+from tokenmill.bench import linear_products
 from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
+from tokenmill.bench.linear_products import add_linear_products_args, run_linear_products
 from tokenmill.bench.report import RequestResult, emit, own_peak_rss_gib, summarise
 from tokenmill.cli.bench_serve import add_bench_serve_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `tokenmill bench throughput` and `tokenmill bench serve`."""
+    """Register `tokenmill bench throughput`, `bench serve` and `bench linears`."""
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(kinds)
+    linears = kinds.add_parser("linears", help="time the ways to multiply a model's projections, by input rows",
+                               description=linear_products.__doc__)
+    add_linear_products_args(linears)
+    linears.set_defaults(func=run_linear_products)
     p = kinds.add_parser("throughput", help="offline, in-process throughput on a seeded dataset",
                          description="Generate OUTPUT_LEN tokens (greedy, ignore_eos) for every prompt of the "
                                      "dataset, all submitted at once, and report tokens/s and latencies.")
