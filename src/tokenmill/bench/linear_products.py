@@ -1,7 +1,7 @@
 """How fast each way of multiplying a model's projections is, by number of input rows.
 
-`tokenmill bench linears` times, for every row count asked, the projections of all
-layers of a model shape (SmolLM2-135M by default) with distinct random weights, so that each pass
+`tokenmill bench linears` times, for every row count asked, the projections of all layers of a
+model shaped like SmolLM2-135M, with distinct random weights, so that each pass
 reads them from memory as a decode step does: oneDNN-packed bfloat16, the quantised int8 dot-product
 kernel and the dequantise-then-matmul path, for int8 and int4 weights. It prints the median of the
 repetitions in milliseconds. This is where `DEQUANTIZE_FROM_ROWS` comes from (docs/benchmarks.md).
