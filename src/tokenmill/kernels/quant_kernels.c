@@ -25,6 +25,12 @@
 
 #define QBLOCK 32
 #define QPAIR 64
+/* Weight rows are taken 4 at a time, so each loaded input block serves four dot products, and input
+ * rows 4 at a time, so each loaded (and unpacked) weight block serves four as well. A row's result
+ * does not depend on which tile it falls in: per (weight row, input row) the same operations run
+ * in the same order. */
+#define ROW_TILE 4
+#define INPUT_TILE 4
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TM_VNNI 1
@@ -102,32 +108,35 @@ static inline __m512 load_scales(const void *base, int64_t i, __mmask16 valid, c
 }
 
 static inline __attribute__((always_inline)) void dot_tile(
-    float *out, const int nt, const int packed4, const int half, const uint8_t *const *w,
+    float *out, const int nt, const int nr, const int packed4, const int half, const uint8_t *const *w,
     const void *const *scale, const void *const *offset, const int8_t *q, const float *dx16, const float *s,
     int64_t padded_k) {
     const int64_t pairs = padded_k / QPAIR, blocks = padded_k / QBLOCK;
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    __m512 acc[4];
-    /* the offsets' share first: sum_b offset_t[b] s[b], 16 blocks per step */
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    __m512 acc[ROW_TILE][INPUT_TILE];
+    /* the offsets' share first: sum_b offset_t[b] s_r[b], 16 blocks per step */
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < nr; r++) acc[t][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b += 16) {
         const __mmask16 valid = blocks - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (blocks - b)) - 1);
-        const __m512 sv = _mm512_maskz_loadu_ps(valid, s + b);
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(load_scales(offset[t], b, valid, half), sv, acc[t]);
+        for (int t = 0; t < nt; t++) {
+            const __m512 off = load_scales(offset[t], b, valid, half);
+            for (int r = 0; r < nr; r++)
+                acc[t][r] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(valid, s + r * blocks + b), acc[t][r]);
+        }
     }
-    /* then the blocks' dot products, 8 pairs (16 scales) per group */
+    /* then the blocks' dot products, 8 pairs (16 scales) per group; each weight vector loaded (and
+     * unpacked) once serves all nr input rows */
     for (int64_t g = 0; g < pairs; g += 8) {
         const int64_t in_group = pairs - g >= 8 ? 8 : pairs - g;
         const __mmask16 valid = in_group == 8 ? (__mmask16)0xffff : (__mmask16)((1u << (2 * in_group)) - 1);
-        __m512 group[4];
+        __m512 group[ROW_TILE];
         for (int t = 0; t < nt; t++) group[t] = load_scales(scale[t], 2 * g, valid, half);
         for (int64_t i = 0; i < in_group; i++) {
             const int64_t p = g + i;
             /* lanes 0-7 of a pair's dot product belong to block 2p, lanes 8-15 to block 2p + 1 */
             const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32((int)(2 * i)),
                                                   _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
-            const __m512i xq = _mm512_loadu_si512(q + p * QPAIR);
-            const __m512 xs = _mm512_loadu_ps(dx16 + p * 16);
             for (int t = 0; t < nt; t++) {
                 __m512i wu;
                 if (packed4) {
@@ -137,45 +146,58 @@ static inline __attribute__((always_inline)) void dot_tile(
                 } else {
                     wu = _mm512_loadu_si512(w[t] + p * QPAIR);
                 }
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xq);
-                __m512 weights = _mm512_mul_ps(_mm512_permutexvar_ps(pick, group[t]), xs);
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), weights, acc[t]);
+                const __m512 row_scales = _mm512_permutexvar_ps(pick, group[t]);
+                for (int r = 0; r < nr; r++) {
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,
+                                                      _mm512_loadu_si512(q + r * padded_k + p * QPAIR));
+                    __m512 weights = _mm512_mul_ps(row_scales, _mm512_loadu_ps(dx16 + (r * pairs + p) * 16));
+                    acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), weights, acc[t][r]);
+                }
             }
         }
     }
-    if (nt == 4)
-        reduce4(out, acc);
-    else
-        for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+    for (int r = 0; r < nr; r++) {
+        if (nt == ROW_TILE) {
+            __m512 row[ROW_TILE];
+            for (int t = 0; t < ROW_TILE; t++) row[t] = acc[t][r];
+            reduce4(out + r * ROW_TILE, row);
+        } else {
+            for (int t = 0; t < nt; t++) out[r * ROW_TILE + t] = _mm512_reduce_add_ps(acc[t][r]);
+        }
+    }
 }
 #else
 static inline float scale_at(const void *base, int64_t i, const int half) {
     return half ? f16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static void dot_tile(float *out, const int nt, const int packed4, const int half, const uint8_t *const *w,
-                     const void *const *scale, const void *const *offset, const int8_t *q, const float *dx16,
-                     const float *s, int64_t padded_k) {
-    const int64_t blocks = padded_k / QBLOCK;
-    for (int t = 0; t < nt; t++) {
-        float acc = 0.0f, corr = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) {
-            int32_t dot = 0;
-            for (int i = 0; i < QBLOCK; i++) {
-                int64_t col = b * QBLOCK + i;
-                int32_t u;
-                if (packed4) {
-                    const uint8_t byte = w[t][(b / 2) * QBLOCK + i];
-                    u = (b & 1) ? byte >> 4 : byte & 0x0f;
-                } else {
-                    u = w[t][col];
+static void dot_tile(float *out, const int nt, const int nr, const int packed4, const int half,
+                     const uint8_t *const *w, const void *const *scale, const void *const *offset, const int8_t *q,
+                     const float *dx16, const float *s, int64_t padded_k) {
+    const int64_t blocks = padded_k / QBLOCK, pairs = padded_k / QPAIR;
+    for (int r = 0; r < nr; r++) {
+        const int8_t *q_r = q + r * padded_k;
+        const float *dx16_r = dx16 + r * pairs * 16, *s_r = s + r * blocks;
+        for (int t = 0; t < nt; t++) {
+            float acc = 0.0f, corr = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t dot = 0;
+                for (int i = 0; i < QBLOCK; i++) {
+                    int64_t col = b * QBLOCK + i;
+                    int32_t u;
+                    if (packed4) {
+                        const uint8_t byte = w[t][(b / 2) * QBLOCK + i];
+                        u = (b & 1) ? byte >> 4 : byte & 0x0f;
+                    } else {
+                        u = w[t][col];
+                    }
+                    dot += u * (int32_t)q_r[col];
                 }
-                dot += u * (int32_t)q[col];
+                acc += scale_at(scale[t], b, half) * dx16_r[(b / 2) * 16 + (b & 1) * 8] * (float)dot;
+                corr += scale_at(offset[t], b, half) * s_r[b];
             }
-            acc += scale_at(scale[t], b, half) * dx16[(b / 2) * 16 + (b & 1) * 8] * (float)dot;
-            corr += scale_at(offset[t], b, half) * s[b];
+            out[r * ROW_TILE + t] = acc + corr;
         }
-        out[t] = acc + corr;
     }
 }
 #endif
@@ -190,14 +212,18 @@ static void store_outputs(void *y, int64_t index, const float *v, int nt, const 
     }
 }
 
-/* dot_tile with nt, packed4 and half as constants (one specialisation each); a partial tile runs row by row. */
-#define DOT_TILE_CASE(PACKED4, HALF)                                                                        \
+/* dot_tile with nt, nr, packed4 and half as constants (one specialisation each): full tiles of
+ * ROW_TILE weight rows, a partial one row by row; INPUT_TILE input rows at a time, the rest one by one. */
+#define DOT_TILE_ROWS(NR, PACKED4, HALF)                                                                    \
     if (nt == ROW_TILE)                                                                                     \
-        dot_tile(v, ROW_TILE, PACKED4, HALF, w, scale_t, offset_t, q_r, dx16_r, s_r, padded_k);          \
+        dot_tile(v, ROW_TILE, NR, PACKED4, HALF, w, scale_t, offset_t, q_r, dx16_r, s_r, padded_k);      \
     else                                                                                                    \
         for (int t = 0; t < nt; t++)                                                                        \
-            dot_tile(v + t, 1, PACKED4, HALF, w + t, scale_t + t, offset_t + t, q_r, dx16_r, s_r, padded_k);
-#define DOT_TILE_DISPATCH(v, nt, packed4, half, w, scale_t, offset_t, q_r, dx16_r, s_r, padded_k)         \
+            dot_tile(v + t, 1, NR, PACKED4, HALF, w + t, scale_t + t, offset_t + t, q_r, dx16_r, s_r, padded_k);
+#define DOT_TILE_CASE(PACKED4, HALF)                                                                        \
+    if (nr == INPUT_TILE) { DOT_TILE_ROWS(INPUT_TILE, PACKED4, HALF) }                                      \
+    else { DOT_TILE_ROWS(1, PACKED4, HALF) }
+#define DOT_TILE_DISPATCH()                                                                                 \
     do {                                                                                                    \
         if (packed4 && half) { DOT_TILE_CASE(1, 1) }                                                        \
         else if (packed4) { DOT_TILE_CASE(1, 0) }                                                           \
@@ -216,8 +242,6 @@ static inline void prefetch_bytes(const void *start, int64_t bytes) {
 #endif
 }
 
-/* Weight rows are taken 4 at a time, so each loaded input block serves four dot products. */
-#define ROW_TILE 4
 
 /* y[r, j] for r < m, j < n. x rows at x_stride, y rows at y_stride (elements of the storage dtype,
  * float32 or bfloat16 per `bf16`); bias (float32, n) may be NULL. bits is 8 or 4; `half` says the
@@ -273,12 +297,15 @@ void tm_qlinear(void *y, const void *x, const uint8_t *data, const void *scale, 
                 offset_t[t] = (const char *)offset + (j + t) * blocks * scale_bytes;
             }
             const int packed4 = bits == 4 && !unpack;
-            for (int64_t r = 0; r < m; r++) {
-                float v[ROW_TILE];
+            for (int64_t r = 0; r < m;) {
+                const int nr = m - r >= INPUT_TILE ? INPUT_TILE : 1;
+                float v[INPUT_TILE * ROW_TILE];  /* v[i * ROW_TILE + t]: input row r + i, weight row j + t */
                 const int8_t *q_r = q + r * padded_k;
                 const float *dx16_r = dx16 + r * pairs * 16, *s_r = s + r * blocks;
-                DOT_TILE_DISPATCH(v, nt, packed4, half, w, scale_t, offset_t, q_r, dx16_r, s_r, padded_k);
-                store_outputs(y, r * y_stride + j, v, nt, bias, j, bf16);
+                DOT_TILE_DISPATCH();
+                for (int i = 0; i < nr; i++)
+                    store_outputs(y, (r + i) * y_stride + j, v + i * ROW_TILE, nt, bias, j, bf16);
+                r += nr;
             }
         }
         free(buffer);
