@@ -94,9 +94,9 @@ def test_native_product_with_gguf_weights_in_bfloat16(kernels, qtype):
     for rows in (2, DEQUANTIZE_FROM_ROWS + 3):
         x = torch.randn(rows, 512).bfloat16()
         got = kernels.qlinear_op(packed, None)(x).float()
-        expected = reference_linear(x.float(), packed, None)
-        # the only differences: bfloat16 rounding of the output (and of the weight on the many-row path)
-        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        expected = reference_linear(x, packed, None).float()
+        # the outputs are rounded to bfloat16: they agree to its last bit, after different summation orders
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
 
 
 def test_few_row_products_do_not_depend_on_the_rest_of_the_batch(kernels):

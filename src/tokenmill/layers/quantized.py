@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType
 
 BLOCK = 32
 # measured crossover of the two ways to multiply (docs/benchmarks.md)
-DEQUANTIZE_FROM_ROWS = 16
+DEQUANTIZE_FROM_ROWS = 24
 FORMATS = ("int8", "int4")
 T = GGMLQuantizationType
 # GGUF encodings that convert into this layout without loss, and the format they become
