@@ -116,9 +116,9 @@ class LLMEngine:
                                   self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
                                   config.model.seed, tier_slots, config.cache.secondary_kv_folder)
         self.output_processor = OutputProcessor(self.tokenizer)
-        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention), %d KV blocks x %d tokens, "
+        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention; %s), %d KV blocks x %d tokens, "
                     "max_model_len %d", time.perf_counter() - started, self.arch.architecture, self.device,
-                    self.dtype, type(backend).__name__,
+                    self.dtype, type(backend).__name__, self.model.describe_weights(),
                     num_blocks, block_size, self.max_model_len)
 
     def _max_model_len(self) -> int:

@@ -141,6 +141,18 @@ class LlamaForCausalLM(nn.Module):
         return (self.embed_quantized is not None or self.head_quantized is not None
                 or any(getattr(m, "quantized", None) is not None for m in self.modules()))
 
+    def describe_weights(self) -> str:
+        """How the weights are held, for the log: e.g. 'int4 projections, int8 embedding'."""
+        projections = sorted({"float" if m.quantized is None else m.quantized.format
+                              for m in self.modules() if hasattr(m, "quantize_to")})
+        parts = [f"{'+'.join(projections)} projections"]
+        for name, packed in (("embedding", self.embed_quantized), ("LM head", self.head_quantized)):
+            if packed is not None:
+                parts.append(f"{packed.format} {name}")
+        if self.fused_decode is not None:
+            parts.append("fused decode")
+        return ", ".join(parts)
+
     def use_fused_decode(self) -> bool:
         """Run qualifying decode steps as one native call (models/fused_decode.py); after
         `use_linear_kernels` and `use_fused_kernels`. Returns whether the model qualifies."""
