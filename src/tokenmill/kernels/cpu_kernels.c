@@ -266,20 +266,73 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
     }
 }
 
+#ifdef __AVX512F__
+/* fast_exp on 16 lanes, the same operations in the same order, so each lane equals fast_exp. */
+static inline __m512 fast_exp16(__m512 x) {
+    /* max/min return their second operand for a NaN lane: NaN passes through, as in fast_exp */
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_add_ps(_mm512_set1_ps(0.0083333333333f), _mm512_mul_ps(r, _mm512_set1_ps(0.0013888888889f)));
+    p = _mm512_add_ps(_mm512_set1_ps(0.041666666666f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(0.16666666666f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+/* 16 float32 lanes rounded to bfloat16 and back (round to nearest even, as f32_to_bf16). */
+static inline __m512 round16_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    rounded = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+static inline void store16(void *base, int64_t i, __m512 v, int bf16) {
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16_bf16(v)), 16)));
+    else
+        _mm512_storeu_ps((float *)base + i, v);
+}
+#endif
+
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inner + i], each factor rounded to the storage dtype
  * first, as the unfused PyTorch ops would. */
 void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16) {
     #pragma omp parallel for if (num_tokens > 4)
     for (int64_t t = 0; t < num_tokens; t++) {
-        float *g = (float *)malloc(sizeof(float) * (size_t)inner * 2);
-        float *u = g + inner;
-        load_row(g, gate_up, t * 2 * inner, inner, bf16);
-        load_row(u, gate_up, t * 2 * inner + inner, inner, bf16);
-        for (int64_t i = 0; i < inner; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i]));
-        round_row(g, inner, bf16);
-        for (int64_t i = 0; i < inner; i++) g[i] *= u[i];
-        store_row(out, t * inner, g, inner, bf16);
-        free(g);
+        const int64_t in_row = t * 2 * inner, out_row = t * inner;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= inner; i += 16) {
+            const __m512 g = load16(gate_up, in_row + i, bf16), u = load16(gate_up, in_row + inner + i, bf16);
+            __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), fast_exp16(_mm512_castsi512_ps(
+                _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))))));
+            if (bf16) a = round16_bf16(a);
+            store16(out, out_row + i, _mm512_mul_ps(a, u), bf16);
+        }
+#endif
+        for (; i < inner; i++) {
+            float g = bf16 ? bf16_to_f32(((const uint16_t *)gate_up)[in_row + i]) : ((const float *)gate_up)[in_row + i];
+            float u = bf16 ? bf16_to_f32(((const uint16_t *)gate_up)[in_row + inner + i])
+                           : ((const float *)gate_up)[in_row + inner + i];
+            float a = g / (1.0f + fast_exp(-g));
+            if (bf16) a = bf16_to_f32(f32_to_bf16(a));
+            const float v = a * u;
+            if (bf16)
+                ((uint16_t *)out)[out_row + i] = f32_to_bf16(v);
+            else
+                ((float *)out)[out_row + i] = v;
+        }
     }
 }
 
