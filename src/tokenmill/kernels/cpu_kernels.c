@@ -35,6 +35,17 @@ static inline void store_row(void *base, int64_t offset, const float *src, int64
     }
 }
 
+static inline float load_value(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store_value(void *base, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
 /* The values of n float32 results once stored in the storage dtype, in place. */
 static inline void round_row(float *v, int64_t n, int bf16) {
     if (bf16)
@@ -238,34 +249,6 @@ void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *sl
     }
 }
 
-/* residual += x (rounded to the storage dtype, as a PyTorch add would), then
- * out = residual / sqrt(mean(residual^2) + eps) * weight. With residual == NULL: out = norm(x). */
-void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weight, int64_t num_tokens,
-                     int64_t hidden, float eps, int bf16) {
-    #pragma omp parallel for if (num_tokens > 16)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        float *row = (float *)malloc(sizeof(float) * (size_t)hidden * 2);
-        float *other = row + hidden;
-        load_row(row, x, t * hidden, hidden, bf16);
-        if (residual) {
-            load_row(other, residual, t * hidden, hidden, bf16);
-            for (int64_t i = 0; i < hidden; i++) row[i] += other[i];
-            round_row(row, hidden, bf16);
-            store_row(residual, t * hidden, row, hidden, bf16);
-        }
-        float ss = 0.0f;
-        #pragma omp simd reduction(+:ss)
-        for (int64_t i = 0; i < hidden; i++) ss += row[i] * row[i];
-        float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-        load_row(other, weight, 0, hidden, bf16);
-        for (int64_t i = 0; i < hidden; i++) row[i] *= inv;
-        round_row(row, hidden, bf16);
-        for (int64_t i = 0; i < hidden; i++) row[i] *= other[i];
-        store_row(out, t * hidden, row, hidden, bf16);
-        free(row);
-    }
-}
-
 #ifdef __AVX512F__
 /* fast_exp on 16 lanes, the same operations in the same order, so each lane equals fast_exp. */
 static inline __m512 fast_exp16(__m512 x) {
@@ -304,6 +287,56 @@ static inline void store16(void *base, int64_t i, __m512 v, int bf16) {
         _mm512_storeu_ps((float *)base + i, v);
 }
 #endif
+
+/* residual += x (rounded to the storage dtype, as a PyTorch add would), then
+ * out = residual / sqrt(mean(residual^2) + eps) * weight. With residual == NULL: out = norm(x).
+ * The squares are summed in 16 lanes (a fixed order for a given hidden size), then across them. */
+void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weight, int64_t num_tokens,
+                     int64_t hidden, float eps, int bf16) {
+    #pragma omp parallel for if (num_tokens > 16)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t row = t * hidden;
+        const void *normed = residual ? residual : x;  /* the row whose norm is taken, once stored */
+        int64_t i = 0;
+        float ss = 0.0f;
+#ifdef __AVX512F__
+        __m512 squares = _mm512_setzero_ps();
+        for (; i + 16 <= hidden; i += 16) {
+            __m512 v = load16(x, row + i, bf16);
+            if (residual) {
+                v = _mm512_add_ps(v, load16(residual, row + i, bf16));
+                store16(residual, row + i, v, bf16);
+                if (bf16) v = round16_bf16(v);
+            }
+            squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+        }
+        ss = _mm512_reduce_add_ps(squares);
+#endif
+        for (; i < hidden; i++) {
+            float v = load_value(x, row + i, bf16);
+            if (residual) {
+                v += load_value(residual, row + i, bf16);
+                if (bf16) v = bf16_to_f32(f32_to_bf16(v));
+                store_value(residual, row + i, v, bf16);
+            }
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= hidden; i += 16) {
+            __m512 v = _mm512_mul_ps(load16(normed, row + i, bf16), _mm512_set1_ps(inv));
+            if (bf16) v = round16_bf16(v);
+            store16(out, row + i, _mm512_mul_ps(v, load16(weight, i, bf16)), bf16);
+        }
+#endif
+        for (; i < hidden; i++) {
+            float v = load_value(normed, row + i, bf16) * inv;
+            if (bf16) v = bf16_to_f32(f32_to_bf16(v));
+            store_value(out, row + i, v * load_value(weight, i, bf16), bf16);
+        }
+    }
+}
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inner + i], each factor rounded to the storage dtype
  * first, as the unfused PyTorch ops would. */
