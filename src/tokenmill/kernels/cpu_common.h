@@ -20,6 +20,24 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+/* Element i of a float32 or bfloat16 (`bf16`) array, as float32. */
+static inline float load_value(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* Store v at element i of a float32 or bfloat16 array (rounded to nearest even for bfloat16). */
+static inline void store_value(void *base, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+/* v as it reads back once stored in the storage dtype. */
+static inline float rounded_to_storage(float v, int bf16) {
+    return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
 /* IEEE half -> float32, exactly (subnormals included). */
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;

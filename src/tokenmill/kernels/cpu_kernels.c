@@ -35,21 +35,10 @@ static inline void store_row(void *base, int64_t offset, const float *src, int64
     }
 }
 
-static inline float load_value(const void *base, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline void store_value(void *base, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
-
 /* The values of n float32 results once stored in the storage dtype, in place. */
 static inline void round_row(float *v, int64_t n, int bf16) {
     if (bf16)
-        for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+        for (int64_t i = 0; i < n; i++) v[i] = rounded_to_storage(v[i], bf16);
 }
 
 /* exp for the softmax: Cody-Waite range reduction and a degree-6 polynomial, within 2 ulp of expf
@@ -315,8 +304,7 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
         for (; i < hidden; i++) {
             float v = load_value(x, row + i, bf16);
             if (residual) {
-                v += load_value(residual, row + i, bf16);
-                if (bf16) v = bf16_to_f32(f32_to_bf16(v));
+                v = rounded_to_storage(v + load_value(residual, row + i, bf16), bf16);
                 store_value(residual, row + i, v, bf16);
             }
             ss += v * v;
@@ -331,8 +319,7 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
         }
 #endif
         for (; i < hidden; i++) {
-            float v = load_value(normed, row + i, bf16) * inv;
-            if (bf16) v = bf16_to_f32(f32_to_bf16(v));
+            const float v = rounded_to_storage(load_value(normed, row + i, bf16) * inv, bf16);
             store_value(out, row + i, v * load_value(weight, i, bf16), bf16);
         }
     }
@@ -355,16 +342,9 @@ void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inn
         }
 #endif
         for (; i < inner; i++) {
-            float g = bf16 ? bf16_to_f32(((const uint16_t *)gate_up)[in_row + i]) : ((const float *)gate_up)[in_row + i];
-            float u = bf16 ? bf16_to_f32(((const uint16_t *)gate_up)[in_row + inner + i])
-                           : ((const float *)gate_up)[in_row + inner + i];
-            float a = g / (1.0f + fast_exp(-g));
-            if (bf16) a = bf16_to_f32(f32_to_bf16(a));
-            const float v = a * u;
-            if (bf16)
-                ((uint16_t *)out)[out_row + i] = f32_to_bf16(v);
-            else
-                ((float *)out)[out_row + i] = v;
+            const float g = load_value(gate_up, in_row + i, bf16), u = load_value(gate_up, in_row + inner + i, bf16);
+            const float a = rounded_to_storage(g / (1.0f + fast_exp(-g)), bf16);
+            store_value(out, out_row + i, a * u, bf16);
         }
     }
 }

@@ -36,10 +36,6 @@
 #define TM_VNNI 1
 #endif
 
-static inline float load_value(const void *base, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
 /* One activation row -> q (padded_k int8), dx and s (padded_k / 32 floats each). */
 static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t k, int64_t padded_k, int bf16) {
     for (int64_t b = 0; b < padded_k / QBLOCK; b++) {
@@ -203,13 +199,7 @@ static void dot_tile(float *out, const int nt, const int nr, const int packed4, 
 #endif
 
 static void store_outputs(void *y, int64_t index, const float *v, int nt, const float *bias, int64_t j, int bf16) {
-    for (int t = 0; t < nt; t++) {
-        float value = bias ? v[t] + bias[j + t] : v[t];
-        if (bf16)
-            ((uint16_t *)y)[index + t] = f32_to_bf16(value);
-        else
-            ((float *)y)[index + t] = value;
-    }
+    for (int t = 0; t < nt; t++) store_value(y, index + t, bias ? v[t] + bias[j + t] : v[t], bf16);
 }
 
 /* dot_tile with nt, nr, packed4 and half as constants (one specialisation each): full tiles of
@@ -371,13 +361,7 @@ void tm_dequantize(void *out, const uint8_t *data, const void *scale, const void
                     }
                 }
 #else
-                for (int i = 0; i < QBLOCK; i++) {
-                    float v = (float)src[b * QBLOCK + i] * sc[b] + off[b];
-                    if (bf16)
-                        ((uint16_t *)out)[base + i] = f32_to_bf16(v);
-                    else
-                        ((float *)out)[base + i] = v;
-                }
+                for (int i = 0; i < QBLOCK; i++) store_value(out, base + i, (float)src[b * QBLOCK + i] * sc[b] + off[b], bf16);
 #endif
             }
         }
