@@ -188,7 +188,7 @@ class CpuKernels:
         """The kernel's own input quantisation of x [m, cols]: (q int8 [m, padded], dx float32 [m, blocks])."""
         bf16 = _storage_flag(x)
         m, cols = x.shape
-        padded = (cols + 63) // 64 * 64
+        padded = quantized.padded_cols(cols)
         if x.stride(1) != 1:
             raise ValueError("quantize_activations needs contiguous rows")
         q = torch.empty(m, padded, dtype=torch.int8)

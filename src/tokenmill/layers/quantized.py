@@ -59,11 +59,6 @@ class QuantizedWeight:
         """(rows, cols), as a float weight's."""
         return (self.data.shape[0], self.cols)
 
-    @property
-    def nbytes(self) -> int:
-        """Memory held, in bytes."""
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.offset))
-
     def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
         """Rows [start, start + length) (dim 0); columns only whole (packing is per row)."""
         if dim == 1 and (start, length) == (0, self.cols):
@@ -138,6 +133,11 @@ def _half_rounded(values: torch.Tensor) -> torch.Tensor:
     return values.clamp(-65504, 65504).half().float()
 
 
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale, and 0 where a block's scale is 0 (an all-zero block quantises to zeros)."""
+    return torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+
+
 def _check_cols(cols: int) -> None:
     if cols % BLOCK:
         raise ValueError(f"quantised weights need a multiple of {BLOCK} input features, got {cols}")
@@ -152,13 +152,11 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     w = F.pad(weight.float(), (0, padded_cols(cols) - cols)).view(rows, -1, BLOCK)
     if fmt == "int8":
         scale = _half_rounded(w.abs().amax(-1) / 127)
-        inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-        u = (torch.round(w * inverse.unsqueeze(-1)).clamp(-127, 127) + 128).to(torch.uint8)
+        u = (torch.round(w * _reciprocal(scale).unsqueeze(-1)).clamp(-127, 127) + 128).to(torch.uint8)
         return _pack(fmt, cols, u.reshape(rows, -1), scale, -128 * scale)
     low, high = _half_rounded(w.amin(-1)), w.amax(-1)
     scale = _half_rounded((high - low) / 15)
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    u = torch.round((w - low.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    u = torch.round((w - low.unsqueeze(-1)) * _reciprocal(scale).unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
     return _pack(fmt, cols, u.reshape(rows, -1), scale, low)
 
 
@@ -215,8 +213,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, cols = x.shape
     blocks = F.pad(x.float(), (0, padded_cols(cols) - cols)).view(m, -1, BLOCK)
     dx = blocks.abs().amax(-1) / 127
-    inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    q = torch.round(blocks * inverse.unsqueeze(-1)).clamp(-127, 127)
+    q = torch.round(blocks * _reciprocal(dx).unsqueeze(-1)).clamp(-127, 127)
     return q.reshape(m, -1), dx
 
 
