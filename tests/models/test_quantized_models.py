@@ -12,6 +12,7 @@ from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import _ShardedLinear
+from tokenmill.layers.quantized import AMX_FROM_ROWS
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
            "A much longer prompt about nothing in particular, repeated. " * 4, "1 2 3 4 5 6 7"]
@@ -98,9 +99,17 @@ def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path,
     fused = build(path, dtype="bfloat16")
     model = fused.llm_engine.model
     assert model.fused_decode is not None
-    decisions = []
+    decisions, fused_rows = [], []
     applies = model.fused_decode.applies
-    model.fused_decode.applies = lambda *args: decisions.append(applies(*args)) or decisions[-1]
+
+    def recorded(metadata, num_tokens):
+        decisions.append(applies(metadata, num_tokens))
+        fused_rows.extend([num_tokens] if decisions[-1] else [])
+        return decisions[-1]
+
+    model.fused_decode.applies = recorded
     outputs = greedy(fused)
     assert any(decisions) and not all(decisions)  # pure decode steps fused, mixed ones layer by layer
+    # fused steps of 1-3 rows take the int8 products and of 4 the AMX ones (on a CPU with AMX)
+    assert min(fused_rows) < AMX_FROM_ROWS <= max(fused_rows)
     assert outputs == greedy(build(path, dtype="bfloat16", fused_decode=False))

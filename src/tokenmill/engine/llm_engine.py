@@ -88,10 +88,10 @@ class LLMEngine:
         quantization = config.model.quantization
         self.model.load_weights(source.iter_weights(keep_quantized=quantization != "none"),
                                 quantize_to=quantization if quantization in ("int8", "int4") else None)
-        native = kernels
-        if native is None and self.device.type == "cpu" and self.model.has_quantized_weights():
-            native = cpu_kernels()  # the quantised products need them whatever the attention backend
         fast_linears = config.model.linear_kernel == "auto"
+        native = kernels
+        if native is None and self.device.type == "cpu" and fast_linears:
+            native = cpu_kernels()  # the linears use them whatever the attention backend
         self.model.use_linear_kernels(fast_linears and onednn_packing_available(self.dtype, self.device),
                                       native if fast_linears else None)
         if kernels is not None and self.dtype == torch.bfloat16:

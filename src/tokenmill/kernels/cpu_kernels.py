@@ -1,4 +1,4 @@
-"""Build, load and call the C kernels in cpu_kernels.c, quant_kernels.c and decode_step.c.
+"""Build, load and call the C kernels in cpu_kernels.c, quant_kernels.c, amx_kernels.c and decode_step.c.
 
 The library is compiled once per machine (gcc -O3 -march=native -fopenmp) into
 $TOKENMILL_CACHE_DIR/kernels (default ~/.cache/tokenmill/kernels), named by a hash of the source,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "quant_kernels.c", _HERE / "decode_step.c"]
+_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "quant_kernels.c", _HERE / "amx_kernels.c", _HERE / "decode_step.c"]
 _HEADERS = [_HERE / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -47,12 +47,17 @@ _SIGNATURES = {
     "tm_quantize_activations": [_P] * 4 + [_I64] * 3 + [_INT],
     "tm_dequantize": [_P] * 4 + [_I64] * 2 + [_INT] * 3,
     "tm_decode_step": [_P, _P, _I64, _P],
+    "tm_amx_pack": [_P, _P, _I64, _I64],
+    "tm_amx_linear": [_P] * 4 + [_I64] * 5,
+    "tm_amx_qlinear": [_P] * 6 + [_I64] * 7 + [_INT, _INT],
 }
 _lock = threading.Lock()
 _loaded: dict[str, Optional["CpuKernels"]] = {}
 # Bounds the scratch matrix of the many-row quantised product. Whole SmolLM2 projections (up to
 # 3.5 MB) in one matmul measured 0.69 ms against 1.46 ms in 1 MB tiles (oneDNN reorders per call).
 _DEQUANTIZED_TILE_BYTES = 8 << 20
+# amx_kernels.c multiplies 32 input features per tile step
+AMX_FEATURE_TILE = 32
 
 
 def cache_dir() -> Path:
@@ -119,6 +124,9 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         self.lib = lib
+        lib.tm_amx_init.argtypes, lib.tm_amx_init.restype = [], _INT
+        # AMX bfloat16 tiles: compiled in (the CPU has them) and the OS lets this process use them
+        self.amx = lib.tm_amx_init() == 0
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                          token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -180,9 +188,30 @@ class CpuKernels:
         self.lib.tm_rope(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), x.shape[0], x.shape[1], head_dim,
                          x.stride(0), bf16)
 
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight [n, k] (k a multiple of 32) in the AMX tile layout `amx_linear` reads."""
+        n, k = weight.shape
+        if not self.amx or weight.dtype != torch.bfloat16 or k % AMX_FEATURE_TILE or weight.device.type != "cpu":
+            raise ValueError("amx_pack needs AMX and a CPU bfloat16 weight with a multiple of 32 input features")
+        weight = weight.contiguous()
+        packed = torch.empty(-(-n // 32) * 32 * k, dtype=torch.bfloat16)
+        self.lib.tm_amx_pack(_ptr(packed), _ptr(weight), n, k)
+        return packed
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [m, k] bfloat16 (contiguous rows) times a weight from `amx_pack`, + bias (float32 [n])."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or packed.numel() != -(-out_features // 32) * 32 * k:
+            raise ValueError("amx_linear takes bfloat16 rows and a weight packed for their width")
+        out = torch.empty(m, out_features, dtype=torch.bfloat16)
+        self.lib.tm_amx_linear(_ptr(out), _ptr(x), _ptr(packed), None if bias is None else _ptr(bias),
+                               m, k, out_features, x.stride(0), out_features)
+        return out
+
     def qlinear_op(self, weight: "QuantizedWeight", bias: Optional[torch.Tensor]) -> "QLinearOp":
         """The native product with a packed weight, its pointers bound once (see QLinearOp)."""
-        return QLinearOp(self.lib, weight, bias)
+        return QLinearOp(self.lib, weight, bias, self.amx)
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's own input quantisation of x [m, cols]: (q int8 [m, padded], dx float32 [m, blocks])."""
@@ -200,12 +229,13 @@ class CpuKernels:
 
 class QLinearOp:
     """x [..., cols] (float32 or bfloat16, CPU) -> x W^T + bias for one packed weight, computed as
-    `reference_linear` does: below `quantized.DEQUANTIZE_FROM_ROWS` input rows by the int8
-    dot-product kernel; from there on by dequantising the weight (up to 8 MB of rows at a time) into
-    a per-thread scratch buffer and one matmul per such tile. Holds the weight and bias, so the
-    pointers it passes stay valid."""
+    `reference_linear` does (with `int8_below(x.dtype)`): with few input rows by the int8 dot-product
+    kernel; with bfloat16 input on AMX, from `quantized.AMX_FROM_ROWS` rows by AMX tiles over
+    dequantised panels; from there on by dequantising the weight (up to 8 MB of rows at a time) into a
+    per-thread scratch buffer and one matmul per such tile. Holds the weight and bias, so the pointers
+    it passes stay valid."""
 
-    def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor], amx: bool) -> None:
         self.rows, self.cols = weight.shape
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (self.rows,)
                                  or not bias.is_contiguous()):
@@ -216,12 +246,20 @@ class QLinearOp:
         if weight.scale.dtype not in (torch.float16, torch.float32) or weight.offset.dtype != weight.scale.dtype:
             raise ValueError("qlinear takes float16 or float32 scales and offsets of one dtype")
         self.lib, self.weight, self.bias = lib, weight, bias
+        self.amx = amx  # quantised widths are whole blocks of 32, as the tiles need
         self.bits = 8 if weight.format == "int8" else 4
         self.half = int(weight.scale.dtype == torch.float16)
         self.pointers = (_ptr(weight.data), _ptr(weight.scale), _ptr(weight.offset))
         self.row_strides = (weight.data.stride(0), weight.scale.stride(0) * weight.scale.element_size())
         self.bias_pointer = None if bias is None else _ptr(bias)
         self.bias_by_dtype = {} if bias is None else {torch.float32: bias, torch.bfloat16: bias.bfloat16()}
+        # the AMX product adds the bias in float32 before rounding, as the matmul does with a bfloat16 bias
+        self.amx_bias = None if bias is None else bias.bfloat16().float()
+        self.amx_bias_pointer = None if bias is None else _ptr(self.amx_bias)
+
+    def int8_below(self, dtype: torch.dtype) -> int:
+        """Input rows below which inputs of `dtype` take the int8 path."""
+        return quantized.int8_product_below(self.amx and dtype == torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply."""
@@ -230,7 +268,15 @@ class QLinearOp:
         if x.shape[-1] != cols:
             raise ValueError(f"input has {x.shape[-1]} features, the weight takes {cols}")
         flat = x.reshape(-1, cols)
-        if flat.shape[0] >= quantized.DEQUANTIZE_FROM_ROWS:
+        m = flat.shape[0]
+        if self.amx and bf16 and quantized.AMX_FROM_ROWS <= m < quantized.AMX_BELOW_ROWS:
+            if flat.stride(1) != 1:
+                flat = flat.contiguous()
+            out = torch.empty((m, rows), dtype=x.dtype)
+            self.lib.tm_amx_qlinear(_ptr(out), _ptr(flat), *self.pointers, self.amx_bias_pointer, m, cols, rows,
+                                    flat.stride(0), rows, self.row_strides[0], self.weight.scale.shape[1],
+                                    self.bits, self.half)
+        elif m >= self.int8_below(x.dtype):
             tile = max(1, _DEQUANTIZED_TILE_BYTES // (cols * x.element_size()))
             bias = self.bias_by_dtype.get(x.dtype)
             data, scale, offset = self.pointers
@@ -246,8 +292,8 @@ class QLinearOp:
         else:
             if flat.stride(1) != 1:
                 flat = flat.contiguous()
-            out = torch.empty((flat.shape[0], rows), dtype=x.dtype)
-            self.lib.tm_qlinear(_ptr(out), _ptr(flat), *self.pointers, self.bias_pointer, flat.shape[0], cols, rows,
+            out = torch.empty((m, rows), dtype=x.dtype)
+            self.lib.tm_qlinear(_ptr(out), _ptr(flat), *self.pointers, self.bias_pointer, m, cols, rows,
                                 flat.stride(0), rows, self.bits, self.half, bf16)
         return out.view(*x.shape[:-1], rows)
 

@@ -26,14 +26,17 @@ void tm_rope(void *x, const int64_t *positions, const float *cos_table, const fl
 void tm_qlinear(void *y, const void *x, const uint8_t *data, const void *scale, const void *offset,
                 const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride, int64_t y_stride,
                 int bits, int half, int bf16);
+void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *data, const void *scale, const void *offset,
+                    const float *bias, int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy,
+                    int64_t row_bytes, int64_t blocks, int bits, int half);
 
 /* One packed projection (see quant_kernels.c for the layout). */
 typedef struct {
     const uint8_t *data;
     const void *scale, *offset;
-    const float *bias;  /* NULL: none */
-    int64_t rows, cols;
-    int32_t bits, half;
+    const float *bias, *amx_bias;  /* NULL: none; amx_bias: bias rounded as the AMX product adds it */
+    int64_t rows, cols, row_bytes, blocks;  /* data bytes and scale entries per row */
+    int32_t bits, half, amx;  /* amx: the AMX product suits this projection's width */
 } tm_projection;
 
 /* One decoder layer's weights and KV cache ([2, num_blocks, kv_heads, block_size, head_dim]). */
@@ -53,11 +56,18 @@ typedef struct {
     const int32_t *block_tables, *context_lens;
     const float *cos, *sin;
     const void *final_norm;
+    int64_t amx_from_rows;  /* bfloat16 products of this many rows or more run on AMX; 0: none */
 } tm_step;
 
-static void project(void *y, const void *x, const tm_projection *p, int64_t m, int bf16) {
-    tm_qlinear(y, x, p->data, p->scale, p->offset, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits,
-               p->half, bf16);
+/* The product QLinearOp would pick for m rows (below the dequantising threshold, which FusedDecode
+ * checks). */
+static void project(void *y, const void *x, const tm_projection *p, int64_t m, const tm_step *s) {
+    if (s->bf16 && p->amx && s->amx_from_rows && m >= s->amx_from_rows)
+        tm_amx_qlinear(y, x, p->data, p->scale, p->offset, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows,
+                       p->row_bytes, p->blocks, p->bits, p->half);
+    else
+        tm_qlinear(y, x, p->data, p->scale, p->offset, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits,
+                   p->half, s->bf16);
 }
 
 /* hidden [T, hidden] holds the embeddings on entry and the final-normed hidden states on return. */
@@ -82,7 +92,7 @@ void tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, co
         } else {       /* residual += the previous layer's output, then norm */
             tm_add_rms_norm(normed, x, residual, layer->input_norm, t, s->hidden, s->eps, s->bf16);
         }
-        project(qkv, normed, &layer->qkv, t, s->bf16);
+        project(qkv, normed, &layer->qkv, t, s);
         tm_rope(qkv, s->positions, s->cos, s->sin, t, s->num_heads + s->num_kv_heads, s->head_dim, qkv_width,
                 s->bf16);
         const char *k = qkv + q_size * elem, *v = qkv + (q_size + kv_size) * elem;
@@ -91,11 +101,11 @@ void tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, co
         tm_decode_attention(attn, qkv, layer->kv_cache, (char *)layer->kv_cache + cache_half, s->token_index,
                             s->block_tables, s->context_lens, t, s->num_heads, s->num_kv_heads, s->head_dim,
                             s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size, s->scale, s->bf16);
-        project(x, attn, &layer->o, t, s->bf16);
+        project(x, attn, &layer->o, t, s);
         tm_add_rms_norm(normed, x, residual, layer->post_norm, t, s->hidden, s->eps, s->bf16);
-        project(gate_up, normed, &layer->gate_up, t, s->bf16);
+        project(gate_up, normed, &layer->gate_up, t, s);
         tm_silu_mul(act, gate_up, t, s->intermediate, s->bf16);
-        project(x, act, &layer->down, t, s->bf16);
+        project(x, act, &layer->down, t, s);
     }
     tm_add_rms_norm(hidden, x, residual, s->final_norm, t, s->hidden, s->eps, s->bf16);
     free(residual);

@@ -51,7 +51,7 @@ class _ShardedLinear(nn.Module):
         if self.quantized is not None:
             self.kernel = QuantizedKernel(self.quantized, bias, native)
             return
-        self.kernel = make_kernel(self.weight.data, bias, packed)
+        self.kernel = make_kernel(self.weight.data, bias, packed, native)
         if packed:
             self.weight = None
 

@@ -3,7 +3,8 @@
 `DenseKernel` is `F.linear` over the loaded weight: exact, and what every other kernel is checked
 against. `OneDnnPackedKernel` hands the weight to oneDNN once, in its blocked layout, so bfloat16
 matmuls on CPUs with AVX512-BF16/AMX skip the per-call weight reorder (measured in
-docs/benchmarks.md). A packed kernel owns its reordered copy; the layer drops the original.
+docs/benchmarks.md). `AmxPackedKernel` adds tokenmill's own AMX product for the row counts where it
+beats oneDNN's. A packed kernel owns its reordered copies; the layer drops the original.
 `QuantizedKernel` multiplies a weight kept quantised (layers/quantized.py).
 """
 
@@ -15,7 +16,8 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.quantized import QuantizedWeight, reference_linear
+from tokenmill.kernels.cpu_kernels import AMX_FEATURE_TILE
+from tokenmill.layers.quantized import AMX_BELOW_ROWS, QuantizedWeight, reference_linear
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +57,42 @@ class OneDnnPackedKernel:
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class AmxPackedKernel:
+    """Below `AMX_BELOW_ROWS` input rows, the native AMX product (kernels/amx_kernels.c) over a copy of
+    the weight in AMX tile layout; from there on, oneDNN's packed matmul (measured crossover,
+    docs/benchmarks.md). CPU, bfloat16, input features a multiple of 32."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], native: Any) -> None:
+        self.native, self.out_features = native, weight.shape[0]
+        self.amx_weight = native.amx_pack(weight)
+        self.amx_bias = None if bias is None else bias.float().contiguous()
+        self.many_rows = OneDnnPackedKernel(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply (any leading dimensions)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] >= AMX_BELOW_ROWS or x.dtype != torch.bfloat16:
+            return self.many_rows(x)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        y = self.native.amx_linear(flat, self.amx_weight, self.out_features, self.amx_bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     """True where `OneDnnPackedKernel` applies: CPU, bfloat16, and a PyTorch built with oneDNN."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool) -> LinearKernel:
-    """The kernel for one weight: oneDNN-packed when `packed`, else dense."""
-    return OneDnnPackedKernel(weight, bias) if packed else DenseKernel(weight, bias)
+def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool, native: Any = None) -> LinearKernel:
+    """The kernel for one weight: dense unless `packed`; packed, with the AMX product too where the
+    native kernels `native` (CpuKernels or None) have AMX and the input width suits it."""
+    if not packed:
+        return DenseKernel(weight, bias)
+    if native is not None and native.amx and weight.shape[1] % AMX_FEATURE_TILE == 0:
+        return AmxPackedKernel(weight, bias, native)
+    return OneDnnPackedKernel(weight, bias)
 
 
 class QuantizedKernel:

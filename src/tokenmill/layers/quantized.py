@@ -12,11 +12,14 @@ products of two scales). Rows are padded to a multiple of 64 columns with blocks
   block 2p + 1 in their high nibbles. GGUF Q4_0 (offset = -8 * scale), Q4_1 and Q4_K (per 32-weight
   sub-block) convert exactly; float weights quantise asymmetrically (min/max per block, llama.cpp's Q4_1).
 
-A product with fewer than `DEQUANTIZE_FROM_ROWS` input rows (decode) quantises its input per 32-value
-block to int8 (absmax / 127, round half to even) and takes integer dot products, as llama.cpp does; with
-more rows (prefill) the weight is dequantised to the compute dtype and multiplied as a float weight, where
-one dequantisation serves many rows. `reference_linear` is the same arithmetic in PyTorch, the oracle of
-the native kernels and their stand-in where they cannot run.
+A product with few input rows (decode) quantises its input per 32-value block to int8 (absmax / 127,
+round half to even) and takes integer dot products, as llama.cpp does; with more rows the weight is
+dequantised to the compute dtype and multiplied as a float weight, where one dequantisation serves many
+rows. How few is `int8_product_below`: `DEQUANTIZE_FROM_ROWS` rows, or `AMX_FROM_ROWS` where the
+native kernels multiply bfloat16 on AMX tiles, which dequantise a few columns at a time into tiles that
+never reach memory (below `AMX_BELOW_ROWS` rows; whole weights are dequantised from there).
+`reference_linear` is the same arithmetic in PyTorch, the oracle of the native kernels and their
+stand-in where they cannot run.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 BLOCK = 32
-# measured crossover of the two ways to multiply (docs/benchmarks.md)
+# measured crossovers of the ways to multiply (`tokenmill bench linears`, docs/benchmarks.md)
 DEQUANTIZE_FROM_ROWS = 24
+AMX_FROM_ROWS = 4
+AMX_BELOW_ROWS = 768
 FORMATS = ("int8", "int4")
 T = GGMLQuantizationType
 # GGUF encodings that convert into this layout without loss, and the format they become
@@ -217,12 +222,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, -1), dx
 
 
-def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The quantised product in PyTorch. Few rows: input quantised per block, then a float32 matmul
-    with the dequantised weight; many rows: the weight dequantised to x's dtype, then x W^T. Equals the
-    native kernels up to summation order."""
+def int8_product_below(amx: bool) -> int:
+    """Input rows below which a product quantises its input and takes int8 dot products; `amx`: the
+    native kernels run this product on AMX tiles."""
+    return AMX_FROM_ROWS if amx else DEQUANTIZE_FROM_ROWS
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor],
+                     int8_below: Optional[int] = None) -> torch.Tensor:
+    """The quantised product in PyTorch. Fewer rows than `int8_below` (default
+    `int8_product_below(False)`): input quantised per block, then a float32 matmul with the dequantised
+    weight; more: the weight dequantised to x's dtype, then x W^T. Equals the native kernels up to
+    summation order."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] >= DEQUANTIZE_FROM_ROWS:
+    if flat.shape[0] >= (int8_product_below(False) if int8_below is None else int8_below):
         y = F.linear(flat, weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
         return y.view(*x.shape[:-1], -1)
     q, dx = quantize_activations(flat)

@@ -4,7 +4,8 @@
 kernels/decode_step.c reads, and per step hands it the step's metadata and KV caches. It applies to a
 step only where the module path would run the very same kernels in the same order: bfloat16 with the
 native element-wise kernels (the cpu_paged backend), every projection quantised with the native
-product, no q/k norm, every row a decode, and fewer rows than the products' dequantising threshold.
+product, no q/k norm, every row a decode, and fewer rows than the products' dequantising threshold;
+each product takes the path (int8 or AMX) its QLinearOp would for that many rows.
 There its output is bit-identical to the module path's (tests/models/test_quantized_models.py); what
 it removes is the Python between some 300 kernel calls per step.
 """
@@ -24,8 +25,9 @@ from tokenmill.layers.linear_kernels import QuantizedKernel
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("data", c_void_p), ("scale", c_void_p), ("offset", c_void_p), ("bias", c_void_p),
-                ("rows", c_int64), ("cols", c_int64), ("bits", c_int32), ("half", c_int32)]
+    _fields_ = [("data", c_void_p), ("scale", c_void_p), ("offset", c_void_p), ("bias", c_void_p), ("amx_bias", c_void_p),
+                ("rows", c_int64), ("cols", c_int64), ("row_bytes", c_int64), ("blocks", c_int64),
+                ("bits", c_int32), ("half", c_int32), ("amx", c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -38,7 +40,8 @@ class _Step(ctypes.Structure):
                 ("head_dim", c_int64), ("intermediate", c_int64), ("num_blocks", c_int64), ("block_size", c_int64),
                 ("max_blocks", c_int64), ("eps", c_float), ("scale", c_float), ("bf16", c_int32),
                 ("positions", c_void_p), ("slots", c_void_p), ("token_index", c_void_p), ("block_tables", c_void_p),
-                ("context_lens", c_void_p), ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p)]
+                ("context_lens", c_void_p), ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p),
+                ("amx_from_rows", c_int64)]
 
 
 def _native_product(linear: Any) -> Optional[QLinearOp]:
@@ -48,7 +51,8 @@ def _native_product(linear: Any) -> Optional[QLinearOp]:
 
 def _projection(op: QLinearOp) -> _Projection:
     data, scale, offset = op.pointers
-    return _Projection(data, scale, offset, op.bias_pointer, op.rows, op.cols, op.bits, op.half)
+    return _Projection(data, scale, offset, op.bias_pointer, op.amx_bias_pointer, op.rows, op.cols, op.row_strides[0],
+                       op.weight.scale.shape[1], op.bits, op.half, int(op.amx))
 
 
 class FusedDecode:
@@ -60,12 +64,15 @@ class FusedDecode:
         attn, mlp = first.self_attn, first.mlp
         self.eps = first.input_layernorm.eps
         self.layers = (_Layer * len(model.layers))()
+        self.all_amx = True
         for struct, layer in zip(self.layers, model.layers):
             struct.input_norm = layer.input_layernorm.weight.data_ptr()
             struct.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             for field, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                                   ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
-                setattr(struct, field, _projection(_native_product(linear)))
+                op = _native_product(linear)
+                setattr(struct, field, _projection(op))
+                self.all_amx = self.all_amx and op.amx
         self.shape = dict(hidden=model.arch.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                           head_dim=attn.head_dim, intermediate=mlp.down_proj.in_features)
         self.cache_pointers: Optional[list[int]] = None
@@ -88,10 +95,11 @@ class FusedDecode:
         return FusedDecode(model, kernels)
 
     def applies(self, metadata: Any, num_tokens: int) -> bool:
-        """True for a step whose rows are all decodes, fewer than the dequantising threshold."""
+        """True for a step whose rows are all decodes, fewer than the products' dequantising threshold."""
+        below = quantized.AMX_BELOW_ROWS if self.all_amx else quantized.DEQUANTIZE_FROM_ROWS
         return (isinstance(metadata, CpuPagedMetadata) and not metadata.prefills
                 and metadata.decode_token_index is not None and metadata.decode_token_index.numel() == num_tokens
-                and num_tokens < quantized.DEQUANTIZE_FROM_ROWS)
+                and num_tokens < below)
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  metadata: CpuPagedMetadata) -> torch.Tensor:
@@ -109,7 +117,8 @@ class FusedDecode:
                      slots=metadata.slots.data_ptr(), token_index=metadata.decode_token_index.data_ptr(),
                      block_tables=tables.data_ptr(), context_lens=metadata.decode_lens.data_ptr(),
                      cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
-                     final_norm=self.model.norm.weight.data_ptr(), **self.shape)
+                     final_norm=self.model.norm.weight.data_ptr(),
+                     amx_from_rows=quantized.AMX_FROM_ROWS if hidden.dtype == torch.bfloat16 else 0, **self.shape)
         hidden = hidden.contiguous()
         self.lib.tm_decode_step(hidden.data_ptr(), self.layers, len(self.layers), ctypes.byref(step))
         return hidden

@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
             self.logits_kernel = QuantizedKernel(quantized_head, None, native)
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_kernel = make_kernel(head.data, None, packed)
+        self.logits_kernel = make_kernel(head.data, None, packed, native)
         if packed and self.lm_head is not None:
             self.lm_head.weight = None
 

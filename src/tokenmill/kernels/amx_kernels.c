@@ -1,0 +1,282 @@
+/* Bfloat16 matrix products on AMX tiles: y = x W^T (+ bias), float32 accumulation, bfloat16 out.
+ *
+ * The weight is read as AMX "B" tiles: per 16 output columns and 32 input features, a 1 KB tile of
+ * 16 rows (input-feature pairs) x 16 columns x 2 bfloat16, i.e. tile[kp][j][e] = W[j][2 kp + e].
+ * Either it was packed once in that layout (tm_amx_pack, bfloat16 weights), or it is dequantised
+ * into it 32 columns at a time from the block-quantised layout of quant_kernels.c, in a buffer that
+ * stays in L1/L2 while every input row of a chunk passes over it (no dequantised copy in memory).
+ * Dequantised values are those tm_dequantize writes (scale * u, + offset, each rounded in float32,
+ * then to bfloat16), so a product equals the reference's dequantise-then-matmul up to the order of
+ * the float32 sums.
+ *
+ * The input rows are copied, a chunk at a time, into "A" tiles (16 rows x 32 features, 1 KB each,
+ * zero past the last row). Each thread owns a contiguous range of 32-column panels and runs every
+ * row of the chunk over each; tiles: C 0-3 (2 x 2 blocks of 16 x 16 float32), A 4-5, B 6-7. Each
+ * output's sum runs over the features in the same order whatever the other rows, so a row's result
+ * does not depend on its batch.
+ *
+ * Needs AMX-TILE and AMX-BF16 (compiled in only with them) and the kernel's permission for the tile
+ * data state, which tm_amx_init asks for.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TM_AMX 1
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define KTILE 32    /* input features per tile step */
+#define NPANEL 32   /* output columns per panel: two B tiles */
+#define MBLOCK 32   /* input rows per step: two A tiles */
+/* Rows of x per pass over the weight: bounds the A data a panel meets to ~1 MB (L2), so that for
+ * quantised weights each panel is dequantised once per chunk. */
+#define CHUNK_BYTES (1 << 20)
+
+#ifdef TM_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* 16 rows of 16 dwords -> their transpose, in place. */
+static inline void transpose_16x16_dwords(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+static inline float scale_at(const void *base, int64_t i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* The block-quantised weight (quant_kernels.c's layout) as the kernel reads it. */
+typedef struct {
+    const uint8_t *data;
+    const void *scale, *offset;
+    int64_t row_bytes, blocks;  /* per weight row: data bytes, scale/offset entries */
+    int bits, half;
+} quantized_weight;
+
+/* Weight rows [first, first + 16) (rows >= n read as zero) -> the B tiles of all k / 32 feature
+ * blocks: tiles[kb * 512 ...]. */
+static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t first, int64_t n, int64_t k) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+    for (int64_t kb = 0; kb < k / KTILE; kb++) {
+        __m512i rows[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t j = first + r;
+            if (j >= n) {
+                rows[r] = _mm512_setzero_si512();
+                continue;
+            }
+            __m256i u;
+            if (w->bits == 8) {
+                u = _mm256_loadu_si256((const __m256i *)(w->data + j * w->row_bytes + kb * KTILE));
+            } else {  /* block kb: low nibbles of pair kb / 2 when kb is even, high when odd */
+                u = _mm256_loadu_si256((const __m256i *)(w->data + j * w->row_bytes + (kb / 2) * KTILE));
+                if (kb & 1)
+                    u = _mm256_srli_epi16(u, 4);
+                u = _mm256_and_si256(u, low_nibbles);
+            }
+            const __m512 s = _mm512_set1_ps(scale_at(w->scale, j * w->blocks + kb, w->half));
+            const __m512 o = _mm512_set1_ps(scale_at(w->offset, j * w->blocks + kb, w->half));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
+            lo = _mm512_add_ps(_mm512_mul_ps(lo, s), o);  /* rounded twice, as tm_dequantize does */
+            hi = _mm512_add_ps(_mm512_mul_ps(hi, s), o);
+            rows[r] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
+        transpose_16x16_dwords(rows);
+        for (int p = 0; p < 16; p++)
+            _mm512_store_si512((__m512i *)(tiles + kb * 512 + p * 32), rows[p]);
+    }
+}
+
+/* C tiles (2 x 2 blocks as float32 [32][32] in `c`) + bias -> bfloat16 y rows [0, rows), cols [0, cols). */
+static void store_block(const float *c, uint16_t *y, int64_t ldy, int rows, int cols, const float *bias) {
+    const __mmask16 lo = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 v0 = _mm512_add_ps(_mm512_load_ps(c + r * 32), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1);
+        _mm256_mask_storeu_epi16(y + r * ldy, lo, (__m256i)_mm512_cvtneps_pbh(v0));
+        _mm256_mask_storeu_epi16(y + r * ldy + 16, hi, (__m256i)_mm512_cvtneps_pbh(v1));
+    }
+}
+
+/* One block of up to 32 packed rows (pack_rows) times one 32-column panel b0 | b1 -> y. */
+static void multiply_block(const uint16_t *a, int rows, const uint16_t *b0, const uint16_t *b1,
+                           int64_t kblocks, uint16_t *y, int64_t ldy, int cols, const float *bias, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            _tile_loadd(4, a + kb * MBLOCK * KTILE, 64);
+            _tile_loadd(5, a + kb * MBLOCK * KTILE + 16 * KTILE, 64);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    } else {
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            _tile_loadd(4, a + kb * MBLOCK * KTILE, 64);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    store_block(c, y, ldy, rows, cols, bias);
+}
+
+/* Rows [first, first + rows) of x -> A tiles [block][kb][32 rows][32 features], rows past the end zero,
+ * so that every tile load reads 1 KB in one piece. */
+static void pack_rows(uint16_t *a, const uint16_t *x, int64_t ldx, int64_t first, int64_t rows, int64_t k) {
+    const int64_t kblocks = k / KTILE;
+    #pragma omp for schedule(static)
+    for (int64_t block = 0; block < (rows + MBLOCK - 1) / MBLOCK; block++)
+        for (int r = 0; r < MBLOCK; r++) {
+            const int64_t row = block * MBLOCK + r;
+            uint16_t *dst = a + block * kblocks * MBLOCK * KTILE + r * KTILE;
+            for (int64_t kb = 0; kb < kblocks; kb++) {
+                __m512i v = row < rows ? _mm512_loadu_si512(x + (first + row) * ldx + kb * KTILE) : _mm512_setzero_si512();
+                _mm512_store_si512(dst + kb * MBLOCK * KTILE, v);
+            }
+        }
+}
+
+static void amx_product(uint16_t *y, const uint16_t *x, const uint16_t *packed, const quantized_weight *qw,
+                        const float *bias, int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy) {
+    const int64_t kblocks = k / KTILE, panels = (n + NPANEL - 1) / NPANEL;
+    int64_t chunk = CHUNK_BYTES / (k * 2) / MBLOCK * MBLOCK;
+    if (chunk < MBLOCK)
+        chunk = MBLOCK;
+    const int64_t chunk_rows = chunk < m ? chunk : (m + MBLOCK - 1) / MBLOCK * MBLOCK;
+    uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(chunk_rows * k * 2));
+    #pragma omp parallel
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float c[32 * 32] __attribute__((aligned(64)));
+        const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t p0 = panels * me / threads, p1 = panels * (me + 1) / threads;
+        uint16_t *tiles = qw ? (uint16_t *)aligned_alloc(64, (size_t)(2 * kblocks * 512 * 2)) : NULL;
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            pack_rows(a, x, ldx, m0, m1 - m0, k);  /* ends in a barrier: every thread reads all rows */
+            for (int64_t p = p0; p < p1; p++) {
+                const uint16_t *b0;
+                if (qw) {
+                    dequantize_tiles(tiles, qw, p * NPANEL, n, k);
+                    dequantize_tiles(tiles + kblocks * 512, qw, p * NPANEL + 16, n, k);
+                    b0 = tiles;
+                } else {
+                    b0 = packed + p * 2 * kblocks * 512;
+                }
+                const int cols = (int)(n - p * NPANEL < NPANEL ? n - p * NPANEL : NPANEL);
+                for (int64_t r = m0; r < m1; r += MBLOCK) {
+                    const int rows = (int)(m1 - r < MBLOCK ? m1 - r : MBLOCK);
+                    multiply_block(a + (r - m0) * k, rows, b0, b0 + kblocks * 512, kblocks, y + r * ldy + p * NPANEL,
+                                   ldy, cols, bias ? bias + p * NPANEL : NULL, c);
+                }
+            }
+            #pragma omp barrier  /* before the next chunk overwrites the rows */
+        }
+        free(tiles);
+        _tile_release();
+    }
+    free(a);
+}
+#endif
+
+/* 0 when the AMX products can run here (compiled in and tile data permitted), else -1. */
+int tm_amx_init(void) {
+#ifdef TM_AMX
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+#else
+    return -1;
+#endif
+}
+
+/* Bfloat16 w [n, k] (k % 32 == 0) -> packed B tiles [ceil(n / 32) * 2][k / 32][16][16][2], columns
+ * past n zero. */
+void tm_amx_pack(uint16_t *packed, const uint16_t *w, int64_t n, int64_t k) {
+    const int64_t kblocks = k / KTILE, tile_rows = (n + NPANEL - 1) / NPANEL * 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < tile_rows; nb++)
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            uint16_t *tile = packed + (nb * kblocks + kb) * 512;
+            for (int kp = 0; kp < 16; kp++)
+                for (int j = 0; j < 16; j++)
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t row = nb * 16 + j, col = kb * KTILE + 2 * kp + e;
+                        tile[kp * 32 + j * 2 + e] = row < n ? w[row * k + col] : 0;
+                    }
+        }
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T + bias (float32 [n] or NULL), bfloat16,
+ * W packed by tm_amx_pack; k % 32 == 0. */
+void tm_amx_linear(uint16_t *y, const uint16_t *x, const uint16_t *packed, const float *bias,
+                   int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy) {
+#ifdef TM_AMX
+    amx_product(y, x, packed, NULL, bias, m, k, n, ldx, ldy);
+#endif
+}
+
+/* The same product with W in quant_kernels.c's block-quantised layout (bits 8 or 4; float16 scales
+ * and offsets when `half`, else float32; scale row stride `blocks` entries); k % 32 == 0. */
+void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *data, const void *scale, const void *offset,
+                    const float *bias, int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy,
+                    int64_t row_bytes, int64_t blocks, int bits, int half) {
+#ifdef TM_AMX
+    const quantized_weight qw = {data, scale, offset, row_bytes, blocks, bits, half};
+    amx_product(y, x, NULL, &qw, bias, m, k, n, ldx, ldy);
+#endif
+}

@@ -1,0 +1,85 @@
+"""The AMX products (kernels/amx_kernels.c): bfloat16 weights packed into tiles, and quantised weights
+dequantised into tiles on the fly, against float32 matmuls and the quantised reference."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from helpers.tiny_gguf import encode
+from tokenmill.cpu_features import cpu_flags
+from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.layers.linear_kernels import AmxPackedKernel, OneDnnPackedKernel, make_kernel
+from tokenmill.layers.quantized import AMX_BELOW_ROWS, AMX_FROM_ROWS, from_gguf, quantize, reference_linear
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    lib = cpu_kernels()
+    assert lib is not None, "the native kernels must build on the test machine"
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AMX-BF16")
+    assert lib.amx, "the CPU has AMX-BF16, so the AMX products must be usable"
+    return lib
+
+
+def bf16_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    # both sum in float32 (in different orders) and round once to bfloat16: one unit of its last place
+    torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 17, 33, 70])
+@pytest.mark.parametrize("out_features,in_features", [(45, 96), (100, 576)])
+def test_packed_bfloat16_product_equals_a_float32_matmul(kernels, rows, out_features, in_features):
+    torch.manual_seed(rows + out_features)
+    weight = (torch.randn(out_features, in_features) * 0.05).bfloat16()
+    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    got = kernels.amx_linear(x, kernels.amx_pack(weight), out_features, bias)
+    bf16_close(got, (x.float() @ weight.float().T + bias).bfloat16())
+
+
+def test_packed_kernel_takes_strided_rows_and_hands_many_rows_to_onednn(kernels):
+    weight = (torch.randn(64, 128) * 0.05).bfloat16()
+    kernel = AmxPackedKernel(weight, None, kernels)
+    wide = torch.randn(9, 256).bfloat16()
+    bf16_close(kernel(wide[:, :128]), (wide[:, :128].float() @ weight.float().T).bfloat16())
+    many = torch.randn(AMX_BELOW_ROWS + 5, 128).bfloat16()
+    bf16_close(kernel(many), (many.float() @ weight.float().T).bfloat16())
+
+
+@pytest.mark.parametrize("rows", [AMX_FROM_ROWS, 17, 40, AMX_BELOW_ROWS - 1])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "Q4_K"])
+def test_quantised_product_on_tiles_equals_the_dequantised_reference(kernels, rows, fmt):
+    torch.manual_seed(rows)
+    cols = 512
+    if fmt == "Q4_K":  # float32 scales and offsets
+        qtype = gguf.GGMLQuantizationType.Q4_K
+        packed = from_gguf(qtype, encode(torch.randn(45, cols).mul(0.05).numpy(), qtype, 1), cols)
+    else:
+        packed = quantize(torch.randn(45, cols) * 0.05, fmt)  # 45 outputs: a partial panel of 32
+    bias = torch.randn(45)
+    op = kernels.qlinear_op(packed, bias)
+    x = torch.randn(rows, cols).bfloat16()
+    assert op.int8_below(torch.bfloat16) == AMX_FROM_ROWS
+    bf16_close(op(x), reference_linear(x, packed, bias, int8_below=AMX_FROM_ROWS))
+
+
+def test_tile_products_do_not_depend_on_the_rest_of_the_batch(kernels):
+    weight = (torch.randn(80, 256) * 0.05).bfloat16()
+    packed_bf16 = AmxPackedKernel(weight, None, kernels)
+    quantised = kernels.qlinear_op(quantize(weight.float(), "int4"), None)
+    batch = torch.randn(40, 256).bfloat16()
+    for op in (packed_bf16, quantised):
+        together = op(batch)
+        in_fives = torch.cat([op(batch[i:i + 5]) for i in range(0, 40, 5)])
+        assert torch.equal(together, in_fives)
+
+
+def test_widths_the_tiles_cannot_take_stay_with_onednn(kernels):
+    weight = (torch.randn(30, 80) * 0.05).bfloat16()  # 80 input features: not a multiple of 32
+    kernel = make_kernel(weight, None, packed=True, native=kernels)
+    assert isinstance(kernel, OneDnnPackedKernel)
+    x = torch.randn(10, 80).bfloat16()
+    bf16_close(kernel(x), (x.float() @ weight.float().T).bfloat16())
