@@ -6,6 +6,7 @@ import pytest
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.cpu_kernels import cpu_kernels
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
            "A much longer prompt about nothing in particular, repeated. " * 4, "1 2 3 4 5 6 7"]
@@ -17,9 +18,12 @@ def tiny_path(tmp_path_factory) -> str:
     return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
 
 
+# a 16-token budget splits the long prompt into chunks that run beside the others' decodes
+SMALL_ENGINE = dict(block_size=8, num_kv_blocks=128, max_model_len=512, max_num_batched_tokens=16)
+
+
 def greedy(path, **options):
-    # a 16-token budget splits the long prompt into chunks that run beside the others' decodes
-    llm = LLM(path, block_size=8, num_kv_blocks=128, max_model_len=512, max_num_batched_tokens=16, **options)
+    llm = LLM(path, **SMALL_ENGINE, **options)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
@@ -45,3 +49,13 @@ def test_unknown_backend_and_kernel_names_are_clear_errors(tiny_path):
         LLM(tiny_path, attention_backend="flash")
     with pytest.raises(ValueError, match="linear_kernel must be one of"):
         LLM(tiny_path, linear_kernel="int3")
+
+
+def test_fused_decode_of_bfloat16_weights_in_amx_tiles_gives_the_layer_by_layer_tokens(tiny_path):
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.amx:
+        pytest.skip("bfloat16 weights fuse the decode step only in AMX tiles, which this CPU lacks")
+    fused = LLM(tiny_path, dtype="bfloat16", **SMALL_ENGINE)
+    assert fused.llm_engine.model.fused_decode is not None
+    outputs = [o.outputs[0].token_ids for o in fused.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert outputs == greedy(tiny_path, dtype="bfloat16", fused_decode=False)

@@ -69,8 +69,80 @@ static inline __m512 load16(const void *base, int64_t i, int bf16) {
     return _mm512_loadu_ps((const float *)base + i);
 }
 
-/* One (sequence, kv head) of decode attention with NV 16-lane vectors per head row: the G query
- * rows and the G output accumulators stay in registers while K and V stream through once each. */
+/* fast_exp on 16 lanes, the same operations in the same order, so each lane equals fast_exp. */
+static inline __m512 fast_exp16(__m512 x) {
+    /* max/min return their second operand for a NaN lane: NaN passes through, as in fast_exp */
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_add_ps(_mm512_set1_ps(0.0083333333333f), _mm512_mul_ps(r, _mm512_set1_ps(0.0013888888889f)));
+    p = _mm512_add_ps(_mm512_set1_ps(0.041666666666f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(0.16666666666f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+/* Ask for the cache lines of `count` storage values from element `first` on. */
+static inline void prefetch_tile(const void *base, int64_t first, int64_t count, int bf16) {
+    const char *p = (const char *)base + first * (bf16 ? 2 : 4);
+    for (int64_t offset = 0; offset < count * (bf16 ? 2 : 4); offset += 64)
+        _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
+/* Lane j of the result: the sum of the 16 lanes of v[j]. */
+static inline __m512 sum_each_of_16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: the lane's part of the sums of four vectors */
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]))));
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+}
+
+/* q . k for one key, per lane partial sums (their total is the dot product): bfloat16 pairs on
+ * AVX512-BF16 (exact products, float32 sums), else float32 FMAs. */
+#ifdef __AVX512BF16__
+#define BF16_VECTORS(name, NV, base, first, bf16)                                                    \
+    __m512bh name[NV / 2];                                                                           \
+    for (int v = 0; v < NV / 2 && bf16; v++)                                                        \
+        name[v] = (__m512bh)_mm512_loadu_si512((const uint16_t *)(base) + (first) + 32 * v);
+#define DEFINE_KEY_DOT(NV)                                                                           \
+static inline __m512 key_dot_##NV(const __m512 *qv, const __m512bh *qh, const void *k_cache,      \
+                                  int64_t base, int bf16) {                                          \
+    __m512 acc = _mm512_setzero_ps();                                                                \
+    if (bf16) {                                                                                      \
+        for (int v = 0; v < NV / 2; v++)                                                            \
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const uint16_t *)k_cache + base + 32 * v), qh[v]); \
+        return acc;                                                                                  \
+    }                                                                                                \
+    for (int v = 0; v < NV; v++) acc = _mm512_fmadd_ps(qv[v], load16(k_cache, base + 16 * v, 0), acc); \
+    return acc;                                                                                      \
+}
+#else
+#define BF16_VECTORS(name, NV, base, first, bf16) const void *name = NULL;
+#define DEFINE_KEY_DOT(NV)                                                                           \
+static inline __m512 key_dot_##NV(const __m512 *qv, const void *qh, const void *k_cache,          \
+                                  int64_t base, int bf16) {                                          \
+    (void)qh;                                                                                        \
+    __m512 acc = _mm512_setzero_ps();                                                                \
+    for (int v = 0; v < NV; v++) acc = _mm512_fmadd_ps(qv[v], load16(k_cache, base + 16 * v, bf16), acc); \
+    return acc;                                                                                      \
+}
+#endif
+DEFINE_KEY_DOT(4)
+DEFINE_KEY_DOT(8)
+
+/* One (sequence, kv head) of decode attention with NV 16-lane vectors per head row: scores 16 keys
+ * at a time (one horizontal-sum tree for all 16), the softmax 16 lanes at a time, and the G output
+ * accumulators in registers while V streams through once. */
 #define DEFINE_DECODE_ITEM(NV)                                                                          \
 static void decode_item_##NV(float *out_rows, const void *q, int64_t q_row, int64_t q_head_stride,    \
                              const void *k_cache, const void *v_cache, const int32_t *table,             \
@@ -80,25 +152,42 @@ static void decode_item_##NV(float *out_rows, const void *q, int64_t q_row, int6
     for (int64_t g = 0; g < group; g++) {                                                                \
         __m512 qv[NV];                                                                                   \
         for (int v = 0; v < NV; v++) qv[v] = load16(q, q_row + (kvh * group + g) * q_head_stride + 16 * v, bf16); \
-        float mx = -INFINITY;                                                                            \
+        BF16_VECTORS(qh, NV, q, q_row + (kvh * group + g) * q_head_stride, bf16);                        \
+        float *sg = scores + g * ctx;                                                                    \
+        __m512 mx = _mm512_set1_ps(-INFINITY);                                                           \
         for (int64_t start = 0; start < ctx; start += block_size) {                                      \
             const int64_t n = ctx - start < block_size ? ctx - start : block_size;                       \
             const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;  \
-            for (int64_t j = 0; j < n; j++) {                                                            \
-                const int64_t base = tile_base + j * head_dim;                                           \
-                __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, base, bf16));                         \
-                for (int v = 1; v < NV; v++)                                                             \
-                    acc = _mm512_fmadd_ps(qv[v], load16(k_cache, base + 16 * v, bf16), acc);             \
-                float sc = _mm512_reduce_add_ps(acc) * scale;                                            \
-                scores[g * ctx + start + j] = sc;                                                        \
-                mx = sc > mx ? sc : mx;                                                                  \
+            if (g == 0 && start + block_size < ctx)  /* the next block is elsewhere: fetch it early */   \
+                prefetch_tile(k_cache, ((int64_t)table[start / block_size + 1] * num_kv_heads + kvh) * tile, \
+                              tile, bf16);                                                               \
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                     \
+                const int count = (int)(n - j0 < 16 ? n - j0 : 16);                                      \
+                __m512 dots[16];                                                                         \
+                for (int j = 0; j < 16; j++) {                                                           \
+                    dots[j] = _mm512_setzero_ps();                                                       \
+                    if (j < count)                                                                       \
+                        dots[j] = key_dot_##NV(qv, qh, k_cache, tile_base + (j0 + j) * head_dim, bf16);   \
+                }                                                                                        \
+                const __mmask16 valid = (__mmask16)((1u << count) - 1);                                  \
+                const __m512 sc = _mm512_mul_ps(sum_each_of_16(dots), _mm512_set1_ps(scale));            \
+                _mm512_mask_storeu_ps(sg + start + j0, valid, sc);                                       \
+                mx = _mm512_mask_max_ps(mx, valid, mx, sc);                                              \
             }                                                                                            \
         }                                                                                                \
-        float sum = 0.0f;                                                                                \
-        float *sg = scores + g * ctx;                                                                    \
-        for (int64_t t = 0; t < ctx; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }               \
-        const float inv = 1.0f / sum;                                                                    \
-        for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;                                                 \
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));                                     \
+        __m512 sums = _mm512_setzero_ps();                                                               \
+        for (int64_t t = 0; t < ctx; t += 16) {                                                          \
+            const __mmask16 valid = ctx - t >= 16 ? 0xFFFF : (__mmask16)((1u << (ctx - t)) - 1);         \
+            const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sg + t), top));       \
+            _mm512_mask_storeu_ps(sg + t, valid, e);                                                     \
+            sums = _mm512_mask_add_ps(sums, valid, sums, e);                                             \
+        }                                                                                                \
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));                            \
+        for (int64_t t = 0; t < ctx; t += 16) {                                                          \
+            const __mmask16 valid = ctx - t >= 16 ? 0xFFFF : (__mmask16)((1u << (ctx - t)) - 1);         \
+            _mm512_mask_storeu_ps(sg + t, valid, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, sg + t), inv)); \
+        }                                                                                                \
     }                                                                                                    \
     __m512 acc[8][NV];                                                                                   \
     for (int64_t g = 0; g < group; g++)                                                                  \
@@ -106,6 +195,8 @@ static void decode_item_##NV(float *out_rows, const void *q, int64_t q_row, int6
     for (int64_t start = 0; start < ctx; start += block_size) {                                          \
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;                           \
         const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;      \
+        if (start + block_size < ctx)                                                                    \
+            prefetch_tile(v_cache, ((int64_t)table[start / block_size + 1] * num_kv_heads + kvh) * tile, tile, bf16); \
         for (int64_t j = 0; j < n; j++) {                                                                \
             __m512 row[NV];                                                                              \
             for (int v = 0; v < NV; v++) row[v] = load16(v_cache, tile_base + j * head_dim + 16 * v, bf16); \
@@ -239,24 +330,6 @@ void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *sl
 }
 
 #ifdef __AVX512F__
-/* fast_exp on 16 lanes, the same operations in the same order, so each lane equals fast_exp. */
-static inline __m512 fast_exp16(__m512 x) {
-    /* max/min return their second operand for a NaN lane: NaN passes through, as in fast_exp */
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(1.428606765330187045e-06f)));
-    __m512 p = _mm512_add_ps(_mm512_set1_ps(0.0083333333333f), _mm512_mul_ps(r, _mm512_set1_ps(0.0013888888889f)));
-    p = _mm512_add_ps(_mm512_set1_ps(0.041666666666f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(_mm512_set1_ps(0.16666666666f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
-    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
-
 /* 16 float32 lanes rounded to bfloat16 and back (round to nearest even, as f32_to_bf16). */
 static inline __m512 round16_bf16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);

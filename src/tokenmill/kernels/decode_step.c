@@ -1,9 +1,9 @@
-/* A whole decode step of a Llama-family model with quantised projections, in one call.
+/* A whole decode step of a Llama-family model, in one call, with quantised or AMX-packed projections.
  *
  * It runs exactly the kernels the Python module path calls, in the same order, on the same inputs
  * (norms, quantised products, RoPE, KV writes, paged decode attention, SiLU-and-mul), so its output is
  * bit-identical to that path; what it saves is the Python between them. models/fused_decode.py
- * decides when it applies (every row a decode, few enough rows for the int8 product path).
+ * decides when it applies (every row a decode, few enough rows for these product paths).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,12 +26,16 @@ void tm_rope(void *x, const int64_t *positions, const float *cos_table, const fl
 void tm_qlinear(void *y, const void *x, const uint8_t *data, const void *scale, const void *offset,
                 const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride, int64_t y_stride,
                 int bits, int half, int bf16);
+void tm_amx_linear(uint16_t *y, const uint16_t *x, const uint16_t *packed, const float *bias,
+                   int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy);
 void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *data, const void *scale, const void *offset,
                     const float *bias, int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy,
                     int64_t row_bytes, int64_t blocks, int bits, int half);
 
-/* One packed projection (see quant_kernels.c for the layout). */
+/* One projection: bfloat16 in AMX tiles (`amx_packed`, see amx_kernels.c), else block-quantised
+ * (see quant_kernels.c for the layout). */
 typedef struct {
+    const uint16_t *amx_packed;
     const uint8_t *data;
     const void *scale, *offset;
     const float *bias, *amx_bias;  /* NULL: none; amx_bias: bias rounded as the AMX product adds it */
@@ -62,7 +66,9 @@ typedef struct {
 /* The product QLinearOp would pick for m rows (below the dequantising threshold, which FusedDecode
  * checks). */
 static void project(void *y, const void *x, const tm_projection *p, int64_t m, const tm_step *s) {
-    if (s->bf16 && p->amx && s->amx_from_rows && m >= s->amx_from_rows)
+    if (p->amx_packed)
+        tm_amx_linear(y, x, p->amx_packed, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows);
+    else if (s->bf16 && p->amx && s->amx_from_rows && m >= s->amx_from_rows)
         tm_amx_qlinear(y, x, p->data, p->scale, p->offset, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows,
                        p->row_bytes, p->blocks, p->bits, p->half);
     else

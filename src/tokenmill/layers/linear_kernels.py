@@ -62,10 +62,13 @@ class AmxPackedKernel:
     the weight in AMX tile layout; from there on, oneDNN's packed matmul (measured crossover,
     docs/benchmarks.md). CPU, bfloat16, input features a multiple of 32."""
 
+    amx = True  # as QLinearOp's flag: few-row products run on AMX tiles
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], native: Any) -> None:
-        self.native, self.out_features = native, weight.shape[0]
+        self.native, self.out_features, self.shape = native, weight.shape[0], tuple(weight.shape)
         self.amx_weight = native.amx_pack(weight)
         self.amx_bias = None if bias is None else bias.float().contiguous()
+        self.amx_bias_pointer = None if bias is None else self.amx_bias.data_ptr()
         self.many_rows = OneDnnPackedKernel(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

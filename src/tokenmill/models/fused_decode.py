@@ -1,11 +1,12 @@
-"""One native call per decode step for Llama-family models whose projections are all quantised.
+"""One native call per decode step for Llama-family models whose projections all run natively.
 
 `FusedDecode` gathers, once, each layer's packed weights and norm weights into the structures that
 kernels/decode_step.c reads, and per step hands it the step's metadata and KV caches. It applies to a
 step only where the module path would run the very same kernels in the same order: bfloat16 with the
-native element-wise kernels (the cpu_paged backend), every projection quantised with the native
-product, no q/k norm, every row a decode, and fewer rows than the products' dequantising threshold;
-each product takes the path (int8 or AMX) its QLinearOp would for that many rows.
+native element-wise kernels (the cpu_paged backend), every projection either quantised with the
+native product or bfloat16 in AMX tiles (`AmxPackedKernel`), no q/k norm, every row a decode, and
+fewer rows than the products' thresholds for their few-row paths; each product takes the path
+(int8 or AMX) its kernel would for that many rows.
 There its output is bit-identical to the module path's (tests/models/test_quantized_models.py); what
 it removes is the Python between some 300 kernel calls per step.
 """
@@ -14,18 +15,18 @@ from __future__ import annotations
 
 import ctypes
 from ctypes import c_float, c_int32, c_int64, c_void_p
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from tokenmill.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from tokenmill.kernels.cpu_kernels import QLinearOp
 from tokenmill.layers import quantized
-from tokenmill.layers.linear_kernels import QuantizedKernel
+from tokenmill.layers.linear_kernels import AmxPackedKernel, QuantizedKernel
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("data", c_void_p), ("scale", c_void_p), ("offset", c_void_p), ("bias", c_void_p), ("amx_bias", c_void_p),
+    _fields_ = [("amx_packed", c_void_p), ("data", c_void_p), ("scale", c_void_p), ("offset", c_void_p), ("bias", c_void_p), ("amx_bias", c_void_p),
                 ("rows", c_int64), ("cols", c_int64), ("row_bytes", c_int64), ("blocks", c_int64),
                 ("bits", c_int32), ("half", c_int32), ("amx", c_int32)]
 
@@ -44,15 +45,21 @@ class _Step(ctypes.Structure):
                 ("amx_from_rows", c_int64)]
 
 
-def _native_product(linear: Any) -> Optional[QLinearOp]:
+def _native_product(linear: Any) -> Union[QLinearOp, AmxPackedKernel, None]:
     kernel = getattr(linear, "kernel", None)
+    if isinstance(kernel, AmxPackedKernel):
+        return kernel
     return kernel.native if isinstance(kernel, QuantizedKernel) else None
 
 
-def _projection(op: QLinearOp) -> _Projection:
+def _projection(op: Union[QLinearOp, AmxPackedKernel]) -> _Projection:
+    if isinstance(op, AmxPackedKernel):
+        out_features, in_features = op.shape
+        return _Projection(amx_packed=op.amx_weight.data_ptr(), amx_bias=op.amx_bias_pointer, rows=out_features,
+                           cols=in_features, amx=1)
     data, scale, offset = op.pointers
-    return _Projection(data, scale, offset, op.bias_pointer, op.amx_bias_pointer, op.rows, op.cols, op.row_strides[0],
-                       op.weight.scale.shape[1], op.bits, op.half, int(op.amx))
+    return _Projection(None, data, scale, offset, op.bias_pointer, op.amx_bias_pointer, op.rows, op.cols,
+                       op.row_strides[0], op.weight.scale.shape[1], op.bits, op.half, int(op.amx))
 
 
 class FusedDecode:
