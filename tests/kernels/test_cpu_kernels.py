@@ -43,14 +43,29 @@ def random_batch(seed, dtype, heads, kv_heads, head_dim, block_size, lengths, nu
     (6, 1, 64, 5),     # multi-query, a block size that is not a power of two
 ])
 def test_decode_attention_and_cache_writes_match_the_reference_backend(dtype, heads, kv_heads, head_dim, block_size):
-    lengths = [2, 17, 40, 3 * block_size, 3 * block_size + 1]  # each decode has earlier tokens to attend to
-    cache, chunks, slots, q, k, v = random_batch(7, dtype, heads, kv_heads, head_dim, block_size, lengths)
+    # each decode has earlier tokens to attend to; the long ones span several 64-key work items
+    lengths = [2, 17, 40, 3 * block_size, 3 * block_size + 1, 130, 200]
+    cache, chunks, slots, q, k, v = random_batch(7, dtype, heads, kv_heads, head_dim, block_size, lengths,
+                                                 num_blocks=128)
     ref_cache, fast_cache = cache.clone(), cache.clone()
     ref, fast = TorchReferenceBackend(), CpuPagedBackend(KERNELS)
     expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, torch.device("cpu")))
     got = fast.forward(q, k, v, fast_cache, fast.build_metadata(chunks, slots, block_size, torch.device("cpu")))
     assert torch.equal(fast_cache, ref_cache)  # the K/V writes are copies: exact
     assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_a_decode_result_does_not_depend_on_the_rest_of_the_batch():
+    lengths = [300, 5, 77, 140]
+    cache, chunks, slots, q, k, v = random_batch(5, torch.bfloat16, 9, 3, 64, 16, lengths, num_blocks=64)
+    backend = CpuPagedBackend(KERNELS)
+    together = backend.forward(q, k, v, cache.clone(), backend.build_metadata(chunks, slots, 16, torch.device("cpu")))
+    for i, chunk in enumerate(chunks):
+        alone = SequenceChunk(0, 1, chunk.context_len, chunk.block_ids)
+        row = slice(i, i + 1)
+        out = backend.forward(q[row], k[row], v[row], cache.clone(),
+                              backend.build_metadata([alone], slots[row], 16, torch.device("cpu")))
+        assert torch.equal(out[0], together[i])
 
 
 def test_decode_reads_q_rows_in_place_within_a_mixed_batch():

@@ -140,25 +140,29 @@ static inline __m512 key_dot_##NV(const __m512 *qv, const void *qh, const void *
 DEFINE_KEY_DOT(4)
 DEFINE_KEY_DOT(8)
 
-/* One (sequence, kv head) of decode attention with NV 16-lane vectors per head row: scores 16 keys
- * at a time (one horizontal-sum tree for all 16), the softmax 16 lanes at a time, and the G output
- * accumulators in registers while V streams through once. */
+/* One (sequence, kv head, span of keys) of decode attention with NV 16-lane vectors per head row:
+ * scores 16 keys at a time (one horizontal-sum tree for all 16), exponentials 16 lanes at a time,
+ * and the G output accumulators in registers while V streams through once. Keys [key0, key1), key0 a
+ * multiple of block_size. Per query row g it leaves the span's score maximum top[g], the sum of
+ * exp(score - top[g]) in total[g], and the exp-weighted sum of V rows (not yet divided by the total)
+ * in out_rows[g]; decode_attention merges the spans. `scores` holds G * (key1 - key0) floats. */
 #define DEFINE_DECODE_ITEM(NV)                                                                          \
-static void decode_item_##NV(float *out_rows, const void *q, int64_t q_row, int64_t q_head_stride,    \
-                             const void *k_cache, const void *v_cache, const int32_t *table,             \
-                             int64_t ctx, int64_t kvh, int64_t num_kv_heads, int64_t block_size,         \
-                             int64_t group, float scale, int bf16, float *scores) {                     \
-    const int64_t head_dim = 16 * NV, tile = block_size * head_dim;                                      \
+static void decode_item_##NV(float *out_rows, float *top, float *total, const void *q, int64_t q_row,  \
+                             int64_t q_head_stride, const void *k_cache, const void *v_cache,            \
+                             const int32_t *table, int64_t key0, int64_t key1, int64_t kvh,              \
+                             int64_t num_kv_heads, int64_t block_size, int64_t group, float scale,       \
+                             int bf16, float *scores) {                                                  \
+    const int64_t head_dim = 16 * NV, tile = block_size * head_dim, span = key1 - key0;                 \
     for (int64_t g = 0; g < group; g++) {                                                                \
         __m512 qv[NV];                                                                                   \
         for (int v = 0; v < NV; v++) qv[v] = load16(q, q_row + (kvh * group + g) * q_head_stride + 16 * v, bf16); \
         BF16_VECTORS(qh, NV, q, q_row + (kvh * group + g) * q_head_stride, bf16);                        \
-        float *sg = scores + g * ctx;                                                                    \
+        float *sg = scores + g * span;                                                                   \
         __m512 mx = _mm512_set1_ps(-INFINITY);                                                           \
-        for (int64_t start = 0; start < ctx; start += block_size) {                                      \
-            const int64_t n = ctx - start < block_size ? ctx - start : block_size;                       \
+        for (int64_t start = key0; start < key1; start += block_size) {                                  \
+            const int64_t n = key1 - start < block_size ? key1 - start : block_size;                     \
             const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;  \
-            if (g == 0 && start + block_size < ctx)  /* the next block is elsewhere: fetch it early */   \
+            if (g == 0 && start + block_size < key1)  /* the next block is elsewhere: fetch it early */  \
                 prefetch_tile(k_cache, ((int64_t)table[start / block_size + 1] * num_kv_heads + kvh) * tile, \
                               tile, bf16);                                                               \
             for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                     \
@@ -171,37 +175,34 @@ static void decode_item_##NV(float *out_rows, const void *q, int64_t q_row, int6
                 }                                                                                        \
                 const __mmask16 valid = (__mmask16)((1u << count) - 1);                                  \
                 const __m512 sc = _mm512_mul_ps(sum_each_of_16(dots), _mm512_set1_ps(scale));            \
-                _mm512_mask_storeu_ps(sg + start + j0, valid, sc);                                       \
+                _mm512_mask_storeu_ps(sg + (start - key0) + j0, valid, sc);                              \
                 mx = _mm512_mask_max_ps(mx, valid, mx, sc);                                              \
             }                                                                                            \
         }                                                                                                \
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));                                     \
+        top[g] = _mm512_reduce_max_ps(mx);                                                               \
+        const __m512 top_v = _mm512_set1_ps(top[g]);                                                     \
         __m512 sums = _mm512_setzero_ps();                                                               \
-        for (int64_t t = 0; t < ctx; t += 16) {                                                          \
-            const __mmask16 valid = ctx - t >= 16 ? 0xFFFF : (__mmask16)((1u << (ctx - t)) - 1);         \
-            const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sg + t), top));       \
+        for (int64_t t = 0; t < span; t += 16) {                                                         \
+            const __mmask16 valid = span - t >= 16 ? 0xFFFF : (__mmask16)((1u << (span - t)) - 1);       \
+            const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sg + t), top_v));     \
             _mm512_mask_storeu_ps(sg + t, valid, e);                                                     \
             sums = _mm512_mask_add_ps(sums, valid, sums, e);                                             \
         }                                                                                                \
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));                            \
-        for (int64_t t = 0; t < ctx; t += 16) {                                                          \
-            const __mmask16 valid = ctx - t >= 16 ? 0xFFFF : (__mmask16)((1u << (ctx - t)) - 1);         \
-            _mm512_mask_storeu_ps(sg + t, valid, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, sg + t), inv)); \
-        }                                                                                                \
+        total[g] = _mm512_reduce_add_ps(sums);                                                           \
     }                                                                                                    \
     __m512 acc[8][NV];                                                                                   \
     for (int64_t g = 0; g < group; g++)                                                                  \
         for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();                                   \
-    for (int64_t start = 0; start < ctx; start += block_size) {                                          \
-        const int64_t n = ctx - start < block_size ? ctx - start : block_size;                           \
+    for (int64_t start = key0; start < key1; start += block_size) {                                      \
+        const int64_t n = key1 - start < block_size ? key1 - start : block_size;                         \
         const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;      \
-        if (start + block_size < ctx)                                                                    \
+        if (start + block_size < key1)                                                                   \
             prefetch_tile(v_cache, ((int64_t)table[start / block_size + 1] * num_kv_heads + kvh) * tile, tile, bf16); \
         for (int64_t j = 0; j < n; j++) {                                                                \
             __m512 row[NV];                                                                              \
             for (int v = 0; v < NV; v++) row[v] = load16(v_cache, tile_base + j * head_dim + 16 * v, bf16); \
             for (int64_t g = 0; g < group; g++) {                                                        \
-                const __m512 p = _mm512_set1_ps(scores[g * ctx + start + j]);                            \
+                const __m512 p = _mm512_set1_ps(scores[g * span + (start - key0) + j]);                  \
                 for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);         \
             }                                                                                            \
         }                                                                                                \
@@ -213,6 +214,82 @@ DEFINE_DECODE_ITEM(4)
 DEFINE_DECODE_ITEM(8)
 #endif
 
+/* Keys per span of the AVX-512 decode path, rounded down to whole blocks (at least one): spans are
+ * the parallel work items, so that one long sequence keeps both cores busy. A fixed length, so that a
+ * sequence's spans, and its result, do not depend on the rest of the batch. */
+#define SPAN_KEYS 64
+
+#ifdef __AVX512F__
+/* The spans' partial results of one (sequence, kv head) merged into its G output rows. */
+static void merge_spans(void *out, int64_t out_row, const float *rows, const float *tops, const float *totals,
+                        int64_t spans, int64_t group, int64_t head_dim, int bf16) {
+    float merged[8 * 128];
+    for (int64_t g = 0; g < group; g++) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < spans; c++) top = tops[c * group + g] > top ? tops[c * group + g] : top;
+        for (int64_t d = 0; d < head_dim; d++) merged[d] = 0.0f;
+        for (int64_t c = 0; c < spans; c++) {
+            const float weight = fast_exp(tops[c * group + g] - top);
+            total += totals[c * group + g] * weight;
+            const float *r = rows + (c * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) merged[d] += r[d] * weight;
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < head_dim; d++) merged[d] *= inv;
+        store_row(out, out_row + g * head_dim, merged, head_dim, bf16);
+    }
+}
+
+/* The AVX-512 path: items are (sequence, kv head, span of SPAN_KEYS keys); then one merge per
+ * (sequence, kv head). */
+static void decode_attention_in_spans(void *out, const void *q, const void *k_cache, const void *v_cache,
+                                      const int64_t *token_index, const int32_t *block_tables,
+                                      const int32_t *context_lens, int64_t num_seqs, int64_t num_kv_heads,
+                                      int64_t group, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                      int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
+                                      float scale, int bf16) {
+    const int64_t span_keys = (SPAN_KEYS / block_size > 1 ? SPAN_KEYS / block_size : 1) * block_size;
+    int64_t *first_span = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    first_span[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++)
+        first_span[b + 1] = first_span[b] + (context_lens[b] + span_keys - 1) / span_keys;
+    const int64_t spans = first_span[num_seqs];
+    float *rows = (float *)malloc(sizeof(float) * (size_t)(spans * num_kv_heads * group * (head_dim + 2)));
+    float *tops = rows + spans * num_kv_heads * group * head_dim, *totals = tops + spans * num_kv_heads * group;
+    #pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * span_keys));
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+            for (int64_t item = 0; item < spans; item++) {
+                int64_t b = 0, hi = num_seqs - 1;  /* the sequence whose spans hold `item` */
+                while (b < hi) {
+                    const int64_t mid = (b + hi + 1) / 2;
+                    if (first_span[mid] <= item) b = mid; else hi = mid - 1;
+                }
+                const int64_t key0 = (item - first_span[b]) * span_keys;
+                const int64_t key1 = key0 + span_keys < context_lens[b] ? key0 + span_keys : context_lens[b];
+                const int64_t slot = kvh * spans + item;
+                (head_dim == 64 ? decode_item_4 : decode_item_8)(
+                    rows + slot * group * head_dim, tops + slot * group, totals + slot * group, q,
+                    token_index[b] * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + b * max_blocks,
+                    key0, key1, kvh, num_kv_heads, block_size, group, scale, bf16, scores);
+            }
+        free(scores);
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < num_seqs; b++)
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                const int64_t slot = kvh * spans + first_span[b];
+                merge_spans(out, token_index[b] * out_row_stride + kvh * group * head_dim,
+                            rows + slot * group * head_dim, tops + slot * group, totals + slot * group,
+                            first_span[b + 1] - first_span[b], group, head_dim, bf16);
+            }
+    }
+    free(rows);
+    free(first_span);
+}
+#endif
+
 void tm_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                          const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -220,28 +297,19 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                          int64_t out_row_stride, float scale, int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tile_elems = block_size * head_dim;  /* one (block, kv head) tile is contiguous */
+#ifdef __AVX512F__
+    if ((head_dim == 64 || head_dim == 128) && group <= 8) {
+        decode_attention_in_spans(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
+                                  num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride,
+                                  q_head_stride, out_row_stride, scale, bf16);
+        return;
+    }
+#endif
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; b++) {
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
             const int64_t ctx = context_lens[b];
             const int32_t *table = block_tables + b * max_blocks;
-#ifdef __AVX512F__
-            if ((head_dim == 64 || head_dim == 128) && group <= 8) {
-                float *buf = (float *)malloc(sizeof(float) * (size_t)(group * ctx + group * head_dim));
-                float *rows = buf + group * ctx;
-                if (head_dim == 64)
-                    decode_item_4(rows, q, token_index[b] * q_row_stride, q_head_stride, k_cache, v_cache, table,
-                                  ctx, kvh, num_kv_heads, block_size, group, scale, bf16, buf);
-                else
-                    decode_item_8(rows, q, token_index[b] * q_row_stride, q_head_stride, k_cache, v_cache, table,
-                                  ctx, kvh, num_kv_heads, block_size, group, scale, bf16, buf);
-                for (int64_t g = 0; g < group; g++)
-                    store_row(out, token_index[b] * out_row_stride + (kvh * group + g) * head_dim,
-                              rows + g * head_dim, head_dim, bf16);
-                free(buf);
-                continue;
-            }
-#endif
             float *qf = (float *)malloc(sizeof(float) * (size_t)(group * head_dim * 2 + tile_elems + group * ctx));
             float *acc = qf + group * head_dim;
             float *tile = acc + group * head_dim;
