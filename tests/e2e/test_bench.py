@@ -10,6 +10,7 @@ import pytest
 
 from e2e.server_harness import ServerProcess
 from helpers.tiny_models import make_tiny_hf_model
+from tokenmill.kernels.cpu_kernels import cpu_kernels
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -95,7 +96,10 @@ def test_bench_linears_prints_one_line_per_row_count():
     run = tokenmill("bench", "linears", "--rows", "1", "20", "--layers", "1", "--repeats", "1")
     assert run.returncode == 0, run.stderr
     header, *lines = run.stdout.strip().splitlines()
-    assert header.split() == ["rows", "bf16", "packed", "int8", "dot", "int8", "dequant", "int4", "dot",
-                              "int4", "dequant"]
+    amx = cpu_kernels().amx  # the AMX columns appear where the CPU has AMX
+    paths = ["dot", "amx", "dequant"] if amx else ["dot", "dequant"]
+    columns = ["bf16 onednn"] + (["bf16 amx"] if amx else []) + [f"{f} {p}" for f in ("int8", "int4") for p in paths]
+    assert header.split() == ["rows"] + " ".join(columns).split()
     assert [line.split()[0] for line in lines] == ["1", "20"]
-    assert all(float(cell) > 0 for line in lines for cell in line.split()[1:])
+    assert all(len(line.split()) == 1 + len(columns) and float(cell) > 0
+               for line in lines for cell in line.split()[1:])

@@ -70,11 +70,12 @@ def test_tile_products_do_not_depend_on_the_rest_of_the_batch(kernels):
     weight = (torch.randn(80, 256) * 0.05).bfloat16()
     packed_bf16 = AmxPackedKernel(weight, None, kernels)
     quantised = kernels.qlinear_op(quantize(weight.float(), "int4"), None)
-    batch = torch.randn(40, 256).bfloat16()
+    group = AMX_FROM_ROWS  # the fewest rows that still take the tiles
+    batch = torch.randn(5 * group, 256).bfloat16()
     for op in (packed_bf16, quantised):
         together = op(batch)
-        in_fives = torch.cat([op(batch[i:i + 5]) for i in range(0, 40, 5)])
-        assert torch.equal(together, in_fives)
+        in_groups = torch.cat([op(batch[i:i + group]) for i in range(0, 5 * group, group)])
+        assert torch.equal(together, in_groups)
 
 
 def test_widths_the_tiles_cannot_take_stay_with_onednn(kernels):

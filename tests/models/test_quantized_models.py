@@ -12,7 +12,7 @@ from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import _ShardedLinear
-from tokenmill.layers.quantized import AMX_FROM_ROWS
+from tokenmill.layers import quantized
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
            "A much longer prompt about nothing in particular, repeated. " * 4, "1 2 3 4 5 6 7"]
@@ -94,7 +94,9 @@ def test_unknown_quantization_is_a_clear_error(tiny_hf):
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
-def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path, architecture):
+def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path, architecture, monkeypatch):
+    # four prompts decode at most four rows at a time: move the AMX threshold so both paths run
+    monkeypatch.setattr(quantized, "AMX_FROM_ROWS", 3)
     path = write_tiny_gguf(tmp_path / f"{architecture}.gguf", "Q4_1", architecture=architecture)
     fused = build(path, dtype="bfloat16")
     model = fused.llm_engine.model
@@ -110,6 +112,6 @@ def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path,
     model.fused_decode.applies = recorded
     outputs = greedy(fused)
     assert any(decisions) and not all(decisions)  # pure decode steps fused, mixed ones layer by layer
-    # fused steps of 1-3 rows take the int8 products and of 4 the AMX ones (on a CPU with AMX)
-    assert min(fused_rows) < AMX_FROM_ROWS <= max(fused_rows)
+    # fused steps of 1-2 rows take the int8 products and of 3-4 the AMX ones (on a CPU with AMX)
+    assert min(fused_rows) < quantized.AMX_FROM_ROWS <= max(fused_rows)
     assert outputs == greedy(build(path, dtype="bfloat16", fused_decode=False))

@@ -2,9 +2,11 @@
 
 `tokenmill bench linears` times, for every row count asked, the projections of all layers of a
 model shaped like SmolLM2-135M, with distinct random weights, so that each pass
-reads them from memory as a decode step does: oneDNN-packed bfloat16, the quantised int8 dot-product
-kernel and the dequantise-then-matmul path, for int8 and int4 weights. It prints the median of the
-repetitions in milliseconds. This is where `DEQUANTIZE_FROM_ROWS` comes from (docs/benchmarks.md).
+reads them from memory as a decode step does: bfloat16 weights packed for oneDNN and (on CPUs with
+AMX) in AMX tiles; int8 and int4 weights through the int8 dot-product kernel, AMX tiles over
+dequantised panels, and the dequantise-then-matmul path. It prints the median of the repetitions in
+milliseconds. This is where `DEQUANTIZE_FROM_ROWS`, `AMX_FROM_ROWS` and `AMX_BELOW_ROWS` come from
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from tqdm import tqdm
 
 from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.layers import quantized
-from tokenmill.layers.linear_kernels import OneDnnPackedKernel
+from tokenmill.layers.linear_kernels import AmxPackedKernel, OneDnnPackedKernel
 
 # SmolLM2-135M: qkv, o, gate_up, down as (out_features, in_features)
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+_NEVER = 1 << 30
+# the thresholds (DEQUANTIZE_FROM_ROWS, AMX_FROM_ROWS, AMX_BELOW_ROWS) that force each product path
+_FORCED_PATHS = {"dot": (_NEVER, _NEVER, 1), "amx": (_NEVER, 1, _NEVER), "dequant": (1, 1, 1)}
 
 
 def _time_passes(layers: list[list[Callable]], rows: int, repeats: int) -> float:
@@ -56,19 +61,24 @@ def run_linear_products(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     floats = [[torch.randn(shape) * 0.02 for shape in SMOLLM2_SHAPES]
               for _ in tqdm(range(args.layers), desc="weights", file=sys.stderr)]
-    packed = [[OneDnnPackedKernel(w.bfloat16(), None) for w in layer] for layer in floats]
+    bf16 = {"bf16 onednn": [[OneDnnPackedKernel(w.bfloat16(), None) for w in layer] for layer in floats]}
+    if kernels.amx:
+        bf16["bf16 amx"] = [[AmxPackedKernel(w.bfloat16(), None, kernels) for w in layer] for layer in floats]
     ops = {fmt: [[kernels.qlinear_op(quantized.quantize(w, fmt), None) for w in layer] for layer in floats]
            for fmt in quantized.FORMATS}
-    threshold = quantized.DEQUANTIZE_FROM_ROWS
-    print(f"{'rows':>5} {'bf16 packed':>12} " + " ".join(f"{f + ' ' + p:>16}" for f in ops for p in ("dot", "dequant")))
+    paths = [p for p in _FORCED_PATHS if p != "amx" or kernels.amx]
+    columns = list(bf16) + [f"{fmt} {path}" for fmt in ops for path in paths]
+    thresholds = (quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS)
+    print(f"{'rows':>5} " + " ".join(f"{c:>12}" for c in columns))
     try:
         for rows in args.rows:
-            cells = [_time_passes(packed, rows, args.repeats)]
+            quantized.AMX_BELOW_ROWS = _NEVER  # bfloat16 AMX at every row count
+            cells = [_time_passes(layers, rows, args.repeats) for layers in bf16.values()]
             for fmt_ops in ops.values():
-                for forced in (1 << 30, 1):  # the dot-product kernel, then dequantise-and-matmul
-                    quantized.DEQUANTIZE_FROM_ROWS = forced
+                for path in paths:
+                    quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS = _FORCED_PATHS[path]
                     cells.append(_time_passes(fmt_ops, rows, args.repeats))
-            print(f"{rows:>5} " + f"{cells[0]:>12.2f} " + " ".join(f"{c:>16.2f}" for c in cells[1:]), flush=True)
+            print(f"{rows:>5} " + " ".join(f"{c:>12.2f}" for c in cells), flush=True)
     finally:
-        quantized.DEQUANTIZE_FROM_ROWS = threshold
+        quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS = thresholds
     return 0

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.cpu_kernels import AMX_FEATURE_TILE
-from tokenmill.layers.quantized import AMX_BELOW_ROWS, QuantizedWeight, reference_linear
+from tokenmill.layers import quantized
+from tokenmill.layers.quantized import QuantizedWeight, reference_linear
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class OneDnnPackedKernel:
 
 
 class AmxPackedKernel:
-    """Below `AMX_BELOW_ROWS` input rows, the native AMX product (kernels/amx_kernels.c) over a copy of
+    """Below `quantized.AMX_BELOW_ROWS` input rows, the native AMX product (kernels/amx_kernels.c) over a copy of
     the weight in AMX tile layout; from there on, oneDNN's packed matmul (measured crossover,
     docs/benchmarks.md). CPU, bfloat16, input features a multiple of 32."""
 
@@ -74,7 +75,7 @@ class AmxPackedKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply (any leading dimensions)."""
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] >= AMX_BELOW_ROWS or x.dtype != torch.bfloat16:
+        if flat.shape[0] >= quantized.AMX_BELOW_ROWS or x.dtype != torch.bfloat16:
             return self.many_rows(x)
         if flat.stride(1) != 1:
             flat = flat.contiguous()
