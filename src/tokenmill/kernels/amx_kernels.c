@@ -144,6 +144,10 @@ static void multiply_block(const uint16_t *a, int rows, const uint16_t *b0, cons
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < kblocks; kb++) {
+            if (kb + 2 < kblocks) {  /* the rows' tiles two steps ahead, from L2 into L1 */
+                const char *ahead = (const char *)(a + (kb + 2) * MBLOCK * KTILE);
+                for (int line = 0; line < MBLOCK * KTILE * 2 / 64; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+            }
             _tile_loadd(4, a + kb * MBLOCK * KTILE, 64);
             _tile_loadd(5, a + kb * MBLOCK * KTILE + 16 * KTILE, 64);
             _tile_loadd(6, b0 + kb * 512, 64);
@@ -218,6 +222,11 @@ static void amx_product(uint16_t *y, const uint16_t *x, const uint16_t *packed, 
                     b0 = tiles;
                 } else {
                     b0 = packed + p * 2 * kblocks * 512;
+                    if (p + 1 < p1) {  /* the next panel's weights, from memory into L2, while this one runs */
+                        const char *next = (const char *)(b0 + 2 * kblocks * 512);
+                        for (int64_t line = 0; line < 2 * kblocks * 512 * 2 / 64; line++)
+                            _mm_prefetch(next + 64 * line, _MM_HINT_T1);
+                    }
                 }
                 const int cols = (int)(n - p * NPANEL < NPANEL ? n - p * NPANEL : NPANEL);
                 for (int64_t r = m0; r < m1; r += MBLOCK) {
