@@ -19,10 +19,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     argmax(p / E), E ~ Exp(1) — which lets seeded rows draw their noise from their own generator,
     so a seeded request samples the same tokens whatever else is in the batch.
     """
-    logits = logits.clone()
-    apply_logit_bias(logits, rows)
-    apply_penalties(logits, rows)
-    apply_min_tokens(logits, rows)
+    if any(r.params.logit_bias or r.params.uses_penalties or len(r.output_token_ids) < r.params.min_tokens
+           for r in rows):
+        logits = logits.clone()  # the caller's logits stay as computed
+        apply_logit_bias(logits, rows)
+        apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:

@@ -117,7 +117,11 @@ class ModelRunner:
         order = list(sample_rows)
         rows = [SamplingRow(batch[i].sampling_params, self._generator(batch[i]), batch[i].prompt_token_ids,
                             batch[i].output_token_ids, self.eos_token_ids) for i in order]
-        sample_logits = logits[torch.tensor([sample_rows[i] for i in order], device=self.device)]
+        picked = [sample_rows[i] for i in order]
+        if picked == list(range(logits.shape[0])):  # every logits row, in order (decode): no copy
+            sample_logits = logits
+        else:
+            sample_logits = logits[torch.tensor(picked, device=self.device)]
         tokens = sample(sample_logits, rows, self.default_generator)
         for i, token in zip(order, tokens.tolist()):
             result.sampled_token_ids[batch[i].request_id] = token
