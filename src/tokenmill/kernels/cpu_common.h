@@ -1,4 +1,5 @@
-/* Helpers shared by tokenmill's C kernels: bfloat16 <-> float32 as PyTorch converts them. */
+/* Helpers shared by tokenmill's C kernels: bfloat16 <-> float32 as PyTorch converts them, row loads and
+ * stores in the storage dtype, and the softmax's exp. */
 #ifndef TOKENMILL_CPU_COMMON_H
 #define TOKENMILL_CPU_COMMON_H
 #include <stdint.h>
@@ -57,5 +58,71 @@ static inline float f16_to_f32(uint16_t h) {
     memcpy(&f, &u, 4);
     return f;
 }
+
+/* Load n contiguous values as float32. */
+static inline void load_row(float *dst, const void *base, int64_t offset, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * 4);
+    }
+}
+
+/* Store n float32 values contiguously in the storage dtype. */
+static inline void store_row(void *base, int64_t offset, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + offset, src, (size_t)n * 4);
+    }
+}
+
+/* exp for the softmax: Cody-Waite range reduction and a degree-6 polynomial, within 2 ulp of expf
+ * on [-87, 88]; written branch-free so the compiler vectorises the loops that call it. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    /* k = round(x / ln 2) by the 1.5 * 2^23 trick: pure arithmetic, so the loops vectorise */
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - k * 0.693145751953125f;
+    r = r - k * 1.428606765330187045e-06f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666666666f + r * (0.041666666666f
+              + r * (0.0083333333333f + r * 0.0013888888889f)))));
+    union { int32_t i; float f; } scale = { .i = ((int32_t)k + 127) << 23 };
+    return p * scale.f;
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* Load 16 storage values as float32 lanes. */
+static inline __m512 load16(const void *base, int64_t i, int bf16) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* fast_exp on 16 lanes, the same operations in the same order, so each lane equals fast_exp. */
+static inline __m512 fast_exp16(__m512 x) {
+    /* max/min return their second operand for a NaN lane: NaN passes through, as in fast_exp */
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_add_ps(_mm512_set1_ps(0.0083333333333f), _mm512_mul_ps(r, _mm512_set1_ps(0.0013888888889f)));
+    p = _mm512_add_ps(_mm512_set1_ps(0.041666666666f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(0.16666666666f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(r, p));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+#endif
 
 #endif

@@ -1,4 +1,5 @@
-"""Build, load and call the C kernels in cpu_kernels.c, quant_kernels.c, amx_kernels.c and decode_step.c.
+"""Build, load and call the C kernels: cpu_kernels.c, decode_attention.c, quant_kernels.c, amx_kernels.c and
+decode_step.c.
 
 The library is compiled once per machine (gcc -O3 -march=native -fopenmp) into
 $TOKENMILL_CACHE_DIR/kernels (default ~/.cache/tokenmill/kernels), named by a hash of the source,
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "quant_kernels.c", _HERE / "amx_kernels.c", _HERE / "decode_step.c"]
+_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "decode_attention.c", _HERE / "quant_kernels.c", _HERE / "amx_kernels.c",
+            _HERE / "decode_step.c"]
 _HEADERS = [_HERE / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
