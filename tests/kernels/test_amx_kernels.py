@@ -84,3 +84,19 @@ def test_widths_the_tiles_cannot_take_stay_with_onednn(kernels):
     assert isinstance(kernel, OneDnnPackedKernel)
     x = torch.randn(10, 80).bfloat16()
     bf16_close(kernel(x), (x.float() @ weight.float().T).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "Q4_K"])
+def test_tiles_hold_exactly_the_dequantised_weights(kernels, fmt):
+    # one-hot input rows pick single weights: each output is one exact product, so the result is the
+    # tiles' weights themselves, which must equal the many-row path's bfloat16 dequantisation bit for bit
+    cols = 128
+    if fmt == "Q4_K":
+        qtype = gguf.GGMLQuantizationType.Q4_K
+        packed = from_gguf(qtype, encode(torch.randn(40, 256).mul(0.05).numpy(), qtype, 2), 256)
+        cols = 256
+    else:
+        packed = quantize(torch.randn(40, cols) * 0.05, fmt)
+    op = kernels.qlinear_op(packed, None)
+    picked = op(torch.eye(cols).bfloat16())  # cols >= AMX_FROM_ROWS rows: the tile path
+    assert torch.equal(picked.T, packed.dequantize(torch.bfloat16))

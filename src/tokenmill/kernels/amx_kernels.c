@@ -90,6 +90,7 @@ typedef struct {
  * blocks: tiles[kb * 512 ...]. */
 static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t first, int64_t n, int64_t k) {
     const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+    const __m512 nibble_values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t kb = 0; kb < k / KTILE; kb++) {
         __m512i rows[16];
         for (int r = 0; r < 16; r++) {
@@ -109,6 +110,12 @@ static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t
             }
             const __m512 s = _mm512_set1_ps(scale_at(w->scale, j * w->blocks + kb, w->half));
             const __m512 o = _mm512_set1_ps(scale_at(w->offset, j * w->blocks + kb, w->half));
+            if (w->bits == 4) {  /* the block's 16 possible values, computed as below, then looked up */
+                const __m512 values = _mm512_add_ps(_mm512_mul_ps(nibble_values, s), o);
+                const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+                rows[r] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(u), table);
+                continue;
+            }
             __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
             lo = _mm512_add_ps(_mm512_mul_ps(lo, s), o);  /* rounded twice, as tm_dequantize does */
