@@ -256,7 +256,7 @@ class QLinearOp:
         self.bias_pointer = None if bias is None else _ptr(bias)
         self.bias_by_dtype = {} if bias is None else {torch.float32: bias, torch.bfloat16: bias.bfloat16()}
         # the AMX product adds the bias in float32 before rounding, as the matmul does with a bfloat16 bias
-        self.amx_bias = None if bias is None else bias.bfloat16().float()
+        self.amx_bias = None if bias is None else self.bias_by_dtype[torch.bfloat16].float()
         self.amx_bias_pointer = None if bias is None else _ptr(self.amx_bias)
 
     def int8_below(self, dtype: torch.dtype) -> int:

@@ -66,7 +66,8 @@ class AmxPackedKernel:
     amx = True  # as QLinearOp's flag: few-row products run on AMX tiles
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], native: Any) -> None:
-        self.native, self.out_features, self.shape = native, weight.shape[0], tuple(weight.shape)
+        self.native = native
+        self.out_features, self.in_features = weight.shape
         self.amx_weight = native.amx_pack(weight)
         self.amx_bias = None if bias is None else bias.float().contiguous()
         self.amx_bias_pointer = None if bias is None else self.amx_bias.data_ptr()

@@ -54,9 +54,8 @@ def _native_product(linear: Any) -> Union[QLinearOp, AmxPackedKernel, None]:
 
 def _projection(op: Union[QLinearOp, AmxPackedKernel]) -> _Projection:
     if isinstance(op, AmxPackedKernel):
-        out_features, in_features = op.shape
-        return _Projection(amx_packed=op.amx_weight.data_ptr(), amx_bias=op.amx_bias_pointer, rows=out_features,
-                           cols=in_features, amx=1)
+        return _Projection(amx_packed=op.amx_weight.data_ptr(), amx_bias=op.amx_bias_pointer, rows=op.out_features,
+                           cols=op.in_features, amx=1)
     data, scale, offset = op.pointers
     return _Projection(None, data, scale, offset, op.bias_pointer, op.amx_bias_pointer, op.rows, op.cols,
                        op.row_strides[0], op.weight.scale.shape[1], op.bits, op.half, int(op.amx))
