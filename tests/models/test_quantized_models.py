@@ -48,8 +48,7 @@ def assert_same_scores(llm: LLM, reference: LLM) -> None:
 
 def linear_formats(llm: LLM) -> set:
     model = llm.llm_engine.model
-    return {None if m.quantized is None else m.quantized.format for m in model.modules()
-            if isinstance(m, _ShardedLinear)}
+    return {m.quantized_format for m in model.modules() if isinstance(m, _ShardedLinear)}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def test_float_checkpoint_quantised_at_load(tiny_hf, fmt):
     llm = build(tiny_hf, dtype="float32", quantization=fmt)
     model = llm.llm_engine.model
     assert linear_formats(llm) == {fmt}
-    assert model.head_quantized.format == "int8"  # the untied head keeps 8 bits
+    assert model.logits_kernel.format == "int8"  # the untied head keeps 8 bits
     assert all(m.weight is None for m in model.modules() if isinstance(m, _ShardedLinear))
     assert_same_scores(llm, build(tiny_hf, dtype="float32", quantization=fmt, linear_kernel="dense"))
     assert all(len(tokens) == 24 for tokens in greedy(llm))

@@ -3,7 +3,7 @@
  * The weight is read as AMX "B" tiles: per 16 output columns and 32 input features, a 1 KB tile of
  * 16 rows (input-feature pairs) x 16 columns x 2 bfloat16, i.e. tile[kp][j][e] = W[j][2 kp + e].
  * Either it was packed once in that layout (tm_amx_pack, bfloat16 weights), or it is dequantised
- * into it 32 columns at a time from the block-quantised layout of quant_kernels.c, in a buffer that
+ * into it 32 columns (two cell groups) at a time from the cell layout of quant_cells.h, in a buffer that
  * stays in L1/L2 while every input row of a chunk passes over it (no dequantised copy in memory).
  * Dequantised values are those tm_dequantize writes (scale * u, + offset, each rounded in float32,
  * then to bfloat16), so a product equals the reference's dequantise-then-matmul up to the order of
@@ -31,6 +31,8 @@
 #include <unistd.h>
 #endif
 
+#include "quant_cells.h"
+
 #define KTILE 32    /* input features per tile step */
 #define NPANEL 32   /* output columns per panel: two B tiles */
 #define MBLOCK 32   /* input rows per step: two A tiles */
@@ -50,81 +52,68 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* 16 rows of 16 dwords -> their transpose, in place. */
-static inline void transpose_16x16_dwords(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
-}
-
-static inline float scale_at(const void *base, int64_t i, int half) {
-    return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-/* The block-quantised weight (quant_kernels.c's layout) as the kernel reads it. */
+/* The cell-layout weight (quant_cells.h) as the kernel reads it. */
 typedef struct {
-    const uint8_t *data;
-    const void *scale, *offset;
-    int64_t row_bytes, blocks;  /* per weight row: data bytes, scale/offset entries */
+    const uint8_t *cells;
+    int64_t blocks, groups;  /* cells per group; groups of 16 rows */
     int bits, half;
 } quantized_weight;
 
-/* Weight rows [first, first + 16) (rows >= n read as zero) -> the B tiles of all k / 32 feature
- * blocks: tiles[kb * 512 ...]. */
-static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t first, int64_t n, int64_t k) {
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
-    const __m512 nibble_values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int64_t kb = 0; kb < k / KTILE; kb++) {
-        __m512i rows[16];
-        for (int r = 0; r < 16; r++) {
-            const int64_t j = first + r;
-            if (j >= n) {
-                rows[r] = _mm512_setzero_si512();
-                continue;
-            }
-            __m256i u;
-            if (w->bits == 8) {
-                u = _mm256_loadu_si256((const __m256i *)(w->data + j * w->row_bytes + kb * KTILE));
-            } else {  /* block kb: low nibbles of pair kb / 2 when kb is even, high when odd */
-                u = _mm256_loadu_si256((const __m256i *)(w->data + j * w->row_bytes + (kb / 2) * KTILE));
-                if (kb & 1)
-                    u = _mm256_srli_epi16(u, 4);
-                u = _mm256_and_si256(u, low_nibbles);
-            }
-            const __m512 s = _mm512_set1_ps(scale_at(w->scale, j * w->blocks + kb, w->half));
-            const __m512 o = _mm512_set1_ps(scale_at(w->offset, j * w->blocks + kb, w->half));
-            if (w->bits == 4) {  /* the block's 16 possible values, computed as below, then looked up */
-                const __m512 values = _mm512_add_ps(_mm512_mul_ps(nibble_values, s), o);
-                const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-                rows[r] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(u), table);
-                continue;
-            }
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
-            lo = _mm512_add_ps(_mm512_mul_ps(lo, s), o);  /* rounded twice, as tm_dequantize does */
-            hi = _mm512_add_ps(_mm512_mul_ps(hi, s), o);
-            rows[r] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+/* The 16 lanes' scales (or offsets) of a cell, each repeated 4 times per lane quarter: spread[p] holds
+ * rows 4p .. 4p + 3, 4 lanes each, matching 16 data bytes of a chunk. */
+static inline void spread_scales(__m512 spread[4], const uint8_t *p, int half) {
+    const __m512 v = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+    for (int q = 0; q < 4; q++) {
+        const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(4 * q),
+                                              _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+        spread[q] = _mm512_permutexvar_ps(pick, v);
+    }
+}
+
+/* One chunk's 64 unsigned values (byte 4j + e: row j, feature 4c + e) -> B tile rows 2c and 2c + 1,
+ * each value scale * u, + offset, rounded in float32 then to bfloat16 (as tm_dequantize). */
+static inline void chunk_to_tile_rows(uint16_t *tile, int c, __m512i u, const __m512 scale[4], const __m512 offset[4]) {
+    __m512i halves[2];
+    for (int h = 0; h < 2; h++) {
+        __m512 v[2];
+        for (int e = 0; e < 2; e++) {
+            const int q = 2 * h + e;
+            const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, q)));
+            v[e] = _mm512_add_ps(_mm512_mul_ps(values, scale[q]), offset[q]);  /* rounded twice */
         }
-        transpose_16x16_dwords(rows);
-        for (int p = 0; p < 16; p++)
-            _mm512_store_si512((__m512i *)(tiles + kb * 512 + p * 32), rows[p]);
+        halves[h] = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);  /* rows 8h .. 8h + 7, 4 features each */
+    }
+    /* dword (feature pair) 2j + p of halves[h] is row 8h + j's pair p: pairs 0 -> tile row 2c, 1 -> 2c + 1 */
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    _mm512_store_si512((__m512i *)(tile + (2 * c) * 32), _mm512_permutex2var_epi32(halves[0], even, halves[1]));
+    _mm512_store_si512((__m512i *)(tile + (2 * c + 1) * 32), _mm512_permutex2var_epi32(halves[0], odd, halves[1]));
+}
+
+/* Weight rows [16 g, 16 g + 16) (a group past the last reads as zero) -> the B tiles of all k / 32
+ * feature blocks: tiles[kb * 512 ...]. */
+static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t g, int64_t k) {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+    const int64_t cell_bytes = qcell_bytes(w->bits, w->half), data_bytes = qcell_data_bytes(w->bits);
+    for (int64_t kb = 0; kb < k / KTILE; kb++) {
+        uint16_t *tile = tiles + kb * 512;
+        if (g >= w->groups) {
+            memset(tile, 0, 1024);
+            continue;
+        }
+        const uint8_t *cell = w->cells + (g * w->blocks + kb) * cell_bytes;
+        __m512 scale[4], offset[4];
+        spread_scales(scale, cell + data_bytes, w->half);
+        spread_scales(offset, cell + data_bytes + QGROUP * qcell_scale_bytes(w->half), w->half);
+        if (w->bits == 8) {
+            for (int c = 0; c < 8; c++) chunk_to_tile_rows(tile, c, _mm512_loadu_si512(cell + c * 64), scale, offset);
+        } else {  /* chunk c's low nibbles are features 4c.., its high nibbles 16 + 4c.. (chunk c + 4) */
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(cell + c * 64);
+                chunk_to_tile_rows(tile, c, _mm512_and_si512(v, low_nibbles), scale, offset);
+                chunk_to_tile_rows(tile, c + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles), scale, offset);
+            }
+        }
     }
 }
 
@@ -224,8 +213,8 @@ static void amx_product(uint16_t *y, const uint16_t *x, const uint16_t *packed, 
             for (int64_t p = p0; p < p1; p++) {
                 const uint16_t *b0;
                 if (qw) {
-                    dequantize_tiles(tiles, qw, p * NPANEL, n, k);
-                    dequantize_tiles(tiles + kblocks * 512, qw, p * NPANEL + 16, n, k);
+                    dequantize_tiles(tiles, qw, 2 * p, k);
+                    dequantize_tiles(tiles + kblocks * 512, qw, 2 * p + 1, k);
                     b0 = tiles;
                 } else {
                     b0 = packed + p * 2 * kblocks * 512;
@@ -286,13 +275,12 @@ void tm_amx_linear(uint16_t *y, const uint16_t *x, const uint16_t *packed, const
 #endif
 }
 
-/* The same product with W in quant_kernels.c's block-quantised layout (bits 8 or 4; float16 scales
- * and offsets when `half`, else float32; scale row stride `blocks` entries); k % 32 == 0. */
-void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *data, const void *scale, const void *offset,
-                    const float *bias, int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy,
-                    int64_t row_bytes, int64_t blocks, int bits, int half) {
+/* The same product with W in the cell layout of quant_cells.h (bits 8 or 4; float16 scales and offsets
+ * when `half`, else float32); k % 32 == 0. */
+void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k,
+                    int64_t n, int64_t ldx, int64_t ldy, int bits, int half) {
 #ifdef TM_AMX
-    const quantized_weight qw = {data, scale, offset, row_bytes, blocks, bits, half};
+    const quantized_weight qw = {cells, qpadded_k(k) / QBLOCK, qgroups(n), bits, half};
     amx_product(y, x, NULL, &qw, bias, m, k, n, ldx, ldy);
 #endif
 }

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "cpu_kernels.c", _HERE / "decode_attention.c", _HERE / "quant_kernels.c", _HERE / "amx_kernels.c",
             _HERE / "decode_step.c"]
-_HEADERS = [_HERE / "cpu_common.h"]
+_HEADERS = [_HERE / "cpu_common.h", _HERE / "quant_cells.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -45,19 +45,22 @@ _SIGNATURES = {
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
     "tm_rope": [_P] * 4 + [_I64] * 4 + [_INT],
-    "tm_qlinear": [_P] * 6 + [_I64] * 5 + [_INT, _INT, _INT],
+    "tm_qcells_pack": [_P] * 4 + [_I64] * 2 + [_INT] * 2,
+    "tm_qlinear": [_P] * 4 + [_I64] * 5 + [_INT] * 3,
     "tm_quantize_activations": [_P] * 4 + [_I64] * 3 + [_INT],
-    "tm_dequantize": [_P] * 4 + [_I64] * 2 + [_INT] * 3,
+    "tm_dequantize": [_P] * 2 + [_I64] * 3 + [_INT] * 3,
     "tm_decode_step": [_P, _P, _I64, _P],
     "tm_amx_pack": [_P, _P, _I64, _I64],
     "tm_amx_linear": [_P] * 4 + [_I64] * 5,
-    "tm_amx_qlinear": [_P] * 6 + [_I64] * 7 + [_INT, _INT],
+    "tm_amx_qlinear": [_P] * 4 + [_I64] * 5 + [_INT, _INT],
 }
 _lock = threading.Lock()
 _loaded: dict[str, Optional["CpuKernels"]] = {}
 # Bounds the scratch matrix of the many-row quantised product. Whole SmolLM2 projections (up to
 # 3.5 MB) in one matmul measured 0.69 ms against 1.46 ms in 1 MB tiles (oneDNN reorders per call).
 _DEQUANTIZED_TILE_BYTES = 8 << 20
+# weight rows per cell of the quantised products' layout (kernels/quant_cells.h)
+_CELL_ROWS = 16
 # amx_kernels.c multiplies 32 input features per tile step
 AMX_FEATURE_TILE = 32
 
@@ -230,12 +233,14 @@ class CpuKernels:
 
 
 class QLinearOp:
-    """x [..., cols] (float32 or bfloat16, CPU) -> x W^T + bias for one packed weight, computed as
+    """x [..., cols] (float32 or bfloat16, CPU) -> x W^T + bias for one quantised weight, computed as
     `reference_linear` does (with `int8_below(x.dtype)`): with few input rows by the int8 dot-product
     kernel; with bfloat16 input on AMX, from `quantized.AMX_FROM_ROWS` rows by AMX tiles over
     dequantised panels; from there on by dequantising the weight (up to 8 MB of rows at a time) into a
-    per-thread scratch buffer and one matmul per such tile. Holds the weight and bias, so the pointers
-    it passes stay valid."""
+    per-thread scratch buffer and one matmul per such tile. It repacks the weight once into the
+    kernels' cell layout (kernels/quant_cells.h: 16 rows x 32 features per cell, so one vector load
+    feeds 16 outputs) and keeps only that copy; it holds it and the bias, so the pointers it passes
+    stay valid."""
 
     def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor], amx: bool) -> None:
         self.rows, self.cols = weight.shape
@@ -247,12 +252,17 @@ class QLinearOp:
                 raise ValueError("qlinear needs a contiguous CPU weight")
         if weight.scale.dtype not in (torch.float16, torch.float32) or weight.offset.dtype != weight.scale.dtype:
             raise ValueError("qlinear takes float16 or float32 scales and offsets of one dtype")
-        self.lib, self.weight, self.bias = lib, weight, bias
+        self.lib, self.bias = lib, bias
         self.amx = amx  # quantised widths are whole blocks of 32, as the tiles need
+        self.format = weight.format
         self.bits = 8 if weight.format == "int8" else 4
         self.half = int(weight.scale.dtype == torch.float16)
-        self.pointers = (_ptr(weight.data), _ptr(weight.scale), _ptr(weight.offset))
-        self.row_strides = (weight.data.stride(0), weight.scale.stride(0) * weight.scale.element_size())
+        groups, blocks = -(-self.rows // _CELL_ROWS), quantized.padded_cols(self.cols) // quantized.BLOCK
+        cell_bytes = _CELL_ROWS * quantized.BLOCK * self.bits // 8 + 2 * _CELL_ROWS * weight.scale.element_size()
+        self.cells = torch.empty(groups * blocks * cell_bytes, dtype=torch.uint8)
+        lib.tm_qcells_pack(_ptr(self.cells), _ptr(weight.data), _ptr(weight.scale), _ptr(weight.offset),
+                           self.rows, self.cols, self.bits, self.half)
+        self.cells_pointer = _ptr(self.cells)
         self.bias_pointer = None if bias is None else _ptr(bias)
         self.bias_by_dtype = {} if bias is None else {torch.float32: bias, torch.bfloat16: bias.bfloat16()}
         # the AMX product adds the bias in float32 before rounding, as the matmul does with a bfloat16 bias
@@ -262,6 +272,17 @@ class QLinearOp:
     def int8_below(self, dtype: torch.dtype) -> int:
         """Input rows below which inputs of `dtype` take the int8 path."""
         return quantized.int8_product_below(self.amx and dtype == torch.bfloat16)
+
+    def dequantize(self, first: int, count: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Weight rows [first, first + count) as a [count, cols] matrix of `dtype` (float32 or bfloat16),
+        valued as `QuantizedWeight.dequantize` values them."""
+        if not (0 <= first and count >= 0 and first + count <= self.rows):
+            raise ValueError(f"rows [{first}, {first + count}) are not within the weight's {self.rows}")
+        if out is None:
+            out = torch.empty(count, self.cols, dtype=dtype)
+        self.lib.tm_dequantize(_ptr(out), self.cells_pointer, first, count, self.cols, self.bits, self.half,
+                               _storage_flag(out))
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply."""
@@ -275,27 +296,22 @@ class QLinearOp:
             if flat.stride(1) != 1:
                 flat = flat.contiguous()
             out = torch.empty((m, rows), dtype=x.dtype)
-            self.lib.tm_amx_qlinear(_ptr(out), _ptr(flat), *self.pointers, self.amx_bias_pointer, m, cols, rows,
-                                    flat.stride(0), rows, self.row_strides[0], self.weight.scale.shape[1],
-                                    self.bits, self.half)
+            self.lib.tm_amx_qlinear(_ptr(out), _ptr(flat), self.cells_pointer, self.amx_bias_pointer, m, cols, rows,
+                                    flat.stride(0), rows, self.bits, self.half)
         elif m >= self.int8_below(x.dtype):
             tile = max(1, _DEQUANTIZED_TILE_BYTES // (cols * x.element_size()))
             bias = self.bias_by_dtype.get(x.dtype)
-            data, scale, offset = self.pointers
-            data_stride, scale_stride = self.row_strides
             parts = []
             for first in range(0, rows, tile):
                 count = min(tile, rows - first)
-                weight = _scratch(count * cols, x.dtype).view(count, cols)
-                self.lib.tm_dequantize(_ptr(weight), data + first * data_stride, scale + first * scale_stride,
-                                       offset + first * scale_stride, count, cols, self.bits, self.half, bf16)
+                weight = self.dequantize(first, count, x.dtype, _scratch(count * cols, x.dtype).view(count, cols))
                 parts.append(torch.nn.functional.linear(flat, weight, None if bias is None else bias[first:first + count]))
             out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         else:
             if flat.stride(1) != 1:
                 flat = flat.contiguous()
             out = torch.empty((m, rows), dtype=x.dtype)
-            self.lib.tm_qlinear(_ptr(out), _ptr(flat), *self.pointers, self.bias_pointer, m, cols, rows,
+            self.lib.tm_qlinear(_ptr(out), _ptr(flat), self.cells_pointer, self.bias_pointer, m, cols, rows,
                                 flat.stride(0), rows, self.bits, self.half, bf16)
         return out.view(*x.shape[:-1], rows)
 

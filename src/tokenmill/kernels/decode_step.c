@@ -23,23 +23,20 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
 void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16);
 void tm_rope(void *x, const int64_t *positions, const float *cos_table, const float *sin_table,
              int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t row_stride, int bf16);
-void tm_qlinear(void *y, const void *x, const uint8_t *data, const void *scale, const void *offset,
-                const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride, int64_t y_stride,
-                int bits, int half, int bf16);
+void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k, int64_t n,
+                int64_t x_stride, int64_t y_stride, int bits, int half, int bf16);
 void tm_amx_linear(uint16_t *y, const uint16_t *x, const uint16_t *packed, const float *bias,
                    int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy);
-void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *data, const void *scale, const void *offset,
-                    const float *bias, int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy,
-                    int64_t row_bytes, int64_t blocks, int bits, int half);
+void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k,
+                    int64_t n, int64_t ldx, int64_t ldy, int bits, int half);
 
 /* One projection: bfloat16 in AMX tiles (`amx_packed`, see amx_kernels.c), else block-quantised
- * (see quant_kernels.c for the layout). */
+ * in cells (see quant_cells.h for the layout). */
 typedef struct {
     const uint16_t *amx_packed;
-    const uint8_t *data;
-    const void *scale, *offset;
+    const uint8_t *cells;
     const float *bias, *amx_bias;  /* NULL: none; amx_bias: bias rounded as the AMX product adds it */
-    int64_t rows, cols, row_bytes, blocks;  /* data bytes and scale entries per row */
+    int64_t rows, cols;
     int32_t bits, half, amx;  /* amx: the AMX product suits this projection's width */
 } tm_projection;
 
@@ -69,11 +66,9 @@ static void project(void *y, const void *x, const tm_projection *p, int64_t m, c
     if (p->amx_packed)
         tm_amx_linear(y, x, p->amx_packed, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows);
     else if (s->bf16 && p->amx && s->amx_from_rows && m >= s->amx_from_rows)
-        tm_amx_qlinear(y, x, p->data, p->scale, p->offset, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows,
-                       p->row_bytes, p->blocks, p->bits, p->half);
+        tm_amx_qlinear(y, x, p->cells, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows, p->bits, p->half);
     else
-        tm_qlinear(y, x, p->data, p->scale, p->offset, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits,
-                   p->half, s->bf16);
+        tm_qlinear(y, x, p->cells, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits, p->half, s->bf16);
 }
 
 /* hidden [T, hidden] holds the embeddings on entry and the final-normed hidden states on return. */

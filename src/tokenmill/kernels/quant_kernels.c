@@ -1,17 +1,12 @@
-/* Weight-only quantised linear layers: y = x W^T (+ bias), W kept in 32-weight blocks.
+/* Weight-only quantised linear layers: y = x W^T (+ bias), W in the cell layout of quant_cells.h.
  *
- * Weight layout (built by tokenmill/layers/quantized.py; rows padded to a multiple of 64 columns,
- * padding blocks have scale 0 and offset 0; scales and offsets are float16 or float32 per `half`):
- *   w[j, i] = scale[j, b] * u[j, i] + offset[j, b],  b = i / 32,  u an unsigned byte value
- *   int8: u stored one per byte, row j at data + j * padded_k.
- *   int4: u in 0..15, row j at data + j * padded_k / 2; the 32 bytes of block pair p hold block 2p in
- *         their low nibbles and block 2p + 1 in their high nibbles.
  * Activations are quantised per 32-value block like llama.cpp's q8 dot products:
  *   x[r, i] ~ dx[r, b] * q[r, i],  dx = absmax / 127,  q = round_half_even(x / dx) in [-127, 127]
  * so that, with s[r, b] = dx[r, b] * sum_i q[r, i] over the block,
- *   y[r, j] = sum_b scale[j, b] dx[r, b] (u . q)_b + sum_b offset[j, b] s[r, b].
- * The integer dot products are exact (vpdpbusd on AVX512-VNNI); sums run in float32 in a fixed order
- * per output, so a row's result does not depend on the other rows of the batch or the thread count.
+ *   y[r, j] = sum_b (scale[j, b] dx[r, b]) (u . q)_b + offset[j, b] s[r, b].
+ * The integer dot products are exact (vpdpbusd on AVX512-VNNI, 16 outputs in the lanes of one vector);
+ * the float sums run over the blocks in order, two fused multiply-adds per block, per output. A row's
+ * result therefore does not depend on the other rows of the batch, the tiling or the thread count.
  */
 #include <math.h>
 #ifdef __AVX512F__
@@ -22,19 +17,42 @@
 #include <string.h>
 
 #include "cpu_common.h"
-
-#define QBLOCK 32
-#define QPAIR 64
-/* Weight rows are taken 4 at a time, so each loaded input block serves four dot products, and input
- * rows 4 at a time, so each loaded (and unpacked) weight block serves four as well. A row's result
- * does not depend on which tile it falls in: per (weight row, input row) the same operations run
- * in the same order. */
-#define ROW_TILE 4
-#define INPUT_TILE 4
+#include "quant_cells.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TM_VNNI 1
 #endif
+
+/* Row-layout weight (layers/quantized.py: row j's data at data + j * row_bytes, blocks scales and
+ * offsets per row) -> cells. */
+void tm_qcells_pack(uint8_t *cells, const uint8_t *data, const void *scale, const void *offset, int64_t n,
+                    int64_t k, int bits, int half) {
+    const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK, groups = qgroups(n);
+    const int64_t row_bytes = bits == 4 ? padded_k / 2 : padded_k, sb = qcell_scale_bytes(half);
+    const int64_t cell_bytes = qcell_bytes(bits, half), data_bytes = qcell_data_bytes(bits);
+    memset(cells, 0, (size_t)(groups * blocks * cell_bytes));
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *cell = cells + (g * blocks + b) * cell_bytes;
+            for (int r = 0; r < QGROUP && g * QGROUP + r < n; r++) {
+                const int64_t j = g * QGROUP + r;
+                for (int i = 0; i < QBLOCK; i++) {
+                    int u;
+                    if (bits == 8) {
+                        u = data[j * row_bytes + b * QBLOCK + i];
+                        cell[(i / 4) * 64 + 4 * r + i % 4] = (uint8_t)u;
+                    } else {  /* row layout: block b in the low (even b) or high nibbles of pair b / 2 */
+                        const uint8_t byte = data[j * row_bytes + (b / 2) * QBLOCK + i];
+                        u = (b & 1) ? byte >> 4 : byte & 0x0f;
+                        cell[((i % 16) / 4) * 64 + 4 * r + i % 4] |= (uint8_t)(i < 16 ? u : u << 4);
+                    }
+                }
+                memcpy(cell + data_bytes + r * sb, (const char *)scale + (j * blocks + b) * sb, (size_t)sb);
+                memcpy(cell + data_bytes + (QGROUP + r) * sb, (const char *)offset + (j * blocks + b) * sb, (size_t)sb);
+            }
+        }
+}
 
 /* One activation row -> q (padded_k int8), dx and s (padded_k / 32 floats each). */
 static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t k, int64_t padded_k, int bf16) {
@@ -46,13 +64,26 @@ static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t 
             s[b] = 0.0f;
             continue;
         }
+#ifdef __AVX512F__
+        const __m512 v0 = load16(x, b * QBLOCK, bf16), v1 = load16(x, b * QBLOCK + 16, bf16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
+        /* converting rounds half to even (the default rounding mode), as nearbyintf does */
+        const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lim), neg);
+        const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lim), neg);
+        _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(q1));
+        dx[b] = d;
+        s[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
         float v[QBLOCK], amax = 0.0f;
         for (int i = 0; i < QBLOCK; i++) {
             v[i] = load_value(x, b * QBLOCK + i, bf16);
             amax = fmaxf(amax, fabsf(v[i]));
         }
-        float d = amax / 127.0f;
-        float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < QBLOCK; i++) {
             float r = nearbyintf(v[i] * inv);
@@ -62,247 +93,168 @@ static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t 
         }
         dx[b] = d;
         s[b] = d * (float)sum;
-    }
-}
-
-/* Row j's unsigned weight bytes in plain order (padded_k of them) into `dst`. */
-static void unpack_int4_row(uint8_t *dst, const uint8_t *src, int64_t padded_k) {
-    for (int64_t p = 0; p < padded_k / QPAIR; p++) {
-        const uint8_t *in = src + p * QBLOCK;
-        uint8_t *out = dst + p * QPAIR;
-#ifdef TM_VNNI
-        __m256i raw = _mm256_loadu_si256((const __m256i *)in);
-        __m256i mask = _mm256_set1_epi8(0x0f);
-        _mm256_storeu_si256((__m256i *)out, _mm256_and_si256(raw, mask));
-        _mm256_storeu_si256((__m256i *)(out + QBLOCK), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
-#else
-        for (int i = 0; i < QBLOCK; i++) {
-            out[i] = in[i] & 0x0f;
-            out[QBLOCK + i] = in[i] >> 4;
-        }
 #endif
     }
 }
 
+/* The quantised input rows of one product. */
+typedef struct {
+    const int8_t *q;
+    const float *dx, *s;
+    int64_t padded_k, blocks;
+} quantized_rows;
+
 #ifdef TM_VNNI
-/* Sum each of four vectors: out[t] = sum of v[t]'s 16 lanes. */
-static inline void reduce4(float *out, const __m512 *v) {
-    __m256 h[4];
-    for (int t = 0; t < 4; t++) h[t] = _mm256_add_ps(_mm512_castps512_ps256(v[t]), _mm512_extractf32x8_ps(v[t], 1));
-    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
+static inline __m512 load_scales16(const uint8_t *p, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
 }
 
-/* Up to 4 weight rows (their unsigned bytes in plain order, or int4-packed when `packed4`) against one
- * quantised input row: out[t] = sum_b scale_t[b] dx[b] (u_t . q)_b + sum_b offset_t[b] s[b].
- * dx16 holds the input's scales expanded per block pair: [dx[2p] x 8, dx[2p + 1] x 8]. Always inlined
- * with a constant nt and packed4, so the accumulators live in registers. */
-/* 16 (masked) scales or offsets from element i on, float16 or float32 per `half`, as float32 lanes. */
-static inline __m512 load_scales(const void *base, int64_t i, __mmask16 valid, const int half) {
-    if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, (const uint16_t *)base + i));
-    return _mm512_maskz_loadu_ps(valid, (const float *)base + i);
-}
-
-static inline __attribute__((always_inline)) void dot_tile(
-    float *out, const int nt, const int nr, const int packed4, const int half, const uint8_t *const *w,
-    const void *const *scale, const void *const *offset, const int8_t *q, const float *dx16, const float *s,
-    int64_t padded_k) {
-    const int64_t pairs = padded_k / QPAIR, blocks = padded_k / QBLOCK;
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
-    __m512 acc[ROW_TILE][INPUT_TILE];
-    /* the offsets' share first: sum_b offset_t[b] s_r[b], 16 blocks per step */
-    for (int t = 0; t < nt; t++)
-        for (int r = 0; r < nr; r++) acc[t][r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b += 16) {
-        const __mmask16 valid = blocks - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (blocks - b)) - 1);
-        for (int t = 0; t < nt; t++) {
-            const __m512 off = load_scales(offset[t], b, valid, half);
-            for (int r = 0; r < nr; r++)
-                acc[t][r] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(valid, s + r * blocks + b), acc[t][r]);
-        }
-    }
-    /* then the blocks' dot products, 8 pairs (16 scales) per group; each weight vector loaded (and
-     * unpacked) once serves all nr input rows */
-    for (int64_t g = 0; g < pairs; g += 8) {
-        const int64_t in_group = pairs - g >= 8 ? 8 : pairs - g;
-        const __mmask16 valid = in_group == 8 ? (__mmask16)0xffff : (__mmask16)((1u << (2 * in_group)) - 1);
-        __m512 group[ROW_TILE];
-        for (int t = 0; t < nt; t++) group[t] = load_scales(scale[t], 2 * g, valid, half);
-        for (int64_t i = 0; i < in_group; i++) {
-            const int64_t p = g + i;
-            /* lanes 0-7 of a pair's dot product belong to block 2p, lanes 8-15 to block 2p + 1 */
-            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32((int)(2 * i)),
-                                                  _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
-            for (int t = 0; t < nt; t++) {
-                __m512i wu;
-                if (packed4) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(w[t] + p * QBLOCK));
-                    wu = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, nibble)),
-                                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), 1);
-                } else {
-                    wu = _mm512_loadu_si512(w[t] + p * QPAIR);
+/* Outputs of groups [g0, g0 + G) for input rows [r0, r0 + R) into acc[g][r] (16 lanes: the group's
+ * rows). Always inlined with constant G, R, bits and half, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void cells_tile(
+    __m512 acc[4][4], const uint8_t *cells, int64_t g0, const int G, int64_t r0, const int R, const int bits,
+    const int half, const quantized_rows *in) {
+    const int64_t blocks = in->blocks, cell_bytes = qcell_bytes(bits, half), data_bytes = qcell_data_bytes(bits);
+    const int64_t sb = qcell_scale_bytes(half);
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) acc[g][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int g = 0; g < G; g++) {
+            const uint8_t *cell = cells + ((g0 + g) * blocks + b) * cell_bytes;
+            /* the same group's cell 4 blocks ahead: one stream per group, more than the hardware
+             * prefetcher keeps up with at 4 groups */
+            if (b + 4 < blocks)
+                for (int64_t line = 0; line < cell_bytes; line += 64) _mm_prefetch((const char *)cell + 4 * cell_bytes + line, _MM_HINT_T0);
+            __m512i dot[4];
+            for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+            for (int c = 0; c < (bits == 4 ? 4 : 8); c++) {
+                const __m512i v = _mm512_loadu_si512(cell + c * 64);
+                const __m512i first = bits == 4 ? _mm512_and_si512(v, nibble) : v;
+                for (int r = 0; r < R; r++) {
+                    const int8_t *qb = in->q + (r0 + r) * in->padded_k + b * QBLOCK;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], first, _mm512_set1_epi32(*(const int32_t *)(qb + 4 * c)));
                 }
-                const __m512 row_scales = _mm512_permutexvar_ps(pick, group[t]);
-                for (int r = 0; r < nr; r++) {
-                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,
-                                                      _mm512_loadu_si512(q + r * padded_k + p * QPAIR));
-                    __m512 weights = _mm512_mul_ps(row_scales, _mm512_loadu_ps(dx16 + (r * pairs + p) * 16));
-                    acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), weights, acc[t][r]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        if (nt == ROW_TILE) {
-            __m512 row[ROW_TILE];
-            for (int t = 0; t < ROW_TILE; t++) row[t] = acc[t][r];
-            reduce4(out + r * ROW_TILE, row);
-        } else {
-            for (int t = 0; t < nt; t++) out[r * ROW_TILE + t] = _mm512_reduce_add_ps(acc[t][r]);
-        }
-    }
-}
-#else
-static inline float scale_at(const void *base, int64_t i, const int half) {
-    return half ? f16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static void dot_tile(float *out, const int nt, const int nr, const int packed4, const int half,
-                     const uint8_t *const *w, const void *const *scale, const void *const *offset, const int8_t *q,
-                     const float *dx16, const float *s, int64_t padded_k) {
-    const int64_t blocks = padded_k / QBLOCK, pairs = padded_k / QPAIR;
-    for (int r = 0; r < nr; r++) {
-        const int8_t *q_r = q + r * padded_k;
-        const float *dx16_r = dx16 + r * pairs * 16, *s_r = s + r * blocks;
-        for (int t = 0; t < nt; t++) {
-            float acc = 0.0f, corr = 0.0f;
-            for (int64_t b = 0; b < blocks; b++) {
-                int32_t dot = 0;
-                for (int i = 0; i < QBLOCK; i++) {
-                    int64_t col = b * QBLOCK + i;
-                    int32_t u;
-                    if (packed4) {
-                        const uint8_t byte = w[t][(b / 2) * QBLOCK + i];
-                        u = (b & 1) ? byte >> 4 : byte & 0x0f;
-                    } else {
-                        u = w[t][col];
+                if (bits == 4) {
+                    const __m512i second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *qb = in->q + (r0 + r) * in->padded_k + b * QBLOCK;
+                        dot[r] = _mm512_dpbusd_epi32(dot[r], second, _mm512_set1_epi32(*(const int32_t *)(qb + 16 + 4 * c)));
                     }
-                    dot += u * (int32_t)q_r[col];
                 }
-                acc += scale_at(scale[t], b, half) * dx16_r[(b / 2) * 16 + (b & 1) * 8] * (float)dot;
-                corr += scale_at(offset[t], b, half) * s_r[b];
             }
-            out[r * ROW_TILE + t] = acc + corr;
+            const __m512 scale = load_scales16(cell + data_bytes, half);
+            const __m512 offset = load_scales16(cell + data_bytes + QGROUP * sb, half);
+            for (int r = 0; r < R; r++) {
+                const int64_t at = (r0 + r) * blocks + b;
+                const __m512 weight = _mm512_mul_ps(scale, _mm512_set1_ps(in->dx[at]));
+                acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), weight, acc[g][r]);
+                acc[g][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(in->s[at]), acc[g][r]);
+            }
         }
     }
 }
-#endif
 
-static void store_outputs(void *y, int64_t index, const float *v, int nt, const float *bias, int64_t j, int bf16) {
-    for (int t = 0; t < nt; t++) store_value(y, index + t, bias ? v[t] + bias[j + t] : v[t], bf16);
-}
-
-/* dot_tile with nt, nr, packed4 and half as constants (one specialisation each): full tiles of
- * ROW_TILE weight rows, a partial one row by row; INPUT_TILE input rows at a time, the rest one by one. */
-#define DOT_TILE_ROWS(NR, PACKED4, HALF)                                                                    \
-    if (nt == ROW_TILE)                                                                                     \
-        dot_tile(v, ROW_TILE, NR, PACKED4, HALF, w, scale_t, offset_t, q_r, dx16_r, s_r, padded_k);      \
-    else                                                                                                    \
-        for (int t = 0; t < nt; t++)                                                                        \
-            dot_tile(v + t, 1, NR, PACKED4, HALF, w + t, scale_t + t, offset_t + t, q_r, dx16_r, s_r, padded_k);
-#define DOT_TILE_CASE(PACKED4, HALF)                                                                        \
-    if (nr == INPUT_TILE) { DOT_TILE_ROWS(INPUT_TILE, PACKED4, HALF) }                                      \
-    else { DOT_TILE_ROWS(1, PACKED4, HALF) }
-#define DOT_TILE_DISPATCH()                                                                                 \
-    do {                                                                                                    \
-        if (packed4 && half) { DOT_TILE_CASE(1, 1) }                                                        \
-        else if (packed4) { DOT_TILE_CASE(1, 0) }                                                           \
-        else if (half) { DOT_TILE_CASE(0, 1) }                                                              \
-        else { DOT_TILE_CASE(0, 0) }                                                                        \
-    } while (0)
-
-#define PREFETCH_TILES 4
-
-static inline void prefetch_bytes(const void *start, int64_t bytes) {
-#ifdef __AVX512F__
-    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)start + offset, _MM_HINT_T0);
+/* 16 float32 lanes -> bfloat16, rounded to nearest even as f32_to_bf16 rounds. */
+static inline __m256i bf16_lanes(__m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
 #else
-    (void)start;
-    (void)bytes;
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
 #endif
 }
 
+/* acc (+ bias) -> y rows [r0, r0 + R), outputs of groups [g0, g0 + G) below n. */
+static void store_tile(void *y, int64_t y_stride, __m512 acc[4][4], int64_t g0, int G, int64_t r0, int R,
+                       const float *bias, int64_t n, int bf16) {
+    for (int g = 0; g < G; g++) {
+        const int64_t j = (g0 + g) * QGROUP;
+        const __mmask16 valid = n - j >= QGROUP ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + j) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m512 v = _mm512_add_ps(acc[g][r], b);
+            if (bf16)
+                _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * y_stride + j, valid, bf16_lanes(v));
+            else
+                _mm512_mask_storeu_ps((float *)y + (r0 + r) * y_stride + j, valid, v);
+        }
+    }
+}
+
+/* Input rows [r0, r0 + R) against the groups of tile [g0, g0 + ng), ng <= 4, R in 1, 2, 4. */
+#define CELLS_TILE(G, R, BITS, HALF)                                                                        \
+    do {                                                                                                    \
+        __m512 acc[4][4];                                                                                   \
+        cells_tile(acc, cells, g, G, r0, R, BITS, HALF, &in);                                               \
+        store_tile(y, y_stride, acc, g, G, r0, R, bias, n, bf16);                                           \
+    } while (0)
+#define CELLS_ROWS(BITS, HALF)                                                                              \
+    do {                                                                                                    \
+        int64_t g = g0;                                                                                     \
+        if (R == 1 && g1 - g == 4) CELLS_TILE(4, 1, BITS, HALF);                                            \
+        else if (R == 1) for (; g < g1; g++) CELLS_TILE(1, 1, BITS, HALF);                                  \
+        else if (R == 2) {                                                                                  \
+            for (; g + 2 <= g1; g += 2) CELLS_TILE(2, 2, BITS, HALF);                                       \
+            if (g < g1) CELLS_TILE(1, 2, BITS, HALF);                                                       \
+        } else for (; g < g1; g++) CELLS_TILE(1, 4, BITS, HALF);                                            \
+    } while (0)
+#endif
 
 /* y[r, j] for r < m, j < n. x rows at x_stride, y rows at y_stride (elements of the storage dtype,
  * float32 or bfloat16 per `bf16`); bias (float32, n) may be NULL. bits is 8 or 4; `half` says the
- * scales and offsets are float16. With 4 or more
- * input rows, int4 rows are unpacked once into a buffer and shared by all of them. */
-void tm_qlinear(void *y, const void *x, const uint8_t *data, const void *scale, const void *offset,
-                const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride, int64_t y_stride,
-                int bits, int half, int bf16) {
-    const int64_t padded_k = (k + QPAIR - 1) / QPAIR * QPAIR, blocks = padded_k / QBLOCK;
-    const int64_t pairs = padded_k / QPAIR;
-    const int64_t row_bytes = bits == 4 ? padded_k / 2 : padded_k;
+ * scales and offsets are float16. Each thread takes a contiguous range of 4-group tiles (64 outputs)
+ * and runs every input row over each, 4, 2 or 1 rows at a time so that one unpacked weight vector
+ * serves several rows. */
+void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k, int64_t n,
+                int64_t x_stride, int64_t y_stride, int bits, int half, int bf16) {
+    const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK, groups = qgroups(n);
     const int64_t elem = bf16 ? 2 : 4;
-    const int unpack = bits == 4 && m >= 4;
     int8_t *q = (int8_t *)aligned_alloc(64, (size_t)(m * padded_k));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
-    float *dx16 = (float *)aligned_alloc(64, sizeof(float) * (size_t)(m * pairs * 16));
     float *s = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
-    #pragma omp parallel for schedule(static) if (m > 4)
-    for (int64_t r = 0; r < m; r++) {
-        quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks,
-                     (const char *)x + r * x_stride * elem, k, padded_k, bf16);
-        for (int64_t b = 0; b < blocks; b++)
-            for (int i = 0; i < 8; i++) dx16[(r * pairs + b / 2) * 16 + (b & 1) * 8 + i] = dx[r * blocks + b];
-    }
-
-    const int64_t tiles = (n + ROW_TILE - 1) / ROW_TILE;
-    #pragma omp parallel
-    {
-        uint8_t *buffer = unpack ? (uint8_t *)aligned_alloc(64, (size_t)(ROW_TILE * padded_k)) : NULL;
-        const int64_t scale_bytes = half ? 2 : 4;
-        #pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t j = tile * ROW_TILE;
-            const int nt = n - j >= ROW_TILE ? ROW_TILE : (int)(n - j);
-            const uint8_t *w[ROW_TILE];
-            const void *scale_t[ROW_TILE], *offset_t[ROW_TILE];
-            /* Twelve streams per tile (data, scales, offsets of 4 rows) are more than the hardware
-             * prefetcher follows: fetch the tile PREFETCH_TILES ahead explicitly. */
-            if (tile + PREFETCH_TILES < tiles) {
-                const int64_t ahead = j + PREFETCH_TILES * ROW_TILE;
-                const int64_t rows_ahead = n - ahead < ROW_TILE ? n - ahead : ROW_TILE;
-                prefetch_bytes(data + ahead * row_bytes, rows_ahead * row_bytes);
-                prefetch_bytes((const char *)scale + ahead * blocks * scale_bytes, rows_ahead * blocks * scale_bytes);
-                prefetch_bytes((const char *)offset + ahead * blocks * scale_bytes, rows_ahead * blocks * scale_bytes);
-            }
-            for (int t = 0; t < nt; t++) {
-                w[t] = data + (j + t) * row_bytes;
-                if (unpack) {
-                    unpack_int4_row(buffer + t * padded_k, w[t], padded_k);
-                    w[t] = buffer + t * padded_k;
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks, (const char *)x + r * x_stride * elem, k,
+                     padded_k, bf16);
+    const quantized_rows in = {q, dx, s, padded_k, blocks};
+    const int64_t tiles = (groups + 3) / 4;
+    #pragma omp parallel for schedule(static)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t g0 = tile * 4, g1 = g0 + 4 < groups ? g0 + 4 : groups;
+        for (int64_t r0 = 0; r0 < m;) {
+            const int R = m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
+#ifdef TM_VNNI
+            if (bits == 4 && half) CELLS_ROWS(4, 1);
+            else if (bits == 4) CELLS_ROWS(4, 0);
+            else if (half) CELLS_ROWS(8, 1);
+            else CELLS_ROWS(8, 0);
+#else
+            (void)in;
+            for (int64_t j = g0 * QGROUP; j < g1 * QGROUP && j < n; j++)
+                for (int r = 0; r < R; r++) {
+                    const int64_t row = r0 + r;
+                    float acc = 0.0f;
+                    for (int64_t b = 0; b < blocks; b++) {
+                        const uint8_t *cell = qcell(cells, j / QGROUP, b, blocks, bits, half);
+                        int32_t dot = 0;
+                        for (int i = 0; i < QBLOCK; i++)
+                            dot += qcell_value(cell, bits, (int)(j % QGROUP), i) * (int32_t)q[row * padded_k + b * QBLOCK + i];
+                        const float weight = qcell_scale(cell, bits, half, 0, (int)(j % QGROUP)) * dx[row * blocks + b];
+                        acc = fmaf((float)dot, weight, acc);
+                        acc = fmaf(qcell_scale(cell, bits, half, 1, (int)(j % QGROUP)), s[row * blocks + b], acc);
+                    }
+                    store_value(y, row * y_stride + j, bias ? acc + bias[j] : acc, bf16);
                 }
-                scale_t[t] = (const char *)scale + (j + t) * blocks * scale_bytes;
-                offset_t[t] = (const char *)offset + (j + t) * blocks * scale_bytes;
-            }
-            const int packed4 = bits == 4 && !unpack;
-            for (int64_t r = 0; r < m;) {
-                const int nr = m - r >= INPUT_TILE ? INPUT_TILE : 1;
-                float v[INPUT_TILE * ROW_TILE];  /* v[i * ROW_TILE + t]: input row r + i, weight row j + t */
-                const int8_t *q_r = q + r * padded_k;
-                const float *dx16_r = dx16 + r * pairs * 16, *s_r = s + r * blocks;
-                DOT_TILE_DISPATCH();
-                for (int i = 0; i < nr; i++)
-                    store_outputs(y, (r + i) * y_stride + j, v + i * ROW_TILE, nt, bias, j, bf16);
-                r += nr;
-            }
+#endif
+            r0 += R;
         }
-        free(buffer);
     }
     free(q);
     free(dx);
-    free(dx16);
     free(s);
 }
 
@@ -316,56 +268,46 @@ void tm_quantize_activations(int8_t *q, float *dx, float *s, const void *x, int6
                      (const char *)x + r * x_stride * elem, k, padded_k, bf16);
 }
 
-/* out[j, :k] = scale * u + offset: rows [0, n) of a packed weight dequantised into a contiguous
- * [n, k] matrix of the storage dtype (float32 or bfloat16 per `bf16`), for products with many input
- * rows, where one dequantisation serves them all. */
-void tm_dequantize(void *out, const uint8_t *data, const void *scale, const void *offset, int64_t n, int64_t k,
-                   int bits, int half, int bf16) {
-    const int64_t padded_k = (k + QPAIR - 1) / QPAIR * QPAIR, blocks = padded_k / QBLOCK;
-    const int64_t row_bytes = bits == 4 ? padded_k / 2 : padded_k;
-    const int64_t scale_bytes = half ? 2 : 4;
-    #pragma omp parallel
-    {
-        uint8_t *u = (uint8_t *)aligned_alloc(64, (size_t)padded_k);
-        float *sc = (float *)malloc(sizeof(float) * (size_t)blocks * 2), *off = sc + blocks;
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            const uint8_t *src = data + j * row_bytes;
-            if (bits == 4) {
-                unpack_int4_row(u, src, padded_k);
-                src = u;
-            }
-            const char *scale_j = (const char *)scale + j * blocks * scale_bytes;
-            const char *offset_j = (const char *)offset + j * blocks * scale_bytes;
-            for (int64_t b = 0; b < blocks; b++) {
-                sc[b] = half ? f16_to_f32(((const uint16_t *)scale_j)[b]) : ((const float *)scale_j)[b];
-                off[b] = half ? f16_to_f32(((const uint16_t *)offset_j)[b]) : ((const float *)offset_j)[b];
-            }
-            for (int64_t b = 0; b < k / QBLOCK; b++) {
-                const int64_t base = j * k + b * QBLOCK;
+/* out[i, :k] = scale * u + offset for weight rows first + i, i < count: a contiguous [count, k] matrix
+ * of the storage dtype (float32 or bfloat16 per `bf16`), for products with many input rows, where one
+ * dequantisation serves them all. Each value is rounded as the reference computes it: the product,
+ * then the sum, in float32, then to the storage dtype. */
+void tm_dequantize(void *out, const uint8_t *cells, int64_t first, int64_t count, int64_t k, int bits, int half,
+                   int bf16) {
+    const int64_t blocks = qpadded_k(k) / QBLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t j = first + i, g = j / QGROUP;
+        const int r = (int)(j % QGROUP);
+        for (int64_t b = 0; b < k / QBLOCK; b++) {
+            const uint8_t *cell = qcell(cells, g, b, blocks, bits, half);
+            const float sc = qcell_scale(cell, bits, half, 0, r), off = qcell_scale(cell, bits, half, 1, r);
+            const int64_t base = i * k + b * QBLOCK;
 #ifdef TM_VNNI
-                const __m512 vs = _mm512_set1_ps(sc[b]), vo = _mm512_set1_ps(off[b]);
-                for (int h = 0; h < QBLOCK; h += 16) {
-                    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + b * QBLOCK + h))));
-                    v = _mm512_add_ps(_mm512_mul_ps(v, vs), vo);  /* rounded twice, as the reference computes it */
-                    if (bf16) {
-#ifdef __AVX512BF16__
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + base + h), (__m256i)_mm512_cvtneps_pbh(v));
-#else
-                        float lanes[16];
-                        _mm512_storeu_ps(lanes, v);
-                        for (int i = 0; i < 16; i++) ((uint16_t *)out)[base + h + i] = f32_to_bf16(lanes[i]);
-#endif
-                    } else {
-                        _mm512_storeu_ps((float *)out + base + h, v);
-                    }
-                }
-#else
-                for (int i = 0; i < QBLOCK; i++) store_value(out, base + i, (float)src[b * QBLOCK + i] * sc[b] + off[b], bf16);
-#endif
+            /* row r's 32 values: 4 bytes from each chunk */
+            __m256i u;
+            if (bits == 8) {
+                u = _mm256_i32gather_epi32((const int *)(cell + 4 * r), _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448), 1);
+            } else {
+                const __m128i packed = _mm_i32gather_epi32((const int *)(cell + 4 * r), _mm_setr_epi32(0, 64, 128, 192), 1);
+                const __m128i low = _mm_set1_epi8(0x0f);
+                u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
             }
+            const __m512 vs = _mm512_set1_ps(sc), vo = _mm512_set1_ps(off);
+            for (int h = 0; h < 2; h++) {
+                const __m128i part = h ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+                const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part)), vs), vo);
+                if (bf16)
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + base + 16 * h), bf16_lanes(v));
+                else
+                    _mm512_storeu_ps((float *)out + base + 16 * h, v);
+            }
+#else
+            for (int e = 0; e < QBLOCK; e++) {
+                const float product = (float)qcell_value(cell, bits, r, e) * sc;
+                store_value(out, base + e, product + off, bf16);
+            }
+#endif
         }
-        free(u);
-        free(sc);
     }
 }

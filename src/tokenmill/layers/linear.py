@@ -37,6 +37,13 @@ class _ShardedLinear(nn.Module):
         self.quantized: Optional[QuantizedWeight] = None
         self._parts: dict[int, Any] = {}  # first row -> loaded part, until all rows have arrived
 
+    @property
+    def quantized_format(self) -> Optional[str]:
+        """'int8' or 'int4' for a weight kept quantised (before or after `use_kernel`), else None."""
+        if self.quantized is not None:
+            return self.quantized.format
+        return self.kernel.format if isinstance(self.kernel, QuantizedKernel) else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to the last dimension of x."""
         if self.kernel is not None:
@@ -50,6 +57,8 @@ class _ShardedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.data
         if self.quantized is not None:
             self.kernel = QuantizedKernel(self.quantized, bias, native)
+            if self.kernel.native is not None:
+                self.quantized = None  # the native kernel keeps its own copy
             return
         self.kernel = make_kernel(self.weight.data, bias, packed, native)
         if packed:

@@ -101,22 +101,30 @@ def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool
 
 
 class QuantizedKernel:
-    """A quantised weight times float32/bfloat16 inputs on CPU through the native kernel; anywhere else
-    (no compiler, CUDA, float16) through `reference_linear`, which dequantises the weight per call."""
+    """A quantised weight times float32/bfloat16 inputs on CPU through the native kernel, which keeps
+    its own copy of the weight in its layout (other input dtypes are multiplied in float32); without
+    native kernels (no compiler, CUDA) through `reference_linear`, which dequantises the weight per
+    call."""
 
     _warned = False
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor], native: Any) -> None:
-        self.weight = weight
+        self.format = weight.format
         self.bias = None if bias is None else bias.float().contiguous()
         self.native = native.qlinear_op(weight, self.bias) if native is not None else None
+        self.weight = weight if self.native is None else None  # the reference's copy, only where it runs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply (any leading dimensions)."""
-        if self.native is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            return self.native(x)
+        if self.native is not None:
+            if x.device.type != "cpu":
+                raise ValueError("this quantised weight was prepared for the native CPU kernels; "
+                                 f"it cannot multiply a tensor on {x.device}")
+            if x.dtype in (torch.float32, torch.bfloat16):
+                return self.native(x)
+            return self.native(x.float()).to(x.dtype)
         if not QuantizedKernel._warned:
             QuantizedKernel._warned = True
             logger.warning("quantised weights are multiplied by the PyTorch reference (dequantised per call: "
-                           "slow); the native kernel needs a CPU, a C compiler and float32/bfloat16")
+                           "slow); the native kernel needs a CPU and a C compiler")
         return reference_linear(x, self.weight, self.bias)

@@ -26,9 +26,8 @@ from tokenmill.layers.linear_kernels import AmxPackedKernel, QuantizedKernel
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("amx_packed", c_void_p), ("data", c_void_p), ("scale", c_void_p), ("offset", c_void_p), ("bias", c_void_p), ("amx_bias", c_void_p),
-                ("rows", c_int64), ("cols", c_int64), ("row_bytes", c_int64), ("blocks", c_int64),
-                ("bits", c_int32), ("half", c_int32), ("amx", c_int32)]
+    _fields_ = [("amx_packed", c_void_p), ("cells", c_void_p), ("bias", c_void_p), ("amx_bias", c_void_p),
+                ("rows", c_int64), ("cols", c_int64), ("bits", c_int32), ("half", c_int32), ("amx", c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -56,9 +55,8 @@ def _projection(op: Union[QLinearOp, AmxPackedKernel]) -> _Projection:
     if isinstance(op, AmxPackedKernel):
         return _Projection(amx_packed=op.amx_weight.data_ptr(), amx_bias=op.amx_bias_pointer, rows=op.out_features,
                            cols=op.in_features, amx=1)
-    data, scale, offset = op.pointers
-    return _Projection(None, data, scale, offset, op.bias_pointer, op.amx_bias_pointer, op.rows, op.cols,
-                       op.row_strides[0], op.weight.scale.shape[1], op.bits, op.half, int(op.amx))
+    return _Projection(None, op.cells_pointer, op.bias_pointer, op.amx_bias_pointer, op.rows, op.cols, op.bits,
+                       op.half, int(op.amx))
 
 
 class FusedDecode:

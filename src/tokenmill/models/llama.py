@@ -139,16 +139,18 @@ class LlamaForCausalLM(nn.Module):
     def has_quantized_weights(self) -> bool:
         """Whether any projection, the embedding or the LM head is kept quantised."""
         return (self.embed_quantized is not None or self.head_quantized is not None
-                or any(getattr(m, "quantized", None) is not None for m in self.modules()))
+                or isinstance(self.logits_kernel, QuantizedKernel)
+                or any(getattr(m, "quantized_format", None) is not None for m in self.modules()))
 
     def describe_weights(self) -> str:
         """How the weights are held, for the log: e.g. 'int4 projections, int8 embedding'."""
-        projections = sorted({"float" if m.quantized is None else m.quantized.format
-                              for m in self.modules() if hasattr(m, "quantize_to")})
+        projections = sorted({m.quantized_format or "float" for m in self.modules() if hasattr(m, "quantize_to")})
         parts = [f"{'+'.join(projections)} projections"]
-        for name, packed in (("embedding", self.embed_quantized), ("LM head", self.head_quantized)):
-            if packed is not None:
-                parts.append(f"{packed.format} {name}")
+        if self.embed_quantized is not None:
+            parts.append(f"{self.embed_quantized.format} embedding")
+        head = self.logits_kernel.format if isinstance(self.logits_kernel, QuantizedKernel) else None
+        if self.lm_head is not None and (head or self.head_quantized):
+            parts.append(f"{head or self.head_quantized.format} LM head")
         if self.fused_decode is not None:
             parts.append("fused decode")
         return ", ".join(parts)
@@ -178,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         quantized_head = self.embed_quantized if self.lm_head is None else self.head_quantized
         if quantized_head is not None:
             self.logits_kernel = QuantizedKernel(quantized_head, None, native)
+            if self.logits_kernel.native is not None:
+                self.head_quantized = None  # the native kernel keeps its own copy
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_kernel = make_kernel(head.data, None, packed, native)

@@ -1,0 +1,56 @@
+/* The cell layout of a block-quantised weight, as the native kernels read it.
+ *
+ * A weight W [n, k] with w[j, i] = scale[j, b] * u[j, i] + offset[j, b] (b = i / 32, u an unsigned
+ * byte value; layers/quantized.py's row layout, which tm_qcells_pack converts from) is held in cells
+ * of 16 weight rows ("a group") x 32 input features (one block), ordered [group][block]. Rows are
+ * padded to whole groups with zero cells, features to padded_k (a multiple of 64) as in the row layout.
+ * A cell holds its data, then the 16 rows' scales, then their offsets (float16 when `half`, else
+ * float32):
+ *   int8 (512 data bytes): 8 chunks of 64 bytes; byte 4r + e of chunk c is u[r][4c + e];
+ *   int4 (256 data bytes): 4 chunks of 64 bytes; byte 4r + e of chunk c holds u[r][4c + e] in its low
+ *        nibble and u[r][16 + 4c + e] in its high nibble.
+ * So one 64-byte load (after masking the nibbles) gives 4 features of 16 rows, lane r for row r: the
+ * operand of one vpdpbusd against 4 broadcast input bytes, each lane accumulating one output.
+ */
+#ifndef TOKENMILL_QUANT_CELLS_H
+#define TOKENMILL_QUANT_CELLS_H
+
+#include <stdint.h>
+
+#include "cpu_common.h"
+
+#define QBLOCK 32
+#define QPAIR 64
+#define QGROUP 16
+
+static inline int64_t qcell_data_bytes(int bits) { return QGROUP * QBLOCK * bits / 8; }
+
+static inline int64_t qcell_scale_bytes(int half) { return half ? 2 : 4; }
+
+static inline int64_t qcell_bytes(int bits, int half) {
+    return qcell_data_bytes(bits) + 2 * QGROUP * qcell_scale_bytes(half);
+}
+
+static inline int64_t qpadded_k(int64_t k) { return (k + QPAIR - 1) / QPAIR * QPAIR; }
+
+static inline int64_t qgroups(int64_t n) { return (n + QGROUP - 1) / QGROUP; }
+
+/* The cell of weight rows [16 g, 16 g + 16) and features [32 b, 32 b + 32). */
+static inline const uint8_t *qcell(const uint8_t *cells, int64_t g, int64_t b, int64_t blocks, int bits, int half) {
+    return cells + (g * blocks + b) * qcell_bytes(bits, half);
+}
+
+/* u[r][i] of a cell, i < 32. */
+static inline int qcell_value(const uint8_t *cell, int bits, int r, int i) {
+    if (bits == 8) return cell[(i / 4) * 64 + 4 * r + i % 4];
+    const uint8_t byte = cell[((i % 16) / 4) * 64 + 4 * r + i % 4];
+    return i < 16 ? byte & 0x0f : byte >> 4;
+}
+
+/* Row r's scale (`which` 0) or offset (1) in a cell, as float32. */
+static inline float qcell_scale(const uint8_t *cell, int bits, int half, int which, int r) {
+    const uint8_t *base = cell + qcell_data_bytes(bits) + which * QGROUP * qcell_scale_bytes(half);
+    return half ? f16_to_f32(((const uint16_t *)base)[r]) : ((const float *)base)[r];
+}
+
+#endif
