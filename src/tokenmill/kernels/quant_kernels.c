@@ -109,14 +109,32 @@ static inline __m512 load_scales16(const uint8_t *p, const int half) {
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
 }
 
-/* Outputs of groups [g0, g0 + G) for input rows [r0, r0 + R) into acc[g][r] (16 lanes: the group's
- * rows). Always inlined with constant G, R, bits and half, so the accumulators live in registers. */
+/* 16 float32 lanes -> bfloat16, rounded to nearest even as f32_to_bf16 rounds. */
+static inline __m256i bf16_lanes(__m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+
+/* Outputs of groups [g0, g0 + G) for input rows [r0, r0 + R) (+ bias) -> y. Always inlined with
+ * constant G, R, bits and half, so the accumulators acc[g][r] (16 lanes: the group's rows) live in
+ * registers. */
 static inline __attribute__((always_inline)) void cells_tile(
-    __m512 acc[4][4], const uint8_t *cells, int64_t g0, const int G, int64_t r0, const int R, const int bits,
-    const int half, const quantized_rows *in) {
-    const int64_t blocks = in->blocks, cell_bytes = qcell_bytes(bits, half), data_bytes = qcell_data_bytes(bits);
-    const int64_t sb = qcell_scale_bytes(half);
+    void *y, int64_t y_stride, const uint8_t *cells, int64_t g0, const int G, int64_t r0, const int R,
+    const int bits, const int half, const quantized_rows *in, const float *bias, int64_t n, int bf16) {
+    const int64_t blocks = in->blocks, padded_k = in->padded_k, cell_bytes = qcell_bytes(bits, half);
+    const int64_t data_bytes = qcell_data_bytes(bits), sb = qcell_scale_bytes(half);
+    const int8_t *const q = in->q + r0 * padded_k;
+    const float *const dx = in->dx + r0 * blocks, *const s = in->s + r0 * blocks;
     const __m512i nibble = _mm512_set1_epi8(0x0f);
+    __m512 acc[4][4];
     for (int g = 0; g < G; g++)
         for (int r = 0; r < R; r++) acc[g][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -132,13 +150,13 @@ static inline __attribute__((always_inline)) void cells_tile(
                 const __m512i v = _mm512_loadu_si512(cell + c * 64);
                 const __m512i first = bits == 4 ? _mm512_and_si512(v, nibble) : v;
                 for (int r = 0; r < R; r++) {
-                    const int8_t *qb = in->q + (r0 + r) * in->padded_k + b * QBLOCK;
+                    const int8_t *qb = q + r * padded_k + b * QBLOCK;
                     dot[r] = _mm512_dpbusd_epi32(dot[r], first, _mm512_set1_epi32(*(const int32_t *)(qb + 4 * c)));
                 }
                 if (bits == 4) {
                     const __m512i second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
                     for (int r = 0; r < R; r++) {
-                        const int8_t *qb = in->q + (r0 + r) * in->padded_k + b * QBLOCK;
+                        const int8_t *qb = q + r * padded_k + b * QBLOCK;
                         dot[r] = _mm512_dpbusd_epi32(dot[r], second, _mm512_set1_epi32(*(const int32_t *)(qb + 16 + 4 * c)));
                     }
                 }
@@ -146,38 +164,18 @@ static inline __attribute__((always_inline)) void cells_tile(
             const __m512 scale = load_scales16(cell + data_bytes, half);
             const __m512 offset = load_scales16(cell + data_bytes + QGROUP * sb, half);
             for (int r = 0; r < R; r++) {
-                const int64_t at = (r0 + r) * blocks + b;
-                const __m512 weight = _mm512_mul_ps(scale, _mm512_set1_ps(in->dx[at]));
+                const __m512 weight = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * blocks + b]));
                 acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), weight, acc[g][r]);
-                acc[g][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(in->s[at]), acc[g][r]);
+                acc[g][r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * blocks + b]), acc[g][r]);
             }
         }
     }
-}
-
-/* 16 float32 lanes -> bfloat16, rounded to nearest even as f32_to_bf16 rounds. */
-static inline __m256i bf16_lanes(__m512 v) {
-#ifdef __AVX512BF16__
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
-#endif
-}
-
-/* acc (+ bias) -> y rows [r0, r0 + R), outputs of groups [g0, g0 + G) below n. */
-static void store_tile(void *y, int64_t y_stride, __m512 acc[4][4], int64_t g0, int G, int64_t r0, int R,
-                       const float *bias, int64_t n, int bf16) {
     for (int g = 0; g < G; g++) {
         const int64_t j = (g0 + g) * QGROUP;
         const __mmask16 valid = n - j >= QGROUP ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + j) : _mm512_setzero_ps();
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + j) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const __m512 v = _mm512_add_ps(acc[g][r], b);
+            const __m512 v = _mm512_add_ps(acc[g][r], add);
             if (bf16)
                 _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * y_stride + j, valid, bf16_lanes(v));
             else
@@ -187,12 +185,7 @@ static void store_tile(void *y, int64_t y_stride, __m512 acc[4][4], int64_t g0, 
 }
 
 /* Input rows [r0, r0 + R) against the groups of tile [g0, g0 + ng), ng <= 4, R in 1, 2, 4. */
-#define CELLS_TILE(G, R, BITS, HALF)                                                                        \
-    do {                                                                                                    \
-        __m512 acc[4][4];                                                                                   \
-        cells_tile(acc, cells, g, G, r0, R, BITS, HALF, &in);                                               \
-        store_tile(y, y_stride, acc, g, G, r0, R, bias, n, bf16);                                           \
-    } while (0)
+#define CELLS_TILE(G, R, BITS, HALF) cells_tile(y, y_stride, cells, g, G, r0, R, BITS, HALF, &in, bias, n, bf16)
 #define CELLS_ROWS(BITS, HALF)                                                                              \
     do {                                                                                                    \
         int64_t g = g0;                                                                                     \
