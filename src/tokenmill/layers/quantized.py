@@ -1,7 +1,9 @@
 """Weight-only quantised weights, kept packed in memory and multiplied without dequantising them.
 
-One layout serves every quantised format (kernels/quant_kernels.c reads it): a [rows, cols] weight in
-32-column blocks, each with a scale and offset, `w = scale * u + offset` for an unsigned byte value u.
+One layout serves every quantised format while a model loads (checkpoint shards fuse and permute by
+rows in it): a [rows, cols] weight in 32-column blocks, each with a scale and offset,
+`w = scale * u + offset` for an unsigned byte value u. The native kernels repack it once into their
+own cell layout (kernels/quant_cells.h) and keep only that.
 Scales and offsets are float16 when every one of them is exactly a float16 (GGUF's own Q8_0/Q4_0/Q4_1
 scales are, and load-time quantisation rounds its scales to float16 first), else float32 (Q4_K's
 products of two scales). Rows are padded to a multiple of 64 columns with blocks of scale 0 and offset 0.

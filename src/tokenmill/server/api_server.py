@@ -32,6 +32,25 @@ def _error(status: int, message: str, type_: str, param: Optional[str] = None,
     return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
 
 
+class ApiKeyMiddleware:
+    """Answers 401 to API requests without `Authorization: Bearer <api_key>`. Plain ASGI, so streamed
+    responses pass through untouched: Starlette's BaseHTTPMiddleware relays every chunk through a
+    memory stream and a task switch (measured: ~2 ms per streamed token at batch 1 on this machine)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                  "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     error = exc.errors()[0]
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
@@ -54,15 +73,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     chat = ChatHandler(engine, model_name, chat_template)
     started = int(time.time())
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Response:
-        if config.api_key and request.url.path.startswith(_PROTECTED_PREFIXES):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                              "authentication_error")
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
