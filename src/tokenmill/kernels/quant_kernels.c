@@ -274,9 +274,11 @@ void tm_dequantize(void *out, const uint8_t *cells, int64_t first, int64_t count
         const int r = (int)(j % QGROUP);
         for (int64_t b = 0; b < k / QBLOCK; b++) {
             const uint8_t *cell = qcell(cells, g, b, blocks, bits, half);
-            const float sc = qcell_scale(cell, bits, half, 0, r), off = qcell_scale(cell, bits, half, 1, r);
             const int64_t base = i * k + b * QBLOCK;
 #ifdef TM_VNNI
+            const uint8_t *scales = cell + qcell_data_bytes(bits);
+            const float sc = half ? _cvtsh_ss(((const uint16_t *)scales)[r]) : ((const float *)scales)[r];
+            const float off = half ? _cvtsh_ss(((const uint16_t *)scales)[QGROUP + r]) : ((const float *)scales)[QGROUP + r];
             /* row r's 32 values: 4 bytes from each chunk */
             __m256i u;
             if (bits == 8) {
@@ -296,6 +298,7 @@ void tm_dequantize(void *out, const uint8_t *cells, int64_t first, int64_t count
                     _mm512_storeu_ps((float *)out + base + 16 * h, v);
             }
 #else
+            const float sc = qcell_scale(cell, bits, half, 0, r), off = qcell_scale(cell, bits, half, 1, r);
             for (int e = 0; e < QBLOCK; e++) {
                 const float product = (float)qcell_value(cell, bits, r, e) * sc;
                 store_value(out, base + e, product + off, bf16);

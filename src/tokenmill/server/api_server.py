@@ -35,7 +35,7 @@ def _error(status: int, message: str, type_: str, param: Optional[str] = None,
 class ApiKeyMiddleware:
     """Answers 401 to API requests without `Authorization: Bearer <api_key>`. Plain ASGI, so streamed
     responses pass through untouched: Starlette's BaseHTTPMiddleware relays every chunk through a
-    memory stream and a task switch (measured: ~2 ms per streamed token at batch 1 on this machine)."""
+    memory stream and a task switch (measured here at batch 1: TPOT 12.5 -> 11.7 ms, two alternating pairs)."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
