@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType
 BLOCK = 32
 # measured crossovers of the ways to multiply (`tokenmill bench linears`, docs/benchmarks.md)
 DEQUANTIZE_FROM_ROWS = 24
-AMX_FROM_ROWS = 8
+AMX_FROM_ROWS = 16
 AMX_BELOW_ROWS = 768
 FORMATS = ("int8", "int4")
 T = GGMLQuantizationType
