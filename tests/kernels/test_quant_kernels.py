@@ -114,3 +114,17 @@ def test_native_product_checks_its_input(kernels):
         op(torch.randn(2, 32))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         op(torch.randn(2, 64).half())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_lookups_equal_the_packed_table(kernels, fmt, dtype):
+    packed = quantize(torch.randn(45, 96), fmt)  # 45 rows: a partial group of 16 in the cell layout
+    op = kernels.qlinear_op(packed, None)
+    ids = torch.tensor([44, 0, 17, 3, 3, 31])
+    assert torch.equal(op.embedding(ids, dtype), packed.embedding(ids, dtype))
+    assert torch.equal(op.dequantize(5, 40, dtype), packed.dequantize(dtype)[5:45])
+    with pytest.raises(ValueError, match="outside"):
+        op.embedding(torch.tensor([2, 45]), dtype)
+    with pytest.raises(ValueError, match="not within"):
+        op.dequantize(40, 6, dtype)

@@ -48,7 +48,7 @@ _SIGNATURES = {
     "tm_qcells_pack": [_P] * 4 + [_I64] * 2 + [_INT] * 2,
     "tm_qlinear": [_P] * 4 + [_I64] * 5 + [_INT] * 3,
     "tm_quantize_activations": [_P] * 4 + [_I64] * 3 + [_INT],
-    "tm_dequantize": [_P] * 2 + [_I64] * 3 + [_INT] * 3,
+    "tm_dequantize": [_P, _P, _I64, _P] + [_I64] * 3 + [_INT] * 3,
     "tm_decode_step": [_P, _P, _I64, _P],
     "tm_amx_pack": [_P, _P, _I64, _I64],
     "tm_amx_linear": [_P] * 4 + [_I64] * 5,
@@ -128,6 +128,7 @@ class CpuKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.tm_dequantize.restype = _INT  # how many requested rows were outside the weight
         self.lib = lib
         lib.tm_amx_init.argtypes, lib.tm_amx_init.restype = [], _INT
         # AMX bfloat16 tiles: compiled in (the CPU has them) and the OS lets this process use them
@@ -280,8 +281,21 @@ class QLinearOp:
             raise ValueError(f"rows [{first}, {first + count}) are not within the weight's {self.rows}")
         if out is None:
             out = torch.empty(count, self.cols, dtype=dtype)
-        self.lib.tm_dequantize(_ptr(out), self.cells_pointer, first, count, self.cols, self.bits, self.half,
-                               _storage_flag(out))
+        self.lib.tm_dequantize(_ptr(out), self.cells_pointer, first, None, count, self.rows, self.cols, self.bits,
+                               self.half, _storage_flag(out))
+        return out
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (int64) dequantised to `dtype`: an embedding lookup in the packed table, as
+        `QuantizedWeight.embedding` computes it."""
+        ids = ids.contiguous()
+        if ids.dtype != torch.int64:
+            raise ValueError(f"embedding ids must be int64, got {ids.dtype}")
+        out = torch.empty(*ids.shape, self.cols, dtype=dtype)
+        outside = self.lib.tm_dequantize(_ptr(out), self.cells_pointer, 0, _ptr(ids), ids.numel(), self.rows,
+                                         self.cols, self.bits, self.half, _storage_flag(out))
+        if outside:
+            raise ValueError(f"{outside} embedding ids are outside [0, {self.rows})")
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

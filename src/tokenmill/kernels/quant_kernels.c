@@ -261,17 +261,24 @@ void tm_quantize_activations(int8_t *q, float *dx, float *s, const void *x, int6
                      (const char *)x + r * x_stride * elem, k, padded_k, bf16);
 }
 
-/* out[i, :k] = scale * u + offset for weight rows first + i, i < count: a contiguous [count, k] matrix
- * of the storage dtype (float32 or bfloat16 per `bf16`), for products with many input rows, where one
- * dequantisation serves them all. Each value is rounded as the reference computes it: the product,
- * then the sum, in float32, then to the storage dtype. */
-void tm_dequantize(void *out, const uint8_t *cells, int64_t first, int64_t count, int64_t k, int bits, int half,
-                   int bf16) {
-    const int64_t blocks = qpadded_k(k) / QBLOCK;
-    #pragma omp parallel for schedule(static)
+/* out[i, :k] = scale * u + offset for weight rows j = ids[i] (ids NULL: first + i), i < count: a
+ * contiguous [count, k] matrix of the storage dtype (float32 or bfloat16 per `bf16`), for products
+ * with many input rows, where one dequantisation serves them all, and for embedding lookups. Each
+ * value is rounded as the reference computes it: the product, then the sum, in float32, then to the
+ * storage dtype. Rows outside [0, n) come out zero; returns how many there were. */
+int tm_dequantize(void *out, const uint8_t *cells, int64_t first, const int64_t *ids, int64_t count, int64_t n,
+                  int64_t k, int bits, int half, int bf16) {
+    const int64_t blocks = qpadded_k(k) / QBLOCK, elem = bf16 ? 2 : 4;
+    int outside = 0;
+    #pragma omp parallel for schedule(static) reduction(+ : outside) if (count > 4)
     for (int64_t i = 0; i < count; i++) {
-        const int64_t j = first + i, g = j / QGROUP;
+        const int64_t j = ids ? ids[i] : first + i, g = j / QGROUP;
         const int r = (int)(j % QGROUP);
+        if (j < 0 || j >= n) {
+            memset((char *)out + i * k * elem, 0, (size_t)(k * elem));
+            outside++;
+            continue;
+        }
         for (int64_t b = 0; b < k / QBLOCK; b++) {
             const uint8_t *cell = qcell(cells, g, b, blocks, bits, half);
             const int64_t base = i * k + b * QBLOCK;
@@ -306,4 +313,5 @@ void tm_dequantize(void *out, const uint8_t *cells, int64_t first, int64_t count
 #endif
         }
     }
+    return outside;
 }

@@ -109,8 +109,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.requires_grad_(False)
         self.logits_kernel: Optional[LinearKernel] = None
         self.kernels: Any = None  # see use_fused_kernels
-        # the embedding table and untied head when kept quantised (see load_weights)
-        self.embed_quantized: Optional[QuantizedWeight] = None
+        # the embedding table and untied head when kept quantised (see load_weights); a tied table that
+        # the native kernels multiply becomes their op (QLinearOp), which also does the lookups, so the
+        # table is held once (both have `format` and `embedding(ids, dtype)`)
+        self.embed_quantized: Any = None
         self.head_quantized: Optional[QuantizedWeight] = None
         self.fused_decode: Any = None  # see use_fused_decode
 
@@ -180,8 +182,10 @@ class LlamaForCausalLM(nn.Module):
         quantized_head = self.embed_quantized if self.lm_head is None else self.head_quantized
         if quantized_head is not None:
             self.logits_kernel = QuantizedKernel(quantized_head, None, native)
-            if self.logits_kernel.native is not None:
-                self.head_quantized = None  # the native kernel keeps its own copy
+            if self.logits_kernel.native is not None:  # it keeps its own copy of the table
+                if self.lm_head is None:
+                    self.embed_quantized = self.logits_kernel.native
+                self.head_quantized = None
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_kernel = make_kernel(head.data, None, packed, native)
