@@ -126,5 +126,6 @@ def test_native_lookups_equal_the_packed_table(kernels, fmt, dtype):
     assert torch.equal(op.dequantize(5, 40, dtype), packed.dequantize(dtype)[5:45])
     with pytest.raises(ValueError, match="outside"):
         op.embedding(torch.tensor([2, 45]), dtype)
+    assert torch.equal(op.embedding(ids, torch.float16), packed.embedding(ids, torch.float32).half())
     with pytest.raises(ValueError, match="not within"):
         op.dequantize(40, 6, dtype)

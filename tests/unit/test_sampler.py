@@ -4,7 +4,7 @@ import torch
 
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
-from tokenmill.sampling.sampler import sample
+from tokenmill.sampling.sampler import row_argmax, sample
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -17,6 +17,15 @@ def row(seed=None, prompt=(), output=(), eos=(), **kw):
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 1.0, 0.0]])
     assert sample(logits, [row(temperature=0), row(temperature=0)]).tolist() == [1, 0]
+
+
+def test_row_argmax_picks_as_torch_does_ties_and_nans_included():
+    logits = torch.randn(5, 1000)
+    logits[1, [10, 500]] = 50.0  # a tie: the first wins
+    logits[2, [7, 900]] = float("nan")  # NaN counts as the maximum, the first NaN wins
+    logits[3] = float("-inf")
+    for x in (logits, logits[:, ::2], logits.bfloat16()):  # NumPy path, strided rows, PyTorch path
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1))
 
 
 def test_top_k_top_p_min_p_never_pick_excluded_tokens():

@@ -291,6 +291,8 @@ class QLinearOp:
         ids = ids.contiguous()
         if ids.dtype != torch.int64:
             raise ValueError(f"embedding ids must be int64, got {ids.dtype}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            return self.embedding(ids, torch.float32).to(dtype)
         out = torch.empty(*ids.shape, self.cols, dtype=dtype)
         outside = self.lib.tm_dequantize(_ptr(out), self.cells_pointer, 0, _ptr(ids), ids.numel(), self.rows,
                                          self.cols, self.bits, self.half, _storage_flag(out))

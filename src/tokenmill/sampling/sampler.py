@@ -25,7 +25,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = row_argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
         return tokens
@@ -38,8 +38,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     probs = sub.softmax(dim=-1)
     noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], probs.device,
                                default_generator)
-    tokens[random_rows] = (probs / noise).argmax(dim=-1)
+    tokens[random_rows] = row_argmax(probs / noise)
     return tokens
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's maximum of x [B, V], as `x.argmax(dim=-1)` picks it (the first on ties;
+    NaN counts as the maximum). On CPU float32 it runs in NumPy, whose argmax is vectorised where
+    PyTorch's CPU argmax is not (measured here for rows of 49,152: 6 against 104 us for one row, 139
+    against 913 us for 16)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -60,7 +60,9 @@ class ModelRunner:
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
         if not rows:  # every chunk is a partial prefill: nothing to sample or score yet
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        if rows != list(range(hidden.shape[0])):  # else every row, in order (decode): no gather
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         self._sample(batch, logits, sample_rows, result)
         self._prompt_logprobs(batch, logits, prompt_rows, result)
         return result
