@@ -140,8 +140,7 @@ static inline __attribute__((always_inline)) void cells_tile(
     for (int64_t b = 0; b < blocks; b++) {
         for (int g = 0; g < G; g++) {
             const uint8_t *cell = cells + ((g0 + g) * blocks + b) * cell_bytes;
-            /* the same group's cell 4 blocks ahead: one stream per group, more than the hardware
-             * prefetcher keeps up with at 4 groups */
+            /* the group's cell 4 blocks ahead, into L1: each group of the tile is a stream of its own */
             if (b + 4 < blocks)
                 for (int64_t line = 0; line < cell_bytes; line += 64) _mm_prefetch((const char *)cell + 4 * cell_bytes + line, _MM_HINT_T0);
             __m512i dot[4];
