@@ -59,8 +59,6 @@ _loaded: dict[str, Optional["CpuKernels"]] = {}
 # Bounds the scratch matrix of the many-row quantised product. Whole SmolLM2 projections (up to
 # 3.5 MB) in one matmul measured 0.69 ms against 1.46 ms in 1 MB tiles (oneDNN reorders per call).
 _DEQUANTIZED_TILE_BYTES = 8 << 20
-# weight rows per cell of the quantised products' layout (kernels/quant_cells.h)
-_CELL_ROWS = 16
 # amx_kernels.c multiplies 32 input features per tile step
 AMX_FEATURE_TILE = 32
 
@@ -129,6 +127,7 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         lib.tm_dequantize.restype = _INT  # how many requested rows were outside the weight
+        lib.tm_qcells_bytes.argtypes, lib.tm_qcells_bytes.restype = [_I64, _I64, _INT, _INT], _I64
         self.lib = lib
         lib.tm_amx_init.argtypes, lib.tm_amx_init.restype = [], _INT
         # AMX bfloat16 tiles: compiled in (the CPU has them) and the OS lets this process use them
@@ -258,9 +257,7 @@ class QLinearOp:
         self.format = weight.format
         self.bits = 8 if weight.format == "int8" else 4
         self.half = int(weight.scale.dtype == torch.float16)
-        groups, blocks = -(-self.rows // _CELL_ROWS), quantized.padded_cols(self.cols) // quantized.BLOCK
-        cell_bytes = _CELL_ROWS * quantized.BLOCK * self.bits // 8 + 2 * _CELL_ROWS * weight.scale.element_size()
-        self.cells = torch.empty(groups * blocks * cell_bytes, dtype=torch.uint8)
+        self.cells = torch.empty(lib.tm_qcells_bytes(self.rows, self.cols, self.bits, self.half), dtype=torch.uint8)
         lib.tm_qcells_pack(_ptr(self.cells), _ptr(weight.data), _ptr(weight.scale), _ptr(weight.offset),
                            self.rows, self.cols, self.bits, self.half)
         self.cells_pointer = _ptr(self.cells)

@@ -40,11 +40,16 @@ static inline const uint8_t *qcell(const uint8_t *cells, int64_t g, int64_t b, i
     return cells + (g * blocks + b) * qcell_bytes(bits, half);
 }
 
+/* The byte of a cell that holds u[r][i], i < 32 (for int4, in its low nibble when i < 16, else in its
+ * high nibble). */
+static inline int64_t qcell_byte(int bits, int r, int i) {
+    return (bits == 8 ? i / 4 : (i % 16) / 4) * 64 + 4 * r + i % 4;
+}
+
 /* u[r][i] of a cell, i < 32. */
 static inline int qcell_value(const uint8_t *cell, int bits, int r, int i) {
-    if (bits == 8) return cell[(i / 4) * 64 + 4 * r + i % 4];
-    const uint8_t byte = cell[((i % 16) / 4) * 64 + 4 * r + i % 4];
-    return i < 16 ? byte & 0x0f : byte >> 4;
+    const uint8_t byte = cell[qcell_byte(bits, r, i)];
+    return bits == 8 ? byte : i < 16 ? byte & 0x0f : byte >> 4;
 }
 
 /* Row r's scale (`which` 0) or offset (1) in a cell, as float32. */

@@ -23,14 +23,19 @@
 #define TM_VNNI 1
 #endif
 
+/* Bytes of the cells of an [n, k] weight. */
+int64_t tm_qcells_bytes(int64_t n, int64_t k, int bits, int half) {
+    return qgroups(n) * (qpadded_k(k) / QBLOCK) * qcell_bytes(bits, half);
+}
+
 /* Row-layout weight (layers/quantized.py: row j's data at data + j * row_bytes, blocks scales and
- * offsets per row) -> cells. */
+ * offsets per row) -> cells (tm_qcells_bytes of them). */
 void tm_qcells_pack(uint8_t *cells, const uint8_t *data, const void *scale, const void *offset, int64_t n,
                     int64_t k, int bits, int half) {
     const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK, groups = qgroups(n);
     const int64_t row_bytes = bits == 4 ? padded_k / 2 : padded_k, sb = qcell_scale_bytes(half);
     const int64_t cell_bytes = qcell_bytes(bits, half), data_bytes = qcell_data_bytes(bits);
-    memset(cells, 0, (size_t)(groups * blocks * cell_bytes));
+    memset(cells, 0, (size_t)tm_qcells_bytes(n, k, bits, half));
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < blocks; b++) {
@@ -38,14 +43,12 @@ void tm_qcells_pack(uint8_t *cells, const uint8_t *data, const void *scale, cons
             for (int r = 0; r < QGROUP && g * QGROUP + r < n; r++) {
                 const int64_t j = g * QGROUP + r;
                 for (int i = 0; i < QBLOCK; i++) {
-                    int u;
                     if (bits == 8) {
-                        u = data[j * row_bytes + b * QBLOCK + i];
-                        cell[(i / 4) * 64 + 4 * r + i % 4] = (uint8_t)u;
+                        cell[qcell_byte(bits, r, i)] = data[j * row_bytes + b * QBLOCK + i];
                     } else {  /* row layout: block b in the low (even b) or high nibbles of pair b / 2 */
                         const uint8_t byte = data[j * row_bytes + (b / 2) * QBLOCK + i];
-                        u = (b & 1) ? byte >> 4 : byte & 0x0f;
-                        cell[((i % 16) / 4) * 64 + 4 * r + i % 4] |= (uint8_t)(i < 16 ? u : u << 4);
+                        const int u = (b & 1) ? byte >> 4 : byte & 0x0f;
+                        cell[qcell_byte(bits, r, i)] |= (uint8_t)(i < 16 ? u : u << 4);
                     }
                 }
                 memcpy(cell + data_bytes + r * sb, (const char *)scale + (j * blocks + b) * sb, (size_t)sb);
