@@ -18,6 +18,9 @@
 #include <stdint.h>
 
 #include "cpu_common.h"
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #define QBLOCK 32
 #define QPAIR 64
@@ -55,7 +58,11 @@ static inline int qcell_value(const uint8_t *cell, int bits, int r, int i) {
 /* Row r's scale (`which` 0) or offset (1) in a cell, as float32. */
 static inline float qcell_scale(const uint8_t *cell, int bits, int half, int which, int r) {
     const uint8_t *base = cell + qcell_data_bytes(bits) + which * QGROUP * qcell_scale_bytes(half);
+#ifdef __F16C__
+    return half ? _cvtsh_ss(((const uint16_t *)base)[r]) : ((const float *)base)[r];
+#else
     return half ? f16_to_f32(((const uint16_t *)base)[r]) : ((const float *)base)[r];
+#endif
 }
 
 #endif

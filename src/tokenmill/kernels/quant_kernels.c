@@ -107,6 +107,17 @@ typedef struct {
     int64_t padded_k, blocks;
 } quantized_rows;
 
+/* Input rows x [m, k] (row stride x_stride) quantised: q [m, padded_k] int8, dx and s [m, padded_k / 32]
+ * (tm_qlinear's first step; the tests call it alone). */
+void tm_quantize_activations(int8_t *q, float *dx, float *s, const void *x, int64_t m, int64_t k,
+                             int64_t x_stride, int bf16) {
+    const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK;
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks,
+                     (const char *)x + r * x_stride * elem, k, padded_k, bf16);
+}
+
 #ifdef TM_VNNI
 static inline __m512 load_scales16(const uint8_t *p, const int half) {
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
@@ -208,13 +219,10 @@ static inline __attribute__((always_inline)) void cells_tile(
 void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k, int64_t n,
                 int64_t x_stride, int64_t y_stride, int bits, int half, int bf16) {
     const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK, groups = qgroups(n);
-    const int64_t elem = bf16 ? 2 : 4;
     int8_t *q = (int8_t *)aligned_alloc(64, (size_t)(m * padded_k));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
     float *s = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
-    for (int64_t r = 0; r < m; r++)
-        quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks, (const char *)x + r * x_stride * elem, k,
-                     padded_k, bf16);
+    tm_quantize_activations(q, dx, s, x, m, k, x_stride, bf16);
     const quantized_rows in = {q, dx, s, padded_k, blocks};
     const int64_t tiles = (groups + 3) / 4;
     #pragma omp parallel for schedule(static)
@@ -253,16 +261,6 @@ void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias,
     free(s);
 }
 
-/* The activation quantisation alone, for tests: q [m, padded_k] int8, dx and s [m, padded_k / 32]. */
-void tm_quantize_activations(int8_t *q, float *dx, float *s, const void *x, int64_t m, int64_t k,
-                             int64_t x_stride, int bf16) {
-    const int64_t padded_k = (k + QPAIR - 1) / QPAIR * QPAIR, blocks = padded_k / QBLOCK;
-    const int64_t elem = bf16 ? 2 : 4;
-    for (int64_t r = 0; r < m; r++)
-        quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks,
-                     (const char *)x + r * x_stride * elem, k, padded_k, bf16);
-}
-
 /* out[i, :k] = scale * u + offset for weight rows j = ids[i] (ids NULL: first + i), i < count: a
  * contiguous [count, k] matrix of the storage dtype (float32 or bfloat16 per `bf16`), for products
  * with many input rows, where one dequantisation serves them all, and for embedding lookups. Each
@@ -284,10 +282,8 @@ int tm_dequantize(void *out, const uint8_t *cells, int64_t first, const int64_t 
         for (int64_t b = 0; b < k / QBLOCK; b++) {
             const uint8_t *cell = qcell(cells, g, b, blocks, bits, half);
             const int64_t base = i * k + b * QBLOCK;
+            const float sc = qcell_scale(cell, bits, half, 0, r), off = qcell_scale(cell, bits, half, 1, r);
 #ifdef TM_VNNI
-            const uint8_t *scales = cell + qcell_data_bytes(bits);
-            const float sc = half ? _cvtsh_ss(((const uint16_t *)scales)[r]) : ((const float *)scales)[r];
-            const float off = half ? _cvtsh_ss(((const uint16_t *)scales)[QGROUP + r]) : ((const float *)scales)[QGROUP + r];
             /* row r's 32 values: 4 bytes from each chunk */
             __m256i u;
             if (bits == 8) {
@@ -307,7 +303,6 @@ int tm_dequantize(void *out, const uint8_t *cells, int64_t first, const int64_t 
                     _mm512_storeu_ps((float *)out + base + 16 * h, v);
             }
 #else
-            const float sc = qcell_scale(cell, bits, half, 0, r), off = qcell_scale(cell, bits, half, 1, r);
             for (int e = 0; e < QBLOCK; e++) {
                 const float product = (float)qcell_value(cell, bits, r, e) * sc;
                 store_value(out, base + e, product + off, bf16);
