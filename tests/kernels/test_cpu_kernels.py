@@ -102,16 +102,17 @@ def test_fused_add_rms_norm_matches_add_then_norm(dtype):
                           atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [64, 48])  # the vector path (half a multiple of 16) and the scalar one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_and_rope_match_the_pytorch_ops(dtype):
+def test_silu_mul_and_rope_match_the_pytorch_ops(dtype, head_dim):
     gen = torch.Generator().manual_seed(2)
     gate_up = torch.randn(9, 2 * 96, generator=gen).to(dtype) * 4
     expected = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
     assert torch.allclose(KERNELS.silu_mul(gate_up).float(), expected.float(), atol=TOLERANCE[dtype] * 2,
                           rtol=TOLERANCE[dtype])
 
-    rotary = RotaryEmbedding(64, 300, 10000.0)
-    qkv = torch.randn(6, 15, 64, generator=gen).to(dtype)
+    rotary = RotaryEmbedding(head_dim, 300, 10000.0)
+    qkv = torch.randn(6, 15, head_dim, generator=gen).to(dtype)
     positions = torch.tensor([0, 7, 299, 31, 1, 150])
     expected = apply_rotary(qkv[:, :12], *rotary.cos_sin(positions, dtype))
     untouched = qkv[:, 12:].clone()

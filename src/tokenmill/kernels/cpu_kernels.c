@@ -43,23 +43,36 @@ void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *sl
 }
 
 #ifdef __AVX512F__
-/* 16 float32 lanes rounded to bfloat16 and back (round to nearest even, as f32_to_bf16). */
-static inline __m512 round16_bf16(__m512 v) {
+/* 16 float32 lanes -> their bfloat16 bits (round to nearest even, NaN kept quiet, as f32_to_bf16). */
+static inline __m256i bf16_bits16(__m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    rounded = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u));
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), _mm512_set1_epi32((int)0xffff0000u));
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet));
+    __m512i bits = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+#endif
+}
+
+/* 16 float32 lanes rounded to bfloat16 and back. */
+static inline __m512 round16_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits16(v)), 16));
 }
 
 static inline void store16(void *base, int64_t i, __m512 v, int bf16) {
     if (bf16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16_bf16(v)), 16)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), bf16_bits16(v));
     else
         _mm512_storeu_ps((float *)base + i, v);
+}
+
+/* 1 / d to within an ulp or two of float32 division: the 14-bit estimate and one Newton step. */
+static inline __m512 reciprocal16(__m512 d) {
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_mul_ps(r, _mm512_sub_ps(_mm512_set1_ps(2.0f), _mm512_mul_ps(d, r)));
 }
 #endif
 
@@ -112,7 +125,8 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
 }
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inner + i], each factor rounded to the storage dtype
- * first, as the unfused PyTorch ops would. */
+ * first, as the unfused PyTorch ops would. The vector lanes divide by a refined reciprocal
+ * (reciprocal16), which can differ from a division in the last bit of float32. */
 void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16) {
     #pragma omp parallel for if (num_tokens > 4)
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -121,8 +135,8 @@ void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inn
 #ifdef __AVX512F__
         for (; i + 16 <= inner; i += 16) {
             const __m512 g = load16(gate_up, in_row + i, bf16), u = load16(gate_up, in_row + inner + i, bf16);
-            __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), fast_exp16(_mm512_castsi512_ps(
-                _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))))));
+            __m512 a = _mm512_mul_ps(g, reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.0f), fast_exp16(_mm512_castsi512_ps(
+                _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)))))));
             if (bf16) a = round16_bf16(a);
             store16(out, out_row + i, _mm512_mul_ps(a, u), bf16);
         }
@@ -144,6 +158,37 @@ void tm_rope(void *x, const int64_t *positions, const float *cos_table, const fl
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *c = cos_table + positions[t] * head_dim;
         const float *s = sin_table + positions[t] * head_dim;
+#ifdef __AVX512F__
+        if (half % 16 == 0) {  /* the same products and roundings, 16 lanes at a time */
+            __m512 cv[32], sv[32];  /* head_dim <= 512 (checked by the wrapper) */
+            for (int64_t j = 0; j < head_dim / 16; j++) {
+                cv[j] = _mm512_loadu_ps(c + 16 * j);
+                sv[j] = _mm512_loadu_ps(s + 16 * j);
+                if (bf16) {
+                    cv[j] = round16_bf16(cv[j]);
+                    sv[j] = round16_bf16(sv[j]);
+                }
+            }
+            const int64_t lo_vectors = half / 16;
+            for (int64_t h = 0; h < num_heads; h++) {
+                const int64_t base = t * row_stride + h * head_dim;
+                for (int64_t j = 0; j < lo_vectors; j++) {
+                    const __m512 x1 = load16(x, base + 16 * j, bf16), x2 = load16(x, base + half + 16 * j, bf16);
+                    __m512 a1 = _mm512_mul_ps(x1, cv[j]), b1 = _mm512_mul_ps(x2, sv[j]);
+                    __m512 a2 = _mm512_mul_ps(x2, cv[lo_vectors + j]), b2 = _mm512_mul_ps(x1, sv[lo_vectors + j]);
+                    if (bf16) {
+                        a1 = round16_bf16(a1);
+                        b1 = round16_bf16(b1);
+                        a2 = round16_bf16(a2);
+                        b2 = round16_bf16(b2);
+                    }
+                    store16(x, base + 16 * j, _mm512_sub_ps(a1, b1), bf16);  /* x1 c + (-x2) s */
+                    store16(x, base + half + 16 * j, _mm512_add_ps(a2, b2), bf16);
+                }
+            }
+            continue;
+        }
+#endif
         float cr[512], sr[512], v[512];
         memcpy(cr, c, sizeof(float) * (size_t)head_dim);
         memcpy(sr, s, sizeof(float) * (size_t)head_dim);
