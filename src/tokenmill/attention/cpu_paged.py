@@ -1,9 +1,11 @@
-"""The CPU paged-attention backend: native kernels for the KV writes and for decode.
+"""The CPU paged-attention backend: native kernels for the KV writes, decode and bfloat16 prefill.
 
 Decode reads each sequence's K/V straight out of its cache blocks (no gathered copies, no padding
 mask) with one kernel call per layer for the whole batch, parallel over (sequence, kv head).
-Prefill chunks go through the reference backend's SDPA path. Same cache layout as the reference,
-which stays the oracle the tests compare this backend with.
+Bfloat16 prefill chunks, where the CPU has AMX, run as one call per layer for all chunks
+(kernels/prefill_attention.c: flash attention on tiles over the cache blocks); other prefills go
+through the reference backend's SDPA path. Same cache layout as the reference, which stays the
+oracle the tests compare this backend with.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ class CpuPagedMetadata(TorchRefMetadata):
     slots: Optional[torch.Tensor] = None  # [T] int64
     decode_lens: Optional[torch.Tensor] = None  # [B] int32
     decode_tables_i32: Optional[torch.Tensor] = None  # [B, max_blocks] int32
+    prefill_chunks: Optional[torch.Tensor] = None  # [3, P] int64: query starts, query lengths, context lengths
+    prefill_tables: Optional[torch.Tensor] = None  # [P, max_blocks] int32
 
 
 class CpuPagedBackend(TorchReferenceBackend):
-    """Reference layout and prefill; native cache writes and decode attention."""
+    """Reference layout; native cache writes, decode and (bfloat16, AMX) prefill attention."""
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
@@ -37,8 +41,13 @@ class CpuPagedBackend(TorchReferenceBackend):
                        block_size: int, device: torch.device) -> CpuPagedMetadata:
         """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
         decodes = [c for c in chunks if is_decode(c)]
-        ref = super().build_metadata([c for c in chunks if not is_decode(c)], slot_mapping, block_size, device)
+        prefills = [c for c in chunks if not is_decode(c)]
+        ref = super().build_metadata(prefills, slot_mapping, block_size, device)
         meta = CpuPagedMetadata(ref.block_ids, ref.offsets, ref.prefills, slots=slot_mapping)
+        if prefills and self.kernels.amx:
+            meta.prefill_chunks = torch.tensor([[c.query_start for c in prefills], [c.query_len for c in prefills],
+                                                [c.context_len for c in prefills]], dtype=torch.int64)
+            meta.prefill_tables = decode_block_tables(prefills, block_size, torch.int32)
         if decodes:
             meta.decode_tables_i32 = decode_block_tables(decodes, block_size, torch.int32)
             meta.decode_token_index = torch.tensor([c.query_start for c in decodes], dtype=torch.int64)
@@ -51,3 +60,12 @@ class CpuPagedBackend(TorchReferenceBackend):
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
         self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
                                       m.decode_lens, q.shape[-1] ** -0.5)
+
+    def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        """All prefill chunks in one kernel call where it applies, else the reference's SDPA per chunk."""
+        assert isinstance(m, CpuPagedMetadata)
+        if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and self.kernels.prefill_attention(
+                out, q, kv_cache, m.prefill_chunks, m.prefill_tables, q.shape[-1] ** -0.5):
+            return
+        super()._prefill_into(out, q, k, v, kv_cache, m)

@@ -104,6 +104,14 @@ class TorchReferenceBackend(AttentionBackend):
         out = q.new_empty(q.shape)
         if m.decode_token_index is not None:
             self._decode_into(out, q, kv_cache, m)
+        if m.prefills:
+            self._prefill_into(out, q, k, v, kv_cache, m)
+        return out
+
+    @staticmethod
+    def _prefill_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        """Each prefill chunk's causal attention (one SDPA call per chunk) into its rows of out."""
         for p in m.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
@@ -116,7 +124,6 @@ class TorchReferenceBackend(AttentionBackend):
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
                                                 is_causal=p.mask is None, enable_gqa=True)
             out[rows] = op.squeeze(0).transpose(0, 1)
-        return out
 
     @staticmethod
     def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:

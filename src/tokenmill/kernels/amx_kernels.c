@@ -23,9 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TM_AMX 1
-#include <immintrin.h>
+#include "amx_tiles.h"
+#ifdef TM_AMX
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -43,14 +42,6 @@
 #ifdef TM_AMX
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* The cell-layout weight (quant_cells.h) as the kernel reads it. */
 typedef struct {
@@ -195,14 +186,7 @@ static void amx_product(uint16_t *y, const uint16_t *x, const uint16_t *packed, 
     uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(chunk_rows * k * 2));
     #pragma omp parallel
     {
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        tm_configure_tiles();
         float c[32 * 32] __attribute__((aligned(64)));
         const int threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t p0 = panels * me / threads, p1 = panels * (me + 1) / threads;

@@ -1,5 +1,5 @@
-"""Build, load and call the C kernels: cpu_kernels.c, decode_attention.c, quant_kernels.c, amx_kernels.c and
-decode_step.c.
+"""Build, load and call the C kernels: cpu_kernels.c, decode_attention.c, prefill_attention.c,
+quant_kernels.c, amx_kernels.c and decode_step.c.
 
 The library is compiled once per machine (gcc -O3 -march=native -fopenmp) into
 $TOKENMILL_CACHE_DIR/kernels (default ~/.cache/tokenmill/kernels), named by a hash of the source,
@@ -34,9 +34,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "decode_attention.c", _HERE / "quant_kernels.c", _HERE / "amx_kernels.c",
-            _HERE / "decode_step.c"]
-_HEADERS = [_HERE / "cpu_common.h", _HERE / "quant_cells.h"]
+_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "decode_attention.c", _HERE / "prefill_attention.c",
+            _HERE / "quant_kernels.c", _HERE / "amx_kernels.c", _HERE / "decode_step.c"]
+_HEADERS = [_HERE / "cpu_common.h", _HERE / "quant_cells.h", _HERE / "amx_tiles.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -53,6 +53,7 @@ _SIGNATURES = {
     "tm_amx_pack": [_P, _P, _I64, _I64],
     "tm_amx_linear": [_P] * 4 + [_I64] * 5,
     "tm_amx_qlinear": [_P] * 4 + [_I64] * 5 + [_INT, _INT],
+    "tm_prefill_attention": [_P] * 7 + [_I64] * 8 + [_F],
 }
 _lock = threading.Lock()
 _loaded: dict[str, Optional["CpuKernels"]] = {}
@@ -127,6 +128,7 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         lib.tm_dequantize.restype = _INT  # how many requested rows were outside the weight
+        lib.tm_prefill_attention.restype = _INT  # -1: not supported here, nothing done
         lib.tm_qcells_bytes.argtypes, lib.tm_qcells_bytes.restype = [_I64, _I64, _INT, _INT], _I64
         self.lib = lib
         lib.tm_amx_init.argtypes, lib.tm_amx_init.restype = [], _INT
@@ -192,6 +194,33 @@ class CpuKernels:
             raise ValueError("rope needs contiguous heads (head_dim <= 512), int64 positions, float32 tables")
         self.lib.tm_rope(_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), x.shape[0], x.shape[1], head_dim,
                          x.stride(0), bf16)
+
+    def prefill_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                          chunks: torch.Tensor, block_tables: torch.Tensor, scale: float) -> bool:
+        """Causal attention of prefill chunks on AMX tiles into rows of out [T, heads, head_dim]
+        (kernels/prefill_attention.c). q [T, heads, head_dim] (heads contiguous, rows strided) and
+        kv_cache [2, blocks, kv_heads, block_size, head_dim], bfloat16, the chunks' K/V already
+        written; chunks int64 [3, P]: query starts, query lengths, context lengths; block_tables
+        int32 [P, max_blocks]. False (nothing written) where the kernel does not apply: no AMX,
+        head_dim not a multiple of 32 up to 256, block_size not a multiple of 16."""
+        if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+            raise ValueError("prefill_attention takes bfloat16 q, out and cache")
+        tokens, heads, head_dim = q.shape
+        _, num_blocks, kv_heads, block_size, cache_dim = kv_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or out.shape != q.shape \
+                or not kv_cache.is_contiguous() or cache_dim != head_dim:
+            raise ValueError("prefill_attention needs contiguous heads, a contiguous output and cache")
+        if chunks.dtype != torch.int64 or chunks.dim() != 2 or chunks.shape[0] != 3 or not chunks.is_contiguous() \
+                or block_tables.dtype != torch.int32 or not block_tables.is_contiguous() \
+                or block_tables.shape[0] != chunks.shape[1]:
+            raise ValueError("prefill_attention takes int64 chunks [3, P] and int32 block tables [P, max_blocks]")
+        if not self.amx:
+            return False
+        done = self.lib.tm_prefill_attention(
+            _ptr(out), _ptr(q), _ptr(kv_cache), _ptr(chunks[0]), _ptr(chunks[1]), _ptr(chunks[2]), _ptr(block_tables),
+            block_tables.shape[1], chunks.shape[1], num_blocks, heads, kv_heads, block_size, head_dim, q.stride(0),
+            scale)
+        return done == 0
 
     def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """A bfloat16 weight [n, k] (k a multiple of 32) in the AMX tile layout `amx_linear` reads."""
