@@ -240,13 +240,9 @@ void tm_amx_pack(uint16_t *packed, const uint16_t *w, int64_t n, int64_t k) {
     #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < tile_rows; nb++)
         for (int64_t kb = 0; kb < kblocks; kb++) {
-            uint16_t *tile = packed + (nb * kblocks + kb) * 512;
-            for (int kp = 0; kp < 16; kp++)
-                for (int j = 0; j < 16; j++)
-                    for (int e = 0; e < 2; e++) {
-                        const int64_t row = nb * 16 + j, col = kb * KTILE + 2 * kp + e;
-                        tile[kp * 32 + j * 2 + e] = row < n ? w[row * k + col] : 0;
-                    }
+            const uint16_t *rows[16];
+            for (int j = 0; j < 16; j++) rows[j] = nb * 16 + j < n ? w + (nb * 16 + j) * k + kb * KTILE : NULL;
+            tm_rows_to_b_tile(packed + (nb * kblocks + kb) * 512, rows);
         }
 }
 

@@ -28,6 +28,16 @@ static inline void tm_configure_tiles(void) {
     }
     _tile_loadconfig(&cfg);
 }
+
+/* The B tile of 16 rows of 32 bfloat16, row j giving the tile's column j: tile[kp][j][e] = rows[j][2 kp + e]
+ * (a 16 x 16 transpose of bfloat16 pairs). A NULL row reads as zeros. */
+static inline void tm_rows_to_b_tile(uint16_t *tile, const uint16_t *const rows[16]) {
+    uint32_t *pairs = (uint32_t *)tile;
+    for (int j = 0; j < 16; j++) {
+        const uint32_t *row = (const uint32_t *)rows[j];
+        for (int kp = 0; kp < 16; kp++) pairs[kp * 16 + j] = row ? row[kp] : 0;
+    }
+}
 #endif
 
 #endif

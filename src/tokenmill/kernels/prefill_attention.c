@@ -46,16 +46,14 @@ static inline const uint16_t *cache_row(const paged_kv *kv, const int32_t *block
     return kv->cache + (v ? kv->values_offset : 0) + ((block * kv->num_kv_heads + h) * kv->block_size + offset) * kv->head_dim;
 }
 
-/* The K^T tiles of keys [16 g, 16 g + 16), one per 32 dims (a dword of a K row is a dim pair). */
+/* The K^T tiles of keys [16 g, 16 g + 16), one per 32 dims. */
 static void pack_keys(uint16_t *tiles, const paged_kv *kv, const int32_t *blocks, int64_t h, int64_t g, int64_t context) {
-    const int64_t steps = kv->head_dim / 32;
-    for (int j = 0; j < 16; j++) {
-        const int64_t key = 16 * g + j;
-        const uint32_t *row = key < context ? (const uint32_t *)cache_row(kv, blocks, h, key, 0) : NULL;
-        for (int64_t s = 0; s < steps; s++) {
-            uint32_t *tile = (uint32_t *)(tiles + s * 512);
-            for (int kp = 0; kp < 16; kp++) tile[kp * 16 + j] = row ? row[16 * s + kp] : 0;
-        }
+    const uint16_t *rows[16];
+    for (int j = 0; j < 16; j++) rows[j] = 16 * g + j < context ? cache_row(kv, blocks, h, 16 * g + j, 0) : NULL;
+    for (int64_t s = 0; s < kv->head_dim / 32; s++) {
+        const uint16_t *dims[16];
+        for (int j = 0; j < 16; j++) dims[j] = rows[j] ? rows[j] + 32 * s : NULL;
+        tm_rows_to_b_tile(tiles + s * 512, dims);
     }
 }
 
