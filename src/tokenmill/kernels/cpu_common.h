@@ -123,6 +123,22 @@ static inline __m512 fast_exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 
+/* 2^x in 16 float32 lanes for x in [-126, 126] (clamped there), to about 1e-7 relative: x = n + f with
+ * |f| <= 1/2, 2^f by its degree-6 Taylor polynomial in fused multiply-adds, times 2^n. Cheaper than
+ * fast_exp16 (fewer, fused operations), which stays where a lane must equal the scalar fast_exp. */
+static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(126.0f), _mm512_max_ps(_mm512_set1_ps(-126.0f), x));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530e-4f), f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 #endif
 
 #endif

@@ -12,7 +12,7 @@
  * Then each work item (a chunk, a kv head, 16 query rows) runs the group's query heads one after the
  * other over the keys its last row sees, KEY_BLOCK keys at a time, with the online softmax of flash
  * attention: S = Q K^T on tiles; in float32 lanes the scale, the causal mask, the running max m and
- * sum l, and P = exp(S - m) (as a power of 2, exp2_16) rounded to bfloat16 (A tiles); then P V on
+ * sum l, and P = exp(S - m) (as a power of 2, cpu_common.h's exp2_16) rounded to bfloat16 (A tiles); then P V on
  * tiles, added to float32 accumulators rescaled by exp(m_old - m_new). A row is written as O / l,
  * rounded to bfloat16.
  *
@@ -107,20 +107,6 @@ static void scores(scratch *ws, const work_item *w, int64_t g, int64_t steps, in
         _tile_stored(0, &ws->s[0][32 * b], KEY_BLOCK * 4);
         _tile_stored(1, &ws->s[0][32 * b + 16], KEY_BLOCK * 4);
     }
-}
-
-/* 2^x for x <= 0 in float32 lanes, to a few parts in a million (the probabilities are rounded to
- * bfloat16 after): x = n + f with |f| <= 1/2, 2^f by its degree-5 Taylor polynomial, times 2^n. */
-static inline __m512 exp2_16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3333558e-3f), f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Softmax step of row r over the block's scores, in base 2 (scale2 = scale * log2(e), so that
