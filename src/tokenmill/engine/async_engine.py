@@ -2,7 +2,7 @@
 
 HTTP handlers call `generate`, an async generator of RequestOutputs. Adds and aborts travel to the
 engine thread through a command queue; outputs travel back through each request's asyncio.Queue
-(`call_soon_threadsafe`). Only the engine thread touches the LLMEngine — that is the invariant that
+(`call_soon_threadsafe`, once per event loop and step). Only the engine thread touches the LLMEngine — that is the invariant that
 makes the engine itself lock-free. PyTorch releases the GIL inside its kernels, so the event loop keeps
 serving hundreds of open streams while a step runs.
 """
@@ -38,6 +38,12 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: "asyncio.Queue[RequestOutput | BaseException]"
+
+
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On the event loop: queue each output for its stream, in the order the step produced them."""
+    for stream, output in items:
+        stream.outputs.put_nowait(output)
 
 
 class AsyncEngine:
@@ -194,13 +200,18 @@ class AsyncEngine:
     def _step(self) -> None:
         outputs = self.engine.step()
         self.metrics.observe_step(outputs, self.engine.stats())
+        # one wake-up per event loop and step, however many streams: each wake-up is a socket write,
+        # after which the loop takes the GIL to stream what it was handed
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+            deliveries.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _refresh_gauges(self) -> None:
         self.metrics.observe_step([], self.engine.stats())
