@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from tokenmill.attention.base import SequenceChunk
-from tokenmill.attention.torch_ref import TorchRefMetadata, TorchReferenceBackend, decode_block_tables, is_decode
+from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, decode_block_tables, is_decode,
+                                          prefill_entries)
 from tokenmill.kernels.cpu_kernels import CpuKernels
 
 
@@ -42,8 +43,8 @@ class CpuPagedBackend(TorchReferenceBackend):
         """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
         decodes = [c for c in chunks if is_decode(c)]
         prefills = [c for c in chunks if not is_decode(c)]
-        ref = super().build_metadata(prefills, slot_mapping, block_size, device)
-        meta = CpuPagedMetadata(ref.block_ids, ref.offsets, ref.prefills, slots=slot_mapping)
+        # the cache writes take the slots themselves: no block ids and offsets
+        meta = CpuPagedMetadata(None, None, prefill_entries(prefills, block_size, device), slots=slot_mapping)
         if prefills and self.kernels.amx:
             meta.prefill_chunks = torch.tensor([[c.query_start for c in prefills], [c.query_len for c in prefills],
                                                 [c.context_len for c in prefills]], dtype=torch.int64)

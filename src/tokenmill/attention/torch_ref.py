@@ -32,8 +32,8 @@ class _Prefill:
 class TorchRefMetadata:
     """Per-step indices: decode tokens are batched into one padded SDPA call, prefill chunks each get one."""
 
-    block_ids: torch.Tensor  # [T] block of each new token
-    offsets: torch.Tensor  # [T] position of each new token inside its block
+    block_ids: Optional[torch.Tensor]  # [T] block of each new token (None where the writes use slots)
+    offsets: Optional[torch.Tensor]  # [T] position of each new token inside its block
     prefills: list[_Prefill]
     decode_token_index: Optional[torch.Tensor] = None  # [B]
     decode_tables: Optional[torch.Tensor] = None  # [B, max_blocks], padded with block 0
@@ -64,6 +64,21 @@ def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return tiles.view(*rows.shape[:-1], rows.shape[-1] * block_size, head_dim)
 
 
+def prefill_entries(prefills: list[SequenceChunk], block_size: int, device: torch.device) -> list[_Prefill]:
+    """What SDPA needs per prefill chunk: nothing more for a chunk starting at position 0 (its own K/V,
+    causal), else its block table and a [query_len, context_len] mask."""
+    entries = []
+    for c in prefills:
+        start = c.context_len - c.query_len
+        if start == 0:
+            entries.append(_Prefill(c.query_start, c.query_len, c.context_len, None, None))
+        else:
+            mask = torch.ones(c.query_len, c.context_len, dtype=torch.bool, device=device).tril(start)
+            table = torch.tensor(c.block_ids[:-(-c.context_len // block_size)], device=device)
+            entries.append(_Prefill(c.query_start, c.query_len, c.context_len, table, mask))
+    return entries
+
+
 class TorchReferenceBackend(AttentionBackend):
     """Exact, simple, and the test oracle."""
 
@@ -74,18 +89,8 @@ class TorchReferenceBackend(AttentionBackend):
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> TorchRefMetadata:
         """Split chunks into decode (one query) and prefill groups and precompute their gather indices."""
-        prefills = []
-        decodes = []
-        for c in chunks:
-            start = c.context_len - c.query_len
-            if is_decode(c):
-                decodes.append(c)
-            elif start == 0:
-                prefills.append(_Prefill(c.query_start, c.query_len, c.context_len, None, None))
-            else:
-                mask = torch.ones(c.query_len, c.context_len, dtype=torch.bool, device=device).tril(start)
-                table = torch.tensor(c.block_ids[:-(-c.context_len // block_size)], device=device)
-                prefills.append(_Prefill(c.query_start, c.query_len, c.context_len, table, mask))
+        decodes = [c for c in chunks if is_decode(c)]
+        prefills = prefill_entries([c for c in chunks if not is_decode(c)], block_size, device)
         meta = TorchRefMetadata(slot_mapping // block_size, slot_mapping % block_size, prefills)
         if decodes:
             tables = decode_block_tables(decodes, block_size, torch.long)
