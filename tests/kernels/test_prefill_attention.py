@@ -9,23 +9,11 @@ import torch
 from tokenmill.attention.base import SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
-from tokenmill.cpu_features import cpu_flags
-from tokenmill.kernels.cpu_kernels import cpu_kernels
 
 CPU = torch.device("cpu")
 # (query_len, context_len): a one-token prompt, fresh prompts shorter and longer than a key block (128),
 # chunks that continue a context (a prefix hit, a later chunk of a long prompt) and two decodes
 MIXED = [(1, 1), (37, 37), (1, 40), (200, 200), (20, 150), (130, 300), (1, 129)]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    lib = cpu_kernels()
-    assert lib is not None, "the native kernels must build on the test machine"
-    if "amx_bf16" not in cpu_flags():
-        pytest.skip("this CPU has no AMX-BF16")
-    assert lib.amx, "the CPU has AMX-BF16, so the AMX kernels must be usable"
-    return lib
 
 
 def mixed_batch(seed, heads, kv_heads, head_dim, block_size, spec):
@@ -48,9 +36,9 @@ def mixed_batch(seed, heads, kv_heads, head_dim, block_size, spec):
     return cache, chunks, torch.tensor(slots), q, k, v
 
 
-def both_backends(kernels, batch, block_size):
+def both_backends(amx_kernels, batch, block_size):
     cache, chunks, slots, q, k, v = batch
-    ref, fast = TorchReferenceBackend(), CpuPagedBackend(kernels)
+    ref, fast = TorchReferenceBackend(), CpuPagedBackend(amx_kernels)
     ref_cache, fast_cache = cache.clone(), cache.clone()
     expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, CPU))
     got = fast.forward(q, k, v, fast_cache, fast.build_metadata(chunks, slots, block_size, CPU))
@@ -63,51 +51,51 @@ def both_backends(kernels, batch, block_size):
     (8, 2, 128, 16),   # head_dim 128: two passes over the output's dim tiles
     (4, 4, 32, 32),    # no grouping, one dim step, 32-token blocks
 ])
-def test_prefill_attention_on_tiles_matches_sdpa(kernels, heads, kv_heads, head_dim, block_size):
+def test_prefill_attention_on_tiles_matches_sdpa(amx_kernels, heads, kv_heads, head_dim, block_size):
     batch = mixed_batch(11, heads, kv_heads, head_dim, block_size, MIXED)
-    got, expected, meta, cache = both_backends(kernels, batch, block_size)
+    got, expected, meta, cache = both_backends(amx_kernels, batch, block_size)
     # scores and sums in float32 on both sides; the probabilities are rounded to bfloat16 before
     # P V on both sides too, in different orders: a few bfloat16 units of the last place
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=1e-2)
     # and the kernel did run (rather than the reference path behind it)
     q = batch[3]
     direct = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
-    assert kernels.prefill_attention(direct, q, cache, meta.prefill_chunks, meta.prefill_tables, head_dim ** -0.5)
+    assert amx_kernels.prefill_attention(direct, q, cache, meta.prefill_chunks, meta.prefill_tables, head_dim ** -0.5)
     prefill_rows = torch.cat([torch.arange(c.query_start, c.query_start + c.query_len)
                               for c in batch[1] if not (c.query_len == 1 and c.context_len > 1)])
     assert torch.equal(direct[prefill_rows], got[prefill_rows])
 
 
-def test_a_prefill_row_does_not_depend_on_the_rest_of_the_batch(kernels):
+def test_a_prefill_row_does_not_depend_on_the_rest_of_the_batch(amx_kernels):
     batch = mixed_batch(12, 9, 3, 64, 16, MIXED)
-    together, _, _, _ = both_backends(kernels, batch, 16)
+    together, _, _, _ = both_backends(amx_kernels, batch, 16)
     cache, chunks, slots, q, k, v = batch
     chunk = chunks[5]  # 130 new tokens after 170 cached ones
     rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
     alone_chunk = SequenceChunk(0, chunk.query_len, chunk.context_len, chunk.block_ids)
-    backend = CpuPagedBackend(kernels)
+    backend = CpuPagedBackend(amx_kernels)
     alone = backend.forward(q[rows], k[rows], v[rows], cache.clone(),
                             backend.build_metadata([alone_chunk], slots[rows], 16, CPU))
     assert torch.equal(alone, together[rows])
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(48, 16), (64, 8)])
-def test_shapes_the_kernel_does_not_take_fall_back_to_sdpa(kernels, head_dim, block_size):
+def test_shapes_the_kernel_does_not_take_fall_back_to_sdpa(amx_kernels, head_dim, block_size):
     batch = mixed_batch(13, 4, 2, head_dim, block_size, MIXED)
-    got, expected, meta, cache = both_backends(kernels, batch, block_size)
+    got, expected, meta, cache = both_backends(amx_kernels, batch, block_size)
     q = batch[3]
-    assert not kernels.prefill_attention(torch.empty_like(q.contiguous()), q, cache, meta.prefill_chunks,
+    assert not amx_kernels.prefill_attention(torch.empty_like(q.contiguous()), q, cache, meta.prefill_chunks,
                                          meta.prefill_tables, head_dim ** -0.5)
     prefill_rows = [c.query_start + i for c in batch[1] if not (c.query_len == 1 and c.context_len > 1)
                     for i in range(c.query_len)]
     assert torch.equal(got[prefill_rows], expected[prefill_rows])  # the very same SDPA calls
 
 
-def test_the_wrapper_refuses_what_the_kernel_cannot_read(kernels):
+def test_the_wrapper_refuses_what_the_kernel_cannot_read(amx_kernels):
     cache, chunks, slots, q, k, v = mixed_batch(14, 9, 3, 64, 16, MIXED[:2])
-    meta = CpuPagedBackend(kernels).build_metadata(chunks, slots, 16, CPU)
+    meta = CpuPagedBackend(amx_kernels).build_metadata(chunks, slots, 16, CPU)
     with pytest.raises(ValueError, match="bfloat16"):
-        kernels.prefill_attention(torch.empty(q.shape), q.float(), cache, meta.prefill_chunks, meta.prefill_tables, 0.125)
+        amx_kernels.prefill_attention(torch.empty(q.shape), q.float(), cache, meta.prefill_chunks, meta.prefill_tables, 0.125)
     with pytest.raises(ValueError, match="int64 chunks"):
-        kernels.prefill_attention(torch.empty_like(q.contiguous()), q, cache, meta.prefill_chunks.int(),
+        amx_kernels.prefill_attention(torch.empty_like(q.contiguous()), q, cache, meta.prefill_chunks.int(),
                                   meta.prefill_tables, 0.125)
