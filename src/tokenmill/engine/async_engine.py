@@ -2,9 +2,9 @@
 
 HTTP handlers call `generate`, an async generator of RequestOutputs. Adds and aborts travel to the
 engine thread through a command queue; outputs travel back through each request's asyncio.Queue
-(`call_soon_threadsafe`, once per event loop and step). Only the engine thread touches the LLMEngine — that is the invariant that
-makes the engine itself lock-free. PyTorch releases the GIL inside its kernels, so the event loop keeps
-serving hundreds of open streams while a step runs.
+(`call_soon_threadsafe`, once per event loop and step). Only the engine thread touches the LLMEngine
+— that is the invariant that makes the engine itself lock-free. PyTorch releases the GIL inside its
+kernels, so the event loop keeps serving hundreds of open streams while a step runs.
 """
 
 from __future__ import annotations

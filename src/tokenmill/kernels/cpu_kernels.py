@@ -205,7 +205,7 @@ class CpuKernels:
         head_dim not a multiple of 32 up to 256, block_size not a multiple of 16."""
         if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
             raise ValueError("prefill_attention takes bfloat16 q, out and cache")
-        tokens, heads, head_dim = q.shape
+        _, heads, head_dim = q.shape
         _, num_blocks, kv_heads, block_size, cache_dim = kv_cache.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or out.shape != q.shape \
                 or not kv_cache.is_contiguous() or cache_dim != head_dim:

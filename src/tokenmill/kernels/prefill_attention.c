@@ -9,12 +9,12 @@
  * First, per chunk and kv head, K and V are repacked once into B tiles, keys past the context zero:
  *   K^T, per 16 keys and 32 dims:  tile[kp][j][e] = K[key j][dim 32 s + 2 kp + e]
  *   V,   per 32 keys and 16 dims:  tile[kp][j][e] = V[key 2 kp + e][dim 16 t + j]
- * Then each work item (a chunk, a kv head, 16 query rows) runs the group's query heads one after the
- * other over the keys its last row sees, KEY_BLOCK keys at a time, with the online softmax of flash
- * attention: S = Q K^T on tiles; in float32 lanes the scale, the causal mask, the running max m and
- * sum l, and P = exp(S - m) (as a power of 2, cpu_common.h's exp2_16) rounded to bfloat16 (A tiles); then P V on
- * tiles, added to float32 accumulators rescaled by exp(m_old - m_new). A row is written as O / l,
- * rounded to bfloat16.
+ * Then each work item (a chunk, a kv head, 16 query rows) runs over the keys its last row sees,
+ * KEY_BLOCK keys at a time, each block for all the group's query heads, with the online softmax of
+ * flash attention: S = Q K^T on tiles; in float32 lanes the scale, the causal mask, the running max m
+ * and sum l, and P = exp(S - m) (as a power of 2, cpu_common.h's exp2_16) rounded to bfloat16 (A
+ * tiles); then P V on tiles, added to float32 accumulators rescaled by exp(m_old - m_new). A row is
+ * written as O / l, rounded to bfloat16.
  *
  * tm_prefill_attention returns -1 and does nothing where AMX is not compiled in or the shapes do not
  * suit it (head_dim a multiple of 32 up to 256, block_size a multiple of 16); the caller then takes
