@@ -69,6 +69,13 @@ static void pack_values(uint16_t *tiles, const paged_kv *kv, const int32_t *bloc
         }
 }
 
+/* Where chunk c's kv head h keeps its tiles in the step's buffer: its K^T tiles ([16-key group][dim
+ * step], 2 * key_blocks * steps of them), then its V tiles ([32-key block][dim tile]). */
+static inline uint16_t *head_tiles(uint16_t *tiles, const int64_t *first_tile, int64_t c, int64_t h,
+                                   int64_t key_blocks, int64_t tiles_per_block) {
+    return tiles + (first_tile[c] + h * key_blocks * tiles_per_block) * 512;
+}
+
 /* One thread's scratch; q, o, m and l hold every query head of the group (head g at g * their size). */
 typedef struct {
     float s[16][KEY_BLOCK];                           /* one head's scores of a key block */
@@ -279,7 +286,7 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache
                 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < num_kv_heads * key_blocks; i++) {
                     const int64_t h = i / key_blocks, b = i % key_blocks;
-                    uint16_t *mine = tiles + (first_tile[c] + h * key_blocks * tiles_per_block) * 512;
+                    uint16_t *mine = head_tiles(tiles, first_tile, c, h, key_blocks, tiles_per_block);
                     pack_keys(mine + 2 * b * steps * 512, &kv, blocks, h, 2 * b, context_lens[c]);
                     pack_keys(mine + (2 * b + 1) * steps * 512, &kv, blocks, h, 2 * b + 1, context_lens[c]);
                     pack_values(mine + (2 * key_blocks * steps + b * dim_tiles) * 512, &kv, blocks, h, b, context_lens[c]);
@@ -294,7 +301,7 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache
                 const int64_t h = local % num_kv_heads, tile = tiles_in_chunk - 1 - local / num_kv_heads;
                 const int64_t key_blocks = (context_lens[c] + 31) / 32, row0 = 16 * tile;
                 const int64_t start = context_lens[c] - query_lens[c];
-                const uint16_t *mine = tiles + (first_tile[c] + h * key_blocks * tiles_per_block) * 512;
+                const uint16_t *mine = head_tiles(tiles, first_tile, c, h, key_blocks, tiles_per_block);
                 const int rows = (int)(query_lens[c] - row0 < 16 ? query_lens[c] - row0 : 16);
                 const work_item w = {
                     .q = q + (query_starts[c] + row0) * q_stride + h * group * head_dim,
