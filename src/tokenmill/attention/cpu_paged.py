@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from tokenmill.attention.base import SequenceChunk
-from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, decode_block_tables, is_decode,
+from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, is_decode,
                                           prefill_entries)
 from tokenmill.kernels.cpu_kernels import CpuKernels
 
@@ -48,9 +48,9 @@ class CpuPagedBackend(TorchReferenceBackend):
         if prefills and self.kernels.amx:
             meta.prefill_chunks = torch.tensor([[c.query_start for c in prefills], [c.query_len for c in prefills],
                                                 [c.context_len for c in prefills]], dtype=torch.int64)
-            meta.prefill_tables = decode_block_tables(prefills, block_size, torch.int32)
+            meta.prefill_tables = padded_block_tables(prefills, block_size, torch.int32)
         if decodes:
-            meta.decode_tables_i32 = decode_block_tables(decodes, block_size, torch.int32)
+            meta.decode_tables_i32 = padded_block_tables(decodes, block_size, torch.int32)
             meta.decode_token_index = torch.tensor([c.query_start for c in decodes], dtype=torch.int64)
             meta.decode_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.int32)
         return meta

@@ -45,11 +45,11 @@ def is_decode(chunk: SequenceChunk) -> bool:
     return chunk.query_len == 1 and chunk.context_len > 1
 
 
-def decode_block_tables(decodes: list[SequenceChunk], block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, max_blocks] block tables of decode sequences, each row padded with block 0 past its context."""
-    max_blocks = max(-(-c.context_len // block_size) for c in decodes)
-    tables = torch.zeros(len(decodes), max_blocks, dtype=dtype)
-    for row, c in enumerate(decodes):
+def padded_block_tables(chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block tables of the chunks' sequences, each row padded with block 0 past its context."""
+    max_blocks = max(-(-c.context_len // block_size) for c in chunks)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=dtype)
+    for row, c in enumerate(chunks):
         used = -(-c.context_len // block_size)
         tables[row, :used] = torch.tensor(c.block_ids[:used], dtype=dtype)
     return tables
@@ -93,7 +93,7 @@ class TorchReferenceBackend(AttentionBackend):
         prefills = prefill_entries([c for c in chunks if not is_decode(c)], block_size, device)
         meta = TorchRefMetadata(slot_mapping // block_size, slot_mapping % block_size, prefills)
         if decodes:
-            tables = decode_block_tables(decodes, block_size, torch.long)
+            tables = padded_block_tables(decodes, block_size, torch.long)
             lengths = torch.tensor([c.context_len for c in decodes])
             mask = torch.arange(tables.shape[1] * block_size)[None, :] < lengths[:, None]
             meta.decode_token_index = torch.tensor([c.query_start for c in decodes], device=device)

@@ -60,9 +60,7 @@ class ModelRunner:
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
         if not rows:  # every chunk is a partial prefill: nothing to sample or score yet
             return result
-        if rows != list(range(hidden.shape[0])):  # else every row, in order (decode): no gather
-            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(self._rows(hidden, rows))
         self._sample(batch, logits, sample_rows, result)
         self._prompt_logprobs(batch, logits, prompt_rows, result)
         return result
@@ -103,6 +101,12 @@ class ModelRunner:
                 rows.append(chunk.query_start + chunk.query_len - 1)
         return rows, sample_rows, prompt_rows
 
+    def _rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """x[rows]; x itself when rows are all of x's rows in order (a decode step), with no copy."""
+        if rows == list(range(x.shape[0])):
+            return x
+        return x[torch.tensor(rows, dtype=torch.long, device=self.device)]
+
     def _generator(self, item: ScheduledRequest) -> Optional[torch.Generator]:
         seed = item.sampling_params.seed
         if seed is None:
@@ -119,11 +123,7 @@ class ModelRunner:
         order = list(sample_rows)
         rows = [SamplingRow(batch[i].sampling_params, self._generator(batch[i]), batch[i].prompt_token_ids,
                             batch[i].output_token_ids, self.eos_token_ids) for i in order]
-        picked = [sample_rows[i] for i in order]
-        if picked == list(range(logits.shape[0])):  # every logits row, in order (decode): no copy
-            sample_logits = logits
-        else:
-            sample_logits = logits[torch.tensor(picked, device=self.device)]
+        sample_logits = self._rows(logits, [sample_rows[i] for i in order])
         tokens = sample(sample_logits, rows, self.default_generator)
         for i, token in zip(order, tokens.tolist()):
             result.sampled_token_ids[batch[i].request_id] = token
