@@ -1,5 +1,14 @@
 """tokenmill: an LLM inference and serving engine."""
 
+import os as _os
+
+# PyTorch's CPU allocator puts tensors of 2 MB and more on transparent huge pages when this is set; it
+# reads it once, at its first allocation, so it is set before anything imports torch. A 2048-token
+# prefill writes activations spread over thousands of 4 KB pages, and the TLB misses of those writes
+# cost up to a third of an AMX projection (docs/benchmarks.md, "Huge pages"). THP_MEM_ALLOC_ENABLE=0
+# in the environment keeps 4 KB pages.
+_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
