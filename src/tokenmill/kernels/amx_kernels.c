@@ -122,9 +122,23 @@ static void store_block(const float *c, uint16_t *y, int64_t ldy, int rows, int 
     }
 }
 
-/* One block of up to 32 packed rows (pack_rows) times one 32-column panel b0 | b1 -> y. */
-static void multiply_block(const uint16_t *a, int rows, const uint16_t *b0, const uint16_t *b1,
-                           int64_t kblocks, uint16_t *y, int64_t ldy, int cols, const float *bias, float *c) {
+/* Cache lines to prefetch into L2 while a block multiplies: `lines` lines from `first`, spread evenly over
+ * its k steps. A burst of hundreds of prefetches that miss every cache stalls on the line-fill buffers, so
+ * a panel's worth of them at once would leave the tile unit idle until they drain. */
+typedef struct {
+    const char *first;
+    int64_t lines;
+} prefetch_slice;
+
+static inline void prefetch_step(const prefetch_slice *ahead, int64_t kb, int64_t kblocks) {
+    const int64_t per_step = (ahead->lines + kblocks - 1) / kblocks;
+    const int64_t end = (kb + 1) * per_step < ahead->lines ? (kb + 1) * per_step : ahead->lines;
+    for (int64_t line = kb * per_step; line < end; line++) _mm_prefetch(ahead->first + 64 * line, _MM_HINT_T1);
+}
+
+/* One block of up to 32 packed rows (pack_rows) times one 32-column panel b0 | b1 -> y, prefetching `ahead`. */
+static void multiply_block(const uint16_t *a, int rows, const uint16_t *b0, const uint16_t *b1, int64_t kblocks,
+                           uint16_t *y, int64_t ldy, int cols, const float *bias, float *c, const prefetch_slice *ahead) {
     _tile_zero(0);
     _tile_zero(1);
     if (rows > 16) {
@@ -132,9 +146,10 @@ static void multiply_block(const uint16_t *a, int rows, const uint16_t *b0, cons
         _tile_zero(3);
         for (int64_t kb = 0; kb < kblocks; kb++) {
             if (kb + 2 < kblocks) {  /* the rows' tiles two steps ahead, from L2 into L1 */
-                const char *ahead = (const char *)(a + (kb + 2) * MBLOCK * KTILE);
-                for (int line = 0; line < MBLOCK * KTILE * 2 / 64; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+                const char *rows_ahead = (const char *)(a + (kb + 2) * MBLOCK * KTILE);
+                for (int line = 0; line < MBLOCK * KTILE * 2 / 64; line++) _mm_prefetch(rows_ahead + 64 * line, _MM_HINT_T0);
             }
+            prefetch_step(ahead, kb, kblocks);
             _tile_loadd(4, a + kb * MBLOCK * KTILE, 64);
             _tile_loadd(5, a + kb * MBLOCK * KTILE + 16 * KTILE, 64);
             _tile_loadd(6, b0 + kb * 512, 64);
@@ -148,6 +163,7 @@ static void multiply_block(const uint16_t *a, int rows, const uint16_t *b0, cons
         _tile_stored(3, c + 16 * 32 + 16, 128);
     } else {
         for (int64_t kb = 0; kb < kblocks; kb++) {
+            prefetch_step(ahead, kb, kblocks);
             _tile_loadd(4, a + kb * MBLOCK * KTILE, 64);
             _tile_loadd(6, b0 + kb * 512, 64);
             _tile_loadd(7, b1 + kb * 512, 64);
@@ -195,24 +211,24 @@ static void amx_product(uint16_t *y, const uint16_t *x, const uint16_t *packed, 
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
             pack_rows(a, x, ldx, m0, m1 - m0, k);  /* ends in a barrier: every thread reads all rows */
             for (int64_t p = p0; p < p1; p++) {
-                const uint16_t *b0;
+                const uint16_t *b0, *next = NULL;  /* next: the weights to bring from memory into L2 meanwhile */
                 if (qw) {
                     dequantize_tiles(tiles, qw, 2 * p, k);
                     dequantize_tiles(tiles + kblocks * 512, qw, 2 * p + 1, k);
                     b0 = tiles;
                 } else {
                     b0 = packed + p * 2 * kblocks * 512;
-                    if (p + 1 < p1) {  /* the next panel's weights, from memory into L2, while this one runs */
-                        const char *next = (const char *)(b0 + 2 * kblocks * 512);
-                        for (int64_t line = 0; line < 2 * kblocks * 512 * 2 / 64; line++)
-                            _mm_prefetch(next + 64 * line, _MM_HINT_T1);
-                    }
+                    if (p + 1 < p1)
+                        next = b0 + 2 * kblocks * 512;  /* the next panel, in slices over this panel's blocks */
                 }
+                const int64_t panel_lines = next ? 2 * kblocks * 512 * 2 / 64 : 0, blocks = (m1 - m0 + MBLOCK - 1) / MBLOCK;
                 const int cols = (int)(n - p * NPANEL < NPANEL ? n - p * NPANEL : NPANEL);
                 for (int64_t r = m0; r < m1; r += MBLOCK) {
                     const int rows = (int)(m1 - r < MBLOCK ? m1 - r : MBLOCK);
+                    const int64_t i = (r - m0) / MBLOCK, l0 = panel_lines * i / blocks, l1 = panel_lines * (i + 1) / blocks;
+                    const prefetch_slice ahead = {next ? (const char *)next + 64 * l0 : NULL, l1 - l0};
                     multiply_block(a + (r - m0) * k, rows, b0, b0 + kblocks * 512, kblocks, y + r * ldy + p * NPANEL,
-                                   ldy, cols, bias ? bias + p * NPANEL : NULL, c);
+                                   ldy, cols, bias ? bias + p * NPANEL : NULL, c, &ahead);
                 }
             }
             #pragma omp barrier  /* before the next chunk overwrites the rows */
