@@ -29,14 +29,37 @@ static inline void tm_configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* Transpose a 16 x 16 matrix of 32-bit elements held as 16 rows: afterwards r[i] lane j = old r[j] lane i. */
+static inline void tm_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int half = 0; half < 16; half += 8)
+        for (int i = 0; i < 4; i++) {
+            t[half + i] = _mm512_shuffle_i32x4(r[half + i], r[half + i + 4], 0x88);
+            t[half + i + 4] = _mm512_shuffle_i32x4(r[half + i], r[half + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 /* The B tile of 16 rows of 32 bfloat16, row j giving the tile's column j: tile[kp][j][e] = rows[j][2 kp + e]
  * (a 16 x 16 transpose of bfloat16 pairs). A NULL row reads as zeros. */
 static inline void tm_rows_to_b_tile(uint16_t *tile, const uint16_t *const rows[16]) {
-    uint32_t *pairs = (uint32_t *)tile;
-    for (int j = 0; j < 16; j++) {
-        const uint32_t *row = (const uint32_t *)rows[j];
-        for (int kp = 0; kp < 16; kp++) pairs[kp * 16 + j] = row ? row[kp] : 0;
-    }
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) r[j] = rows[j] ? _mm512_loadu_si512(rows[j]) : _mm512_setzero_si512();
+    tm_transpose16(r);
+    for (int kp = 0; kp < 16; kp++) _mm512_store_si512((__m512i *)(tile + kp * 32), r[kp]);
 }
 #endif
 

@@ -6,15 +6,17 @@
  * [2, num_blocks, kv_heads, block_size, head_dim]. Row i (position context_len - query_len + i)
  * attends to keys 0 .. its position.
  *
- * First, per chunk and kv head, K and V are repacked once into B tiles, keys past the context zero:
- *   K^T, per 16 keys and 32 dims:  tile[kp][j][e] = K[key j][dim 32 s + 2 kp + e]
- *   V,   per 32 keys and 16 dims:  tile[kp][j][e] = V[key 2 kp + e][dim 16 t + j]
- * Then each work item (a chunk, a kv head, 16 query rows) runs over the keys its last row sees,
- * KEY_BLOCK keys at a time, each block for all the group's query heads, with the online softmax of
- * flash attention: S = Q K^T on tiles; in float32 lanes the scale, the causal mask, the running max m
- * and sum l, and P = exp(S - m) (as a power of 2, cpu_common.h's exp2_16) rounded to bfloat16 (A
- * tiles); then P V on tiles, added to float32 accumulators rescaled by exp(m_old - m_new). A row is
- * written as O / l, rounded to bfloat16.
+ * Everything runs transposed, one query per lane, so that the softmax bookkeeping (running max, sum,
+ * rescaling) is lane-wise with no horizontal reduction per row:
+ *   S^T = K Q^T: the A operand is 16 keys x 32 dims read straight from the cache (a block's keys are
+ *       rows head_dim apart; block_size is a multiple of 16), the B operand Q^T is built once per work item;
+ *   P^T = 2^(scale log2(e) S^T - m), a key per 16-lane vector, rounded to bfloat16 into B tiles (two keys'
+ *       vectors interleaved per tile row);
+ *   O^T += V^T P^T, V^T packed once per chunk and kv head into A tiles (16 dims x 32 keys, keys past the
+ *       context zero), the float32 O^T [head_dim][16 queries] rescaled lane-wise by 2^(m_old - m_new).
+ * A work item (a chunk, a kv head, 16 query rows) runs over the keys its last row sees, KEY_BLOCK at a
+ * time, each block for all the group's query heads (its tiles stay in L1). A row is written as O / l,
+ * rounded to bfloat16.
  *
  * tm_prefill_attention returns -1 and does nothing where AMX is not compiled in or the shapes do not
  * suit it (head_dim a multiple of 32 up to 256, block_size a multiple of 16); the caller then takes
@@ -46,44 +48,30 @@ static inline const uint16_t *cache_row(const paged_kv *kv, const int32_t *block
     return kv->cache + (v ? kv->values_offset : 0) + ((block * kv->num_kv_heads + h) * kv->block_size + offset) * kv->head_dim;
 }
 
-/* The K^T tiles of keys [16 g, 16 g + 16), one per 32 dims. */
-static void pack_keys(uint16_t *tiles, const paged_kv *kv, const int32_t *blocks, int64_t h, int64_t g, int64_t context) {
-    const uint16_t *rows[16];
-    for (int j = 0; j < 16; j++) rows[j] = 16 * g + j < context ? cache_row(kv, blocks, h, 16 * g + j, 0) : NULL;
-    for (int64_t s = 0; s < kv->head_dim / 32; s++) {
-        const uint16_t *dims[16];
-        for (int j = 0; j < 16; j++) dims[j] = rows[j] ? rows[j] + 32 * s : NULL;
-        tm_rows_to_b_tile(tiles + s * 512, dims);
+/* The V^T tiles of keys [32 b, 32 b + 32), one per 16 dims: tile[d][key] = V[32 b + key][16 t + d]. */
+static void pack_values(uint16_t *tiles, const paged_kv *kv, const int32_t *blocks, int64_t h, int64_t b, int64_t context) {
+    const int64_t dim_tiles = kv->head_dim / 16;
+    for (int key = 0; key < 32; key++) {
+        const uint16_t *row = 32 * b + key < context ? cache_row(kv, blocks, h, 32 * b + key, 1) : NULL;
+        for (int64_t t = 0; t < dim_tiles; t++)
+            for (int d = 0; d < 16; d++) tiles[t * 512 + d * 32 + key] = row ? row[16 * t + d] : 0;
     }
 }
 
-/* The V tiles of keys [32 b, 32 b + 32), one per 16 dims. */
-static void pack_values(uint16_t *tiles, const paged_kv *kv, const int32_t *blocks, int64_t h, int64_t b, int64_t context) {
-    const int64_t dim_tiles = kv->head_dim / 16;
-    for (int kp = 0; kp < 16; kp++)
-        for (int e = 0; e < 2; e++) {
-            const int64_t key = 32 * b + 2 * kp + e;
-            const uint16_t *row = key < context ? cache_row(kv, blocks, h, key, 1) : NULL;
-            for (int64_t t = 0; t < dim_tiles; t++)
-                for (int j = 0; j < 16; j++) tiles[t * 512 + kp * 32 + j * 2 + e] = row ? row[16 * t + j] : 0;
-        }
-}
-
-/* Where chunk c's kv head h keeps its tiles in the step's buffer: its K^T tiles ([16-key group][dim
- * step], 2 * key_blocks * steps of them), then its V tiles ([32-key block][dim tile]). */
+/* Where chunk c's kv head h keeps its V^T tiles in the step's buffer: [32-key block][dim tile]. */
 static inline uint16_t *head_tiles(uint16_t *tiles, const int64_t *first_tile, int64_t c, int64_t h,
-                                   int64_t key_blocks, int64_t tiles_per_block) {
-    return tiles + (first_tile[c] + h * key_blocks * tiles_per_block) * 512;
+                                   int64_t key_blocks, int64_t dim_tiles) {
+    return tiles + (first_tile[c] + h * key_blocks * dim_tiles) * 512;
 }
 
 /* One thread's scratch; q, o, m and l hold every query head of the group (head g at g * their size). */
 typedef struct {
-    float s[16][KEY_BLOCK];                           /* one head's scores of a key block */
-    uint16_t p[KEY_BLOCK / 32][16 * 32];              /* A tiles of its probabilities */
-    float pv[16][64];                                 /* P V of 4 dim tiles */
-    uint16_t *q;                                      /* [group][dim step] A tiles of 16 query rows */
-    float *o;                                         /* [group][16][head_dim] running outputs */
-    float *m, *l;                                     /* [group][16] running max and sum */
+    float s[KEY_BLOCK][16];                           /* one head's S^T of a key block: a key per row */
+    uint16_t p[KEY_BLOCK / 32][16 * 32];              /* B tiles of its P^T */
+    float pv[64][16];                                 /* V^T P^T of 4 dim tiles */
+    uint16_t *q;                                      /* [group][dim step] B tiles of Q^T */
+    float *o;                                         /* [group][head_dim][16] running O^T */
+    float *m, *l;                                     /* [group][16] running max and sum, one lane per row */
 } scratch;
 
 /* The work item's geometry. */
@@ -91,68 +79,101 @@ typedef struct {
     const uint16_t *q;          /* row 0, head 0 of the item */
     uint16_t *out;              /* row 0, head 0 of the item's output */
     int64_t q_stride, out_stride;
-    const uint16_t *key_tiles;  /* this chunk and kv head's K^T tiles: [16-key group][dim step] */
-    const uint16_t *value_tiles;  /* [32-key block][dim tile] */
+    const paged_kv *kv;
+    const int32_t *blocks;      /* the chunk's block table */
+    int64_t kv_head;
+    const uint16_t *value_tiles;  /* this chunk and kv head's V^T tiles: [32-key block][dim tile] */
     int64_t first_position;     /* position of row 0 */
     int rows;                   /* query rows (<= 16) */
     int64_t keys;               /* keys the last row sees */
 } work_item;
 
-/* Scores of head g's 16 rows for keys [k0, k0 + 32 * blocks) -> ws->s. */
-static void scores(scratch *ws, const work_item *w, int64_t g, int64_t steps, int64_t k0, int blocks) {
-    for (int b = 0; b < blocks; b++) {
-        const int64_t group = k0 / 16 + 2 * b;
+/* 2^x in 16 lanes for the probabilities, x <= 0 (a lane above is masked out after): x = n + f with
+ * |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error (2.7e-6, far below the bfloat16 the
+ * probabilities are rounded to), times 2^n, which goes to 0 without a clamp. */
+static inline __m512 exp2_probability(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00956051983f), f, _mm512_set1_ps(0.0559171228f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240249817f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121958f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999919f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* S^T of head g for keys [k0, k0 + 16 * groups) -> ws->s. */
+static void scores(scratch *ws, const work_item *w, int64_t g, int64_t steps, int64_t k0, int groups) {
+    const int64_t stride = w->kv->head_dim * 2;
+    for (int i = 0; i < groups; i += 2) {
+        const uint16_t *k_a = cache_row(w->kv, w->blocks, w->kv_head, k0 + 16 * i, 0);
+        const uint16_t *k_b = i + 1 < groups ? cache_row(w->kv, w->blocks, w->kv_head, k0 + 16 * (i + 1), 0) : NULL;
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t s = 0; s < steps; s++) {
-            _tile_loadd(4, ws->q + (g * steps + s) * 512, 64);
-            _tile_loadd(6, w->key_tiles + (group * steps + s) * 512, 64);
-            _tile_loadd(7, w->key_tiles + ((group + 1) * steps + s) * 512, 64);
+            _tile_loadd(6, ws->q + (g * steps + s) * 512, 64);
+            _tile_loadd(4, k_a + 32 * s, stride);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+            if (k_b) {
+                _tile_loadd(5, k_b + 32 * s, stride);
+                _tile_dpbf16ps(1, 5, 6);
+            }
         }
-        _tile_stored(0, &ws->s[0][32 * b], KEY_BLOCK * 4);
-        _tile_stored(1, &ws->s[0][32 * b + 16], KEY_BLOCK * 4);
+        _tile_stored(0, ws->s[16 * i], 64);
+        if (k_b)
+            _tile_stored(1, ws->s[16 * (i + 1)], 64);
     }
 }
 
-/* Softmax step of row r over the block's scores, in base 2 (scale2 = scale * log2(e), so that
- * 2^(scale2 s) = e^(scale s)): the first `visible` keys count, the rest are masked. Updates m and l,
- * rescales o, and writes the row's probabilities into the P tiles. */
-static void softmax_row(scratch *ws, int64_t g, int r, int visible, int blocks, int64_t head_dim, float scale2) {
-    const int vectors = 2 * blocks;
-    uint16_t *p_row[KEY_BLOCK / 32];
-    for (int b = 0; b < blocks; b++) p_row[b] = ws->p[b] + r * 32;
-    if (visible <= 0) {
-        for (int b = 0; b < blocks; b++) memset(p_row[b], 0, 64);
-        return;
-    }
-    __m512 x[KEY_BLOCK / 16];
-    __mmask16 live[KEY_BLOCK / 16];
+/* Softmax step of head g over the block's `span` keys from k0, in base 2 (scale2 = scale * log2(e), so
+ * that 2^(scale2 s) = e^(scale s)), lane j being row j: key k0 + i counts for the lanes whose position
+ * is at least it. Updates m and l, rescales O^T and writes P^T (zero past the span) into the P tiles. */
+static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0, int span, int64_t head_dim,
+                          float scale2) {
+    const __m512i positions = _mm512_add_epi32(_mm512_set1_epi32((int)w->first_position),
+                                               _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __mmask16 rows = (__mmask16)((1u << w->rows) - 1);
+    /* keys before this one are seen by every row: no mask to build */
+    const int64_t unmasked = w->first_position + 1 - k0;
+    float *m = ws->m + g * 16, *l = ws->l + g * 16, *o = ws->o + g * head_dim * 16;
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int v = 0; v < vectors; v++) {
-        const int left = visible - 16 * v;
-        live[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-        x[v] = _mm512_mul_ps(_mm512_loadu_ps(&ws->s[r][16 * v]), _mm512_set1_ps(scale2));
-        top = _mm512_mask_max_ps(top, live[v], top, x[v]);
+    for (int i = 0; i < span; i++) {
+        const __mmask16 live = i < unmasked ? rows : _mm512_mask_cmpge_epi32_mask(rows, positions, _mm512_set1_epi32((int)(k0 + i)));
+        top = _mm512_mask_max_ps(top, live, top, _mm512_load_ps(ws->s[i]));
     }
-    float *m = ws->m + g * 16 + r, *l = ws->l + g * 16 + r, *o = ws->o + (g * 16 + r) * head_dim;
-    const float m_old = *m, m_new = fmaxf(m_old, _mm512_reduce_max_ps(top));
+    const __m512 m_old = _mm512_load_ps(m);
+    /* every live row sees key 0 in the first block, so m_new is finite from there on */
+    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(top, _mm512_set1_ps(scale2)));
+    const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
+    const __m512 scale = _mm512_set1_ps(scale2);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum = _mm512_setzero_ps();
-    for (int v = 0; v < vectors; v++) {
-        const __m512 p = _mm512_maskz_mov_ps(live[v], exp2_16(_mm512_sub_ps(x[v], _mm512_set1_ps(m_new))));
-        sum = _mm512_add_ps(sum, p);
-        _mm256_storeu_si256((__m256i *)(p_row[v / 2] + 16 * (v % 2)), (__m256i)_mm512_cvtneps_pbh(p));
+    const int padded = (span + 31) / 32 * 32;
+    for (int i = 0; i < padded; i += 2) {
+        __m512 p[2];
+        for (int e = 0; e < 2; e++) {
+            const int key = i + e;
+            if (key >= span) {
+                p[e] = _mm512_setzero_ps();
+                continue;
+            }
+            const __mmask16 live = key < unmasked ? rows : _mm512_mask_cmpge_epi32_mask(rows, positions, _mm512_set1_epi32((int)(k0 + key)));
+            p[e] = _mm512_maskz_mov_ps(live, exp2_probability(_mm512_fmadd_ps(_mm512_load_ps(ws->s[key]), scale, neg_m)));
+            sum = _mm512_add_ps(sum, p[e]);
+        }
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        _mm512_store_si512((__m512i *)(ws->p[i / 32] + (i % 32) / 2 * 32), pair);
     }
-    const float alpha = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
-    *l = *l * alpha + _mm512_reduce_add_ps(sum);
-    *m = m_new;
-    if (alpha != 1.0f)
-        for (int64_t d = 0; d < head_dim; d += 16)
-            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
+    /* 2^-inf would be clamped to 2^-126, not 0: a row's first block has nothing to rescale anyway */
+    const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                             exp2_16(_mm512_sub_ps(m_old, m_new)));
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), alpha, sum));
+    _mm512_store_ps(m, m_new);
+    for (int64_t d = 0; d < head_dim; d++)
+        _mm512_store_ps(o + d * 16, _mm512_mul_ps(_mm512_load_ps(o + d * 16), alpha));
 }
 
-/* Head g's o += P V for the block's keys [k0, k0 + 32 * blocks). */
+/* Head g's O^T += V^T P^T for the block's keys [k0, k0 + 32 * blocks). */
 static void add_values(scratch *ws, const work_item *w, int64_t g, int64_t head_dim, int64_t k0, int blocks) {
     const int64_t dim_tiles = head_dim / 16;
     for (int64_t t0 = 0; t0 < dim_tiles; t0 += 4) {
@@ -163,32 +184,30 @@ static void add_values(scratch *ws, const work_item *w, int64_t g, int64_t head_
         _tile_zero(3);
         for (int b = 0; b < blocks; b++) {
             const uint16_t *v = w->value_tiles + ((k0 / 32 + b) * dim_tiles + t0) * 512;
-            _tile_loadd(4, ws->p[b], 64);
+            _tile_loadd(6, ws->p[b], 64);
             /* the tile numbers must be constants: one load and product per accumulator */
-            _tile_loadd(5, v, 64);
-            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(4, v, 64);
+            _tile_dpbf16ps(0, 4, 6);
             if (n > 1) {
-                _tile_loadd(6, v + 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, v + 512, 64);
+                _tile_dpbf16ps(1, 5, 6);
             }
             if (n > 2) {
                 _tile_loadd(7, v + 1024, 64);
-                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(2, 7, 6);
             }
             if (n > 3) {
-                _tile_loadd(5, v + 1536, 64);
-                _tile_dpbf16ps(3, 4, 5);
+                _tile_loadd(4, v + 1536, 64);
+                _tile_dpbf16ps(3, 4, 6);
             }
         }
-        _tile_stored(0, &ws->pv[0][0], 256);
-        _tile_stored(1, &ws->pv[0][16], 256);
-        _tile_stored(2, &ws->pv[0][32], 256);
-        _tile_stored(3, &ws->pv[0][48], 256);
-        for (int r = 0; r < 16; r++)
-            for (int i = 0; i < n; i++) {
-                float *o = ws->o + (g * 16 + r) * head_dim + 16 * (t0 + i);
-                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(&ws->pv[r][16 * i])));
-            }
+        _tile_stored(0, ws->pv[0], 64);
+        _tile_stored(1, ws->pv[16], 64);
+        _tile_stored(2, ws->pv[32], 64);
+        _tile_stored(3, ws->pv[48], 64);
+        float *o = ws->o + (g * head_dim + 16 * t0) * 16;
+        for (int d = 0; d < 16 * n; d++)
+            _mm512_store_ps(o + d * 16, _mm512_add_ps(_mm512_load_ps(o + d * 16), _mm512_load_ps(ws->pv[d])));
     }
 }
 
@@ -201,41 +220,38 @@ static void attend(scratch *ws, const work_item *w, int64_t group, int64_t head_
     const float scale2 = scale * 1.44269504088896341f;
     for (int64_t g = 0; g < group; g++)
         for (int64_t s = 0; s < steps; s++) {
-            uint16_t *tile = ws->q + (g * steps + s) * 512;
-            for (int r = 0; r < 16; r++) {
-                if (r < w->rows)
-                    memcpy(tile + r * 32, w->q + r * w->q_stride + g * head_dim + 32 * s, 64);
-                else
-                    memset(tile + r * 32, 0, 64);
-            }
+            const uint16_t *rows[16];
+            for (int j = 0; j < 16; j++) rows[j] = j < w->rows ? w->q + j * w->q_stride + g * head_dim + 32 * s : NULL;
+            tm_rows_to_b_tile(ws->q + (g * steps + s) * 512, rows);
         }
     for (int64_t i = 0; i < group * 16; i++) {
         ws->m[i] = -INFINITY;
         ws->l[i] = 0.0f;
     }
-    memset(ws->o, 0, sizeof(float) * (size_t)(group * 16 * head_dim));
+    memset(ws->o, 0, sizeof(float) * (size_t)(group * head_dim * 16));
     for (int64_t k0 = 0; k0 < w->keys; k0 += KEY_BLOCK) {
-        const int64_t span = w->keys - k0 < KEY_BLOCK ? w->keys - k0 : KEY_BLOCK;
-        const int blocks = (int)((span + 31) / 32);
-        scores(ws, w, 0, steps, k0, blocks);
+        const int span = (int)(w->keys - k0 < KEY_BLOCK ? w->keys - k0 : KEY_BLOCK);
+        const int groups = (span + 15) / 16, blocks = (span + 31) / 32;
+        scores(ws, w, 0, steps, k0, groups);
         for (int64_t g = 0; g < group; g++) {
-            for (int r = 0; r < 16; r++) {
-                const int64_t visible = r < w->rows ? w->first_position + r + 1 - k0 : 0;
-                softmax_row(ws, g, r, (int)(visible < span ? visible : span), blocks, head_dim, scale2);
-            }
+            softmax_block(ws, w, g, k0, span, head_dim, scale2);
             if (g + 1 < group)
-                scores(ws, w, g + 1, steps, k0, blocks);
+                scores(ws, w, g + 1, steps, k0, groups);
             add_values(ws, w, g, head_dim, k0, blocks);
         }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int r = 0; r < w->rows; r++) {
-            const float *o = ws->o + (g * 16 + r) * head_dim;
-            const __m512 inv = _mm512_set1_ps(1.0f / ws->l[g * 16 + r]);  /* l >= 1: the max scores 2^0 */
-            uint16_t *out = w->out + r * w->out_stride + g * head_dim;
-            for (int64_t d = 0; d < head_dim; d += 16)
-                _mm256_storeu_si256((__m256i *)(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d), inv)));
+    for (int64_t g = 0; g < group; g++) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_load_ps(ws->l + g * 16));  /* l >= 1: the max scores 2^0 */
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+            __m512i dims[16];  /* dim d0 + i, a row per lane, then row r's 16 dims */
+            for (int i = 0; i < 16; i++)
+                dims[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(ws->o + (g * head_dim + d0 + i) * 16), inv));
+            tm_transpose16(dims);
+            for (int r = 0; r < w->rows; r++)
+                _mm256_storeu_si256((__m256i *)(w->out + r * w->out_stride + g * head_dim + d0),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(dims[r])));
         }
+    }
 }
 #endif
 
@@ -252,12 +268,11 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache
         return -1;
     const paged_kv kv = {cache, num_blocks * num_kv_heads * block_size * head_dim, num_kv_heads, block_size, head_dim};
     const int64_t group = num_heads / num_kv_heads, steps = head_dim / 32, dim_tiles = head_dim / 16;
-    const int64_t tiles_per_block = 2 * steps + dim_tiles;  /* per 32 keys and kv head: K^T, then V */
     int64_t *first_tile = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
     int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
     first_tile[0] = first_item[0] = 0;
     for (int64_t c = 0; c < num_chunks; c++) {
-        first_tile[c + 1] = first_tile[c] + (context_lens[c] + 31) / 32 * num_kv_heads * tiles_per_block;
+        first_tile[c + 1] = first_tile[c] + (context_lens[c] + 31) / 32 * num_kv_heads * dim_tiles;
         first_item[c + 1] = first_item[c] + (query_lens[c] + 15) / 16 * num_kv_heads;
     }
     uint16_t *tiles = aligned_alloc(64, (size_t)(first_tile[num_chunks] * 1024 + 64));
@@ -286,10 +301,8 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache
                 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < num_kv_heads * key_blocks; i++) {
                     const int64_t h = i / key_blocks, b = i % key_blocks;
-                    uint16_t *mine = head_tiles(tiles, first_tile, c, h, key_blocks, tiles_per_block);
-                    pack_keys(mine + 2 * b * steps * 512, &kv, blocks, h, 2 * b, context_lens[c]);
-                    pack_keys(mine + (2 * b + 1) * steps * 512, &kv, blocks, h, 2 * b + 1, context_lens[c]);
-                    pack_values(mine + (2 * key_blocks * steps + b * dim_tiles) * 512, &kv, blocks, h, b, context_lens[c]);
+                    pack_values(head_tiles(tiles, first_tile, c, h, key_blocks, dim_tiles) + b * dim_tiles * 512, &kv, blocks,
+                                h, b, context_lens[c]);
                 }
             }
             /* the last query tiles see the most keys: in each chunk they come first (dynamic schedule) */
@@ -301,13 +314,13 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache
                 const int64_t h = local % num_kv_heads, tile = tiles_in_chunk - 1 - local / num_kv_heads;
                 const int64_t key_blocks = (context_lens[c] + 31) / 32, row0 = 16 * tile;
                 const int64_t start = context_lens[c] - query_lens[c];
-                const uint16_t *mine = head_tiles(tiles, first_tile, c, h, key_blocks, tiles_per_block);
                 const int rows = (int)(query_lens[c] - row0 < 16 ? query_lens[c] - row0 : 16);
                 const work_item w = {
                     .q = q + (query_starts[c] + row0) * q_stride + h * group * head_dim,
                     .out = out + (query_starts[c] + row0) * num_heads * head_dim + h * group * head_dim,
                     .q_stride = q_stride, .out_stride = num_heads * head_dim,
-                    .key_tiles = mine, .value_tiles = mine + 2 * key_blocks * steps * 512,
+                    .kv = &kv, .blocks = block_tables + c * max_blocks, .kv_head = h,
+                    .value_tiles = head_tiles(tiles, first_tile, c, h, key_blocks, dim_tiles),
                     .first_position = start + row0, .rows = rows, .keys = start + row0 + rows,
                 };
                 attend(ws, &w, group, head_dim, scale);
