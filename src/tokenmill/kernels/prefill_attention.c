@@ -135,11 +135,13 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
     /* keys before this one are seen by every row: no mask to build */
     const int64_t unmasked = w->first_position + 1 - k0;
     float *m = ws->m + g * 16, *l = ws->l + g * 16, *o = ws->o + g * head_dim * 16;
-    __m512 top = _mm512_set1_ps(-INFINITY);
+    __m512 tops[4];  /* independent chains: one max per key would wait on the previous one's latency */
+    for (int c = 0; c < 4; c++) tops[c] = _mm512_set1_ps(-INFINITY);
     for (int i = 0; i < span; i++) {
         const __mmask16 live = i < unmasked ? rows : _mm512_mask_cmpge_epi32_mask(rows, positions, _mm512_set1_epi32((int)(k0 + i)));
-        top = _mm512_mask_max_ps(top, live, top, _mm512_load_ps(ws->s[i]));
+        tops[i % 4] = _mm512_mask_max_ps(tops[i % 4], live, tops[i % 4], _mm512_load_ps(ws->s[i]));
     }
+    const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
     const __m512 m_old = _mm512_load_ps(m);
     /* every live row sees key 0 in the first block, so m_new is finite from there on */
     const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(top, _mm512_set1_ps(scale2)));
@@ -147,7 +149,7 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
     const __m512 scale = _mm512_set1_ps(scale2);
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 sum = _mm512_setzero_ps();
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     const int padded = (span + 31) / 32 * 32;
     for (int i = 0; i < padded; i += 2) {
         __m512 p[2];
@@ -159,7 +161,7 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
             }
             const __mmask16 live = key < unmasked ? rows : _mm512_mask_cmpge_epi32_mask(rows, positions, _mm512_set1_epi32((int)(k0 + key)));
             p[e] = _mm512_maskz_mov_ps(live, exp2_probability(_mm512_fmadd_ps(_mm512_load_ps(ws->s[key]), scale, neg_m)));
-            sum = _mm512_add_ps(sum, p[e]);
+            sums[e] = _mm512_add_ps(sums[e], p[e]);
         }
         const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
         _mm512_store_si512((__m512i *)(ws->p[i / 32] + (i % 32) / 2 * 32), pair);
@@ -167,7 +169,7 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
     /* 2^-inf would be clamped to 2^-126, not 0: a row's first block has nothing to rescale anyway */
     const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
                                              exp2_16(_mm512_sub_ps(m_old, m_new)));
-    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), alpha, sum));
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), alpha, _mm512_add_ps(sums[0], sums[1])));
     _mm512_store_ps(m, m_new);
     for (int64_t d = 0; d < head_dim; d++)
         _mm512_store_ps(o + d * 16, _mm512_mul_ps(_mm512_load_ps(o + d * 16), alpha));
