@@ -33,7 +33,7 @@
 #include <math.h>
 #include <omp.h>
 
-#define KEY_BLOCK 128  /* keys per softmax step: 4 x 32 */
+#define KEY_BLOCK 256  /* keys per softmax step: 8 x 32 */
 #define MAX_HEAD_DIM 256
 
 typedef struct {
