@@ -135,12 +135,18 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
     /* keys before this one are seen by every row: no mask to build */
     const int64_t unmasked = w->first_position + 1 - k0;
     float *m = ws->m + g * 16, *l = ws->l + g * 16, *o = ws->o + g * head_dim * 16;
-    __m512 tops[4];  /* independent chains: one max per key would wait on the previous one's latency */
-    for (int c = 0; c < 4; c++) tops[c] = _mm512_set1_ps(-INFINITY);
-    for (int i = 0; i < span; i++) {
-        const __mmask16 live = i < unmasked ? rows : _mm512_mask_cmpge_epi32_mask(rows, positions, _mm512_set1_epi32((int)(k0 + i)));
-        tops[i % 4] = _mm512_mask_max_ps(tops[i % 4], live, tops[i % 4], _mm512_load_ps(ws->s[i]));
+#define LIVE(key) ((key) < unmasked ? rows : _mm512_mask_cmpge_epi32_mask(rows, positions, _mm512_set1_epi32((int)(k0 + (key)))))
+    /* four independent chains in registers: one max per key would wait on the previous one's latency */
+    __m512 tops[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                      _mm512_set1_ps(-INFINITY)};
+    int i = 0;
+    for (; i + 4 <= span; i += 4) {
+        tops[0] = _mm512_mask_max_ps(tops[0], LIVE(i), tops[0], _mm512_load_ps(ws->s[i]));
+        tops[1] = _mm512_mask_max_ps(tops[1], LIVE(i + 1), tops[1], _mm512_load_ps(ws->s[i + 1]));
+        tops[2] = _mm512_mask_max_ps(tops[2], LIVE(i + 2), tops[2], _mm512_load_ps(ws->s[i + 2]));
+        tops[3] = _mm512_mask_max_ps(tops[3], LIVE(i + 3), tops[3], _mm512_load_ps(ws->s[i + 3]));
     }
+    for (; i < span; i++) tops[0] = _mm512_mask_max_ps(tops[0], LIVE(i), tops[0], _mm512_load_ps(ws->s[i]));
     const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
     const __m512 m_old = _mm512_load_ps(m);
     /* every live row sees key 0 in the first block, so m_new is finite from there on */
@@ -151,7 +157,7 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     const int padded = (span + 31) / 32 * 32;
-    for (int i = 0; i < padded; i += 2) {
+    for (i = 0; i < padded; i += 2) {
         __m512 p[2];
         for (int e = 0; e < 2; e++) {
             const int key = i + e;
@@ -159,13 +165,13 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
                 p[e] = _mm512_setzero_ps();
                 continue;
             }
-            const __mmask16 live = key < unmasked ? rows : _mm512_mask_cmpge_epi32_mask(rows, positions, _mm512_set1_epi32((int)(k0 + key)));
-            p[e] = _mm512_maskz_mov_ps(live, exp2_probability(_mm512_fmadd_ps(_mm512_load_ps(ws->s[key]), scale, neg_m)));
+            p[e] = _mm512_maskz_mov_ps(LIVE(key), exp2_probability(_mm512_fmadd_ps(_mm512_load_ps(ws->s[key]), scale, neg_m)));
             sums[e] = _mm512_add_ps(sums[e], p[e]);
         }
         const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
         _mm512_store_si512((__m512i *)(ws->p[i / 32] + (i % 32) / 2 * 32), pair);
     }
+#undef LIVE
     /* 2^-inf would be clamped to 2^-126, not 0: a row's first block has nothing to rescale anyway */
     const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
                                              exp2_16(_mm512_sub_ps(m_old, m_new)));
