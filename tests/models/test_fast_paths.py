@@ -59,3 +59,28 @@ def test_fused_decode_of_bfloat16_weights_in_amx_tiles_gives_the_layer_by_layer_
     assert fused.llm_engine.model.fused_decode is not None
     outputs = [o.outputs[0].token_ids for o in fused.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert outputs == greedy(tiny_path, dtype="bfloat16", fused_decode=False)
+
+
+def test_fused_step_takes_prefill_chunks_in_bfloat16_and_gives_the_layer_by_layer_tokens(tmp_path):
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.amx:
+        pytest.skip("prefill chunks join the fused step only on the AMX prefill attention, which this CPU lacks")
+    path = str(make_tiny_hf_model(tmp_path, arch="llama", hidden_size=128))  # head_dim 32, as the kernel needs
+    engine = {**SMALL_ENGINE, "block_size": 16}  # a block size the kernel takes
+    llm = LLM(path, dtype="bfloat16", **engine)
+    fused, taken = llm.llm_engine.model.fused_decode, []
+
+    class Recording:
+        applies = fused.applies
+
+        def __call__(self, hidden, positions, kv_caches, metadata):
+            out = fused(hidden, positions, kv_caches, metadata)
+            taken.append((bool(metadata.prefills), metadata.decode_token_index is not None, out is not None))
+            return out
+
+    llm.llm_engine.model.fused_decode = Recording()
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # the first step (prompts only) and a chunk of the long prompt beside decodes each ran as one native call
+    assert (True, False, True) in taken and (True, True, True) in taken
+    plain = LLM(path, dtype="bfloat16", fused_decode=False, **engine)
+    assert outputs == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]

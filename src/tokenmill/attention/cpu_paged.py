@@ -18,7 +18,7 @@ import torch
 from tokenmill.attention.base import SequenceChunk
 from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, is_decode,
                                           prefill_entries)
-from tokenmill.kernels.cpu_kernels import CpuKernels
+from tokenmill.kernels.cpu_kernels import CpuKernels, prefill_attention_fits
 
 
 @dataclass
@@ -45,7 +45,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         prefills = [c for c in chunks if not is_decode(c)]
         # the cache writes take the slots themselves: no block ids and offsets
         meta = CpuPagedMetadata(None, None, prefill_entries(prefills, block_size, device), slots=slot_mapping)
-        if prefills and self.kernels.amx:
+        if prefills and self.kernels.amx and prefill_attention_fits(block_size=block_size):
             meta.prefill_chunks = torch.tensor([[c.query_start for c in prefills], [c.query_len for c in prefills],
                                                 [c.context_len for c in prefills]], dtype=torch.int64)
             meta.prefill_tables = padded_block_tables(prefills, block_size, torch.int32)

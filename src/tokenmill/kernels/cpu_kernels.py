@@ -62,6 +62,15 @@ _loaded: dict[str, Optional["CpuKernels"]] = {}
 _DEQUANTIZED_TILE_BYTES = 8 << 20
 # amx_kernels.c multiplies 32 input features per tile step
 AMX_FEATURE_TILE = 32
+# The shapes prefill_attention.c takes (it returns -1 on others): head_dim a multiple of 32 up to 256,
+# block_size a multiple of 16.
+PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM, PREFILL_BLOCK_STEP = 32, 256, 16
+
+
+def prefill_attention_fits(head_dim: Optional[int] = None, block_size: Optional[int] = None) -> bool:
+    """Whether the AMX prefill attention takes this head size and/or cache block size."""
+    return ((head_dim is None or (head_dim % PREFILL_HEAD_DIM_STEP == 0 and head_dim <= PREFILL_MAX_HEAD_DIM))
+            and (block_size is None or block_size % PREFILL_BLOCK_STEP == 0))
 
 
 def cache_dir() -> Path:
@@ -129,6 +138,7 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, None
         lib.tm_dequantize.restype = _INT  # how many requested rows were outside the weight
         lib.tm_prefill_attention.restype = _INT  # -1: not supported here, nothing done
+        lib.tm_decode_step.restype = _INT  # -1: the prefill attention did not take the chunks, hidden untouched
         lib.tm_qcells_bytes.argtypes, lib.tm_qcells_bytes.restype = [_I64, _I64, _INT, _INT], _I64
         self.lib = lib
         lib.tm_amx_init.argtypes, lib.tm_amx_init.restype = [], _INT

@@ -1,9 +1,10 @@
-/* A whole decode step of a Llama-family model, in one call, with quantised or AMX-packed projections.
+/* A whole step of a Llama-family model, in one call, with quantised or AMX-packed projections.
  *
  * It runs exactly the kernels the Python module path calls, in the same order, on the same inputs
- * (norms, quantised products, RoPE, KV writes, paged decode attention, SiLU-and-mul), so its output is
- * bit-identical to that path; what it saves is the Python between them. models/fused_decode.py
- * decides when it applies (every row a decode, few enough rows for these product paths).
+ * (norms, quantised products, RoPE, KV writes, paged decode attention, the AMX prefill attention,
+ * SiLU-and-mul), so its output is bit-identical to that path; what it saves is the Python between them.
+ * models/fused_decode.py decides when it applies (few enough rows for these product paths; prefill
+ * chunks only in bfloat16 with AMX).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -15,6 +16,10 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
                          int64_t out_row_stride, float scale, int bf16);
+int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache, const int64_t *query_starts,
+                         const int64_t *query_lens, const int64_t *context_lens, const int32_t *block_tables,
+                         int64_t max_blocks, int64_t num_chunks, int64_t num_blocks, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t block_size, int64_t head_dim, int64_t q_stride, float scale);
 void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *slots, int64_t num_tokens,
                     int64_t num_blocks, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
                     int64_t k_row_stride, int64_t v_row_stride, int bf16);
@@ -53,8 +58,15 @@ typedef struct {
     int64_t num_blocks, block_size, max_blocks;
     float eps, scale;
     int32_t bf16;
-    const int64_t *positions, *slots, *token_index;
+    const int64_t *positions, *slots;
+    int64_t num_decodes;  /* decode rows: token_index, block_tables [num_decodes, max_blocks], context_lens */
+    const int64_t *token_index;
     const int32_t *block_tables, *context_lens;
+    int64_t num_prefills;  /* prefill chunks: prefill_chunks [3, num_prefills] (query starts, query lengths,
+                              context lengths), prefill_tables [num_prefills, prefill_max_blocks] */
+    const int64_t *prefill_chunks;
+    const int32_t *prefill_tables;
+    int64_t prefill_max_blocks;
     const float *cos, *sin;
     const void *final_norm;
     int64_t amx_from_rows;  /* bfloat16 products of this many rows or more run on AMX; 0: none */
@@ -71,8 +83,12 @@ static void project(void *y, const void *x, const tm_projection *p, int64_t m, c
         tm_qlinear(y, x, p->cells, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits, p->half, s->bf16);
 }
 
-/* hidden [T, hidden] holds the embeddings on entry and the final-normed hidden states on return. */
-void tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, const tm_step *s) {
+/* hidden [T, hidden] holds the embeddings on entry and the final-normed hidden states on return: 0. Or -1,
+ * hidden untouched (it is written last), where the prefill attention does not take these chunks (float32,
+ * shapes it does not suit); the caches then hold this step's K/V, which the module path writes again. */
+int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, const tm_step *s) {
+    if (s->num_prefills && !s->bf16)
+        return -1;
     const int64_t t = s->num_tokens, elem = s->bf16 ? 2 : 4;
     const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     const int64_t qkv_width = q_size + 2 * kv_size;
@@ -84,6 +100,7 @@ void tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, co
     char *gate_up = malloc((size_t)(t * 2 * s->intermediate * elem));
     char *act = malloc((size_t)(t * s->intermediate * elem));
     const int64_t cache_half = s->num_blocks * s->num_kv_heads * s->block_size * s->head_dim * elem;
+    int failed = 0;
 
     for (int64_t l = 0; l < num_layers; l++) {
         const tm_layer *layer = &layers[l];
@@ -99,16 +116,27 @@ void tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, co
         const char *k = qkv + q_size * elem, *v = qkv + (q_size + kv_size) * elem;
         tm_cache_write(layer->kv_cache, k, v, s->slots, t, s->num_blocks, s->num_kv_heads, s->block_size,
                        s->head_dim, qkv_width, qkv_width, s->bf16);
-        tm_decode_attention(attn, qkv, layer->kv_cache, (char *)layer->kv_cache + cache_half, s->token_index,
-                            s->block_tables, s->context_lens, t, s->num_heads, s->num_kv_heads, s->head_dim,
-                            s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size, s->scale, s->bf16);
+        if (s->num_decodes)
+            tm_decode_attention(attn, qkv, layer->kv_cache, (char *)layer->kv_cache + cache_half, s->token_index,
+                                s->block_tables, s->context_lens, s->num_decodes, s->num_heads, s->num_kv_heads,
+                                s->head_dim, s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size, s->scale,
+                                s->bf16);
+        const int64_t p = s->num_prefills;
+        if (p && tm_prefill_attention((uint16_t *)attn, (const uint16_t *)qkv, layer->kv_cache, s->prefill_chunks,
+                                      s->prefill_chunks + p, s->prefill_chunks + 2 * p, s->prefill_tables,
+                                      s->prefill_max_blocks, p, s->num_blocks, s->num_heads, s->num_kv_heads,
+                                      s->block_size, s->head_dim, qkv_width, s->scale)) {
+            failed = 1;
+            break;
+        }
         project(x, attn, &layer->o, t, s);
         tm_add_rms_norm(normed, x, residual, layer->post_norm, t, s->hidden, s->eps, s->bf16);
         project(gate_up, normed, &layer->gate_up, t, s);
         tm_silu_mul(act, gate_up, t, s->intermediate, s->bf16);
         project(x, act, &layer->down, t, s);
     }
-    tm_add_rms_norm(hidden, x, residual, s->final_norm, t, s->hidden, s->eps, s->bf16);
+    if (!failed)
+        tm_add_rms_norm(hidden, x, residual, s->final_norm, t, s->hidden, s->eps, s->bf16);
     free(residual);
     free(normed);
     free(x);
@@ -116,4 +144,5 @@ void tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, co
     free(attn);
     free(gate_up);
     free(act);
+    return failed ? -1 : 0;
 }

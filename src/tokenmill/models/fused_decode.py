@@ -1,14 +1,16 @@
-"""One native call per decode step for Llama-family models whose projections all run natively.
+"""One native call per step for Llama-family models whose projections all run natively.
 
 `FusedDecode` gathers, once, each layer's packed weights and norm weights into the structures that
 kernels/decode_step.c reads, and per step hands it the step's metadata and KV caches. It applies to a
-step only where the module path would run the very same kernels in the same order: bfloat16 with the
-native element-wise kernels (the cpu_paged backend), every projection either quantised with the
-native product or bfloat16 in AMX tiles (`AmxPackedKernel`), no q/k norm, every row a decode, and
-fewer rows than the products' thresholds for their few-row paths; each product takes the path
-(int8 or AMX) its kernel would for that many rows.
-There its output is bit-identical to the module path's (tests/models/test_quantized_models.py); what
-it removes is the Python between some 300 kernel calls per step.
+step only where the module path would run the very same kernels in the same order: the native
+element-wise kernels (the cpu_paged backend), every projection either quantised with the native
+product or bfloat16 in AMX tiles (`AmxPackedKernel`), no q/k norm, fewer rows than the products'
+thresholds for their few-row paths (each product takes the path, int8 or AMX, its kernel would for
+that many rows), and decode rows only unless the model is bfloat16 and the prefill chunks run on the
+AMX prefill attention. Where the native step finds that attention does not take the chunks, it says
+so before touching the hidden states and the step runs layer by layer.
+There its output is bit-identical to the module path's (tests/models/test_quantized_models.py,
+tests/models/test_fast_paths.py); what it removes is the Python between some 300 kernel calls per step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from tokenmill.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
-from tokenmill.kernels.cpu_kernels import QLinearOp
+from tokenmill.kernels.cpu_kernels import QLinearOp, prefill_attention_fits
 from tokenmill.layers import quantized
 from tokenmill.layers.linear_kernels import AmxPackedKernel, QuantizedKernel
 
@@ -39,9 +41,10 @@ class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", c_int64), ("hidden", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
                 ("head_dim", c_int64), ("intermediate", c_int64), ("num_blocks", c_int64), ("block_size", c_int64),
                 ("max_blocks", c_int64), ("eps", c_float), ("scale", c_float), ("bf16", c_int32),
-                ("positions", c_void_p), ("slots", c_void_p), ("token_index", c_void_p), ("block_tables", c_void_p),
-                ("context_lens", c_void_p), ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p),
-                ("amx_from_rows", c_int64)]
+                ("positions", c_void_p), ("slots", c_void_p), ("num_decodes", c_int64), ("token_index", c_void_p),
+                ("block_tables", c_void_p), ("context_lens", c_void_p), ("num_prefills", c_int64),
+                ("prefill_chunks", c_void_p), ("prefill_tables", c_void_p), ("prefill_max_blocks", c_int64),
+                ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p), ("amx_from_rows", c_int64)]
 
 
 def _native_product(linear: Any) -> Union[QLinearOp, AmxPackedKernel, None]:
@@ -80,6 +83,9 @@ class FusedDecode:
         self.shape = dict(hidden=model.arch.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                           head_dim=attn.head_dim, intermediate=mlp.down_proj.in_features)
         self.cache_pointers: Optional[list[int]] = None
+        # the AMX prefill attention is bfloat16 only; the metadata has prefill chunks for it only with AMX
+        # and a block size it takes
+        self.prefills = model.norm.weight.dtype == torch.bfloat16 and prefill_attention_fits(head_dim=attn.head_dim)
 
     @staticmethod
     def build(model: Any) -> Optional["FusedDecode"]:
@@ -99,30 +105,40 @@ class FusedDecode:
         return FusedDecode(model, kernels)
 
     def applies(self, metadata: Any, num_tokens: int) -> bool:
-        """True for a step whose rows are all decodes, fewer than the products' dequantising threshold."""
+        """True for a step of fewer rows than the products' dequantising threshold whose prefill chunks, if
+        any, the AMX prefill attention takes (bfloat16; `prefill_chunks` are built only with AMX)."""
         below = quantized.AMX_BELOW_ROWS if self.all_amx else quantized.DEQUANTIZE_FROM_ROWS
-        return (isinstance(metadata, CpuPagedMetadata) and not metadata.prefills
-                and metadata.decode_token_index is not None and metadata.decode_token_index.numel() == num_tokens
-                and num_tokens < below)
+        if not isinstance(metadata, CpuPagedMetadata) or num_tokens >= below:
+            return False
+        if metadata.prefills:
+            return self.prefills and metadata.prefill_chunks is not None
+        return metadata.decode_token_index is not None and metadata.decode_token_index.numel() == num_tokens
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 metadata: CpuPagedMetadata) -> torch.Tensor:
-        """Embeddings [T, hidden] -> final-normed hidden states [T, hidden] (computed in place)."""
+                 metadata: CpuPagedMetadata) -> Optional[torch.Tensor]:
+        """Embeddings [T, hidden] -> final-normed hidden states [T, hidden] (computed in place), or None
+        where the native step did not take the step's prefill chunks (the caller runs the module path)."""
         pointers = [cache.data_ptr() for cache in kv_caches]
         if pointers != self.cache_pointers:
             for struct, pointer in zip(self.layers, pointers):
                 struct.kv_cache = pointer
             self.cache_pointers = pointers
         _, num_blocks, _, block_size, _ = kv_caches[0].shape
-        tables, rotary = metadata.decode_tables_i32, self.model.rotary
-        step = _Step(num_tokens=hidden.shape[0], num_blocks=num_blocks, block_size=block_size,
-                     max_blocks=tables.shape[1], eps=self.eps, scale=self.shape["head_dim"] ** -0.5,
-                     bf16=int(hidden.dtype == torch.bfloat16), positions=positions.data_ptr(),
-                     slots=metadata.slots.data_ptr(), token_index=metadata.decode_token_index.data_ptr(),
-                     block_tables=tables.data_ptr(), context_lens=metadata.decode_lens.data_ptr(),
+        rotary = self.model.rotary
+        step = _Step(num_tokens=hidden.shape[0], num_blocks=num_blocks, block_size=block_size, eps=self.eps,
+                     scale=self.shape["head_dim"] ** -0.5, bf16=int(hidden.dtype == torch.bfloat16),
+                     positions=positions.data_ptr(), slots=metadata.slots.data_ptr(),
                      cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
                      final_norm=self.model.norm.weight.data_ptr(),
                      amx_from_rows=quantized.AMX_FROM_ROWS if hidden.dtype == torch.bfloat16 else 0, **self.shape)
+        if metadata.decode_token_index is not None:
+            tables = metadata.decode_tables_i32
+            step.num_decodes, step.token_index = metadata.decode_token_index.numel(), metadata.decode_token_index.data_ptr()
+            step.block_tables, step.context_lens, step.max_blocks = tables.data_ptr(), metadata.decode_lens.data_ptr(), tables.shape[1]
+        if metadata.prefills:
+            step.num_prefills, step.prefill_chunks = metadata.prefill_chunks.shape[1], metadata.prefill_chunks.data_ptr()
+            step.prefill_tables, step.prefill_max_blocks = metadata.prefill_tables.data_ptr(), metadata.prefill_tables.shape[1]
         hidden = hidden.contiguous()
-        self.lib.tm_decode_step(hidden.data_ptr(), self.layers, len(self.layers), ctypes.byref(step))
+        if self.lib.tm_decode_step(hidden.data_ptr(), self.layers, len(self.layers), ctypes.byref(step)):
+            return None
         return hidden

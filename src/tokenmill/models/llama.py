@@ -124,7 +124,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = self.embed_tokens(input_ids)
         if self.fused_decode is not None and self.fused_decode.applies(attn_metadata, hidden.shape[0]):
-            return self.fused_decode(hidden, positions, kv_caches, attn_metadata)
+            fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata)
+            if fused is not None:
+                return fused
         rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
