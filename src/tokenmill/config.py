@@ -41,9 +41,9 @@ class ModelConfig:
                                   "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "
                                   "when a C compiler is available, else torch_ref (the PyTorch reference)",
                                   choices=ATTENTION_BACKENDS)
-    fused_decode: bool = _opt(True, "run each decode step as one native call where every projection runs "
-                              "natively (quantised, or bfloat16 in AMX tiles; bfloat16, cpu_paged); its output "
-                              "is identical to the per-layer path")
+    fused_decode: bool = _opt(True, "run each step as one native call where every projection runs natively "
+                              "(quantised, or bfloat16 in AMX tiles; cpu_paged): decode steps, and prefill chunks "
+                              "in bfloat16 on AMX; its output is identical to the per-layer path")
     quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K "
                              "weights packed (other encodings are dequantised), none = dequantise everything "
                              "to --dtype (the float reference), int8/int4 = also quantise float weights per "

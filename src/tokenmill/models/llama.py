@@ -160,8 +160,9 @@ class LlamaForCausalLM(nn.Module):
         return ", ".join(parts)
 
     def use_fused_decode(self) -> bool:
-        """Run qualifying decode steps as one native call (models/fused_decode.py); after
-        `use_linear_kernels` and `use_fused_kernels`. Returns whether the model qualifies."""
+        """Run qualifying steps (decode rows, bfloat16 prefill chunks on AMX) as one native call
+        (models/fused_decode.py); after `use_linear_kernels` and `use_fused_kernels`. Returns whether the
+        model qualifies."""
         from tokenmill.models.fused_decode import FusedDecode
 
         self.fused_decode = FusedDecode.build(self)
