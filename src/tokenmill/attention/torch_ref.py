@@ -10,6 +10,7 @@ attention reads.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +26,17 @@ class _Prefill:
     query_len: int
     context_len: int
     block_table: Optional[torch.Tensor]  # [blocks]; None when the chunk starts at position 0
-    mask: Optional[torch.Tensor]  # [query_len, context_len], True = may attend
+    device: torch.device
+
+    @functools.cached_property
+    def mask(self) -> Optional[torch.Tensor]:
+        """[query_len, context_len], True = may attend; None for a chunk starting at position 0 (plain
+        causal). Built on first use and kept for the step's other layers: a backend whose kernel takes
+        the chunk never builds it."""
+        start = self.context_len - self.query_len
+        if start == 0:
+            return None
+        return torch.ones(self.query_len, self.context_len, dtype=torch.bool, device=self.device).tril(start)
 
 
 @dataclass
@@ -66,16 +77,12 @@ def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def prefill_entries(prefills: list[SequenceChunk], block_size: int, device: torch.device) -> list[_Prefill]:
     """What SDPA needs per prefill chunk: nothing more for a chunk starting at position 0 (its own K/V,
-    causal), else its block table and a [query_len, context_len] mask."""
+    causal), else its block table (and a mask, built when first used)."""
     entries = []
     for c in prefills:
-        start = c.context_len - c.query_len
-        if start == 0:
-            entries.append(_Prefill(c.query_start, c.query_len, c.context_len, None, None))
-        else:
-            mask = torch.ones(c.query_len, c.context_len, dtype=torch.bool, device=device).tril(start)
-            table = torch.tensor(c.block_ids[:-(-c.context_len // block_size)], device=device)
-            entries.append(_Prefill(c.query_start, c.query_len, c.context_len, table, mask))
+        fresh = c.context_len == c.query_len
+        table = None if fresh else torch.tensor(c.block_ids[:-(-c.context_len // block_size)], device=device)
+        entries.append(_Prefill(c.query_start, c.query_len, c.context_len, table, device))
     return entries
 
 
