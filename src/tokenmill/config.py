@@ -110,7 +110,60 @@ class SchedulerConfig:
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
 
 
-SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes tokens, how many, and when speculation stands aside."""
+
+    speculative_method: str = _opt("none", "propose tokens for the target to verify in one pass: ngram = "
+                                   "continue the latest earlier occurrence of the sequence's last tokens "
+                                   "(prompt lookup, no extra model), draft = a second model (--draft-model)",
+                                   choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _opt(4, "tokens proposed per request and step")
+    prompt_lookup_min: int = _opt(2, "ngram: shortest suffix of the sequence to look up")
+    prompt_lookup_max: int = _opt(5, "ngram: longest suffix of the sequence to look up (longest match wins)")
+    draft_model: Optional[str] = _opt(None, "draft: HF folder, .gguf file or alias of a model with the target's "
+                                      "tokenizer; it gets its own paged KV cache with as many blocks as the "
+                                      "target's")
+    draft_num_layers: Optional[int] = _opt(None, "draft: run only the draft model's first N layers (with its "
+                                           "final norm and head); the target's own first layers make a "
+                                           "self-speculative draft")
+    speculative_max_batch: int = _opt(4, "no speculation while more sequences than this run (larger batches "
+                                      "leave no idle compute to spend on proposals)")
+    speculative_min_acceptance: float = _opt(0.25, "a request whose recent acceptance rate falls below this "
+                                             "stops speculating for a while (then tries again)")
+
+    @property
+    def enabled(self) -> bool:
+        """True when a proposer is configured."""
+        return self.speculative_method != "none"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method 'draft' needs draft_model (a model with the target's tokenizer)")
+        if self.speculative_method != "draft" and (self.draft_model or self.draft_num_layers is not None):
+            raise ValueError("draft_model and draft_num_layers apply only with speculative_method 'draft'")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if not 0.0 <= self.speculative_min_acceptance <= 1.0:
+            raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {self.speculative_min_acceptance}")
+
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "speculative": SpeculativeConfig}
 
 
 @dataclass(frozen=True)
@@ -120,9 +173,10 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        for section in (self.model, self.cache, self.scheduler):
+        for section in (self.model, self.cache, self.scheduler, self.speculative):
             section.validate()
 
     @classmethod

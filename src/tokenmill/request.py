@@ -35,6 +35,10 @@ class Request:
     num_computed_tokens catches up with num_tokens; when it does, the runner samples one more token
     (so a running request normally has num_computed_tokens == num_tokens - 1 between steps).
     Prefill, chunked prefill, decode and recompute after preemption (reset to 0) are the same arithmetic.
+
+    Speculative tokens are proposals appended after the sequence for one step: the scheduler computes
+    them with the rest, the runner keeps the leading ones the target agrees with, and
+    num_computed_tokens falls back past the rejected ones (whose KV slots are then released).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_seq = next(_arrival_counter)
         self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []  # proposals for the next step only; never part of num_tokens
         self.status = RequestStatus.WAITING
         self.stop_reason: Union[None, int, str] = None
         self.num_preemptions = 0

@@ -47,12 +47,27 @@ class FakeRunner:
             self._check_reads_and_write(item)
             tokens = item.prompt_token_ids + item.output_token_ids
             end = item.start + item.num_tokens
-            assert item.token_ids == tokens[item.start:end], "a chunk computes the request's next tokens"
+            drafts = item.spec_token_ids
+            assert item.token_ids == tokens[item.start:end - len(drafts)] + drafts, \
+                "a chunk computes the request's next tokens, then its proposals"
             assert len(item.block_ids) * self.kv.block_size >= end, "blocks must cover every computed token"
             if item.sample:
-                assert end == len(tokens)
-                out.sampled_token_ids[item.request_id] = next_token(tokens)
+                assert end - len(drafts) == len(tokens)
+                out.sampled_token_ids[item.request_id] = verify(tokens, drafts)
+            else:
+                assert not drafts, "proposals come only with the tokens a request lacks"
         return out
+
+
+def verify(tokens: list[int], drafts: list[int]) -> list[int]:
+    """What greedy verification keeps: the proposals that match next_token, then next_token itself."""
+    sequence, kept = list(tokens), []
+    for draft in drafts:
+        if next_token(sequence) != draft:
+            break
+        sequence.append(draft)
+        kept.append(draft)
+    return kept + [next_token(sequence)]
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,

@@ -16,12 +16,17 @@ class SequenceChunk:
     Tokens [query_start, query_start + query_len) of the batch sit at absolute positions
     [context_len - query_len, context_len) of the sequence; after this step's K/V writes the
     cache holds positions [0, context_len) in `block_ids`.
+
+    `query_by_query` asks for each query to be attended exactly as a one-token decode step at its
+    position would be (speculative verification: the accepted tokens' outputs must not depend on
+    whether they were verified or decoded one by one).
     """
 
     query_start: int
     query_len: int
     context_len: int
     block_ids: list[int]
+    query_by_query: bool = False
 
 
 class AttentionBackend(ABC):

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from tokenmill.attention.base import SequenceChunk
-from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, is_decode,
-                                          prefill_entries)
+from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, prefill_entries,
+                                          split_decodes)
 from tokenmill.kernels.cpu_kernels import CpuKernels, prefill_attention_fits
 
 
@@ -41,8 +41,7 @@ class CpuPagedBackend(TorchReferenceBackend):
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> CpuPagedMetadata:
         """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
-        decodes = [c for c in chunks if is_decode(c)]
-        prefills = [c for c in chunks if not is_decode(c)]
+        decodes, prefills = split_decodes(chunks)
         # the cache writes take the slots themselves: no block ids and offsets
         meta = CpuPagedMetadata(None, None, prefill_entries(prefills, block_size, device), slots=slot_mapping)
         if prefills and self.kernels.amx and prefill_attention_fits(block_size=block_size):

@@ -56,6 +56,22 @@ def is_decode(chunk: SequenceChunk) -> bool:
     return chunk.query_len == 1 and chunk.context_len > 1
 
 
+def split_decodes(chunks: list[SequenceChunk]) -> tuple[list[SequenceChunk], list[SequenceChunk]]:
+    """(decode queries, prefill chunks): decode chunks, and every query of a `query_by_query` chunk as a
+    one-query chunk of its own (its context ends at its position), in batch order; the rest are prefills."""
+    decodes, prefills = [], []
+    for c in chunks:
+        if is_decode(c):
+            decodes.append(c)
+        elif c.query_by_query and c.context_len > c.query_len:
+            first_context = c.context_len - c.query_len + 1
+            decodes.extend(SequenceChunk(c.query_start + i, 1, first_context + i, c.block_ids)
+                           for i in range(c.query_len))
+        else:
+            prefills.append(c)
+    return decodes, prefills
+
+
 def padded_block_tables(chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, max_blocks] block tables of the chunks' sequences, each row padded with block 0 past its context."""
     max_blocks = max(-(-c.context_len // block_size) for c in chunks)
@@ -96,8 +112,8 @@ class TorchReferenceBackend(AttentionBackend):
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> TorchRefMetadata:
         """Split chunks into decode (one query) and prefill groups and precompute their gather indices."""
-        decodes = [c for c in chunks if is_decode(c)]
-        prefills = prefill_entries([c for c in chunks if not is_decode(c)], block_size, device)
+        decodes, prefill_chunks = split_decodes(chunks)
+        prefills = prefill_entries(prefill_chunks, block_size, device)
         meta = TorchRefMetadata(slot_mapping // block_size, slot_mapping % block_size, prefills)
         if decodes:
             tables = padded_block_tables(decodes, block_size, torch.long)

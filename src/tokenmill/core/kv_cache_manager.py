@@ -202,6 +202,15 @@ class KVCacheManager:
             self.pool.register(table[index], key)
             keys.append(key)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past those holding its first `num_tokens` tokens (the slots of
+        rejected speculative tokens). Those blocks were allocated for this request alone and never cached."""
+        table = self.tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        if table is not None and len(table) > keep:
+            self.pool.release(table[keep:])
+            del table[keep:]
+
     def free(self, request_id: str) -> None:
         """Return every block of the request to the pool (shared blocks just lose one holder)."""
         table = self.tables.pop(request_id, None)

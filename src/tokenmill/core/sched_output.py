@@ -15,6 +15,10 @@ class ScheduledRequest:
     `prompt_token_ids` and `output_token_ids` are read-only views of the request (the runner uses
     them for penalties). When `sample` is true this chunk reaches the end of the sequence and the
     runner samples the next token from the logits of its last position.
+
+    `spec_token_ids` are speculative proposals: the last len(spec_token_ids) entries of `token_ids`,
+    placed after the sequence's real tokens. The runner verifies them against the target's logits at
+    the chunk's last len(spec_token_ids) + 1 positions (`sample` is then always true).
     """
 
     request_id: str
@@ -25,6 +29,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -77,12 +82,15 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """What one forward pass produced, keyed by request id.
 
+    `sampled_token_ids[rid]` lists the tokens the step adds to the sequence: the accepted speculative
+    tokens (a prefix of the proposals) and then one token the target sampled, so a request without
+    proposals gets exactly one. `logprobs[rid]`, when asked for, has one entry per token.
     `prompt_logprobs[rid]` covers the chunk's positions in order; entry j scores the token at
     position start + j + 1 (the first prompt token has no logprob and is never included).
     """
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
@@ -98,3 +106,5 @@ class RequestUpdate:
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
     first_scheduled_time: Optional[float] = None
+    num_draft_tokens: int = 0  # speculative tokens verified this step
+    num_accepted_tokens: int = 0  # of those, the ones the target accepted

@@ -27,6 +27,22 @@ class SchedulingLimits:
     policy: str = "fcfs"
 
 
+@dataclass
+class SpecTotals:
+    """Speculative decoding counters since start: verification rounds, proposed, accepted and emitted tokens."""
+
+    num_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # accepted proposals plus the token sampled after them, in rounds with proposals
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one request's verification round."""
+        self.num_rounds += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+
+
 class Scheduler:
     """Decides, each step, which requests compute how many tokens.
 
@@ -48,6 +64,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
         self.num_preemptions_total = 0
+        self.spec_totals = SpecTotals()
 
     # ------------------------------------------------------------------ admission
     def check_admissible(self, prompt_len: int, max_total_tokens: int) -> None:
@@ -108,9 +125,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
-            while not self.kv_cache.allocate_slots(request.request_id, target):
+            num_new = self._grant(request, budget)
+            while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                if request.spec_token_ids:  # proposals are optional: drop them before preempting anyone
+                    request.spec_token_ids = []
+                    num_new = self._grant(request, budget)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 num_preempted += 1
@@ -129,6 +149,15 @@ class Scheduler:
         self._finished_since_last_step = []
         self.num_preemptions_total += num_preempted
         return output
+
+    @staticmethod
+    def _grant(request: Request, budget: int) -> int:
+        """Tokens the running `request` computes this step: what it lacks, then as many of its
+        speculative proposals as the budget leaves room for (the others are dropped)."""
+        lacking = request.num_tokens - request.num_computed_tokens
+        if request.spec_token_ids:
+            request.spec_token_ids = request.spec_token_ids[:max(0, budget - lacking)]
+        return min(lacking + len(request.spec_token_ids), budget)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
@@ -184,19 +213,23 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        # Invariant (from _grant): proposals are scheduled only with every token the request lacks.
+        real = num_new - len(request.spec_token_ids)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_range(start, start + num_new),
+            token_ids=request.token_ids_range(start, start + real) + request.spec_token_ids,
             start=start,
             block_ids=self.kv_cache.block_table(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + real == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            spec_token_ids=request.spec_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -216,22 +249,44 @@ class Scheduler:
                 update.new_prompt_logprobs = result.prompt_logprobs[item.request_id]
                 update.prompt_logprobs_start = item.start + 1
             request.num_computed_tokens += item.num_tokens
-            self.kv_cache.cache_computed_blocks(request)
+            request.spec_token_ids = []
             if item.sample:
                 if request.num_samples_to_fork:
                     self._fork_samples(request)
-                token = result.sampled_token_ids[item.request_id]
-                request.output_token_ids.append(token)
-                update.new_token_ids.append(token)
-                if item.request_id in result.logprobs:
-                    update.new_logprobs.append(result.logprobs[item.request_id])
-                if request.check_stop_token(token):
-                    self.running.remove(request)
-                    self._release(request)
-                    update.finish_reason = request.status.value
-                    update.stop_reason = request.stop_reason
+                self._append_sampled(request, item, result, update)
+            self.kv_cache.cache_computed_blocks(request)
+            if request.status.finished:
+                self.running.remove(request)
+                self._release(request)
+                update.finish_reason = request.status.value
+                update.stop_reason = request.stop_reason
             updates.append(update)
         return updates
+
+    def _append_sampled(self, request: Request, item: ScheduledRequest, result: ModelRunnerOutput,
+                        update: RequestUpdate) -> None:
+        """Append the step's tokens (accepted proposals, then the sampled one) up to the first that
+        stops the request, and roll num_computed_tokens and the block table back past rejected proposals."""
+        tokens = result.sampled_token_ids[item.request_id]
+        num_drafts = len(item.spec_token_ids)
+        if num_drafts:
+            accepted = len(tokens) - 1
+            update.num_draft_tokens, update.num_accepted_tokens = num_drafts, accepted
+            self.spec_totals.add(num_drafts, accepted)
+            request.num_computed_tokens -= num_drafts - accepted
+        logprobs = result.logprobs.get(item.request_id)
+        for index, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            update.new_token_ids.append(token)
+            if logprobs is not None:
+                update.new_logprobs.append(logprobs[index])
+            if request.check_stop_token(token):
+                break
+        if num_drafts:
+            self.spec_totals.emitted_tokens += len(update.new_token_ids)
+            # The KV of tokens past a stop is not part of the sequence: it must not be cached as computed.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.trim(request.request_id, request.num_computed_tokens)
 
     def _fork_samples(self, parent: Request) -> None:
         """Start samples 1..n-1 of an n>1 request, sharing the prompt's full blocks with it.

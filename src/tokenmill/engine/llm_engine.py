@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
 
-from tokenmill.attention import get_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.scheduler import Scheduler, SchedulingLimits
+from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.cpu_features import has_native_bf16
+from tokenmill.engine.model_setup import load_model
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.kernels.cpu_kernels import cpu_kernels
-from tokenmill.layers.linear_kernels import onednn_packing_available
 from tokenmill.models.loader import ModelSource, load_model_source
-from tokenmill.models.registry import build_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.setup import make_speculation
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -62,6 +60,7 @@ class EngineStats:
     prefix_cache_evictions: int
     secondary_cache_hits: int
     secondary_cache_saves: int
+    spec: SpecTotals = field(default_factory=SpecTotals)
 
 
 class LLMEngine:
@@ -77,30 +76,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self.arch.eos_token_ids
 
-        backend, kernels = get_attention_backend(config.model.attention_backend, self.device)
-        with torch.device(self.device):
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
-            try:
-                self.model = build_model(self.arch, backend, self.max_model_len)
-            finally:
-                torch.set_default_dtype(previous)
-        quantization = config.model.quantization
-        self.model.load_weights(source.iter_weights(keep_quantized=quantization != "none"),
-                                quantize_to=quantization if quantization in ("int8", "int4") else None)
-        fast_linears = config.model.linear_kernel == "auto"
-        native = kernels
-        if native is None and self.device.type == "cpu" and fast_linears:
-            native = cpu_kernels()  # the linears use them whatever the attention backend
-        self.model.use_linear_kernels(fast_linears and onednn_packing_available(self.dtype, self.device),
-                                      native if fast_linears else None)
-        if kernels is not None and self.dtype == torch.bfloat16:
-            # float32 keeps PyTorch's element-wise ops, whose results the HF comparisons pin down
-            self.model.use_fused_kernels(kernels)
-            if config.model.fused_decode:
-                self.model.use_fused_decode()
-        self.model.rotary.to_device(self.device)
-        self.model.eval()
+        self.model, backend = load_model(source, config.model, self.device, self.dtype, self.max_model_len)
 
         block_size = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or self._blocks_for_budget(block_size, config.cache.kv_cache_memory_gb)
@@ -115,6 +91,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, backend, num_blocks, block_size, self.arch.num_key_value_heads,
                                   self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
                                   config.model.seed, tier_slots, config.cache.secondary_kv_folder)
+        self.speculation = make_speculation(config, self) if config.speculative.enabled else None
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine ready in %.1fs: %s on %s (%s, %s attention; %s), %d KV blocks x %d tokens, "
                     "max_model_len %d", time.perf_counter() - started, self.arch.architecture, self.device,
@@ -204,7 +181,8 @@ class LLMEngine:
         tier_hits = kv.tier.num_hits * kv.block_size if kv.tier is not None else 0
         tier_saves = kv.tier.num_saves if kv.tier is not None else 0
         return EngineStats(scheduler.num_running, scheduler.num_waiting, kv.usage, scheduler.num_preemptions_total,
-                           kv.prefix_queries, kv.prefix_hits, kv.pool.num_evictions, tier_hits, tier_saves)
+                           kv.prefix_queries, kv.prefix_hits, kv.pool.num_evictions, tier_hits, tier_saves,
+                           replace(scheduler.spec_totals))
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
@@ -222,4 +200,7 @@ class LLMEngine:
         for update in updates:
             if update.finish_reason is not None or update.request_id in stopped:
                 self.scheduler.pop_finished(update.request_id)
+        if self.speculation is not None:
+            self.speculation.observe(updates)
+            self.speculation.propose(self.scheduler.running)
         return outputs

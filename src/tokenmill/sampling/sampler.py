@@ -8,38 +8,50 @@ import torch
 
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from tokenmill.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick one token per row of float32 `logits` [B, V]; returns int64 [B].
 
-    Order: logit bias, penalties, min_tokens masking, then greedy rows take the argmax; the others divide by
-    temperature, keep top-k, then top-p, then min-p, and draw with the exponential-race trick
-    argmax(p / E), E ~ Exp(1) — which lets seeded rows draw their noise from their own generator,
-    so a seeded request samples the same tokens whatever else is in the batch.
+    Order: logit bias, penalties, min_tokens masking (`adjust_logits`), then greedy rows take the
+    argmax; the others divide by temperature, keep top-k, then top-p, then min-p (`filtered_probs`),
+    and draw with the exponential-race trick argmax(p / E), E ~ Exp(1) — which lets seeded rows draw
+    their noise from their own generator, so a seeded request samples the same tokens whatever else
+    is in the batch.
     """
-    if any(r.params.logit_bias or r.params.uses_penalties or len(r.output_token_ids) < r.params.min_tokens
-           for r in rows):
-        logits = logits.clone()  # the caller's logits stay as computed
-        apply_logit_bias(logits, rows)
-        apply_penalties(logits, rows)
-        apply_min_tokens(logits, rows)
+    logits = adjust_logits(logits, rows)
     tokens = row_argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
         return tokens
-    sub = logits[random_rows]
-    params = [rows[i].params for i in random_rows]
-    temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
-    sub = sub / temps.unsqueeze(1)
-    sub = _top_k_top_p(sub, [p.top_k for p in params], [p.top_p for p in params])
-    sub = _min_p(sub, [p.min_p for p in params])
-    probs = sub.softmax(dim=-1)
+    probs = filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
     noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], probs.device,
                                default_generator)
     tokens[random_rows] = row_argmax(probs / noise)
     return tokens
+
+
+def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logit bias, penalties and min_tokens masking applied (to a copy: the caller's logits stay as computed)."""
+    if any(r.params.logit_bias or r.params.uses_penalties or len(r.output_token_ids) < r.params.min_tokens
+           for r in rows):
+        logits = logits.clone()
+        apply_logit_bias(logits, rows)
+        apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: softmax of logits / temperature after top-k,
+    top-p and min-p truncation. logits: adjusted float32 [B, V]; returns [B, V]."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    sub = logits / temps.unsqueeze(1)
+    sub = _top_k_top_p(sub, [p.top_k for p in params], [p.top_p for p in params])
+    sub = _min_p(sub, [p.min_p for p in params])
+    return sub.softmax(dim=-1)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:

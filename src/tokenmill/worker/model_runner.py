@@ -10,6 +10,7 @@ from tokenmill.attention.base import AttentionBackend, SequenceChunk
 from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
+from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import sample
 from tokenmill.worker.kv_tier_store import KVTierStore
 
@@ -38,6 +39,9 @@ class ModelRunner:
             self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, num_kv_heads, head_dim),
                                     len(self.kv_caches), dtype, device, tier_folder)
         self.generators: dict[str, torch.Generator] = {}
+        # The distributions a draft model drew each request's proposals from, [proposals, V], set by the
+        # draft proposer for the next step only; a request missing here proposed deterministically.
+        self.proposal_probs: dict[str, torch.Tensor] = {}
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
@@ -53,17 +57,20 @@ class ModelRunner:
         if schedule.is_empty:
             return result
         batch = schedule.scheduled
+        hidden, chunks = self.forward(batch)
+        rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
+        if rows:  # else every chunk is a partial prefill: nothing to sample or score yet
+            logits = self.model.compute_logits(self._rows(hidden, rows))
+            self._sample(batch, logits, sample_rows, result)
+            self._prompt_logprobs(batch, logits, prompt_rows, result)
+        self.proposal_probs.clear()
+        return result
+
+    def forward(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[SequenceChunk]]:
+        """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden]."""
         input_ids, positions, slots, chunks = self._flatten(batch)
         metadata = self.backend.build_metadata(chunks, slots, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-
-        rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
-        if not rows:  # every chunk is a partial prefill: nothing to sample or score yet
-            return result
-        logits = self.model.compute_logits(self._rows(hidden, rows))
-        self._sample(batch, logits, sample_rows, result)
-        self._prompt_logprobs(batch, logits, prompt_rows, result)
-        return result
+        return self.model(input_ids, positions, self.kv_caches, metadata), chunks
 
     def _flatten(self, batch: list[ScheduledRequest]):
         ids: list[int] = []
@@ -73,7 +80,7 @@ class ModelRunner:
         bs = self.block_size
         for item in batch:
             start, end = item.start, item.start + item.num_tokens
-            chunks.append(SequenceChunk(len(ids), item.num_tokens, end, item.block_ids))
+            chunks.append(SequenceChunk(len(ids), item.num_tokens, end, item.block_ids, bool(item.spec_token_ids)))
             ids.extend(item.token_ids)
             pos.extend(range(start, end))
             table = item.block_ids
@@ -83,9 +90,11 @@ class ModelRunner:
 
     @staticmethod
     def _logit_rows(batch: list[ScheduledRequest], chunks: list[SequenceChunk]):
-        """Which hidden rows need logits: the last of each sampling chunk, and every prompt row asked for.
+        """Which hidden rows need logits: the last of each sampling chunk (its last 1 + proposals, when it
+        carries speculative proposals), and every prompt row asked for.
 
-        Returns (hidden row indices, {batch index: logits row}, {batch index: (first logits row, count)}).
+        Returns (hidden row indices, {batch index: first logits row to sample from},
+        {batch index: (first logits row, count)}).
         """
         rows: list[int] = []
         sample_rows: dict[int, int] = {}
@@ -98,7 +107,8 @@ class ModelRunner:
                 rows.extend(range(chunk.query_start, chunk.query_start + count))
             if item.sample:
                 sample_rows[i] = len(rows)
-                rows.append(chunk.query_start + chunk.query_len - 1)
+                end = chunk.query_start + chunk.query_len
+                rows.extend(range(end - 1 - len(item.spec_token_ids), end))
         return rows, sample_rows, prompt_rows
 
     def _rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -117,23 +127,45 @@ class ModelRunner:
             self.generators[item.request_id] = gen
         return gen
 
+    def _row(self, item: ScheduledRequest) -> SamplingRow:
+        return SamplingRow(item.sampling_params, self._generator(item), item.prompt_token_ids,
+                           item.output_token_ids, self.eos_token_ids)
+
     def _sample(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], result: ModelRunnerOutput) -> None:
-        if not sample_rows:
-            return
-        order = list(sample_rows)
-        rows = [SamplingRow(batch[i].sampling_params, self._generator(batch[i]), batch[i].prompt_token_ids,
-                            batch[i].output_token_ids, self.eos_token_ids) for i in order]
-        sample_logits = self._rows(logits, [sample_rows[i] for i in order])
-        tokens = sample(sample_logits, rows, self.default_generator)
-        for i, token in zip(order, tokens.tolist()):
-            result.sampled_token_ids[batch[i].request_id] = token
-        wanted = [k for k, i in enumerate(order) if batch[i].sampling_params.logprobs is not None]
-        if wanted:
-            picked = torch.tensor(wanted, device=self.device)
-            entries = token_logprobs(sample_logits[picked], tokens[picked],
-                                     [batch[order[k]].sampling_params.logprobs for k in wanted])
-            for k, entry in zip(wanted, entries):
-                result.logprobs[batch[order[k]].request_id] = entry
+        plain = [i for i in sample_rows if not batch[i].spec_token_ids]
+        if plain:
+            sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
+            tokens = sample(sample_logits, [self._row(batch[i]) for i in plain], self.default_generator)
+            for i, token in zip(plain, tokens.tolist()):
+                result.sampled_token_ids[batch[i].request_id] = [token]
+            wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
+            if wanted:
+                picked = torch.tensor(wanted, device=self.device)
+                entries = token_logprobs(sample_logits[picked], tokens[picked],
+                                         [batch[plain[k]].sampling_params.logprobs for k in wanted])
+                for k, entry in zip(wanted, entries):
+                    result.logprobs[batch[plain[k]].request_id] = [entry]
+        speculative = [i for i in sample_rows if batch[i].spec_token_ids]
+        if speculative:
+            self._verify(batch, logits, sample_rows, speculative, result)
+
+    def _verify(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], speculative: list[int],
+                result: ModelRunnerOutput) -> None:
+        """Accept or reject each request's proposals (rows sample_rows[i] .. + len(proposals))."""
+        proposals = []
+        for i in speculative:
+            item = batch[i]
+            q = self.proposal_probs.get(item.request_id)
+            proposals.append(Proposal(item.spec_token_ids, sample_rows[i], self._row(item),
+                                      None if q is None else q[:len(item.spec_token_ids)]))
+        for i, tokens in zip(speculative, verify(logits, proposals, self.default_generator)):
+            item = batch[i]
+            result.sampled_token_ids[item.request_id] = tokens
+            if item.sampling_params.logprobs is not None:
+                first = sample_rows[i]
+                result.logprobs[item.request_id] = token_logprobs(
+                    logits[first:first + len(tokens)], torch.tensor(tokens, device=self.device),
+                    [item.sampling_params.logprobs] * len(tokens))
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor, prompt_rows: dict[int, tuple[int, int]],
                          result: ModelRunnerOutput) -> None:

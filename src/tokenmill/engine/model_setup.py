@@ -1,0 +1,63 @@
+"""Building a loaded, ready-to-run model from a model source: backend, weights, kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Iterator, Optional
+
+import torch
+
+from tokenmill.attention import AttentionBackend, get_attention_backend
+from tokenmill.config import ModelConfig
+from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.layers.linear_kernels import onednn_packing_available
+from tokenmill.models.loader import ModelSource
+from tokenmill.models.registry import build_model
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def load_model(source: ModelSource, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               max_model_len: int, num_layers: Optional[int] = None) -> tuple[Any, AttentionBackend]:
+    """The model of `source` with its weights loaded and the kernels `config` asks for, and its attention
+    backend. `num_layers` keeps only the first layers (with the final norm and head): a shallow draft."""
+    arch = source.arch
+    if num_layers is not None:
+        if num_layers > arch.num_hidden_layers:
+            raise ValueError(f"draft_num_layers {num_layers} is more than the model's {arch.num_hidden_layers} layers")
+        arch = dataclasses.replace(arch, num_hidden_layers=num_layers)
+    backend, kernels = get_attention_backend(config.attention_backend, device)
+    with torch.device(device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = build_model(arch, backend, max_model_len)
+        finally:
+            torch.set_default_dtype(previous)
+    quantization = config.quantization
+    weights = source.iter_weights(keep_quantized=quantization != "none")
+    if num_layers is not None:
+        weights = _first_layers(weights, num_layers)
+    model.load_weights(weights, quantize_to=quantization if quantization in ("int8", "int4") else None)
+    fast_linears = config.linear_kernel == "auto"
+    native = kernels
+    if native is None and device.type == "cpu" and fast_linears:
+        native = cpu_kernels()  # the linears use them whatever the attention backend
+    model.use_linear_kernels(fast_linears and onednn_packing_available(dtype, device),
+                             native if fast_linears else None)
+    if kernels is not None and dtype == torch.bfloat16:
+        # float32 keeps PyTorch's element-wise ops, whose results the HF comparisons pin down
+        model.use_fused_kernels(kernels)
+        if config.fused_decode:
+            model.use_fused_decode()
+    model.rotary.to_device(device)
+    model.eval()
+    return model, backend
+
+
+def _first_layers(weights: Iterator[tuple[str, Any]], num_layers: int) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        match = _LAYER_INDEX.search(name)
+        if match is None or int(match.group(1)) < num_layers:
+            yield name, tensor

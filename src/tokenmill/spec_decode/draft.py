@@ -1,0 +1,125 @@
+"""Draft-model proposals: a second model, with its own paged KV cache, proposes k tokens autoregressively."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.sched_output import ScheduledRequest
+from tokenmill.request import Request
+from tokenmill.sampling.batch import SamplingRow
+from tokenmill.sampling.sampler import adjust_logits, filtered_probs, row_argmax
+from tokenmill.worker.model_runner import ModelRunner
+
+
+_DRAFT_SEED_SALT = 0x5DEECE66D_9E3779B9
+
+
+class DraftProposer:
+    """Runs the draft model over each speculating request and records what it proposed.
+
+    The draft keeps its own block tables (a KVCacheManager over its own pool, no prefix caching) and KV
+    tensors. Per request it remembers how many leading tokens its cache holds; before proposing that
+    count falls to the target's num_computed_tokens when lower, which discards the draft KV of rejected
+    proposals (and everything after a preemption). One forward pass catches each request up to the end
+    of its sequence and yields the first proposal; each further proposal is one decode pass.
+
+    Greedy requests get the draft's argmax. Sampling requests draw from the draft's distribution under
+    their own sampling controls, and that distribution goes to the target runner for the rejection rule.
+    """
+
+    def __init__(self, model: Any, backend: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, eos_token_ids: tuple[int, ...], seed: int, target: ModelRunner) -> None:
+        arch = model.arch
+        self.kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
+        self.runner = ModelRunner(model, backend, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim,
+                                  dtype, device, eos_token_ids, seed + 1)
+        self.target = target
+        self.cached: dict[str, int] = {}  # request id -> leading tokens whose draft KV is valid
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Free a finished (or preempted) request's draft KV."""
+        self.kv.free(request_id)
+        self.cached.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Up to `room` proposals for each (request, room); a request whose draft KV does not fit gets none."""
+        items, rooms = [], []
+        for request, room in wanted:
+            item = self._catch_up(request, room)
+            if item is not None:
+                items.append(item)
+                rooms.append(room)
+        drafts: dict[str, list[int]] = {item.request_id: [] for item in items}
+        probs: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in items}
+        step = 0
+        while items:
+            hidden, chunks = self.runner.forward(items)
+            last = torch.tensor([c.query_start + c.query_len - 1 for c in chunks], dtype=torch.long)
+            logits = self.runner.model.compute_logits(hidden[last])
+            for item, token, dist in zip(items, *self._pick(items, drafts, logits)):
+                drafts[item.request_id].append(token)
+                if dist is not None:
+                    probs[item.request_id].append(dist)
+            step += 1
+            following = [(item, room) for item, room in zip(items, rooms) if room > step]
+            items = [self._next(item, drafts[item.request_id][-1]) for item, _ in following]
+            rooms = [room for _, room in following]
+        for request_id, rows in probs.items():
+            if rows:
+                self.target.proposal_probs[request_id] = torch.stack(rows)
+        return drafts
+
+    def _catch_up(self, request: Request, room: int) -> Optional[ScheduledRequest]:
+        """The chunk feeding the draft every token it lacks, with blocks for the room-1 proposals fed after."""
+        rid = request.request_id
+        cached = min(self.cached.get(rid, 0), request.num_computed_tokens)
+        self.kv.trim(rid, cached)
+        end = request.num_tokens
+        if not self.kv.allocate_slots(rid, end + room - 1):
+            self.forget(rid)
+            return None
+        self.cached[rid] = end + room - 1  # once all proposals but the last are fed
+        return ScheduledRequest(rid, request.token_ids_range(cached, end), cached, self.kv.block_table(rid), True,
+                                request.sampling_params, request.prompt_token_ids,
+                                list(request.output_token_ids))
+
+    @staticmethod
+    def _next(item: ScheduledRequest, token: int) -> ScheduledRequest:
+        """The decode chunk feeding `token` (the latest proposal) after `item`."""
+        output = item.output_token_ids + [token]  # proposals count as output for penalties and min_tokens
+        return ScheduledRequest(item.request_id, [token], item.start + item.num_tokens, item.block_ids, True,
+                                item.sampling_params, item.prompt_token_ids, output)
+
+    def _generator(self, item: ScheduledRequest) -> Optional[torch.Generator]:
+        """A seeded request's own draft generator. Its seed differs from the one the target's verification
+        draws with: the draft's choices must be independent of the acceptance draws."""
+        seed = item.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(item.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(_DRAFT_SEED_SALT ^ seed)
+            self.generators[item.request_id] = generator
+        return generator
+
+    def _pick(self, items: list[ScheduledRequest], drafts: dict[str, list[int]], logits: torch.Tensor):
+        """Each item's proposal, and for sampling requests the distribution it was drawn from."""
+        rows = [SamplingRow(item.sampling_params, self._generator(item), item.prompt_token_ids,
+                            item.output_token_ids, self.runner.eos_token_ids) for item in items]
+        adjusted = adjust_logits(logits, rows)
+        tokens = row_argmax(adjusted).tolist()
+        dists: list[Optional[torch.Tensor]] = [None] * len(items)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            probs = filtered_probs(adjusted[random_rows], [rows[i].params for i in random_rows])
+            for row, i in enumerate(random_rows):
+                generator = rows[i].generator or self.runner.default_generator
+                tokens[i] = int(torch.multinomial(probs[row], 1, generator=generator))
+                dists[i] = probs[row]
+        return tokens, dists

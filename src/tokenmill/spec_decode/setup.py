@@ -1,0 +1,43 @@
+"""Building the speculation controller and its proposer from the engine's configuration."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenmill.config import EngineConfig
+from tokenmill.spec_decode.controller import SpeculationController
+from tokenmill.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm_engine import LLMEngine
+
+
+def make_speculation(config: EngineConfig, engine: "LLMEngine") -> SpeculationController:
+    """The controller for config.speculative (method ngram or draft), proposing for `engine`'s requests."""
+    spec = config.speculative
+    if spec.speculative_method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        proposer = _draft_proposer(config, engine)
+    return SpeculationController(proposer, spec.num_speculative_tokens, spec.speculative_max_batch,
+                                 spec.speculative_min_acceptance)
+
+
+def _draft_proposer(config: EngineConfig, engine: "LLMEngine"):
+    from tokenmill.engine.model_setup import load_model
+    from tokenmill.models.loader import load_model_source
+    from tokenmill.spec_decode.draft import DraftProposer
+
+    spec = config.speculative
+    source = load_model_source(spec.draft_model)
+    if source.arch.vocab_size != engine.arch.vocab_size or source.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+        raise ValueError(f"the draft model {spec.draft_model!r} does not share the target's tokenizer "
+                         f"(vocabulary of {source.arch.vocab_size} against {engine.arch.vocab_size} tokens, or "
+                         f"different token strings)")
+    if source.arch.max_position_embeddings < engine.max_model_len:
+        raise ValueError(f"the draft model's context length ({source.arch.max_position_embeddings}) is shorter than "
+                         f"max_model_len ({engine.max_model_len}); lower max_model_len")
+    model, backend = load_model(source, config.model, engine.device, engine.dtype, engine.max_model_len,
+                                spec.draft_num_layers)
+    return DraftProposer(model, backend, engine.kv_cache.num_blocks, engine.kv_cache.block_size, engine.dtype,
+                         engine.device, engine.eos_token_ids, config.model.seed, engine.runner)
