@@ -54,7 +54,17 @@ class EngineMetrics:
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).")
         self.secondary_hits = counter("secondary_cache_hits", "Prompt tokens copied back from the second KV tier.")
         self.secondary_saves = counter("secondary_cache_saves", "KV blocks saved to the second tier on eviction.")
-        self._last_totals = (0, 0, 0, 0, 0, 0)
+        self.spec_rounds = counter("spec_decode_num_drafts", "Speculative verification rounds (one per request "
+                                   "and step with proposals).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.")
+        self.spec_emitted_tokens = counter("spec_decode_num_emitted_tokens", "Tokens emitted by verification "
+                                           "rounds (accepted proposals plus the token sampled after them).")
+        self.spec_acceptance_rate = gauge("spec_decode_draft_acceptance_rate", "Accepted / proposed speculative "
+                                          "tokens since start (0-1).")
+        self.spec_mean_length = gauge("spec_decode_mean_acceptance_length", "Tokens gained per verification round "
+                                      "since start: 1 + accepted / rounds (vLLM's definition).")
+        self._last_totals = (0,) * 10
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
@@ -67,16 +77,22 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        spec = stats.spec
         totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
-                  stats.prefix_cache_evictions, stats.secondary_cache_hits, stats.secondary_cache_saves)
+                  stats.prefix_cache_evictions, stats.secondary_cache_hits, stats.secondary_cache_saves,
+                  spec.num_rounds, spec.draft_tokens, spec.accepted_tokens, spec.emitted_tokens)
         counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.evictions, self.secondary_hits,
-                    self.secondary_saves)
+                    self.secondary_saves, self.spec_rounds, self.spec_draft_tokens, self.spec_accepted_tokens,
+                    self.spec_emitted_tokens)
         for counter, total, last in zip(counters, totals, self._last_totals):
             if total > last:
                 counter.inc(total - last)
         self._last_totals = totals
         if stats.prefix_cache_queries:
             self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
+        if spec.num_rounds:
+            self.spec_acceptance_rate.set(spec.accepted_tokens / spec.draft_tokens)
+            self.spec_mean_length.set(1 + spec.accepted_tokens / spec.num_rounds)
         for output in outputs:
             self._observe_output(output, now)
 
