@@ -14,7 +14,9 @@ from tokenmill.sampling.sampler import adjust_logits, filtered_probs, row_argmax
 from tokenmill.worker.model_runner import ModelRunner
 
 
-_DRAFT_SEED_SALT = 0x5DEECE66D_9E3779B9
+def draft_seed(seed: int) -> int:
+    """The seed of a seeded request's draft generator: a fixed scramble of its own seed (an LCG step)."""
+    return (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63)
 
 
 class DraftProposer:
@@ -104,7 +106,7 @@ class DraftProposer:
             return None
         generator = self.generators.get(item.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(_DRAFT_SEED_SALT ^ seed)
+            generator = torch.Generator(device=self.runner.device).manual_seed(draft_seed(seed))
             self.generators[item.request_id] = generator
         return generator
 
