@@ -2,7 +2,8 @@
 
 random: exact-length random token ids; shared-prefix: one common prefix + unique tails;
 multi-turn: conversations whose turn k resends turn k-1 plus a reply and new tokens (serve only);
-jsonl: one {"prompt": ...} object per line.
+jsonl: one {"prompt": ...} object per line; quote: chat requests to repeat a shipped passage word for word
+(a workload whose answers repeat their prompts, where speculative prompt lookup pays; throughput only).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from typing import Any
+from importlib import resources
+from typing import Any, Optional
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl", "quote")
+QUOTE_INSTRUCTION = "Repeat the following text exactly, word for word.\n\n"
 
 
 def add_dataset_args(p: argparse.ArgumentParser, datasets: tuple[str, ...] = DATASETS,
@@ -23,7 +26,9 @@ def add_dataset_args(p: argparse.ArgumentParser, datasets: tuple[str, ...] = DAT
                         "all + --input-len unique tokens each; "
                         + ("multi-turn: --num-prompts conversations of --turns turns, each turn resending the "
                            "whole history plus --input-len new tokens; " if "multi-turn" in datasets else "")
-                        + "jsonl: one {\"prompt\": ...} per line of --dataset-path (default: random)")
+                        + "jsonl: one {\"prompt\": ...} per line of --dataset-path"
+                        + ("; quote: chat requests to repeat one of the shipped passages (ignores --input-len)"
+                           if "quote" in datasets else "") + " (default: random)")
     if "multi-turn" in datasets:
         p.add_argument("--turns", type=int, default=4, help="turns per conversation for multi-turn (default: 4)")
     p.add_argument("--dataset-path", default=None, help="JSONL file for --dataset jsonl")
@@ -35,10 +40,17 @@ def add_dataset_args(p: argparse.ArgumentParser, datasets: tuple[str, ...] = DAT
                    help="seed of the prompts (and arrivals); vary it for cold caches (default: 0)")
 
 
-def build_prompts(args: argparse.Namespace, vocab_size: int) -> list[Any]:
-    """Token-id lists (random, shared-prefix), lists of turns (multi-turn) or strings (jsonl).
+def quote_passages() -> list[str]:
+    """The passages of the quote dataset (bench/quote_passages.txt, one per paragraph)."""
+    text = resources.files("tokenmill.bench").joinpath("quote_passages.txt").read_text(encoding="utf-8")
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
 
-    Ids are drawn from [min(1000, vocab/2), vocab) to stay clear of special tokens.
+
+def build_prompts(args: argparse.Namespace, vocab_size: int, tokenizer: Optional[Any] = None) -> list[Any]:
+    """Token-id lists (random, shared-prefix), lists of turns (multi-turn) or strings (jsonl, quote).
+
+    Ids are drawn from [min(1000, vocab/2), vocab) to stay clear of special tokens. quote formats its
+    requests with `tokenizer`'s chat template (plain text when it has none).
     """
     rng = random.Random(args.seed)
     low = min(1000, vocab_size // 2)
@@ -52,6 +64,11 @@ def build_prompts(args: argparse.Namespace, vocab_size: int) -> list[Any]:
         with open(args.dataset_path, encoding="utf-8") as f:
             prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
         return prompts[:args.num_prompts]
+    if args.dataset == "quote":
+        passages = quote_passages()
+        start = rng.randrange(len(passages))
+        return [_chat_prompt(tokenizer, QUOTE_INSTRUCTION + passages[(start + i) % len(passages)])
+                for i in range(args.num_prompts)]
     if args.dataset == "multi-turn":
         conversations = []
         for _ in range(args.num_prompts):
@@ -75,3 +92,10 @@ def describe_dataset(args: argparse.Namespace, num_requests: int) -> dict[str, A
             "prefix_len": args.prefix_len if args.dataset != "random" else 0,
             "turns": args.turns if args.dataset == "multi-turn" else 1,
             "output_len": args.output_len, "seed": args.seed}
+
+
+def _chat_prompt(tokenizer: Optional[Any], content: str) -> str:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return content + "\n\n"
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)

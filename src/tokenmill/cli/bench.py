@@ -32,7 +32,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("throughput", help="offline, in-process throughput on a seeded dataset",
                          description="Generate OUTPUT_LEN tokens (greedy, ignore_eos) for every prompt of the "
                                      "dataset, all submitted at once, and report tokens/s and latencies.")
-    add_dataset_args(p, datasets=("random", "shared-prefix", "jsonl"), seed_flag="--dataset-seed")
+    add_dataset_args(p, datasets=("random", "shared-prefix", "jsonl", "quote"), seed_flag="--dataset-seed")
     p.add_argument("--backend", choices=("tokenmill", "hf"), default="tokenmill",
                    help="tokenmill, or HF transformers generate() as a baseline (default: tokenmill)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf backend (default: 64)")
@@ -49,7 +49,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     llm = LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args))))
     engine = llm.llm_engine
-    prompts = build_prompts(args, engine.arch.vocab_size)
+    prompts = build_prompts(args, engine.arch.vocab_size, engine.tokenizer)
     prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
     if args.backend == "hf":
         elapsed = _run_hf(engine, prompts, args.output_len, args.hf_batch_size)
@@ -59,11 +59,25 @@ def run_throughput(args: argparse.Namespace) -> int:
     summary = {"backend": args.backend, **describe_dataset(args, len(prompts)),
                "dtype": str(engine.dtype).replace("torch.", ""),
                **summarise(results, elapsed), "peak_rss_gib": round(own_peak_rss_gib(), 3)}
+    if engine.speculation is not None:
+        summary["speculative"] = describe_speculation(engine)
     if args.backend == "hf":
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             summary.pop(key)  # one batched generate() call has no per-request latencies
     emit(summary, args.output_json)
     return 0
+
+
+def describe_speculation(engine: Any) -> dict[str, Any]:
+    """The speculative settings and what they achieved: rounds, proposed and accepted tokens, rates."""
+    spec, totals = engine.config.speculative, engine.stats().spec
+    rounds = max(1, totals.num_rounds)
+    return {"method": spec.speculative_method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_model": spec.draft_model, "draft_num_layers": spec.draft_num_layers,
+            "rounds": totals.num_rounds, "draft_tokens": totals.draft_tokens,
+            "accepted_tokens": totals.accepted_tokens,
+            "acceptance_rate": round(totals.accepted_tokens / max(1, totals.draft_tokens), 4),
+            "mean_acceptance_length": round(1 + totals.accepted_tokens / rounds, 3)}
 
 
 def _run_tokenmill(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[list[RequestResult], float]:

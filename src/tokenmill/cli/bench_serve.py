@@ -28,7 +28,7 @@ def add_bench_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name the server serves")
     p.add_argument("--api-key", default=None, help="API key, sent as a Bearer token")
-    add_dataset_args(p)
+    add_dataset_args(p, datasets=("random", "shared-prefix", "multi-turn", "jsonl"))
     p.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn below this (default: 49152)")
     p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight at once (default: 16)")
     p.add_argument("--request-rate", type=float, default=math.inf,
