@@ -130,6 +130,10 @@ class SpeculativeConfig:
     draft_num_layers: Optional[int] = _opt(None, "draft: run only the draft model's first N layers (with its "
                                            "final norm and head); the target's own first layers make a "
                                            "self-speculative draft")
+    draft_quantization: str = _opt("auto", "draft: weight quantisation of the draft, as --quantization (auto keeps a "
+                                   "GGUF draft's weights packed: a quantised copy of the target's own weights "
+                                   "makes a fast draft for a target run with --quantization none)",
+                                   choices=QUANTIZATIONS)
     speculative_max_batch: int = _opt(4, "no speculation while more sequences than this run (larger batches "
                                       "leave no idle compute to spend on proposals)")
     speculative_min_acceptance: float = _opt(0.25, "a request whose recent acceptance rate falls below this "
@@ -154,6 +158,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_method 'draft' needs draft_model (a model with the target's tokenizer)")
         if self.speculative_method != "draft" and (self.draft_model or self.draft_num_layers is not None):
             raise ValueError("draft_model and draft_num_layers apply only with speculative_method 'draft'")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.draft_quantization!r}")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
         if self.speculative_max_batch < 1:

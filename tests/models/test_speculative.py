@@ -118,3 +118,16 @@ def test_sampling_with_a_draft_keeps_the_target_distribution(tiny_path, controls
     assert 0.2 * spec.draft_tokens < spec.accepted_tokens < 0.9 * spec.draft_tokens
     assert len(plain) > 5
     assert two_sample_p_value(plain, speculative) > 1e-3  # fixed seeds: this cannot flake
+
+
+def test_an_aborted_request_frees_its_draft_kv_at_once(tiny_path):
+    llm = LLM(tiny_path, dtype="float32", speculative_method="draft", draft_model=tiny_path,
+              speculative_min_acceptance=0.0)
+    engine = llm.llm_engine
+    engine.add_request("a", [3, 17, 5, 9, 22], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    draft_pool = engine.speculation.proposer.kv.pool
+    assert draft_pool.num_used_blocks > 0 and engine.stats().spec.num_rounds > 0
+    engine.abort_request("a")
+    assert draft_pool.num_used_blocks == 0

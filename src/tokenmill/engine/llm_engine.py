@@ -169,6 +169,8 @@ class LLMEngine:
             self.scheduler.finish_requests(internal, RequestStatus.FINISHED_ABORTED)
             for rid in internal:
                 self.scheduler.pop_finished(rid)
+            if self.speculation is not None:
+                self.speculation.forget(internal)
             self.output_processor.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:

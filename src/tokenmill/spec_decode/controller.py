@@ -69,15 +69,19 @@ class SpeculationController:
         elif len(state.rounds) == WINDOW:
             state.cooldown = COOLDOWN_STEPS
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop the state of requests that ended between steps (aborts), so a draft frees their KV now."""
+        for request_id in request_ids:
+            self._acceptance.pop(request_id, None)
+            if request_id in self._asked:
+                self._asked.discard(request_id)
+                self.proposer.forget(request_id)
+
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of the running requests that speculate in the next step."""
         self.step_index += 1
         live = {r.request_id for r in running}
-        for request_id in [rid for rid in self._acceptance if rid not in live]:
-            del self._acceptance[request_id]
-        for request_id in self._asked - live:
-            self.proposer.forget(request_id)
-        self._asked &= live
+        self.forget([rid for rid in self._acceptance.keys() | self._asked if rid not in live])
         for request in running:  # proposals not verified last step are stale (a draft's distributions are gone)
             request.spec_token_ids = []
         if len(running) > self.max_batch:

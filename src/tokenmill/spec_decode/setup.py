@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
@@ -37,7 +38,8 @@ def _draft_proposer(config: EngineConfig, engine: "LLMEngine"):
     if source.arch.max_position_embeddings < engine.max_model_len:
         raise ValueError(f"the draft model's context length ({source.arch.max_position_embeddings}) is shorter than "
                          f"max_model_len ({engine.max_model_len}); lower max_model_len")
-    model, backend = load_model(source, config.model, engine.device, engine.dtype, engine.max_model_len,
+    draft_config = dataclasses.replace(config.model, quantization=spec.draft_quantization)
+    model, backend = load_model(source, draft_config, engine.device, engine.dtype, engine.max_model_len,
                                 spec.draft_num_layers)
     return DraftProposer(model, backend, engine.kv_cache.num_blocks, engine.kv_cache.block_size, engine.dtype,
                          engine.device, engine.eos_token_ids, config.model.seed, engine.runner)
