@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from tokenmill.structured.spec import StructuredOutput
+
 _GREEDY_EPS = 1e-5
 
 
@@ -17,6 +19,8 @@ class SamplingParams:
     one); `prompt_logprobs=N` does the same for every prompt token after the first.
     Log-probabilities are those of the model's raw distribution, before temperature and penalties.
     `logit_bias` adds a bias to the logits of the given token ids before any other control.
+    `structured_output` constrains the whole output (a JSON schema, regex, choice or grammar): tokens it
+    forbids are masked before every other control, and the request stops when it is complete.
     """
 
     n: int = 1
@@ -38,6 +42,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
+    structured_output: Optional[StructuredOutput] = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +87,8 @@ class SamplingParams:
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be a list of non-negative token ids")
         _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+                 "structured_output", "must be a tokenmill StructuredOutput")
         _require(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
                  "logit_bias", "must map non-negative token ids to biases in [-100, 100]")
 

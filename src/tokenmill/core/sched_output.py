@@ -90,6 +90,7 @@ class ModelRunnerOutput:
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    completed: set[str] = field(default_factory=set)  # requests whose output grammar is complete
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 

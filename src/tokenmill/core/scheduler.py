@@ -282,6 +282,10 @@ class Scheduler:
                 update.new_logprobs.append(logprobs[index])
             if request.check_stop_token(token):
                 break
+        # A complete output grammar ends the request as a stop, even on its max_tokens-th token: the
+        # runner cut the tokens at the completing one, so it is the last appended.
+        if item.request_id in result.completed and request.status is not RequestStatus.FINISHED_STOPPED:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
         if num_drafts:
             self.spec_totals.emitted_tokens += len(update.new_token_ids)
             # The KV of tokens past a stop is not part of the sequence: it must not be cached as computed.

@@ -90,6 +90,9 @@ class AsyncEngine:
         """
         if not self._accepting:
             raise EngineDeadError("the server is shutting down and admits no new requests")
+        if params.structured_output is not None:
+            # compiled here, on a worker thread: a slow schema never stalls the engine's steps
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         admitted: concurrent.futures.Future = concurrent.futures.Future()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
@@ -20,6 +21,8 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.setup import make_speculation
+from tokenmill.structured.compiler import GrammarCache
+from tokenmill.structured.matchers import GrammarMatchers
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -92,11 +95,23 @@ class LLMEngine:
                                   self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
                                   config.model.seed, tier_slots, config.cache.secondary_kv_folder)
         self.speculation = make_speculation(config, self) if config.speculative.enabled else None
+        self._grammar_cache: Optional[GrammarCache] = None
+        self._grammar_lock = threading.Lock()
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine ready in %.1fs: %s on %s (%s, %s attention; %s), %d KV blocks x %d tokens, "
                     "max_model_len %d", time.perf_counter() - started, self.arch.architecture, self.device,
                     self.dtype, type(backend).__name__, self.model.describe_weights(),
                     num_blocks, block_size, self.max_model_len)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled-grammar cache of structured output (built, with the runner's matchers, on first use)."""
+        with self._grammar_lock:
+            if self._grammar_cache is None:
+                cache = GrammarCache(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+                self.runner.grammars = GrammarMatchers(cache)
+                self._grammar_cache = cache
+            return self._grammar_cache
 
     def _max_model_len(self) -> int:
         limit, reason = self.arch.max_position_embeddings, "the model's context length"
@@ -147,6 +162,8 @@ class LLMEngine:
                                  f"generate within the model's maximum context length of "
                                  f"{self.max_model_len} tokens.")
         self.scheduler.check_admissible(len(prompt_token_ids), len(prompt_token_ids) + max_tokens)
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)  # raises ValueError naming what is invalid
         request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
                           priority, arrival_time, num_samples_to_fork=params.n - 1)
         self.scheduler.add_request(request)

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.spec import StructuredOutput
 
 
 class _Strict(BaseModel):
@@ -17,6 +18,22 @@ class StreamOptions(_Strict):
     """`stream_options`: only include_usage is supported."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: a named schema."""
+
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class _SamplingFields(_Strict):
@@ -45,6 +62,36 @@ class _SamplingFields(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Union[None, str, dict[str, Any]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def structured_output(self) -> Optional[StructuredOutput]:
+        """The output constraint the request asks for, if any (ValueError when it asks for two, or a
+        json_schema format comes without a schema)."""
+        asked = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                          "guided_grammar") if getattr(self, name) is not None}
+        if self.response_format is not None and self.response_format.type != "text":
+            asked["response_format"] = self.response_format
+        if len(asked) > 1:
+            raise ValueError(f"only one output constraint may be given, got {', '.join(sorted(asked))}")
+        if "guided_json" in asked:
+            return StructuredOutput.json_schema(self.guided_json)
+        if "guided_regex" in asked:
+            return StructuredOutput.regex(self.guided_regex)
+        if "guided_choice" in asked:
+            return StructuredOutput.choice(self.guided_choice)
+        if "guided_grammar" in asked:
+            return StructuredOutput.grammar(self.guided_grammar)
+        if "response_format" in asked:
+            if self.response_format.type == "json_object":
+                return StructuredOutput("json_object")
+            if self.response_format.json_schema is None or self.response_format.json_schema.schema_ is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            return StructuredOutput.json_schema(self.response_format.json_schema.schema_)
+        return None
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -63,6 +110,7 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+            structured_output=self.structured_output(),
         )
 
     @property

@@ -12,6 +12,7 @@ from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import sample
+from tokenmill.structured.matchers import GrammarMatchers
 from tokenmill.worker.kv_tier_store import KVTierStore
 
 
@@ -42,6 +43,7 @@ class ModelRunner:
         # The distributions a draft model drew each request's proposals from, [proposals, V], set by the
         # draft proposer for the next step only; a request missing here proposed deterministically.
         self.proposal_probs: dict[str, torch.Tensor] = {}
+        self.grammars: Optional[GrammarMatchers] = None  # set by the engine at its first constrained request
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
@@ -49,6 +51,8 @@ class ModelRunner:
         """Run one step."""
         for request_id in schedule.finished_request_ids:
             self.generators.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.drop(request_id)
         if schedule.kv_saves or schedule.kv_loads:
             assert self.tier is not None, "second-tier copies scheduled without a second tier"
             self.tier.save(self.kv_caches, schedule.kv_saves)  # saves before loads: see SecondaryTier
@@ -135,9 +139,10 @@ class ModelRunner:
         plain = [i for i in sample_rows if not batch[i].spec_token_ids]
         if plain:
             sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
-            tokens = sample(sample_logits, [self._row(batch[i]) for i in plain], self.default_generator)
+            constrained = self._masked(sample_logits, [(k, batch[i], []) for k, i in enumerate(plain)])
+            tokens = sample(constrained, [self._row(batch[i]) for i in plain], self.default_generator)
             for i, token in zip(plain, tokens.tolist()):
-                result.sampled_token_ids[batch[i].request_id] = [token]
+                result.sampled_token_ids[batch[i].request_id] = self._advance(batch[i], [token], result)
             wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
             if wanted:
                 picked = torch.tensor(wanted, device=self.device)
@@ -158,14 +163,37 @@ class ModelRunner:
             q = self.proposal_probs.get(item.request_id)
             proposals.append(Proposal(item.spec_token_ids, sample_rows[i], self._row(item),
                                       None if q is None else q[:len(item.spec_token_ids)]))
-        for i, tokens in zip(speculative, verify(logits, proposals, self.default_generator)):
+        constrained = self._masked(logits, [(sample_rows[i], batch[i], batch[i].spec_token_ids) for i in speculative])
+        for i, tokens in zip(speculative, verify(constrained, proposals, self.default_generator)):
             item = batch[i]
+            tokens = self._advance(item, tokens, result)
             result.sampled_token_ids[item.request_id] = tokens
             if item.sampling_params.logprobs is not None:
                 first = sample_rows[i]
                 result.logprobs[item.request_id] = token_logprobs(
                     logits[first:first + len(tokens)], torch.tensor(tokens, device=self.device),
                     [item.sampling_params.logprobs] * len(tokens))
+
+    def _masked(self, logits: torch.Tensor, rows: list[tuple[int, ScheduledRequest, list[int]]]) -> torch.Tensor:
+        """`logits` with the grammar masks of the constrained requests among (first row, item, proposals)
+        applied (to a copy: log-probabilities stay those of the model), or `logits` itself."""
+        wanted = [(row, item.request_id, item.sampling_params.structured_output, proposals)
+                  for row, item, proposals in rows if item.sampling_params.structured_output is not None]
+        if not wanted:
+            return logits
+        assert self.grammars is not None, "a constrained request reached a runner without grammars"
+        masked = logits.clone()
+        self.grammars.mask(masked, wanted)
+        return masked
+
+    def _advance(self, item: ScheduledRequest, tokens: list[int], result: ModelRunnerOutput) -> list[int]:
+        """The step's tokens, cut where the request's grammar (if any) completed; completion is recorded."""
+        if item.sampling_params.structured_output is None:
+            return tokens
+        kept, completed = self.grammars.advance(item.request_id, tokens)
+        if completed:
+            result.completed.add(item.request_id)
+        return kept
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor, prompt_rows: dict[int, tuple[int, int]],
                          result: ModelRunnerOutput) -> None:

@@ -1,0 +1,1 @@
+"""Structured output: constrained decoding with xgrammar (JSON schemas, regexes, choices, EBNF grammars)."""

@@ -1,0 +1,66 @@
+"""Compiling constraints into xgrammar grammars, once per distinct constraint, for one tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+from tokenmill.structured.spec import StructuredOutput
+
+# xgrammar's errors start with a timestamp and a source location: "[19:02:54] /project/cpp/x.cc:83: ..."
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_LENGTH_LIMITED_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\"\\\\\\x00-\\x1f]'
+_WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice list",
+         "grammar": "grammar"}
+
+
+class GrammarCache:
+    """Compiles StructuredOutputs for a tokenizer with xgrammar and keeps each result.
+
+    Thread-safe: the server compiles on worker threads (off the engine loop) and the runner finds the
+    result here. Invalid constraints raise ValueError naming what is wrong.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.vocab_size = vocab_size
+        self._compiled: dict[StructuredOutput, Any] = {}
+        self._lock = threading.Lock()
+        self.num_compilations = 0
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The xgrammar CompiledGrammar of `spec` (compiled on first use)."""
+        with self._lock:
+            found = self._compiled.get(spec)
+        if found is not None:
+            return found
+        try:
+            compiled = self._compile(spec)
+        except RuntimeError as exc:
+            message = _LOCATION.sub("", str(exc).strip())
+            raise ValueError(f"invalid {_WHAT[spec.kind]}: {message}") from None
+        with self._lock:
+            self.num_compilations += 1
+            return self._compiled.setdefault(spec, compiled)
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        compiler = self.compiler
+        if spec.kind == "json":
+            # xgrammar (0.2.8) writes length-limited strings as [^"\\\r\n]{..}, which lets raw control
+            # characters into a JSON string (invalid JSON): the grammar text is corrected before compiling.
+            text = str(self._xgr.Grammar.from_json_schema(spec.value, any_whitespace=False))
+            return compiler.compile_grammar(text.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR))
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.value)))
+        return compiler.compile_grammar(spec.value)
