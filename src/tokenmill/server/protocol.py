@@ -135,12 +135,58 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    """One message of a conversation."""
+class FunctionCall(_Strict):
+    """A call's function: its name and its arguments as JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call: a name, what it does, and a JSON schema of its arguments."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    """`tools[i]`: only functions exist."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    """The function a named tool_choice forces."""
+
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation (tool messages answer an earlier tool call by its id)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         """The message content as plain text."""
@@ -159,6 +205,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(_Strict):

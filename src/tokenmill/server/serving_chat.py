@@ -9,6 +9,8 @@ from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.serving_common import (
     SSE_DONE, APIError, DeltaTracker, bad_request, new_id, now, primed, stream_chunk, top_entries, usage)
+from tokenmill.server.tool_calls import (
+    ToolCallStream, ToolMode, forced_call, parse_tool_calls, render_messages, tool_mode)
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -19,38 +21,46 @@ class ChatHandler:
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str]) -> None:
         self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template makes of `messages`."""
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               tools: Optional[ToolMode] = None) -> str:
+        """The prompt text the chat template makes of `messages` (and of the tools offered)."""
         if not self.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in messages]
+        try:
+            conversation, tool_specs = render_messages(messages, tools, "tools" in self.chat_template)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
         try:
             return self.engine.tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=self.chat_template,
+                conversation, tools=tool_specs, tokenize=False, chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # a template may raise on a conversation it does not accept
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    def _start(self, body: ChatCompletionRequest) -> tuple[str, list[int], AsyncIterator[RequestOutput]]:
+    def _start(self, body: ChatCompletionRequest
+               ) -> tuple[str, list[int], AsyncIterator[RequestOutput], Optional[ToolMode]]:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
-        prompt = self.render(body.messages, body.add_generation_prompt)
-        token_ids = self.engine.tokenizer(prompt, add_special_tokens=False).input_ids
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         try:
+            tools = tool_mode(body)
             params = body.sampling_params(max_tokens, logprobs)
+            if tools is not None and tools.forced:
+                params.structured_output = forced_call(tools)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
+        prompt = self.render(body.messages, body.add_generation_prompt, tools)
+        token_ids = self.engine.tokenizer(prompt, add_special_tokens=False).input_ids
         request_id = new_id("chatcmpl")
-        return request_id, token_ids, self.engine.generate(request_id, token_ids, params, prompt, body.priority)
+        stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority)
+        return request_id, token_ids, stream, tools
 
     async def complete(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """The whole response."""
-        response_id, token_ids, stream = self._start(body)
+        response_id, token_ids, stream, tools = self._start(body)
         final: Optional[RequestOutput] = None
         try:
             async for output in stream:
@@ -58,9 +68,17 @@ class ChatHandler:
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
         assert final is not None
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs, body),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if tools is not None:
+                message["content"], calls = parse_tool_calls(c.text, tools)
+                if calls:
+                    message["tool_calls"], finish_reason = calls, "tool_calls"
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c.token_ids, c.logprobs, body),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"id": response_id, "object": "chat.completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": usage(len(token_ids), completion_tokens)}
@@ -80,13 +98,14 @@ class ChatHandler:
 
     async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
-        response_id, token_ids, stream = self._start(body)
-        return self._events(response_id, body, len(token_ids), await primed(stream, _FIELDS))
+        response_id, token_ids, stream, tools = self._start(body)
+        return self._events(response_id, body, len(token_ids), await primed(stream, _FIELDS), tools)
 
     async def _events(self, response_id: str, body: ChatCompletionRequest, prompt_tokens: int,
-                      outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[RequestOutput], tools: Optional[ToolMode]) -> AsyncIterator[str]:
         created = now()
         tracker = DeltaTracker()
+        tool_streams = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
         completion_tokens = 0
 
         def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, int]] = None) -> str:
@@ -98,7 +117,7 @@ class ChatHandler:
             async for output in outputs:
                 choices = []
                 for completion in output.outputs:
-                    choice = self._delta_choice(body, tracker, completion)
+                    choice = self._delta_choice(body, tracker, completion, tool_streams.get(completion.index))
                     if choice is not None:
                         completion_tokens += choice.pop("_new_tokens")
                         choices.append(choice)
@@ -110,8 +129,8 @@ class ChatHandler:
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
 
-    def _delta_choice(self, body: ChatCompletionRequest, tracker: DeltaTracker,
-                      completion: CompletionOutput) -> Optional[dict[str, Any]]:
+    def _delta_choice(self, body: ChatCompletionRequest, tracker: DeltaTracker, completion: CompletionOutput,
+                      tool_stream: Optional[ToolCallStream]) -> Optional[dict[str, Any]]:
         index = completion.index
         if index in tracker.finished:
             return None
@@ -120,6 +139,14 @@ class ChatHandler:
             return None
         if completion.finished:
             tracker.finished.add(index)
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self._logprobs(token_ids, entries, body),
-                "finish_reason": completion.finish_reason, "_new_tokens": len(token_ids)}
+        delta: dict[str, Any] = {}
+        finish_reason = completion.finish_reason
+        if tool_stream is not None:
+            text, calls = tool_stream.push(completion.text, completion.finished)
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                finish_reason = "tool_calls"
+        if text:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(token_ids, entries, body),
+                "finish_reason": finish_reason, "_new_tokens": len(token_ids)}

@@ -17,6 +17,18 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex",
          "grammar": "grammar"}
 
 
+def json_schema_ebnf(schema: str) -> str:
+    """The EBNF grammar (start rule `root`) of JSON text matching `schema`, in compact separators.
+
+    xgrammar (0.2.8) writes length-limited strings as [^"\\\r\n]{..}, which lets raw control characters
+    into a JSON string (invalid JSON); the text is corrected here. Raises RuntimeError on a bad schema.
+    """
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return text.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR)
+
+
 class GrammarCache:
     """Compiles StructuredOutputs for a tokenizer with xgrammar and keeps each result.
 
@@ -53,10 +65,7 @@ class GrammarCache:
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self.compiler
         if spec.kind == "json":
-            # xgrammar (0.2.8) writes length-limited strings as [^"\\\r\n]{..}, which lets raw control
-            # characters into a JSON string (invalid JSON): the grammar text is corrected before compiling.
-            text = str(self._xgr.Grammar.from_json_schema(spec.value, any_whitespace=False))
-            return compiler.compile_grammar(text.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR))
+            return compiler.compile_grammar(json_schema_ebnf(spec.value))
         if spec.kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
