@@ -102,3 +102,32 @@ def test_ebnf_grammar(tiny_llm):
         completion = output.outputs[0]
         if completion.finish_reason == "stop":
             assert re.fullmatch(r"\((?:[a-c]|x[0-9])(?:,(?:[a-c]|x[0-9]))*\)", completion.text), completion.text
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny_spec")))
+
+
+def test_speculative_tokens_advance_the_grammar(tiny_path):
+    # The tiny model drafts for itself: most proposals pass verification, and the grammar must mask
+    # every verified position and follow the accepted tokens. Greedy output equals plain decoding.
+    regex = StructuredOutput.regex(r"(ab|cd|[0-9]{2}){3,6}x")
+    schema = StructuredOutput.json_schema(SCHEMAS[1])
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_output=s) for s in (regex, schema, regex)]
+    prompts = ["one", "two", "three"]
+    plain = LLM(tiny_path, dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_path, dtype="float32", speculative_method="draft", draft_model=tiny_path,
+              speculative_min_acceptance=0.0)
+    speculative = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.stats().spec.accepted_tokens > 0
+    for a, b in zip(plain, speculative):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"(ab|cd|[0-9]{2}){3,6}x", speculative[0].outputs[0].text)
+    jsonschema.validate(json.loads(speculative[1].outputs[0].text), SCHEMAS[1])
+
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured_output=schema)
+    for output in llm.generate(["s"] * 6, sampled, use_tqdm=False):
+        if output.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(output.outputs[0].text), SCHEMAS[1])

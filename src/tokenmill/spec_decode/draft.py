@@ -59,13 +59,20 @@ class DraftProposer:
                 rooms.append(room)
         drafts: dict[str, list[int]] = {item.request_id: [] for item in items}
         probs: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in items}
+        grammars = self._grammar_forks(items)
         step = 0
         while items:
             hidden, chunks = self.runner.forward(items)
             last = torch.tensor([c.query_start + c.query_len - 1 for c in chunks], dtype=torch.long)
             logits = self.runner.model.compute_logits(hidden[last])
+            constrained = [(row, grammars[item.request_id]) for row, item in enumerate(items)
+                           if item.request_id in grammars]
+            if constrained:
+                self.target.grammars.mask_with(logits, constrained)
             for item, token, dist in zip(items, *self._pick(items, drafts, logits)):
                 drafts[item.request_id].append(token)
+                if item.request_id in grammars and not grammars[item.request_id].is_terminated():
+                    grammars[item.request_id].accept_token(token)
                 if dist is not None:
                     probs[item.request_id].append(dist)
             step += 1
@@ -76,6 +83,20 @@ class DraftProposer:
             if rows:
                 self.target.proposal_probs[request_id] = torch.stack(rows)
         return drafts
+
+    def _grammar_forks(self, items: list[ScheduledRequest]) -> dict[str, Any]:
+        """Copies of the target's grammar matchers of the constrained requests: the draft proposes only
+        what their grammars allow (its distribution is then the masked one, which verification uses)."""
+        grammars = self.target.grammars
+        if grammars is None:
+            return {}
+        forks = {}
+        for item in items:
+            if item.sampling_params.structured_output is not None:
+                fork = grammars.fork(item.request_id)
+                if fork is not None:
+                    forks[item.request_id] = fork
+        return forks
 
     def _catch_up(self, request: Request, room: int) -> Optional[ScheduledRequest]:
         """The chunk feeding the draft every token it lacks, with blocks for the room-1 proposals fed after."""

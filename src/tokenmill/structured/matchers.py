@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -59,6 +59,24 @@ class GrammarMatchers:
         if masked:
             apply_bitmask(logits, bitmask, masked)
 
+    def fork(self, request_id: str) -> Optional[Any]:
+        """A copy of the request's matcher in its current state (None before its first token), for a
+        draft to propose only what the grammar allows."""
+        matcher = self.matchers.get(request_id)
+        return None if matcher is None else matcher.fork()
+
+    def mask_with(self, logits: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
+        """Mask, in place, logits row r by matcher m's next allowed tokens, for each (r, m) whose matcher
+        has not terminated."""
+        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.cache.vocab_size)
+        masked = []
+        for row, matcher in rows:
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, row)
+                masked.append(row)
+        if masked:
+            apply_bitmask(logits, bitmask, masked)
+
     def advance(self, request_id: str, tokens: list[int]) -> tuple[list[int], bool]:
         """Feed the step's tokens to the request's matcher: (the tokens up to where the grammar
         completed, whether it did)."""
@@ -72,10 +90,7 @@ class GrammarMatchers:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits[r, t] = -inf where bit t of bitmask[r] is 0, for each r in rows (xgrammar's packed int32
-    layout: token t is bit t % 32 of word t // 32)."""
-    bits = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=logits.device)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    words = bitmask.to(logits.device)[index]
-    allowed = (words.unsqueeze(-1) & bits).ne(0).view(len(rows), -1)[:, :logits.shape[1]]
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    """logits[r, t] = -inf where bit t of bitmask[r] is 0, for each r in rows (xgrammar's kernel)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
