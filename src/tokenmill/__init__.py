@@ -11,9 +11,11 @@ _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.spec import StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput",
+           "__version__"]
 
 
 def __getattr__(name: str):

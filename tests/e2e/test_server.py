@@ -424,7 +424,7 @@ ERROR_CASES = [
     ("/v1/chat/completions", {**_CHAT, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {**_CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {**_CHAT, "top_p": 2, "stream": True}, 400, "top_p"),
-    ("/v1/chat/completions", {**_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {**_CHAT, "functions": [{"name": "f"}]}, 400, "functions"),  # the pre-tools field
     ("/v1/completions", {**_CMPL, "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {**_CMPL, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {**_CMPL, "model": "no-such-model"}, 404, "model"),

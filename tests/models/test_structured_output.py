@@ -21,8 +21,9 @@ SCHEMAS = [
                               "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
                                              "admin": {"type": "boolean"}}}}},
     {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "integer", "minimum": -50, "maximum": 50}},
-    {"type": "object", "additionalProperties": False, "required": ["ok", "level"],
+    {"type": "object", "additionalProperties": False, "required": ["ok", "level", "weight"],
      "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]},
+                    "weight": {"type": "number", "minimum": -2.5, "maximum": 10},
                     "note": {"type": ["string", "null"], "maxLength": 10}}},
 ]
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
