@@ -69,7 +69,7 @@ class DraftProposer:
                            if item.request_id in grammars]
             if constrained:
                 self.target.grammars.mask_with(logits, constrained)
-            for item, token, dist in zip(items, *self._pick(items, drafts, logits)):
+            for item, token, dist in zip(items, *self._pick(items, logits)):
                 drafts[item.request_id].append(token)
                 if item.request_id in grammars and not grammars[item.request_id].is_terminated():
                     grammars[item.request_id].accept_token(token)
@@ -131,7 +131,7 @@ class DraftProposer:
             self.generators[item.request_id] = generator
         return generator
 
-    def _pick(self, items: list[ScheduledRequest], drafts: dict[str, list[int]], logits: torch.Tensor):
+    def _pick(self, items: list[ScheduledRequest], logits: torch.Tensor):
         """Each item's proposal, and for sampling requests the distribution it was drawn from."""
         rows = [SamplingRow(item.sampling_params, self._generator(item), item.prompt_token_ids,
                             item.output_token_ids, self.runner.eos_token_ids) for item in items]
