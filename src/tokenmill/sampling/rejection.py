@@ -86,10 +86,10 @@ def _accept_sampled(proposal: Proposal, p: torch.Tensor, generator: Optional[tor
             residual = (p[i] - q[i]).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p <= q everywhere means p == q: rejection had probability 0
             residual = p[i]
-        return drafts[:i] + [_draw(residual, generator)]
-    return drafts + [_draw(p[len(drafts)], generator)]
+        return drafts[:i] + [draw(residual, generator)]
+    return drafts + [draw(p[len(drafts)], generator)]
 
 
-def _draw(weights: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+def draw(weights: torch.Tensor, generator: Optional[torch.Generator]) -> int:
     """A token drawn in proportion to non-negative `weights` [V]."""
     return int(torch.multinomial(weights, 1, generator=generator))

@@ -10,6 +10,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import ScheduledRequest
 from tokenmill.request import Request
 from tokenmill.sampling.batch import SamplingRow
+from tokenmill.sampling.rejection import draw
 from tokenmill.sampling.sampler import adjust_logits, filtered_probs, row_argmax
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -143,6 +144,6 @@ class DraftProposer:
             probs = filtered_probs(adjusted[random_rows], [rows[i].params for i in random_rows])
             for row, i in enumerate(random_rows):
                 generator = rows[i].generator or self.runner.default_generator
-                tokens[i] = int(torch.multinomial(probs[row], 1, generator=generator))
+                tokens[i] = draw(probs[row], generator)
                 dists[i] = probs[row]
         return tokens, dists
