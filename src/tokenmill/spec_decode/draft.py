@@ -9,7 +9,6 @@ import torch
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import ScheduledRequest
 from tokenmill.request import Request
-from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.rejection import draw
 from tokenmill.sampling.sampler import adjust_logits, filtered_probs, row_argmax
 from tokenmill.worker.model_runner import ModelRunner
@@ -37,17 +36,18 @@ class DraftProposer:
                  device: torch.device, eos_token_ids: tuple[int, ...], seed: int, target: ModelRunner) -> None:
         arch = model.arch
         self.kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
+        # A seeded request's draft generator gets a scrambled seed: the draft's choices must be
+        # independent of the acceptance draws the target makes with the request's own seed.
         self.runner = ModelRunner(model, backend, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim,
-                                  dtype, device, eos_token_ids, seed + 1)
+                                  dtype, device, eos_token_ids, seed + 1, request_seed=draft_seed)
         self.target = target
         self.cached: dict[str, int] = {}  # request id -> leading tokens whose draft KV is valid
-        self.generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
         """Free a finished (or preempted) request's draft KV."""
         self.kv.free(request_id)
         self.cached.pop(request_id, None)
-        self.generators.pop(request_id, None)
+        self.runner.generators.pop(request_id, None)
 
     @torch.inference_mode()
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
@@ -120,22 +120,9 @@ class DraftProposer:
         return ScheduledRequest(item.request_id, [token], item.start + item.num_tokens, item.block_ids, True,
                                 item.sampling_params, item.prompt_token_ids, output)
 
-    def _generator(self, item: ScheduledRequest) -> Optional[torch.Generator]:
-        """A seeded request's own draft generator. Its seed differs from the one the target's verification
-        draws with: the draft's choices must be independent of the acceptance draws."""
-        seed = item.sampling_params.seed
-        if seed is None:
-            return None
-        generator = self.generators.get(item.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(draft_seed(seed))
-            self.generators[item.request_id] = generator
-        return generator
-
     def _pick(self, items: list[ScheduledRequest], logits: torch.Tensor):
         """Each item's proposal, and for sampling requests the distribution it was drawn from."""
-        rows = [SamplingRow(item.sampling_params, self._generator(item), item.prompt_token_ids,
-                            item.output_token_ids, self.runner.eos_token_ids) for item in items]
+        rows = [self.runner.sampling_row(item) for item in items]
         adjusted = adjust_logits(logits, rows)
         tokens = row_argmax(adjusted).tolist()
         dists: list[Optional[torch.Tensor]] = [None] * len(items)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,7 +26,7 @@ class ModelRunner:
     def __init__(self, model: Any, backend: AttentionBackend, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: tuple[int, ...], seed: int = 0, tier_slots: int = 0,
-                 tier_folder: Optional[str] = None) -> None:
+                 tier_folder: Optional[str] = None, request_seed: Callable[[int], int] = lambda seed: seed) -> None:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -40,6 +40,7 @@ class ModelRunner:
             self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, num_kv_heads, head_dim),
                                     len(self.kv_caches), dtype, device, tier_folder)
         self.generators: dict[str, torch.Generator] = {}
+        self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
         # The distributions a draft model drew each request's proposals from, [proposals, V], set by the
         # draft proposer for the next step only; a request missing here proposed deterministically.
         self.proposal_probs: dict[str, torch.Tensor] = {}
@@ -121,18 +122,20 @@ class ModelRunner:
             return x
         return x[torch.tensor(rows, dtype=torch.long, device=self.device)]
 
-    def _generator(self, item: ScheduledRequest) -> Optional[torch.Generator]:
+    def generator_for(self, item: ScheduledRequest) -> Optional[torch.Generator]:
+        """A seeded request's own generator (created at its first use), None for an unseeded one."""
         seed = item.sampling_params.seed
         if seed is None:
             return None
         gen = self.generators.get(item.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+            gen = torch.Generator(device=self.device).manual_seed(self.request_seed(seed))
             self.generators[item.request_id] = gen
         return gen
 
-    def _row(self, item: ScheduledRequest) -> SamplingRow:
-        return SamplingRow(item.sampling_params, self._generator(item), item.prompt_token_ids,
+    def sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        """What sampling needs of `item`: its controls, generator and tokens so far."""
+        return SamplingRow(item.sampling_params, self.generator_for(item), item.prompt_token_ids,
                            item.output_token_ids, self.eos_token_ids)
 
     def _sample(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], result: ModelRunnerOutput) -> None:
@@ -140,7 +143,7 @@ class ModelRunner:
         if plain:
             sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
             constrained = self._masked(sample_logits, [(k, batch[i], []) for k, i in enumerate(plain)])
-            tokens = sample(constrained, [self._row(batch[i]) for i in plain], self.default_generator)
+            tokens = sample(constrained, [self.sampling_row(batch[i]) for i in plain], self.default_generator)
             for i, token in zip(plain, tokens.tolist()):
                 result.sampled_token_ids[batch[i].request_id] = self._advance(batch[i], [token], result)
             wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
@@ -161,7 +164,7 @@ class ModelRunner:
         for i in speculative:
             item = batch[i]
             q = self.proposal_probs.get(item.request_id)
-            proposals.append(Proposal(item.spec_token_ids, sample_rows[i], self._row(item),
+            proposals.append(Proposal(item.spec_token_ids, sample_rows[i], self.sampling_row(item),
                                       None if q is None else q[:len(item.spec_token_ids)]))
         constrained = self._masked(logits, [(sample_rows[i], batch[i], batch[i].spec_token_ids) for i in speculative])
         for i, tokens in zip(speculative, verify(constrained, proposals, self.default_generator)):
