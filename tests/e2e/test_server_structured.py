@@ -80,6 +80,8 @@ def test_guided_choice_and_regex_streamed_and_whole(tiny):
     ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
     ({"tool_choice": "required"}, "requires tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],
+      "tool_choice": "required"}, 'invalid parameters: Unsupported type "objec"'),
 ])
 def test_bad_constraints_are_400_naming_the_problem(tiny, body, mentions):
     _, url = tiny

@@ -103,7 +103,7 @@ def forced_call(mode: ToolMode) -> StructuredOutput:
     """The grammar of exactly one call, to the named function or (required) to any of the tools."""
     import xgrammar as xgr
 
-    from tokenmill.structured.compiler import json_schema_ebnf
+    from tokenmill.structured.compiler import json_schema_ebnf, xgrammar_message
 
     def call(tool: Tool) -> Any:
         opening = f'{OPEN}\n{{"name": {json.dumps(tool.function.name)}, "arguments": '
@@ -111,7 +111,7 @@ def forced_call(mode: ToolMode) -> StructuredOutput:
         try:
             arguments = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(schema)))
         except RuntimeError as exc:
-            raise ValueError(f"tool {tool.function.name!r} has invalid parameters: {exc}") from None
+            raise ValueError(f"tool {tool.function.name!r} has invalid parameters: {xgrammar_message(exc)}") from None
         closing = "}\n" + CLOSE
         return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(opening)}"), arguments,
                                   xgr.Grammar.from_ebnf(f"root ::= {json.dumps(closing)}"))

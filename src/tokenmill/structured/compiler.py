@@ -17,6 +17,11 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex",
          "grammar": "grammar"}
 
 
+def xgrammar_message(exc: Exception) -> str:
+    """An xgrammar error's message without its timestamp and source location."""
+    return _LOCATION.sub("", str(exc).strip())
+
+
 def json_schema_ebnf(schema: str) -> str:
     """The EBNF grammar (start rule `root`) of JSON text matching `schema`, in compact separators.
 
@@ -56,8 +61,7 @@ class GrammarCache:
         try:
             compiled = self._compile(spec)
         except RuntimeError as exc:
-            message = _LOCATION.sub("", str(exc).strip())
-            raise ValueError(f"invalid {_WHAT[spec.kind]}: {message}") from None
+            raise ValueError(f"invalid {_WHAT[spec.kind]}: {xgrammar_message(exc)}") from None
         with self._lock:
             self.num_compilations += 1
             return self._compiled.setdefault(spec, compiled)
