@@ -252,6 +252,7 @@ int tm_amx_init(void) {
 /* Bfloat16 w [n, k] (k % 32 == 0) -> packed B tiles [ceil(n / 32) * 2][k / 32][16][16][2], columns
  * past n zero. */
 void tm_amx_pack(uint16_t *packed, const uint16_t *w, int64_t n, int64_t k) {
+#ifdef TM_AMX
     const int64_t kblocks = k / KTILE, tile_rows = (n + NPANEL - 1) / NPANEL * 2;
     #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < tile_rows; nb++)
@@ -260,6 +261,9 @@ void tm_amx_pack(uint16_t *packed, const uint16_t *w, int64_t n, int64_t k) {
             for (int j = 0; j < 16; j++) rows[j] = nb * 16 + j < n ? w + (nb * 16 + j) * k + kb * KTILE : NULL;
             tm_rows_to_b_tile(packed + (nb * kblocks + kb) * 512, rows);
         }
+#else
+    (void)packed, (void)w, (void)n, (void)k;
+#endif
 }
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T + bias (float32 [n] or NULL), bfloat16,

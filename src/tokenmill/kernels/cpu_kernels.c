@@ -1,7 +1,8 @@
 /* tokenmill's CPU kernels: KV cache writes and the fused element-wise ops of a Llama block (decode
  * attention is in decode_attention.c). Plain C over raw pointers, called through ctypes (see
- * cpu_kernels.py), built once per machine with -O3 -march=native and OpenMP (the libgomp PyTorch
- * already loaded is reused).
+ * cpu_kernels.py), built once per instruction-set level (kernels/isa.py, kernels/build.py) with -O3
+ * and OpenMP (the libgomp PyTorch already loaded is reused). Each kernel has an AVX-512 path, an AVX2
+ * path (cpu_avx2.h) and a portable one, chosen at compile time.
  *
  * Storage is float32 or bfloat16 (`bf16` flag); all arithmetic is float32. Built with
  * -ffp-contract=off so a*b + c*d rounds the way PyTorch's element-wise ops do.
@@ -14,7 +15,39 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_avx2.h"
 #include "cpu_common.h"
+
+/* The features this library was compiled with, one bit each in cpu_kernels.py's COMPILED_FEATURES
+ * order, so the loader can say what it runs. */
+int tm_compiled_features(void) {
+    int bits = 0;
+#ifdef __AVX2__
+    bits |= 1 << 0;
+#endif
+#ifdef __FMA__
+    bits |= 1 << 1;
+#endif
+#ifdef __F16C__
+    bits |= 1 << 2;
+#endif
+#ifdef __AVX512F__
+    bits |= 1 << 3;
+#endif
+#ifdef __AVX512BW__
+    bits |= 1 << 4;
+#endif
+#ifdef __AVX512VNNI__
+    bits |= 1 << 5;
+#endif
+#ifdef __AVX512BF16__
+    bits |= 1 << 6;
+#endif
+#ifdef __AMX_BF16__
+    bits |= 1 << 7;
+#endif
+    return bits;
+}
 
 /* The values of n float32 results once stored in the storage dtype, in place. */
 static inline void round_row(float *v, int64_t n, int bf16) {
@@ -99,6 +132,21 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
             squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
         }
         ss = _mm512_reduce_add_ps(squares);
+#elif defined(TM_AVX2)
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  /* the 16 lanes of the AVX-512 path */
+        for (; i + 16 <= hidden; i += 16) {
+            __m256 v[2] = {load8(x, row + i, bf16), load8(x, row + i + 8, bf16)};
+            for (int h = 0; h < 2; h++) {
+                if (residual) {
+                    v[h] = _mm256_add_ps(v[h], load8(residual, row + i + 8 * h, bf16));
+                    store8(residual, row + i + 8 * h, v[h], bf16);
+                    if (bf16) v[h] = round8_bf16(v[h]);
+                }
+            }
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(v[0], v[0]));
+            hi = _mm256_add_ps(hi, _mm256_mul_ps(v[1], v[1]));
+        }
+        ss = reduce_add16(lo, hi);
 #endif
         for (; i < hidden; i++) {
             float v = load_value(x, row + i, bf16);
@@ -115,6 +163,12 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
             __m512 v = _mm512_mul_ps(load16(normed, row + i, bf16), _mm512_set1_ps(inv));
             if (bf16) v = round16_bf16(v);
             store16(out, row + i, _mm512_mul_ps(v, load16(weight, i, bf16)), bf16);
+        }
+#elif defined(TM_AVX2)
+        for (; i + 8 <= hidden; i += 8) {
+            __m256 v = _mm256_mul_ps(load8(normed, row + i, bf16), _mm256_set1_ps(inv));
+            if (bf16) v = round8_bf16(v);
+            store8(out, row + i, _mm256_mul_ps(v, load8(weight, i, bf16)), bf16);
         }
 #endif
         for (; i < hidden; i++) {
@@ -139,6 +193,14 @@ void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inn
             __m512 a = _mm512_mul_ps(g, reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.0f), e)));
             if (bf16) a = round16_bf16(a);
             store16(out, out_row + i, _mm512_mul_ps(a, u), bf16);
+        }
+#elif defined(TM_AVX2)
+        for (; i + 8 <= inner; i += 8) {
+            const __m256 g = load8(gate_up, in_row + i, bf16), u = load8(gate_up, in_row + inner + i, bf16);
+            const __m256 e = exp2_8(_mm256_mul_ps(g, _mm256_set1_ps(-1.44269504088896341f)));  /* e^-g */
+            __m256 a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            if (bf16) a = round8_bf16(a);
+            store8(out, out_row + i, _mm256_mul_ps(a, u), bf16);
         }
 #endif
         for (; i < inner; i++) {
@@ -184,6 +246,36 @@ void tm_rope(void *x, const int64_t *positions, const float *cos_table, const fl
                     }
                     store16(x, base + 16 * j, _mm512_sub_ps(a1, b1), bf16);  /* x1 c + (-x2) s */
                     store16(x, base + half + 16 * j, _mm512_add_ps(a2, b2), bf16);
+                }
+            }
+            continue;
+        }
+#elif defined(TM_AVX2)
+        if (half % 8 == 0) {  /* the same products and roundings, 8 lanes at a time */
+            __m256 cv[64], sv[64];  /* head_dim <= 512 (checked by the wrapper) */
+            for (int64_t j = 0; j < head_dim / 8; j++) {
+                cv[j] = _mm256_loadu_ps(c + 8 * j);
+                sv[j] = _mm256_loadu_ps(s + 8 * j);
+                if (bf16) {
+                    cv[j] = round8_bf16(cv[j]);
+                    sv[j] = round8_bf16(sv[j]);
+                }
+            }
+            const int64_t lo_vectors = half / 8;
+            for (int64_t h = 0; h < num_heads; h++) {
+                const int64_t base = t * row_stride + h * head_dim;
+                for (int64_t j = 0; j < lo_vectors; j++) {
+                    const __m256 x1 = load8(x, base + 8 * j, bf16), x2 = load8(x, base + half + 8 * j, bf16);
+                    __m256 a1 = _mm256_mul_ps(x1, cv[j]), b1 = _mm256_mul_ps(x2, sv[j]);
+                    __m256 a2 = _mm256_mul_ps(x2, cv[lo_vectors + j]), b2 = _mm256_mul_ps(x1, sv[lo_vectors + j]);
+                    if (bf16) {
+                        a1 = round8_bf16(a1);
+                        b1 = round8_bf16(b1);
+                        a2 = round8_bf16(a2);
+                        b2 = round8_bf16(b2);
+                    }
+                    store8(x, base + 8 * j, _mm256_sub_ps(a1, b1), bf16);  /* x1 c + (-x2) s */
+                    store8(x, base + half + 8 * j, _mm256_add_ps(a2, b2), bf16);
                 }
             }
             continue;

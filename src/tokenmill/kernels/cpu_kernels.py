@@ -1,31 +1,25 @@
-"""Build, load and call the C kernels: cpu_kernels.c, decode_attention.c, prefill_attention.c,
+"""Load and call the C kernels: cpu_kernels.c, decode_attention.c, prefill_attention.c,
 quant_kernels.c, amx_kernels.c and decode_step.c.
 
-The library is compiled once per machine (gcc -O3 -march=native -fopenmp) into
-$TOKENMILL_CACHE_DIR/kernels (default ~/.cache/tokenmill/kernels), named by a hash of the source,
-the compiler flags and the CPU, and loaded with ctypes; ctypes drops the GIL during each call. When
-no compiler is found or the build fails, `cpu_kernels()` returns None and the engine keeps the
-PyTorch reference ops. Every wrapper checks what the C code relies on (dtype, device, layout) and
-raises ValueError otherwise.
+The library of this process's instruction-set level (kernels/isa.py) is built on first use
+(kernels/build.py) and loaded with ctypes; ctypes drops the GIL during each call. When it cannot be
+built or loaded, `cpu_kernels()` says why in a warning and returns None, and the engine keeps the
+PyTorch reference ops (TOKENMILL_KERNELS=required makes that an error, =off skips the kernels). Every
+wrapper checks what the C code relies on (dtype, device, layout) and raises ValueError otherwise.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from tokenmill.cpu_features import cpu_flags
+from tokenmill import envs
+from tokenmill.kernels.build import KernelBuildError, built_library
+from tokenmill.kernels.isa import IsaLevel, chosen_level
 from tokenmill.layers import quantized
 
 if TYPE_CHECKING:
@@ -33,11 +27,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_kernels.c", _HERE / "decode_attention.c", _HERE / "prefill_attention.c",
-            _HERE / "quant_kernels.c", _HERE / "amx_kernels.c", _HERE / "decode_step.c"]
-_HEADERS = [_HERE / "cpu_common.h", _HERE / "quant_cells.h", _HERE / "amx_tiles.h"]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _INT],
@@ -55,8 +44,11 @@ _SIGNATURES = {
     "tm_amx_qlinear": [_P] * 4 + [_I64] * 5 + [_INT, _INT],
     "tm_prefill_attention": [_P] * 7 + [_I64] * 8 + [_F],
 }
+# The features a library was compiled with (tm_compiled_features' bits), as cpuinfo names them.
+COMPILED_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16")
 _lock = threading.Lock()
-_loaded: dict[str, Optional["CpuKernels"]] = {}
+_loaded: dict[str, "CpuKernels"] = {}
+_warned: set[str] = set()
 # Bounds the scratch matrix of the many-row quantised product. Whole SmolLM2 projections (up to
 # 3.5 MB) in one matmul measured 0.69 ms against 1.46 ms in 1 MB tiles (oneDNN reorders per call).
 _DEQUANTIZED_TILE_BYTES = 8 << 20
@@ -73,46 +65,35 @@ def prefill_attention_fits(head_dim: Optional[int] = None, block_size: Optional[
             and (block_size is None or block_size % PREFILL_BLOCK_STEP == 0))
 
 
-def cache_dir() -> Path:
-    """Where built kernels are kept."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tokenmill")
-    return Path(root) / "kernels"
-
-
-def _build() -> Path:
-    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + (platform.machine() + " ".join(cpu_flags())).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{digest}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=300)
-        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
-    except subprocess.CalledProcessError as exc:
-        raise RuntimeError(f"compiling the kernels failed: {exc.stderr[-2000:]}") from exc
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+def load_kernels(level: IsaLevel) -> "CpuKernels":
+    """The kernels built for `level` (built on first use, then kept for the process). Raises
+    KernelBuildError or OSError when they cannot be built or loaded."""
+    with _lock:
+        if level.name not in _loaded:
+            _loaded[level.name] = CpuKernels(ctypes.CDLL(str(built_library(level))), level)
+        return _loaded[level.name]
 
 
 def cpu_kernels() -> Optional["CpuKernels"]:
-    """The loaded kernels, built on first use; None (with a warning) when they cannot be built."""
-    with _lock:
-        if "lib" not in _loaded:
-            try:
-                _loaded["lib"] = CpuKernels(ctypes.CDLL(str(_build())))
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                logger.warning("native CPU kernels unavailable, using the PyTorch ops: %s", exc)
-                _loaded["lib"] = None
-        return _loaded["lib"]
+    """The kernels of this process's level (`isa.chosen_level()`), or None: with TOKENMILL_KERNELS=off,
+    or, with a warning carrying the compiler's or loader's message, when they cannot be built or loaded
+    (TOKENMILL_KERNELS=required makes that a RuntimeError)."""
+    mode = envs.kernels_mode()
+    if mode == "off":
+        return None
+    level = chosen_level()
+    try:
+        return load_kernels(level)
+    except (OSError, KernelBuildError) as exc:
+        if mode == "required":
+            raise RuntimeError(f"TOKENMILL_KERNELS=required, but the {level.name} kernels failed: {exc}") from exc
+        with _lock:
+            if level.name not in _warned:
+                _warned.add(level.name)
+                logger.warning("native CPU kernels unavailable, running on the PyTorch ops instead (slower: "
+                               "quantised weights are dequantised per product, attention takes the reference "
+                               "backend): %s", exc)
+        return None
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -132,7 +113,8 @@ def _storage_flag(*tensors: torch.Tensor) -> int:
 class CpuKernels:
     """Typed wrappers over the C functions."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, level: IsaLevel) -> None:
+        self.level = level
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
@@ -144,6 +126,9 @@ class CpuKernels:
         lib.tm_amx_init.argtypes, lib.tm_amx_init.restype = [], _INT
         # AMX bfloat16 tiles: compiled in (the CPU has them) and the OS lets this process use them
         self.amx = lib.tm_amx_init() == 0
+        lib.tm_compiled_features.argtypes, lib.tm_compiled_features.restype = [], _INT
+        bits = lib.tm_compiled_features()
+        self.compiled_features = tuple(name for i, name in enumerate(COMPILED_FEATURES) if bits >> i & 1)
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                          token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -43,8 +43,9 @@ static inline __m512 sum_each_of_16(const __m512 *v) {
 #ifdef __AVX512BF16__
 #define BF16_VECTORS(name, NV, base, first, bf16)                                                    \
     __m512bh name[NV / 2];                                                                           \
-    for (int v = 0; v < NV / 2 && bf16; v++)                                                        \
-        name[v] = (__m512bh)_mm512_loadu_si512((const uint16_t *)(base) + (first) + 32 * v);
+    for (int v = 0; v < NV / 2; v++)                                                                \
+        name[v] = bf16 ? (__m512bh)_mm512_loadu_si512((const uint16_t *)(base) + (first) + 32 * v)     \
+                       : (__m512bh)_mm512_setzero_si512();
 #define DEFINE_KEY_DOT(NV)                                                                           \
 static inline __m512 key_dot_##NV(const __m512 *qv, const __m512bh *qh, const void *k_cache,      \
                                   int64_t base, int bf16) {                                          \

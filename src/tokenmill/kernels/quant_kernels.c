@@ -4,9 +4,11 @@
  *   x[r, i] ~ dx[r, b] * q[r, i],  dx = absmax / 127,  q = round_half_even(x / dx) in [-127, 127]
  * so that, with s[r, b] = dx[r, b] * sum_i q[r, i] over the block,
  *   y[r, j] = sum_b (scale[j, b] dx[r, b]) (u . q)_b + offset[j, b] s[r, b].
- * The integer dot products are exact (vpdpbusd on AVX512-VNNI, 16 outputs in the lanes of one vector);
- * the float sums run over the blocks in order, two fused multiply-adds per block, per output. A row's
- * result therefore does not depend on the other rows of the batch, the tiling or the thread count.
+ * The integer dot products are exact (vpdpbusd on AVX512-VNNI, 16 outputs in the lanes of one vector;
+ * on AVX2, and AVX-512 without VNNI, vpmaddubsw + vpmaddwd over 8 outputs, which gives the same
+ * integers); the float sums run over the blocks in order, two fused multiply-adds per block, per
+ * output, on every level (the portable C path with fmaf). A row's result therefore does not depend on
+ * the other rows of the batch, the tiling or the thread count, nor, for a given input, on the level.
  */
 #include <math.h>
 #ifdef __AVX512F__
@@ -16,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_avx2.h"
 #include "cpu_common.h"
 #include "quant_cells.h"
 
@@ -57,14 +60,17 @@ void tm_qcells_pack(uint8_t *cells, const uint8_t *data, const void *scale, cons
         }
 }
 
-/* One activation row -> q (padded_k int8), dx and s (padded_k / 32 floats each). */
-static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t k, int64_t padded_k, int bf16) {
+/* One activation row -> q (padded_k int8), dx and s (padded_k / 32 floats each) and the blocks' integer
+ * sums of q (qsum, padded_k / 32). Every level quantises alike: the same absmax, scale and rounding. */
+static void quantize_row(int8_t *q, float *dx, float *s, int32_t *qsum, const void *x, int64_t k, int64_t padded_k,
+                         int bf16) {
     for (int64_t b = 0; b < padded_k / QBLOCK; b++) {
         int8_t *qb = q + b * QBLOCK;
         if (b * QBLOCK >= k) {
             memset(qb, 0, QBLOCK);
             dx[b] = 0.0f;
             s[b] = 0.0f;
+            qsum[b] = 0;
             continue;
         }
 #ifdef __AVX512F__
@@ -79,12 +85,35 @@ static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t 
         _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(q1));
         dx[b] = d;
-        s[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        s[b] = d * (float)qsum[b];
+#elif defined(TM_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], amax8 = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = load8(x, b * QBLOCK + 8 * j, bf16);
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
+        }
+        const float d = reduce_max8(amax8) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+        __m256i qi[4], total = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {  /* converting rounds half to even, as nearbyintf does */
+            qi[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), lim), neg);
+            total = _mm256_add_epi32(total, qi[j]);
+        }
+        /* packing interleaves the 128-bit halves: dwords a0 b0 c0 d0 a1 b1 c1 d1 back into a0 a1 b0 b1 .. */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        dx[b] = d;
+        qsum[b] = reduce_add8_epi32(total);
+        s[b] = d * (float)qsum[b];
 #else
         float v[QBLOCK], amax = 0.0f;
         for (int i = 0; i < QBLOCK; i++) {
             v[i] = load_value(x, b * QBLOCK + i, bf16);
-            amax = fmaxf(amax, fabsf(v[i]));
+            const float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;  /* as fmaxf (a NaN is passed over), which gcc 12 cannot vectorise for aarch64 here */
         }
         const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
@@ -95,6 +124,7 @@ static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t 
             sum += qb[i];
         }
         dx[b] = d;
+        qsum[b] = sum;
         s[b] = d * (float)sum;
 #endif
     }
@@ -104,18 +134,26 @@ static void quantize_row(int8_t *q, float *dx, float *s, const void *x, int64_t 
 typedef struct {
     const int8_t *q;
     const float *dx, *s;
+    const int32_t *qsum;
     int64_t padded_k, blocks;
 } quantized_rows;
+
+static void quantize_rows(int8_t *q, float *dx, float *s, int32_t *qsum, const void *x, int64_t m, int64_t k,
+                          int64_t x_stride, int bf16) {
+    const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK;
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks, qsum + r * blocks,
+                     (const char *)x + r * x_stride * elem, k, padded_k, bf16);
+}
 
 /* Input rows x [m, k] (row stride x_stride) quantised: q [m, padded_k] int8, dx and s [m, padded_k / 32]
  * (tm_qlinear's first step; the tests call it alone). */
 void tm_quantize_activations(int8_t *q, float *dx, float *s, const void *x, int64_t m, int64_t k,
                              int64_t x_stride, int bf16) {
-    const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK;
-    const int64_t elem = bf16 ? 2 : 4;
-    for (int64_t r = 0; r < m; r++)
-        quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks,
-                     (const char *)x + r * x_stride * elem, k, padded_k, bf16);
+    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * (qpadded_k(k) / QBLOCK)));
+    quantize_rows(q, dx, s, qsum, x, m, k, x_stride, bf16);
+    free(qsum);
 }
 
 #ifdef TM_VNNI
@@ -196,9 +234,104 @@ static inline __attribute__((always_inline)) void cells_tile(
         }
     }
 }
+#endif
 
+#if !defined(TM_VNNI) && defined(TM_AVX2)
+static inline __m256 load_scales8(const uint8_t *p, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+
+/* The 8-output twin of cells_tile: a cell's 16 rows as two halves of 8 lanes (32 bytes of each 64-byte
+ * chunk). int4: vpmaddubsw (unsigned nibble x signed q) sums feature pairs into 16 bits, 8 of them per
+ * block without overflow (|sum| <= 8 x 2 x 15 x 127 = 30480), then vpmaddwd widens. int8: the bytes
+ * become signed w = u - 128 and multiply as |w| x sign(q, w) (each pair within 2 x 128 x 127), and
+ * u . q = w . q + 128 sum(q). Either way the same exact integers as the VNNI path, then the same two
+ * fused multiply-adds per block. */
+static inline __attribute__((always_inline)) void cells_tile8(
+    void *y, int64_t y_stride, const uint8_t *cells, int64_t g0, const int G, int64_t r0, const int R,
+    const int bits, const int half, const quantized_rows *in, const float *bias, int64_t n, int bf16) {
+    const int64_t blocks = in->blocks, padded_k = in->padded_k, cell_bytes = qcell_bytes(bits, half);
+    const int64_t data_bytes = qcell_data_bytes(bits), sb = qcell_scale_bytes(half);
+    const int8_t *const q = in->q + r0 * padded_k;
+    const float *const dx = in->dx + r0 * blocks, *const s = in->s + r0 * blocks;
+    const int32_t *const qsum = in->qsum + r0 * blocks;
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), bias128 = _mm256_set1_epi8((char)0x80);
+    __m256 acc[4][2][4];
+    for (int g = 0; g < G; g++)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < R; r++) acc[g][h][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int g = 0; g < G; g++) {
+            const uint8_t *cell = cells + ((g0 + g) * blocks + b) * cell_bytes;
+            if (b + 4 < blocks)
+                for (int64_t line = 0; line < cell_bytes; line += 64) _mm_prefetch((const char *)cell + 4 * cell_bytes + line, _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                __m256i dot[4];
+                if (bits == 4) {
+                    for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(cell + c * 64 + 32 * h));
+                        const __m256i first = _mm256_and_si256(v, nibble);
+                        const __m256i second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                        for (int r = 0; r < R; r++) {
+                            const int8_t *qb = q + r * padded_k + b * QBLOCK;
+                            dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(first, _mm256_set1_epi32(*(const int32_t *)(qb + 4 * c))));
+                            dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(second, _mm256_set1_epi32(*(const int32_t *)(qb + 16 + 4 * c))));
+                        }
+                    }
+                    for (int r = 0; r < R; r++) dot[r] = _mm256_madd_epi16(dot[r], ones);
+                } else {
+                    for (int r = 0; r < R; r++) dot[r] = _mm256_set1_epi32(128 * qsum[r * blocks + b]);
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(cell + c * 64 + 32 * h)), bias128);
+                        const __m256i magnitude = _mm256_abs_epi8(w);
+                        for (int r = 0; r < R; r++) {
+                            const int8_t *qb = q + r * padded_k + b * QBLOCK;
+                            const __m256i signed_q = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(qb + 4 * c)), w);
+                            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_q), ones));
+                        }
+                    }
+                }
+                const __m256 scale = load_scales8(cell + data_bytes + 8 * h * sb, half);
+                const __m256 offset = load_scales8(cell + data_bytes + (QGROUP + 8 * h) * sb, half);
+                for (int r = 0; r < R; r++) {
+                    const __m256 weight = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * blocks + b]));
+                    acc[g][h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), weight, acc[g][h][r]);
+                    acc[g][h][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(s[r * blocks + b]), acc[g][h][r]);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int h = 0; h < 2; h++) {
+            const int64_t j = (g0 + g) * QGROUP + 8 * h;
+            const int64_t valid = n - j >= 8 ? 8 : n - j;
+            if (valid <= 0)
+                continue;
+            const __m256i mask = lanes_below8(valid);
+            const __m256 add = bias ? _mm256_maskload_ps(bias + j, mask) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const __m256 v = _mm256_add_ps(acc[g][h][r], add);
+                if (!bf16) {
+                    _mm256_maskstore_ps((float *)y + (r0 + r) * y_stride + j, mask, v);
+                } else if (valid == 8) {
+                    _mm_storeu_si128((__m128i *)((uint16_t *)y + (r0 + r) * y_stride + j), bf16_bits8(v));
+                } else {
+                    uint16_t lanes[8];
+                    _mm_storeu_si128((__m128i *)lanes, bf16_bits8(v));
+                    memcpy((uint16_t *)y + (r0 + r) * y_stride + j, lanes, (size_t)valid * 2);
+                }
+            }
+        }
+}
+#define TM_CELLS_TILE cells_tile8
+#elif defined(TM_VNNI)
+#define TM_CELLS_TILE cells_tile
+#endif
+
+#ifdef TM_CELLS_TILE
 /* Input rows [r0, r0 + R) against the groups of tile [g0, g0 + ng), ng <= 4, R in 1, 2, 4. */
-#define CELLS_TILE(G, R, BITS, HALF) cells_tile(y, y_stride, cells, g, G, r0, R, BITS, HALF, &in, bias, n, bf16)
+#define CELLS_TILE(G, R, BITS, HALF) TM_CELLS_TILE(y, y_stride, cells, g, G, r0, R, BITS, HALF, &in, bias, n, bf16)
 #define CELLS_ROWS(BITS, HALF)                                                                              \
     do {                                                                                                    \
         int64_t g = g0;                                                                                     \
@@ -222,15 +355,16 @@ void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias,
     int8_t *q = (int8_t *)aligned_alloc(64, (size_t)(m * padded_k));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
     float *s = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
-    tm_quantize_activations(q, dx, s, x, m, k, x_stride, bf16);
-    const quantized_rows in = {q, dx, s, padded_k, blocks};
+    int32_t *qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * blocks));
+    quantize_rows(q, dx, s, qsum, x, m, k, x_stride, bf16);
+    const quantized_rows in = {q, dx, s, qsum, padded_k, blocks};
     const int64_t tiles = (groups + 3) / 4;
     #pragma omp parallel for schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t g0 = tile * 4, g1 = g0 + 4 < groups ? g0 + 4 : groups;
         for (int64_t r0 = 0; r0 < m;) {
             const int R = m - r0 >= 4 ? 4 : m - r0 >= 2 ? 2 : 1;
-#ifdef TM_VNNI
+#ifdef TM_CELLS_TILE
             if (bits == 4 && half) CELLS_ROWS(4, 1);
             else if (bits == 4) CELLS_ROWS(4, 0);
             else if (half) CELLS_ROWS(8, 1);
@@ -259,6 +393,7 @@ void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias,
     free(q);
     free(dx);
     free(s);
+    free(qsum);
 }
 
 /* out[i, :k] = scale * u + offset for weight rows j = ids[i] (ids NULL: first + i), i < count: a
@@ -301,6 +436,27 @@ int tm_dequantize(void *out, const uint8_t *cells, int64_t first, const int64_t 
                     _mm256_storeu_si256((__m256i *)((uint16_t *)out + base + 16 * h), bf16_lanes(v));
                 else
                     _mm512_storeu_ps((float *)out + base + 16 * h, v);
+            }
+#elif defined(TM_AVX2)
+            /* row r's 32 values: 4 bytes from each chunk */
+            __m128i u[2];
+            if (bits == 8) {
+                u[0] = _mm_setr_epi32(*(const int32_t *)(cell + 4 * r), *(const int32_t *)(cell + 64 + 4 * r),
+                                      *(const int32_t *)(cell + 128 + 4 * r), *(const int32_t *)(cell + 192 + 4 * r));
+                u[1] = _mm_setr_epi32(*(const int32_t *)(cell + 256 + 4 * r), *(const int32_t *)(cell + 320 + 4 * r),
+                                      *(const int32_t *)(cell + 384 + 4 * r), *(const int32_t *)(cell + 448 + 4 * r));
+            } else {
+                const __m128i packed = _mm_setr_epi32(*(const int32_t *)(cell + 4 * r), *(const int32_t *)(cell + 64 + 4 * r),
+                                                      *(const int32_t *)(cell + 128 + 4 * r), *(const int32_t *)(cell + 192 + 4 * r));
+                const __m128i low = _mm_set1_epi8(0x0f);
+                u[0] = _mm_and_si128(packed, low);
+                u[1] = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+            }
+            const __m256 vs = _mm256_set1_ps(sc), vo = _mm256_set1_ps(off);
+            for (int part = 0; part < 4; part++) {
+                const __m128i bytes = part & 1 ? _mm_srli_si128(u[part / 2], 8) : u[part / 2];
+                const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), vs), vo);
+                store8(out, base + 8 * part, v, bf16);
             }
 #else
             for (int e = 0; e < QBLOCK; e++) {

@@ -1,0 +1,51 @@
+"""The environment variables tokenmill reads, each in one function (docs/architecture.md lists them).
+
+TOKENMILL_KERNELS          auto (default): build and load the native kernels, warn and run on the
+                           PyTorch ops when that fails; required: such a failure is an error; off: never
+                           load them.
+TOKENMILL_CPU_CAPABILITY   cap the kernels' instruction-set level (kernels/isa.py: x86-64-v2, avx2,
+                           avx512, avx512_vnni, avx512_bf16, amx; generic off x86), as PyTorch's
+                           ATEN_CPU_CAPABILITY caps ATen's. Also decides what the level implies
+                           elsewhere: bfloat16 as the default dtype, oneDNN's packed bfloat16 weights.
+TOKENMILL_CACHE_DIR        where built kernels are kept (default ~/.cache/tokenmill).
+TOKENMILL_KERNEL_CFLAGS    extra compiler flags for the kernels (e.g. -fsanitize=address; they enter
+                           the build's cache key).
+CC                         the C compiler (default: gcc, else cc, on PATH).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Optional
+
+KERNEL_MODES = ("auto", "required", "off")
+
+
+def kernels_mode() -> str:
+    """TOKENMILL_KERNELS: auto, required or off (ValueError otherwise)."""
+    mode = os.environ.get("TOKENMILL_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"TOKENMILL_KERNELS must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+    return mode
+
+
+def cpu_capability_cap() -> Optional[str]:
+    """TOKENMILL_CPU_CAPABILITY, or None when unset."""
+    value = os.environ.get("TOKENMILL_CPU_CAPABILITY", "").strip().lower()
+    return value or None
+
+
+def cache_root() -> Optional[str]:
+    """TOKENMILL_CACHE_DIR, or None when unset."""
+    return os.environ.get("TOKENMILL_CACHE_DIR") or None
+
+
+def extra_kernel_cflags() -> list[str]:
+    """TOKENMILL_KERNEL_CFLAGS, split as a shell would."""
+    return shlex.split(os.environ.get("TOKENMILL_KERNEL_CFLAGS", ""))
+
+
+def c_compiler() -> Optional[str]:
+    """CC, or None when unset."""
+    return os.environ.get("CC") or None

@@ -1,0 +1,150 @@
+"""Compile the C kernels into one shared library per instruction-set level (kernels/isa.py).
+
+A library is built on first use of its level, in about 5-10 s, and kept in the kernel cache
+($TOKENMILL_CACHE_DIR/kernels, default ~/.cache/tokenmill/kernels; where that cannot be written, a
+per-user folder in the system's temporary directory), named by the level and a hash of the sources,
+the flags and the compiler's version: the same library serves every process and every later run.
+Two processes building at once take turns on a lock file and install the result by an atomic rename,
+so the cache never holds a partial library. The link refuses undefined symbols (-z defs), so a
+library that builds also loads.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tokenmill import envs
+from tokenmill.kernels.isa import IsaLevel
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "prefill_attention.c",
+                                     "quant_kernels.c", "amx_kernels.c", "decode_step.c")]
+HEADERS = [_HERE / name for name in ("cpu_common.h", "cpu_avx2.h", "quant_cells.h", "amx_tiles.h")]
+# -ffp-contract=off: a * b + c rounds as PyTorch's separate element-wise ops do; explicit fmas stay.
+COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-Wall")
+# -z defs: an undefined symbol fails the link, not the load; -Bsymbolic: the kernels call their own
+# level's functions even with several levels' libraries loaded in one process (the tests do).
+LINK_FLAGS = ("-Wl,-z,defs", "-Wl,-Bsymbolic", "-lm")
+_BUILD_TIMEOUT_S = 300
+_LOCK_TIMEOUT_S = 600
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built: the message is the compiler's (or why there is none)."""
+
+
+def find_compiler() -> Optional[str]:
+    """CC, else gcc or cc on PATH; None when there is none."""
+    return envs.c_compiler() or shutil.which("gcc") or shutil.which("cc")
+
+
+def compile_command(compiler: str, level: IsaLevel, output: str, extra: Sequence[str] = ()) -> list[str]:
+    """The command that builds `level`'s library into `output`."""
+    return [compiler, *COMMON_FLAGS, *level.compiler_flags, *extra, *envs.extra_kernel_cflags(), "-o", output,
+            *map(str, SOURCES), *LINK_FLAGS]
+
+
+def _compiler_identity(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+        return done.stdout.splitlines()[0] if done.stdout else compiler
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def cache_dirs() -> list[Path]:
+    """Where libraries are kept, in order of preference."""
+    root = envs.cache_root() or os.path.join(Path.home(), ".cache", "tokenmill")
+    return [Path(root) / "kernels", Path(tempfile.gettempdir()) / f"tokenmill-kernels-{os.getuid()}"]
+
+
+def _writable_cache_dir() -> Path:
+    for folder in cache_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            pass
+        logger.info("kernel cache %s cannot be written; trying the next one", folder)
+    raise KernelBuildError(f"none of the kernel cache folders can be written: {', '.join(map(str, cache_dirs()))}")
+
+
+def library_name(level: IsaLevel, compiler: str) -> str:
+    """The cache file name of `level`'s library built by `compiler`."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    digest.update(" ".join(compile_command(compiler, level, "out")).encode())
+    digest.update(_compiler_identity(compiler).encode())
+    return f"cpu_kernels-{level.name}-{digest.hexdigest()[:16]}.so"
+
+
+def built_library(level: IsaLevel) -> Path:
+    """The path of `level`'s library, compiled now unless a cache already holds it."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelBuildError("no C compiler: none of $CC, gcc, cc is on PATH")
+    name = library_name(level, compiler)
+    for folder in cache_dirs():
+        if (folder / name).exists():
+            return folder / name
+    folder = _writable_cache_dir()
+    target = folder / name
+    with _lock(folder / (name + ".lock")):
+        if target.exists():  # another process built it while this one waited
+            return target
+        started = time.perf_counter()
+        logger.info("building the native kernels for %s (once per machine and version)", level.name)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            done = subprocess.run(compile_command(compiler, level, tmp), capture_output=True, text=True,
+                                  timeout=_BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise KernelBuildError(f"compiling the {level.name} kernels failed:\n{done.stderr[-3000:]}")
+            os.replace(tmp, target)
+        except subprocess.TimeoutExpired as exc:
+            raise KernelBuildError(f"compiling the {level.name} kernels took over {_BUILD_TIMEOUT_S} s") from exc
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        logger.info("built %s in %.1f s", target, time.perf_counter() - started)
+    return target
+
+
+class _lock:
+    """An exclusive lock on a file, waited for at most _LOCK_TIMEOUT_S."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        deadline = time.monotonic() + _LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise KernelBuildError(f"could not lock {self.path}: {exc}") from exc
+                time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
