@@ -15,8 +15,3 @@ def cpu_flags() -> tuple[str, ...]:
         return ()
     return tuple(line.partition(":")[2].split())
 
-
-def has_native_bf16() -> bool:
-    """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -2,8 +2,9 @@
 
 `tokenmill bench linears` times, for every row count asked, the projections of all layers of a
 model shaped like SmolLM2-135M, with distinct random weights, so that each pass
-reads them from memory as a decode step does: bfloat16 weights packed for oneDNN and (on CPUs with
-AMX) in AMX tiles; int8 and int4 weights through the int8 dot-product kernel, AMX tiles over
+reads them from memory as a decode step does: float weights as the engine multiplies them in the
+chosen dtype (float32: dense; bfloat16: packed for oneDNN where the CPU allows, and in AMX tiles on
+CPUs with AMX); int8 and int4 weights through the int8 dot-product kernel, AMX tiles over
 dequantised panels, and the dequantise-then-matmul path. It prints the median of the repetitions in
 milliseconds. This is where `DEQUANTIZE_FROM_ROWS`, `AMX_FROM_ROWS` and `AMX_BELOW_ROWS` come from
 (docs/benchmarks.md).
@@ -21,8 +22,9 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.kernels.isa import native_bf16
 from tokenmill.layers import quantized
-from tokenmill.layers.linear_kernels import AmxPackedKernel, OneDnnPackedKernel
+from tokenmill.layers.linear_kernels import AmxPackedKernel, DenseKernel, OneDnnPackedKernel, onednn_packing_available
 
 # SmolLM2-135M: qkv, o, gate_up, down as (out_features, in_features)
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -31,8 +33,8 @@ _NEVER = 1 << 30
 _FORCED_PATHS = {"dot": (_NEVER, _NEVER, 1), "amx": (_NEVER, 1, _NEVER), "dequant": (1, 1, 1)}
 
 
-def _time_passes(layers: list[list[Callable]], rows: int, repeats: int) -> float:
-    inputs = [torch.randn(rows, shape[1]).bfloat16() for shape in SMOLLM2_SHAPES]
+def _time_passes(layers: list[list[Callable]], rows: int, repeats: int, dtype: torch.dtype) -> float:
+    inputs = [torch.randn(rows, shape[1]).to(dtype) for shape in SMOLLM2_SHAPES]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -50,6 +52,9 @@ def add_linear_products_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=30, help="decoder layers of weights (default: 30)")
     parser.add_argument("--repeats", type=int, default=10, help="passes per measurement; the median is shown "
                         "(default: 10)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the inputs' dtype, and the float weights' (default: auto, the engine's default "
+                        "dtype on this CPU: bfloat16 with AVX512-BF16, else float32)")
 
 
 def run_linear_products(args: argparse.Namespace) -> int:
@@ -61,23 +66,31 @@ def run_linear_products(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     floats = [[torch.randn(shape) * 0.02 for shape in SMOLLM2_SHAPES]
               for _ in tqdm(range(args.layers), desc="weights", file=sys.stderr)]
-    bf16 = {"bf16 onednn": [[OneDnnPackedKernel(w.bfloat16(), None) for w in layer] for layer in floats]}
-    if kernels.amx:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or \
+        (torch.bfloat16 if native_bf16() else torch.float32)
+    if dtype == torch.float32:
+        bf16 = {"f32 dense": [[DenseKernel(w, None) for w in layer] for layer in floats]}
+    elif onednn_packing_available(torch.bfloat16, torch.device("cpu")):
+        bf16 = {"bf16 onednn": [[OneDnnPackedKernel(w.bfloat16(), None) for w in layer] for layer in floats]}
+    else:  # what bfloat16 weights run on here (isa.onednn_bf16_packing)
+        bf16 = {"bf16 dense": [[DenseKernel(w.bfloat16(), None) for w in layer] for layer in floats]}
+    if kernels.amx and dtype == torch.bfloat16:
         bf16["bf16 amx"] = [[AmxPackedKernel(w.bfloat16(), None, kernels) for w in layer] for layer in floats]
     ops = {fmt: [[kernels.qlinear_op(quantized.quantize(w, fmt), None) for w in layer] for layer in floats]
            for fmt in quantized.FORMATS}
-    paths = [p for p in _FORCED_PATHS if p != "amx" or kernels.amx]
+    paths = [p for p in _FORCED_PATHS if p != "amx" or (kernels.amx and dtype == torch.bfloat16)]
     columns = list(bf16) + [f"{fmt} {path}" for fmt in ops for path in paths]
     thresholds = (quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS)
+    print(f"{kernels.level.name} kernels, {str(dtype).removeprefix('torch.')} inputs")
     print(f"{'rows':>5} " + " ".join(f"{c:>12}" for c in columns))
     try:
         for rows in args.rows:
             quantized.AMX_BELOW_ROWS = _NEVER  # bfloat16 AMX at every row count
-            cells = [_time_passes(layers, rows, args.repeats) for layers in bf16.values()]
+            cells = [_time_passes(layers, rows, args.repeats, dtype) for layers in bf16.values()]
             for fmt_ops in ops.values():
                 for path in paths:
                     quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS = _FORCED_PATHS[path]
-                    cells.append(_time_passes(fmt_ops, rows, args.repeats))
+                    cells.append(_time_passes(fmt_ops, rows, args.repeats, dtype))
             print(f"{rows:>5} " + " ".join(f"{c:>12.2f}" for c in cells), flush=True)
     finally:
         quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS = thresholds

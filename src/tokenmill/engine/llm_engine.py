@@ -13,9 +13,9 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
-from tokenmill.cpu_features import has_native_bf16
 from tokenmill.engine.model_setup import load_model
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.kernels.isa import native_bf16
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -41,11 +41,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """'auto' -> on CPU, bfloat16 where the CPU computes it natively, else float32 (exact); on CUDA the
+    """'auto' -> on CPU, bfloat16 where the kernels' level computes it natively (`isa.native_bf16`), else
+    float32 (exact); on CUDA the
     checkpoint's half dtype, bfloat16 for float32 checkpoints."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.bfloat16 if has_native_bf16() else torch.float32
+            return torch.bfloat16 if native_bf16() else torch.float32
         return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
     return _DTYPES[name]
 

@@ -46,8 +46,9 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         native = cpu_kernels()  # the linears use them whatever the attention backend
     model.use_linear_kernels(fast_linears and onednn_packing_available(dtype, device),
                              native if fast_linears else None)
-    if kernels is not None and dtype == torch.bfloat16:
-        # float32 keeps PyTorch's element-wise ops, whose results the HF comparisons pin down
+    if kernels is not None and (dtype == torch.bfloat16 or model.has_quantized_weights()):
+        # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin
+        # down; quantised weights already part from those results, and gain the fused step
         model.use_fused_kernels(kernels)
         if config.fused_decode:
             model.use_fused_decode()

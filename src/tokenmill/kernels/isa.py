@@ -94,3 +94,18 @@ def chosen_level() -> IsaLevel:
 def level_has(level: IsaLevel, *features: str) -> bool:
     """Whether code built for `level` may use every one of `features` (cpuinfo flag names)."""
     return all(feature in level.cpu_needs for feature in features)
+
+
+def native_bf16() -> bool:
+    """Whether this process's level multiplies bfloat16 natively (AVX512-BF16, which AMX machines also
+    have): where the default dtype is bfloat16 rather than float32."""
+    return level_has(chosen_level(), "avx512_bf16")
+
+
+def onednn_bf16_packing() -> bool:
+    """Whether oneDNN can reorder bfloat16 weights into its packed layout here: it needs AVX-512 BW, VL
+    and DQ (within this process's level) or AVX-NE-CONVERT, and fails at load time elsewhere."""
+    if not is_x86():
+        return False
+    flags = set(cpu_flags())
+    return level_has(chosen_level(), "avx512bw", "avx512vl", "avx512dq") or "avx_ne_convert" in flags

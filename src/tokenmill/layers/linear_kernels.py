@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.cpu_kernels import AMX_FEATURE_TILE
+from tokenmill.kernels.isa import onednn_bf16_packing
 from tokenmill.layers import quantized
 from tokenmill.layers.quantized import QuantizedWeight, reference_linear
 
@@ -85,9 +86,11 @@ class AmxPackedKernel:
 
 
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """True where `OneDnnPackedKernel` applies: CPU, bfloat16, and a PyTorch built with oneDNN."""
+    """True where `OneDnnPackedKernel` applies: CPU, bfloat16, a PyTorch built with oneDNN, and a CPU
+    whose features oneDNN's packed bfloat16 weights need (`isa.onednn_bf16_packing`). Elsewhere bfloat16
+    weights stay plain tensors for `F.linear`, which every CPU runs."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and onednn_bf16_packing())
 
 
 def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool, native: Any = None) -> LinearKernel:
