@@ -11,6 +11,7 @@ TOKENMILL_CACHE_DIR        where built kernels are kept (default ~/.cache/tokenm
 TOKENMILL_KERNEL_CFLAGS    extra compiler flags for the kernels (e.g. -fsanitize=address; they enter
                            the build's cache key).
 CC                         the C compiler (default: gcc, else cc, on PATH).
+OMP_NUM_THREADS            read only to report it (`tokenmill env`); OpenMP and PyTorch act on it.
 """
 
 from __future__ import annotations
@@ -49,3 +50,8 @@ def extra_kernel_cflags() -> list[str]:
 def c_compiler() -> Optional[str]:
     """CC, or None when unset."""
     return os.environ.get("CC") or None
+
+
+def omp_num_threads() -> Optional[str]:
+    """OMP_NUM_THREADS, or None when unset."""
+    return os.environ.get("OMP_NUM_THREADS") or None

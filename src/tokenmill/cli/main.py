@@ -83,6 +83,25 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_server(EngineConfig.from_kwargs(**engine_kwargs(args)), server)
 
 
+def _env_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="print the CPU, kernel level, torch build and thread settings",
+                       description="Print what tokenmill runs on here: the CPU's flags, the instruction-set "
+                                   "levels it runs and the one chosen (TOKENMILL_CPU_CAPABILITY caps it), "
+                                   "whether the native kernels build and load (building them if need be), "
+                                   "the torch build and the thread settings.")
+    p.set_defaults(func=_run_env)
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    from tokenmill.kernels.report import environment
+
+    rows = environment()
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full `tokenmill` argument parser."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference engine")
@@ -91,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _env_parser(sub)
     add_chat_parser(sub)
     add_bench_parser(sub)
     return parser

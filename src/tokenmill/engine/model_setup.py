@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any, Iterator, Optional
 
@@ -11,10 +12,12 @@ import torch
 from tokenmill.attention import AttentionBackend, get_attention_backend
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.kernels.report import describe_model_paths
 from tokenmill.layers.linear_kernels import onednn_packing_available
 from tokenmill.models.loader import ModelSource
 from tokenmill.models.registry import build_model
 
+logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -54,6 +57,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
             model.use_fused_decode()
     model.rotary.to_device(device)
     model.eval()
+    logger.info("kernels: %s", describe_model_paths(model, native if fast_linears else kernels, dtype, backend))
     return model, backend
 
 

@@ -19,7 +19,7 @@ import torch
 
 from tokenmill import envs
 from tokenmill.kernels.build import KernelBuildError, built_library
-from tokenmill.kernels.isa import IsaLevel, chosen_level
+from tokenmill.kernels.isa import IsaLevel, chosen_level, level_has
 from tokenmill.layers import quantized
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ _warned: set[str] = set()
 # Bounds the scratch matrix of the many-row quantised product. Whole SmolLM2 projections (up to
 # 3.5 MB) in one matmul measured 0.69 ms against 1.46 ms in 1 MB tiles (oneDNN reorders per call).
 _DEQUANTIZED_TILE_BYTES = 8 << 20
+# QLinearOp.int8_below where the int8 products take every row count
+ALWAYS_INT8 = 1 << 62
 # amx_kernels.c multiplies 32 input features per tile step
 AMX_FEATURE_TILE = 32
 # The shapes prefill_attention.c takes (it returns -1 on others): head_dim a multiple of 32 up to 256,
@@ -240,7 +242,7 @@ class CpuKernels:
 
     def qlinear_op(self, weight: "QuantizedWeight", bias: Optional[torch.Tensor]) -> "QLinearOp":
         """The native product with a packed weight, its pointers bound once (see QLinearOp)."""
-        return QLinearOp(self.lib, weight, bias, self.amx)
+        return QLinearOp(self.lib, weight, bias, self.amx, self.level)
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's own input quantisation of x [m, cols]: (q int8 [m, padded], dx float32 [m, blocks])."""
@@ -266,8 +268,10 @@ class QLinearOp:
     feeds 16 outputs) and keeps only that copy; it holds it and the bias, so the pointers it passes
     stay valid."""
 
-    def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor], amx: bool) -> None:
+    def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor], amx: bool,
+                 level: IsaLevel) -> None:
         self.rows, self.cols = weight.shape
+        self.level = level
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (self.rows,)
                                  or not bias.is_contiguous()):
             raise ValueError("qlinear takes a contiguous float32 bias of one value per output")
@@ -292,7 +296,11 @@ class QLinearOp:
         self.amx_bias_pointer = None if bias is None else _ptr(self.amx_bias)
 
     def int8_below(self, dtype: torch.dtype) -> int:
-        """Input rows below which inputs of `dtype` take the int8 path."""
+        """Input rows below which inputs of `dtype` take the int8 path: every row count for bfloat16
+        where this level has no native bfloat16 matmul (there the int8 products measured 4-7x faster than
+        dequantising for PyTorch's emulated one at 24-1024 rows, docs/benchmarks.md)."""
+        if dtype == torch.bfloat16 and not level_has(self.level, "avx512_bf16"):
+            return ALWAYS_INT8
         return quantized.int8_product_below(self.amx and dtype == torch.bfloat16)
 
     def dequantize(self, first: int, count: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:

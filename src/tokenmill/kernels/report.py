@@ -1,0 +1,129 @@
+"""What runs where: the kernel level and the product / attention paths a model will take (logged once
+at start-up), and the machine facts `tokenmill env` prints. Nothing here decides a path: it reads the
+decisions the loaders made (layers/linear_kernels.py, attention/, models/fused_decode.py)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any, Optional
+
+import torch
+
+from tokenmill import envs
+from tokenmill.cpu_features import cpu_flags
+from tokenmill.kernels import build, isa
+from tokenmill.layers import quantized
+
+# the cpuinfo flags that decide a level or a library path
+INTERESTING_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx_ne_convert", "avx512f", "avx512bw",
+                     "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def kernels_line(kernels: Any) -> str:
+    """One phrase on the native kernels: their level, or why there are none."""
+    mode = envs.kernels_mode()
+    if mode == "off":
+        return "native kernels off (TOKENMILL_KERNELS=off): PyTorch ops only"
+    if kernels is None:
+        return f"native kernels unavailable for {isa.chosen_level().name} (see the warning): PyTorch ops only"
+    best = isa.host_levels()[-1].name
+    capped = f", capped from {best} by TOKENMILL_CPU_CAPABILITY" if kernels.level.name != best else ""
+    return f"native kernels {kernels.level.name}{capped}"
+
+
+def _vector_path(kernels: Any) -> str:
+    features = kernels.compiled_features
+    if "avx512_vnni" in features:
+        return "AVX512-VNNI"
+    if "avx512f" in features:
+        return "AVX-512 (int8 products on AVX2)"
+    if "avx2" in features:
+        return "AVX2"
+    return "portable C"
+
+
+def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, float_kernel: Optional[str]) -> str:
+    """How the projections multiply: quantised weights by row count, float weights by their kernel."""
+    if quantized_weights:
+        if kernels is None:
+            return "quantised products: PyTorch reference, the weight dequantised per call"
+        amx = kernels.amx and dtype == torch.bfloat16
+        text = f"quantised products: int8 dot products ({_vector_path(kernels)})"
+        if dtype == torch.bfloat16 and not isa.level_has(kernels.level, "avx512_bf16"):
+            return text + " at every row count (no native bfloat16 matmul to dequantise for)"
+        below = quantized.int8_product_below(amx)
+        text += f" below {below} rows"
+        if amx:
+            text += f", AMX tiles {quantized.AMX_FROM_ROWS}-{quantized.AMX_BELOW_ROWS - 1} rows"
+            below = quantized.AMX_BELOW_ROWS
+        return text + f", dequantised weight x {str(dtype).removeprefix('torch.')} matmul from {below}"
+    return f"float products: {float_kernel or 'F.linear'}"
+
+
+def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
+    """How decode and prefill attention run."""
+    name = type(backend).__name__
+    if kernels is None or name == "TorchReferenceBackend":
+        return "attention: PyTorch reference (gather + SDPA)"
+    decode = "native paged decode (" + ("AVX-512" if "avx512f" in kernels.compiled_features else
+                                        "AVX2" if "avx2" in kernels.compiled_features else "portable C") + ")"
+    prefill = ("AMX flash attention" if kernels.amx and dtype == torch.bfloat16 else
+               "PyTorch SDPA over gathered blocks")
+    return f"attention: {decode}, prefill {prefill}"
+
+
+def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: Any) -> str:
+    """The start-up line: level, products, attention and whether the fused step runs."""
+    kernel_names = {type(getattr(m, "kernel", None)).__name__ for m in model.modules() if hasattr(m, "use_kernel")}
+    kernel_names.discard("NoneType")
+    kernel_names.discard("QuantizedKernel")
+    float_kernel = ", ".join(sorted(kernel_names)) or None
+    parts = [kernels_line(kernels), product_paths(kernels, dtype, model.has_quantized_weights(), float_kernel),
+             attention_paths(kernels, dtype, backend),
+             "fused step on" if getattr(model, "fused_decode", None) is not None else "fused step off"]
+    return "; ".join(parts)
+
+
+def environment() -> list[tuple[str, str]]:
+    """The facts `tokenmill env` prints, as (name, value) rows; building the kernels if need be."""
+    from tokenmill.kernels.cpu_kernels import cpu_kernels
+
+    flags = set(cpu_flags())
+    rows = [("machine", platform.machine()), ("cpu", _cpu_model()),
+            ("cpu flags", " ".join(f for f in INTERESTING_FLAGS if f in flags) or "(none of interest)"),
+            ("levels this CPU runs", " ".join(level.name for level in isa.host_levels())),
+            ("TOKENMILL_CPU_CAPABILITY", envs.cpu_capability_cap() or "(unset)"),
+            ("level chosen", isa.chosen_level().name),
+            ("TOKENMILL_KERNELS", envs.kernels_mode()),
+            ("compiler", build.find_compiler() or "(none found)"),
+            ("kernel cache", str(build.cache_dirs()[0]))]
+    try:
+        kernels = cpu_kernels()
+        error = None
+    except RuntimeError as exc:  # TOKENMILL_KERNELS=required
+        kernels, error = None, str(exc)
+    if kernels is not None:
+        rows.append(("kernels", f"loaded {kernels.level.name}: compiled with "
+                     f"{' '.join(kernels.compiled_features) or 'no vector extensions'}; AMX tiles "
+                     f"{'usable' if kernels.amx else 'not used'}"))
+    else:
+        rows.append(("kernels", error or kernels_line(None)))
+    rows += [("default dtype", "bfloat16" if isa.native_bf16() else "float32"),
+             ("oneDNN bf16 packing", "yes" if isa.onednn_bf16_packing() else "no (bfloat16 weights use F.linear)"),
+             ("torch", f"{torch.__version__} (ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+                       f"oneDNN {'on' if torch.backends.mkldnn.is_available() else 'off'})"),
+             ("threads", f"torch {torch.get_num_threads()}, OMP_NUM_THREADS "
+                         f"{envs.omp_num_threads() or '(unset)'}, cores {os.cpu_count()}")]
+    return rows
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
