@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean
+.PHONY: serve test install clean cross-compiler asan
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,27 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/tokenmill serve --port 8000
 
-test: $(STAMP)
+# The whole suite at the best level this CPU runs, then the engine-level tests (marked every_level)
+# again without the native kernels and at the lowest x86 level, so both fallbacks are tested products.
+test: $(STAMP) cross-compiler
 	$(PY) -m pytest -q
+	TOKENMILL_KERNELS=off $(PY) -m pytest -q -m every_level
+	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q -m every_level
+
+LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if platform.machine() in ('x86_64', 'AMD64') else 'generic')")
+
+# tests/kernels/test_build.py cross-compiles the kernels for aarch64 (Debian's gcc-aarch64-linux-gnu).
+cross-compiler:
+	@command -v aarch64-linux-gnu-gcc >/dev/null || { \
+	  echo "installing gcc-aarch64-linux-gnu (the aarch64 cross-compiler the build test uses)"; \
+	  (apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu >/dev/null) || \
+	  echo "could not install gcc-aarch64-linux-gnu: install it as root, or the cross-compile test fails"; }
+
+# The kernel tests once with the kernels built under AddressSanitizer (loaded into python by LD_PRELOAD).
+asan: $(STAMP)
+	TOKENMILL_KERNEL_CFLAGS="-fsanitize=address -fno-omit-frame-pointer" TOKENMILL_KERNELS=required \
+	  ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	  $(PY) -m pytest -q tests/kernels -k "not test_build"
 
 clean:
 	rm -rf $(VENV)

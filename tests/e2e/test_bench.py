@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from e2e.server_harness import ServerProcess
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.layers.linear_kernels import onednn_packing_available
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -93,12 +95,16 @@ def test_bench_rejects_bad_flags_clearly():
 
 
 def test_bench_linears_prints_one_line_per_row_count():
-    run = tokenmill("bench", "linears", "--rows", "1", "20", "--layers", "1", "--repeats", "1")
+    run = tokenmill("bench", "linears", "--rows", "1", "20", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16")
     assert run.returncode == 0, run.stderr
-    header, *lines = run.stdout.strip().splitlines()
-    amx = cpu_kernels().amx  # the AMX columns appear where the CPU has AMX
+    title, header, *lines = run.stdout.strip().splitlines()
+    kernels = cpu_kernels()
+    assert title == f"{kernels.level.name} kernels, bfloat16 inputs"
+    amx = kernels.amx  # the AMX columns appear where the CPU has AMX
     paths = ["dot", "amx", "dequant"] if amx else ["dot", "dequant"]
-    columns = ["bf16 onednn"] + (["bf16 amx"] if amx else []) + [f"{f} {p}" for f in ("int8", "int4") for p in paths]
+    # bfloat16 weights packed for oneDNN where the CPU allows it, else plain (isa.onednn_bf16_packing)
+    packed = "bf16 onednn" if onednn_packing_available(torch.bfloat16, torch.device("cpu")) else "bf16 dense"
+    columns = [packed] + (["bf16 amx"] if amx else []) + [f"{f} {p}" for f in ("int8", "int4") for p in paths]
     assert header.split() == ["rows"] + " ".join(columns).split()
     assert [line.split()[0] for line in lines] == ["1", "20"]
     assert all(len(line.split()) == 1 + len(columns) and float(cell) > 0

@@ -158,6 +158,7 @@ def test_models_health_version(main_url, slow_url, client, tiny_model):
 
 
 # ---------------------------------------------------------------------------------------- generation
+@pytest.mark.every_level
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_non_streamed_response_shape(client, kind):
     response = create(client, kind, max_tokens=6, temperature=0, extra_body=IGNORE_EOS)
@@ -173,6 +174,7 @@ def test_non_streamed_response_shape(client, kind):
     assert response.usage.total_tokens == response.usage.prompt_tokens + 6
 
 
+@pytest.mark.every_level
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_greedy_stream_equals_non_streamed(client, kind):
     whole = create(client, kind, max_tokens=12, temperature=0)

@@ -9,11 +9,8 @@ import torch.nn.functional as F
 from tokenmill.attention.base import SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
-from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
-KERNELS = cpu_kernels()
-assert KERNELS is not None, "the native kernels must build here: gcc is part of the project machine"
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
@@ -42,23 +39,23 @@ def random_batch(seed, dtype, heads, kv_heads, head_dim, block_size, lengths, nu
     (4, 4, 32, 16),    # no GQA, head_dim 32: the portable path
     (6, 1, 64, 5),     # multi-query, a block size that is not a power of two
 ])
-def test_decode_attention_and_cache_writes_match_the_reference_backend(dtype, heads, kv_heads, head_dim, block_size):
+def test_decode_attention_and_cache_writes_match_the_reference_backend(kernels, dtype, heads, kv_heads, head_dim, block_size):
     # each decode has earlier tokens to attend to; the long ones span several 64-key work items
     lengths = [2, 17, 40, 3 * block_size, 3 * block_size + 1, 130, 200]
     cache, chunks, slots, q, k, v = random_batch(7, dtype, heads, kv_heads, head_dim, block_size, lengths,
                                                  num_blocks=128)
     ref_cache, fast_cache = cache.clone(), cache.clone()
-    ref, fast = TorchReferenceBackend(), CpuPagedBackend(KERNELS)
+    ref, fast = TorchReferenceBackend(), CpuPagedBackend(kernels)
     expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, torch.device("cpu")))
     got = fast.forward(q, k, v, fast_cache, fast.build_metadata(chunks, slots, block_size, torch.device("cpu")))
     assert torch.equal(fast_cache, ref_cache)  # the K/V writes are copies: exact
     assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_a_decode_result_does_not_depend_on_the_rest_of_the_batch():
+def test_a_decode_result_does_not_depend_on_the_rest_of_the_batch(kernels):
     lengths = [300, 5, 77, 140]
     cache, chunks, slots, q, k, v = random_batch(5, torch.bfloat16, 9, 3, 64, 16, lengths, num_blocks=64)
-    backend = CpuPagedBackend(KERNELS)
+    backend = CpuPagedBackend(kernels)
     together = backend.forward(q, k, v, cache.clone(), backend.build_metadata(chunks, slots, 16, torch.device("cpu")))
     for i, chunk in enumerate(chunks):
         alone = SequenceChunk(0, 1, chunk.context_len, chunk.block_ids)
@@ -68,7 +65,7 @@ def test_a_decode_result_does_not_depend_on_the_rest_of_the_batch():
         assert torch.equal(out[0], together[i])
 
 
-def test_decode_reads_q_rows_in_place_within_a_mixed_batch():
+def test_decode_reads_q_rows_in_place_within_a_mixed_batch(kernels):
     """Decode rows sit between prefill rows in the flat batch; q is a strided view of a fused qkv output."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
@@ -79,36 +76,38 @@ def test_decode_reads_q_rows_in_place_within_a_mixed_batch():
               SequenceChunk(6, 1, 33, [10, 11, 12])]
     slots = torch.tensor([80, 81, 82, 2 * 16 + 3, 144, 145, 12 * 16 + 0])
     results = []
-    for backend in (TorchReferenceBackend(), CpuPagedBackend(KERNELS)):
+    for backend in (TorchReferenceBackend(), CpuPagedBackend(kernels)):
         c = cache.clone()
         results.append(backend.forward(q, k, v, c, backend.build_metadata(chunks, slots, block_size, c.device)))
     assert torch.allclose(results[0], results[1], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("rows,hidden", [(33, 576), (1, 100), (17, 24)])  # widths with and without vector tails
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_add_rms_norm_matches_add_then_norm(dtype):
+def test_fused_add_rms_norm_matches_add_then_norm(kernels, dtype, rows, hidden):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(33, 576, generator=gen).to(dtype)
-    residual = torch.randn(33, 576, generator=gen).to(dtype)
-    weight = torch.randn(576, generator=gen).to(dtype)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
     expected_residual = x + residual
     x32 = expected_residual.float()
     expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # HF's formula
-    got = KERNELS.add_rms_norm(x, residual, weight, 1e-5)
+    got = kernels.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(residual, expected_residual)
     assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
-    alone = KERNELS.add_rms_norm(x, None, weight, 1e-5)
-    assert torch.allclose(alone.float(), F.rms_norm(x, (576,), weight, 1e-5).float(),
+    alone = kernels.add_rms_norm(x, None, weight, 1e-5)
+    assert torch.allclose(alone.float(), F.rms_norm(x, (hidden,), weight, 1e-5).float(),
                           atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("head_dim", [64, 48])  # the vector path (half a multiple of 16) and the scalar one
+# head_dim 64: every level's vector path; 48: AVX2's (half a multiple of 8), not AVX-512's; 36: scalar
+@pytest.mark.parametrize("head_dim,inner", [(64, 96), (48, 100), (36, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_and_rope_match_the_pytorch_ops(dtype, head_dim):
+def test_silu_mul_and_rope_match_the_pytorch_ops(kernels, dtype, head_dim, inner):
     gen = torch.Generator().manual_seed(2)
-    gate_up = torch.randn(9, 2 * 96, generator=gen).to(dtype) * 4
-    expected = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
-    assert torch.allclose(KERNELS.silu_mul(gate_up).float(), expected.float(), atol=TOLERANCE[dtype] * 2,
+    gate_up = torch.randn(9, 2 * inner, generator=gen).to(dtype) * 4
+    expected = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+    assert torch.allclose(kernels.silu_mul(gate_up).float(), expected.float(), atol=TOLERANCE[dtype] * 2,
                           rtol=TOLERANCE[dtype])
 
     rotary = RotaryEmbedding(head_dim, 300, 10000.0)
@@ -116,13 +115,13 @@ def test_silu_mul_and_rope_match_the_pytorch_ops(dtype, head_dim):
     positions = torch.tensor([0, 7, 299, 31, 1, 150])
     expected = apply_rotary(qkv[:, :12], *rotary.cos_sin(positions, dtype))
     untouched = qkv[:, 12:].clone()
-    KERNELS.rope(qkv[:, :12], positions, rotary.cos, rotary.sin)
+    kernels.rope(qkv[:, :12], positions, rotary.cos, rotary.sin)
     assert torch.equal(qkv[:, :12], expected)  # element-wise, rounded like the unfused ops: exact
     assert torch.equal(qkv[:, 12:], untouched)
 
 
-def test_wrappers_refuse_what_the_c_code_cannot_read():
+def test_wrappers_refuse_what_the_c_code_cannot_read(kernels):
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        KERNELS.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
+        kernels.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous"):
-        KERNELS.silu_mul(torch.zeros(8, 2).t())
+        kernels.silu_mul(torch.zeros(8, 2).t())

@@ -9,19 +9,14 @@ import pytest
 import torch
 
 from helpers.tiny_gguf import encode
-from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.kernels.isa import runnable_levels
+from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, load_kernels
+from tokenmill.layers import quantized
 from tokenmill.layers.quantized import (DEQUANTIZE_FROM_ROWS, EXACT_GGUF_FORMATS, cat_rows, from_gguf,
                                         quantize, quantize_activations, reference_linear)
 from tokenmill.models.loader.gguf_tensors import undo_llama_rope_permute
 
 T = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    lib = cpu_kernels()
-    assert lib is not None, "the native kernels must build on the test machine"
-    return lib
 
 
 def gguf_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -76,7 +71,7 @@ def test_native_activation_quantisation_equals_the_reference(kernels):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 3, DEQUANTIZE_FROM_ROWS - 1, DEQUANTIZE_FROM_ROWS, 37])
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, DEQUANTIZE_FROM_ROWS, 767, 768, 2049])
 @pytest.mark.parametrize("cols", [96, 576])
 def test_native_product_equals_the_reference_in_float32(kernels, fmt, rows, cols):
     torch.manual_seed(rows * cols)
@@ -93,8 +88,9 @@ def test_native_product_with_gguf_weights_in_bfloat16(kernels, qtype):
     packed = from_gguf(qtype, gguf_blocks(qtype, 40, 512, seed=3), 512)
     for rows in (2, DEQUANTIZE_FROM_ROWS + 3):
         x = torch.randn(rows, 512).bfloat16()
-        got = kernels.qlinear_op(packed, None)(x).float()
-        expected = reference_linear(x, packed, None).float()
+        op = kernels.qlinear_op(packed, None)
+        got = op(x).float()
+        expected = reference_linear(x, packed, None, int8_below=op.int8_below(x.dtype)).float()
         # the outputs are rounded to bfloat16: they agree to its last bit, after different summation orders
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
 
@@ -129,3 +125,47 @@ def test_native_lookups_equal_the_packed_table(kernels, fmt, dtype):
     assert torch.equal(op.embedding(ids, torch.float16), packed.embedding(ids, torch.float32).half())
     with pytest.raises(ValueError, match="not within"):
         op.dequantize(40, 6, dtype)
+
+
+def forced_int8(monkeypatch) -> int:
+    """Make every row count take the int8 dot products (no dequantising, no AMX tiles); the bound to
+    hand `reference_linear`."""
+    monkeypatch.setattr(quantized, "DEQUANTIZE_FROM_ROWS", ALWAYS_INT8)
+    monkeypatch.setattr(quantized, "AMX_FROM_ROWS", ALWAYS_INT8)
+    return ALWAYS_INT8
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_products_at_every_row_count_equal_the_reference(kernels, monkeypatch, fmt, dtype):
+    below = forced_int8(monkeypatch)
+    torch.manual_seed(5)
+    packed = quantize(torch.randn(45, 576) * 0.1, fmt)
+    bias = torch.randn(45)
+    op = kernels.qlinear_op(packed, bias)
+    for rows in (1, 15, 16, 17, 767, 2049):
+        x = torch.randn(rows, 576).to(dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(op(x).float(), reference_linear(x, packed, bias, int8_below=below).float(),
+                                   rtol=tolerance, atol=10 * tolerance)
+
+
+@pytest.mark.parametrize("force_int8", [False, True])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantised_products_give_the_same_numbers_at_every_level(monkeypatch, fmt, dtype, force_int8):
+    """The integer dot products are exact and the float steps are the same operations on every level, so
+    the portable C, AVX2 and AVX512-VNNI paths agree to the bit (the AMX tiles are left out)."""
+    levels = [level for level in runnable_levels() if level.name != "amx"]
+    if len(levels) < 2:
+        pytest.skip("this CPU runs only one instruction-set level")
+    if force_int8:
+        forced_int8(monkeypatch)
+    torch.manual_seed(6)
+    packed = quantize(torch.randn(45, 576) * 0.1, fmt)
+    bias = torch.randn(45)
+    x = torch.randn(40, 576).to(dtype)
+    results = {level.name: load_kernels(level).qlinear_op(packed, bias)(x) for level in levels}
+    first = results[levels[0].name]
+    for name, result in results.items():
+        assert torch.equal(result, first), f"{name} differs from {levels[0].name}"

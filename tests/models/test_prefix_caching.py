@@ -11,6 +11,9 @@ SYSTEM = "You are a careful assistant. Answer briefly and precisely. " * 4
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Where is Paris?", "Spell cat.", "Count to three."]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
+# also run without native kernels and at the lowest ISA level (`make test`)
+pytestmark = pytest.mark.every_level
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):

@@ -56,6 +56,7 @@ def tiny_hf(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama")
 
 
+@pytest.mark.every_level
 @pytest.mark.parametrize("tensor_type, fmt", [("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4"),
                                               ("Q4_K", "int4")])
 def test_quantised_gguf_stays_packed_and_native_matches_reference(tmp_path, tensor_type, fmt):

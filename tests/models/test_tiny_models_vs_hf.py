@@ -20,6 +20,9 @@ VARIANTS = {
 }
 PROMPTS = [[1, 520, 9531, 42], list(range(100, 400, 7)), [7, 8, 9] * 30]
 
+# also run without native kernels and at the lowest ISA level (`make test`)
+pytestmark = pytest.mark.every_level
+
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(request, tmp_path_factory):

@@ -66,8 +66,10 @@ def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
     name = type(backend).__name__
     if kernels is None or name == "TorchReferenceBackend":
         return "attention: PyTorch reference (gather + SDPA)"
-    decode = "native paged decode (" + ("AVX-512" if "avx512f" in kernels.compiled_features else
-                                        "AVX2" if "avx2" in kernels.compiled_features else "portable C") + ")"
+    features = kernels.compiled_features
+    decode = "native paged decode (" + ("AVX-512" if "avx512f" in features else
+                                        "portable C vectorised by the compiler for AVX2" if "avx2" in features
+                                        else "portable C") + ")"
     prefill = ("AMX flash attention" if kernels.amx and dtype == torch.bfloat16 else
                "PyTorch SDPA over gathered blocks")
     return f"attention: {decode}, prefill {prefill}"
