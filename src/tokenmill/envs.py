@@ -7,7 +7,7 @@ TOKENMILL_CPU_CAPABILITY   cap the kernels' instruction-set level (kernels/isa.p
                            avx512, avx512_vnni, avx512_bf16, amx; generic off x86), as PyTorch's
                            ATEN_CPU_CAPABILITY caps ATen's. Also decides what the level implies
                            elsewhere: bfloat16 as the default dtype, oneDNN's packed bfloat16 weights.
-TOKENMILL_CACHE_DIR        where built kernels are kept (default ~/.cache/tokenmill).
+TOKENMILL_CACHE_DIR        where built kernels and converted tokenizers are kept (default ~/.cache/tokenmill).
 TOKENMILL_KERNEL_CFLAGS    extra compiler flags for the kernels (e.g. -fsanitize=address; they enter
                            the build's cache key).
 CC                         the C compiler (default: gcc, else cc, on PATH).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from pathlib import Path
 from typing import Optional
 
 KERNEL_MODES = ("auto", "required", "off")
@@ -37,9 +38,11 @@ def cpu_capability_cap() -> Optional[str]:
     return value or None
 
 
-def cache_root() -> Optional[str]:
-    """TOKENMILL_CACHE_DIR, or None when unset."""
-    return os.environ.get("TOKENMILL_CACHE_DIR") or None
+def cache_root() -> Path:
+    """The tokenmill cache folder (kernels, converted tokenizers): TOKENMILL_CACHE_DIR, else
+    ~/.cache/tokenmill."""
+    configured = os.environ.get("TOKENMILL_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tokenmill"
 
 
 def extra_kernel_cflags() -> list[str]:

@@ -12,6 +12,7 @@ import torch
 from e2e.server_harness import ServerProcess
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.kernels.isa import native_bf16
 from tokenmill.layers.linear_kernels import onednn_packing_available
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -101,9 +102,9 @@ def test_bench_linears_prints_one_line_per_row_count():
     kernels = cpu_kernels()
     assert title == f"{kernels.level.name} kernels, bfloat16 inputs"
     amx = kernels.amx  # the AMX columns appear where the CPU has AMX
-    paths = ["dot", "amx", "dequant"] if amx else ["dot", "dequant"]
+    paths = ["dot", "amx", "dequant"] if amx else ["dot", "dequant"] if native_bf16() else ["dot"]
     # bfloat16 weights packed for oneDNN where the CPU allows it, else plain (isa.onednn_bf16_packing)
-    packed = "bf16 onednn" if onednn_packing_available(torch.bfloat16, torch.device("cpu")) else "bf16 dense"
+    packed = "bf16 onednn" if onednn_packing_available(torch.bfloat16, torch.device("cpu")) else "bf16 in f32"
     columns = [packed] + (["bf16 amx"] if amx else []) + [f"{f} {p}" for f in ("int8", "int4") for p in paths]
     assert header.split() == ["rows"] + " ".join(columns).split()
     assert [line.split()[0] for line in lines] == ["1", "20"]

@@ -43,8 +43,13 @@ def test_the_sources_cross_compile_for_aarch64(tmp_path):
 
 
 def kernels_in_subprocess(env_overrides: dict, code: str = "") -> subprocess.CompletedProcess:
-    """Run `cpu_kernels()` in a fresh interpreter (the level and library are per process)."""
+    """Run `cpu_kernels()` in a fresh interpreter (the level and library are per process). With a
+    TOKENMILL_CACHE_DIR, the temporary folder (the cache's fallback) is made private to it too."""
     env = {**os.environ, **env_overrides}
+    if "TOKENMILL_CACHE_DIR" in env_overrides and "TMPDIR" not in env_overrides:
+        private_tmp = Path(env_overrides["TOKENMILL_CACHE_DIR"]).parent / "tmp"
+        private_tmp.mkdir(exist_ok=True)
+        env["TMPDIR"] = str(private_tmp)
     script = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
               "from tokenmill.kernels.cpu_kernels import cpu_kernels\n"
               "k = cpu_kernels()\n"
@@ -55,22 +60,29 @@ def kernels_in_subprocess(env_overrides: dict, code: str = "") -> subprocess.Com
 def test_an_unwritable_cache_falls_back_to_a_temporary_folder(tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
     run = kernels_in_subprocess({"TOKENMILL_CACHE_DIR": str(blocked / "cache"), "TOKENMILL_KERNELS": "required",
-                                 "TOKENMILL_CPU_CAPABILITY": "x86-64-v2" if isa.is_x86() else "generic"})
+                                 "TOKENMILL_CPU_CAPABILITY": "x86-64-v2" if isa.is_x86() else "generic",
+                                 "TMPDIR": str(private_tmp)})
     assert run.returncode == 0, run.stderr
     assert "LEVEL x86-64-v2" in run.stdout or "LEVEL generic" in run.stdout
+    assert any(p.suffix == ".so" for p in (private_tmp / f"tokenmill-kernels-{os.getuid()}").iterdir())
 
 
 def test_two_processes_building_at_once_both_load_one_complete_library(tmp_path):
     level = "x86-64-v2" if isa.is_x86() else "generic"
-    env = {"TOKENMILL_CACHE_DIR": str(tmp_path), "TOKENMILL_KERNELS": "required", "TOKENMILL_CPU_CAPABILITY": level}
+    cache = tmp_path / "cache"
+    env = {"TOKENMILL_CACHE_DIR": str(cache), "TOKENMILL_KERNELS": "required", "TOKENMILL_CPU_CAPABILITY": level}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         runs = [pool.submit(kernels_in_subprocess, env) for _ in range(2)]
     for run in runs:
         assert run.result().returncode == 0, run.result().stderr
         assert f"LEVEL {level}" in run.result().stdout
-    libraries = sorted(p.name for p in (tmp_path / "kernels").iterdir() if p.suffix == ".so")
-    assert len(libraries) == 1 and libraries[0].startswith(f"cpu_kernels-{level}-")
+    files = sorted(p.name for p in (cache / "kernels").iterdir())
+    libraries = [name for name in files if name.endswith(".so")]
+    assert len(libraries) == 1 and libraries[0].startswith(f"cpu_kernels-{level}-"), files
+    assert set(files) == {libraries[0], libraries[0] + ".lock"}, "no partial library is left behind"
 
 
 def test_a_failed_build_warns_with_the_compilers_message_or_stops_when_required(tmp_path):

@@ -24,7 +24,8 @@ from tqdm import tqdm
 from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.layers import quantized
-from tokenmill.layers.linear_kernels import AmxPackedKernel, DenseKernel, OneDnnPackedKernel, onednn_packing_available
+from tokenmill.layers.linear_kernels import (AmxPackedKernel, DenseKernel, Float32ComputeKernel, OneDnnPackedKernel,
+                                          onednn_packing_available)
 
 # SmolLM2-135M: qkv, o, gate_up, down as (out_features, in_features)
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -73,12 +74,14 @@ def run_linear_products(args: argparse.Namespace) -> int:
     elif onednn_packing_available(torch.bfloat16, torch.device("cpu")):
         bf16 = {"bf16 onednn": [[OneDnnPackedKernel(w.bfloat16(), None) for w in layer] for layer in floats]}
     else:  # what bfloat16 weights run on here (isa.onednn_bf16_packing)
-        bf16 = {"bf16 dense": [[DenseKernel(w.bfloat16(), None) for w in layer] for layer in floats]}
+        bf16 = {"bf16 in f32": [[Float32ComputeKernel(w.bfloat16(), None) for w in layer] for layer in floats]}
     if kernels.amx and dtype == torch.bfloat16:
         bf16["bf16 amx"] = [[AmxPackedKernel(w.bfloat16(), None, kernels) for w in layer] for layer in floats]
     ops = {fmt: [[kernels.qlinear_op(quantized.quantize(w, fmt), None) for w in layer] for layer in floats]
            for fmt in quantized.FORMATS}
     paths = [p for p in _FORCED_PATHS if p != "amx" or (kernels.amx and dtype == torch.bfloat16)]
+    if dtype == torch.bfloat16 and not native_bf16():
+        paths.remove("dequant")  # bfloat16 products stay int8 here (QLinearOp.int8_below): nothing to force
     columns = list(bf16) + [f"{fmt} {path}" for fmt in ops for path in paths]
     thresholds = (quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS)
     print(f"{kernels.level.name} kernels, {str(dtype).removeprefix('torch.')} inputs")

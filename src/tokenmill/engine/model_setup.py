@@ -13,7 +13,7 @@ from tokenmill.attention import AttentionBackend, get_attention_backend
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.kernels.report import describe_model_paths
-from tokenmill.layers.linear_kernels import onednn_packing_available
+from tokenmill.layers.linear_kernels import packing_applies
 from tokenmill.models.loader import ModelSource
 from tokenmill.models.registry import build_model
 
@@ -30,7 +30,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         if num_layers > arch.num_hidden_layers:
             raise ValueError(f"draft_num_layers {num_layers} is more than the model's {arch.num_hidden_layers} layers")
         arch = dataclasses.replace(arch, num_hidden_layers=num_layers)
-    backend, kernels = get_attention_backend(config.attention_backend, device)
+    backend, kernels = get_attention_backend(config.attention_backend, device, dtype)
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -47,7 +47,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     native = kernels
     if native is None and device.type == "cpu" and fast_linears:
         native = cpu_kernels()  # the linears use them whatever the attention backend
-    model.use_linear_kernels(fast_linears and onednn_packing_available(dtype, device),
+    model.use_linear_kernels(fast_linears and packing_applies(dtype, device),
                              native if fast_linears else None)
     if kernels is not None and (dtype == torch.bfloat16 or model.has_quantized_weights()):
         # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin

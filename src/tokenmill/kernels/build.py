@@ -67,8 +67,7 @@ def _compiler_identity(compiler: str) -> str:
 
 def cache_dirs() -> list[Path]:
     """Where libraries are kept, in order of preference."""
-    root = envs.cache_root() or os.path.join(Path.home(), ".cache", "tokenmill")
-    return [Path(root) / "kernels", Path(tempfile.gettempdir()) / f"tokenmill-kernels-{os.getuid()}"]
+    return [envs.cache_root() / "kernels", Path(tempfile.gettempdir()) / f"tokenmill-kernels-{os.getuid()}"]
 
 
 def _writable_cache_dir() -> Path:

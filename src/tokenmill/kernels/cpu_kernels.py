@@ -48,7 +48,7 @@ _SIGNATURES = {
 COMPILED_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16")
 _lock = threading.Lock()
 _loaded: dict[str, "CpuKernels"] = {}
-_warned: set[str] = set()
+_failed: dict[str, Exception] = {}
 # Bounds the scratch matrix of the many-row quantised product. Whole SmolLM2 projections (up to
 # 3.5 MB) in one matmul measured 0.69 ms against 1.46 ms in 1 MB tiles (oneDNN reorders per call).
 _DEQUANTIZED_TILE_BYTES = 8 << 20
@@ -84,18 +84,19 @@ def cpu_kernels() -> Optional["CpuKernels"]:
     if mode == "off":
         return None
     level = chosen_level()
-    try:
-        return load_kernels(level)
-    except (OSError, KernelBuildError) as exc:
-        if mode == "required":
-            raise RuntimeError(f"TOKENMILL_KERNELS=required, but the {level.name} kernels failed: {exc}") from exc
-        with _lock:
-            if level.name not in _warned:
-                _warned.add(level.name)
+    failure = _failed.get(level.name)
+    if failure is None:
+        try:
+            return load_kernels(level)
+        except (OSError, KernelBuildError) as exc:
+            failure = _failed[level.name] = exc  # not retried: a failed build costs seconds each time
+            if mode != "required":
                 logger.warning("native CPU kernels unavailable, running on the PyTorch ops instead (slower: "
                                "quantised weights are dequantised per product, attention takes the reference "
                                "backend): %s", exc)
-        return None
+    if mode == "required":
+        raise RuntimeError(f"TOKENMILL_KERNELS=required, but the {level.name} kernels failed: {failure}") from failure
+    return None
 
 
 def _ptr(t: torch.Tensor) -> int:

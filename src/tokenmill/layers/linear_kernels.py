@@ -5,12 +5,14 @@ against. `OneDnnPackedKernel` hands the weight to oneDNN once, in its blocked la
 matmuls on CPUs with AVX512-BF16/AMX skip the per-call weight reorder (measured in
 docs/benchmarks.md). `AmxPackedKernel` adds tokenmill's own AMX product for the row counts where it
 beats oneDNN's. A packed kernel owns its reordered copies; the layer drops the original.
+`Float32ComputeKernel` stands in for the packed kernels where the CPU has no native bfloat16 matmul.
 `QuantizedKernel` multiplies a weight kept quantised (layers/quantized.py).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Optional, Protocol
 
 import torch
@@ -85,6 +87,58 @@ class AmxPackedKernel:
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class Float32ComputeKernel:
+    """Bfloat16 products for CPUs without a native bfloat16 matmul, where PyTorch emulates one: below
+    `WIDEN_FROM_ROWS` input rows that emulated product (it reads the weight at 2 bytes a value, which is
+    what a memory-bound product of few rows costs); from there on the weight is widened to float32 a
+    cache-sized tile at a time and multiplied in float32 (3-7x faster than the emulation at 16-256 rows,
+    docs/benchmarks.md), the result rounded once to bfloat16. Either way the products of bfloat16 values
+    are exact and summed in float32: a native bfloat16 matmul's arithmetic in another summation order."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.bias32 = None if bias is None else bias.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply (any leading dimensions)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] < WIDEN_FROM_ROWS or x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
+        rows, cols = self.weight.shape
+        tile = max(1, WIDENED_TILE_BYTES // (cols * 4))
+        wide = flat.float()
+        parts = []
+        for first in range(0, rows, tile):
+            count = min(tile, rows - first)
+            scratch = widened_scratch(count * cols).view(count, cols)
+            scratch.copy_(self.weight[first:first + count])
+            bias = None if self.bias32 is None else self.bias32[first:first + count]
+            parts.append(F.linear(wide, scratch, bias).to(torch.bfloat16))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return out.view(*x.shape[:-1], rows)
+
+
+# measured on an AVX2 machine, 4 SmolLM2 layers (`tokenmill bench linears --dtype bfloat16`)
+WIDEN_FROM_ROWS = 8
+WIDENED_TILE_BYTES = 8 << 20
+_widened = threading.local()
+
+
+def widened_scratch(numel: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least `numel` elements (grown, never shrunk)."""
+    buffer = getattr(_widened, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _widened.buffer = torch.empty(numel)
+    return buffer[:numel]
+
+
+def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where `make_kernel(packed=True)` has a faster product than `F.linear`: bfloat16 on CPU
+    (oneDNN's packed weights where the CPU allows them, else `Float32ComputeKernel`)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     """True where `OneDnnPackedKernel` applies: CPU, bfloat16, a PyTorch built with oneDNN, and a CPU
     whose features oneDNN's packed bfloat16 weights need (`isa.onednn_bf16_packing`). Elsewhere bfloat16
@@ -95,9 +149,12 @@ def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool, native: Any = None) -> LinearKernel:
     """The kernel for one weight: dense unless `packed`; packed, with the AMX product too where the
-    native kernels `native` (CpuKernels or None) have AMX and the input width suits it."""
+    native kernels `native` (CpuKernels or None) have AMX and the input width suits it, or computed in
+    float32 where oneDNN cannot pack bfloat16 weights on this CPU."""
     if not packed:
         return DenseKernel(weight, bias)
+    if not onednn_packing_available(weight.dtype, weight.device):
+        return Float32ComputeKernel(weight, bias)
     if native is not None and native.amx and weight.shape[1] % AMX_FEATURE_TILE == 0:
         return AmxPackedKernel(weight, bias, native)
     return OneDnnPackedKernel(weight, bias)

@@ -14,17 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenmill import envs
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-CACHE_DIR_ENV = "TOKENMILL_CACHE_DIR"
-
-
-def cache_root() -> Path:
-    """The tokenmill cache folder: `$TOKENMILL_CACHE_DIR`, else `~/.cache/tokenmill`."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tokenmill"
-
 
 def gguf_tokenizer_cache_dir(gguf_path: str | Path) -> Path:
     """The folder where the tokenizer converted from `gguf_path` is (or will be) cached."""
@@ -32,7 +25,7 @@ def gguf_tokenizer_cache_dir(gguf_path: str | Path) -> Path:
     stat = path.stat()
     identity = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_root() / "tokenizers" / f"{path.stem}-{key}"
+    return envs.cache_root() / "tokenizers" / f"{path.stem}-{key}"
 
 
 def load_hf_tokenizer(folder: str | Path) -> "PreTrainedTokenizerBase":

@@ -1,0 +1,19 @@
+# Functions shared by compare-peers.sh and compare-levels.sh (sourced; OUT must be set): wait for a
+# server, run one `tokenmill bench serve`, and run a row as the pairs A B B A.
+
+wait_up() {  # port
+  for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done
+  echo "server on port $1 did not start" >&2; return 1
+}
+
+run() {  # port model server_pid name seed [bench args...]
+  local port=$1 model=$2 pid=$3 name=$4 seed=$5; shift 5
+  tokenmill bench serve --base-url "http://127.0.0.1:$port" --model "$model" --server-pid "$pid" --seed "$seed" \
+    --output-json "$OUT/$name.json" "$@" >/dev/null 2>&1 || echo "run $name failed" >&2
+}
+
+pairs() {  # A_port A_model A_pid A_name B_port B_model B_pid B_name row_name seed row_args...
+  local ap=$1 am=$2 apid=$3 an=$4 bp=$5 bm=$6 bpid=$7 bn=$8 row=$9 seed=${10}; shift 10
+  run "$ap" "$am" "$apid" "$an-$row-1" "$seed" "$@"; run "$bp" "$bm" "$bpid" "$bn-$row-1" "$seed" "$@"
+  run "$bp" "$bm" "$bpid" "$bn-$row-2" $((seed + 1)) "$@"; run "$ap" "$am" "$apid" "$an-$row-2" $((seed + 1)) "$@"
+}
