@@ -39,7 +39,8 @@ def random_batch(seed, dtype, heads, kv_heads, head_dim, block_size, lengths, nu
     (4, 4, 32, 16),    # no GQA, head_dim 32: the portable path
     (6, 1, 64, 5),     # multi-query, a block size that is not a power of two
 ])
-def test_decode_attention_and_cache_writes_match_the_reference_backend(kernels, dtype, heads, kv_heads, head_dim, block_size):
+def test_decode_attention_and_cache_writes_match_the_reference_backend(kernels, dtype, heads, kv_heads, head_dim,
+                                                                      block_size):
     # each decode has earlier tokens to attend to; the long ones span several 64-key work items
     lengths = [2, 17, 40, 3 * block_size, 3 * block_size + 1, 130, 200]
     cache, chunks, slots, q, k, v = random_batch(7, dtype, heads, kv_heads, head_dim, block_size, lengths,

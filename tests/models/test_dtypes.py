@@ -37,3 +37,8 @@ def test_every_dtype_loads_generates_and_tracks_float32(model_path, float32_logi
     assert torch.isfinite(logits).all()
     similarity = torch.nn.functional.cosine_similarity(logits, float32_logits, dim=-1)
     assert similarity.min() > (0.999 if quantization == "none" else 0.95), similarity
+
+
+def test_the_native_attention_refuses_float16_by_name(model_path):
+    with pytest.raises(ValueError, match="cpu_paged takes float32 or bfloat16, not float16"):
+        LLM(model_path, dtype="float16", attention_backend="cpu_paged", block_size=8, num_kv_blocks=32)

@@ -25,7 +25,8 @@ def get_attention_backend(name: str, device: torch.device,
     if device.type != "cpu":
         raise ValueError("attention backend cpu_paged runs on the CPU only")
     if not native_dtype:
-        raise ValueError(f"attention backend cpu_paged takes float32 or bfloat16, not {str(dtype).removeprefix('torch.')}; "
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"attention backend cpu_paged takes float32 or bfloat16, not {dtype_name}; "
                          "use torch_ref (or auto)")
     from tokenmill.attention.cpu_paged import CpuPagedBackend
     from tokenmill.kernels.cpu_kernels import cpu_kernels
