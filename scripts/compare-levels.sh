@@ -5,7 +5,7 @@
 #
 # Usage: [CONFIGS="default bf16"] scripts/compare-levels.sh LEVEL [OUT_DIR]
 #   LEVEL  a tokenmill level (`tokenmill env` lists this CPU's): avx2, avx512, avx512_vnni, ...; tokenmill
-#          runs with TOKENMILL_CPU_CAPABILITY=LEVEL and oneDNN with the matching ONEDNN_MAX_CPU_ISA, so an
+#          runs with TOKENMILL_CPU_CAPABILITY=LEVEL, which also caps oneDNN (ONEDNN_MAX_CPU_ISA), so an
 #          AMX machine measures the lower levels too. llama.cpp is built for the host (its own dispatch):
 #          cap it yourself with a build of the same level where the host is above it.
 # Needs the peers' start scripts (PEERS, default ../shared/peers) and tokenmill on PATH; about 10 minutes.
@@ -13,10 +13,6 @@ set -uo pipefail
 LEVEL=${1:?usage: compare-levels.sh LEVEL [OUT_DIR]}
 OUT=${2:-bench-levels-$LEVEL}
 PEERS=${PEERS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
-case $LEVEL in
-  x86-64-v2) ONEDNN=SSE41 ;; avx2) ONEDNN=AVX2 ;; avx512|avx512_vnni) ONEDNN=AVX512_CORE_VNNI ;;
-  avx512_bf16) ONEDNN=AVX512_CORE_BF16 ;; *) ONEDNN=ALL ;;
-esac
 mkdir -p "$OUT"
 # shellcheck source=paired-runs.sh
 source "$(dirname "$0")/paired-runs.sh"
@@ -29,7 +25,7 @@ WARM=(--num-prompts 8 --max-concurrency 8 --input-len 64 --output-len 16)
 "$PEERS/start-llama-server.sh" 8035 >"$OUT/llama.log" 2>&1 & LL=$!
 for config in ${CONFIGS:-default bf16}; do
   args=(); [ $config = bf16 ] && args=(--quantization none --dtype bfloat16)
-  TOKENMILL_CPU_CAPABILITY=$LEVEL ONEDNN_MAX_CPU_ISA=$ONEDNN tokenmill serve "${args[@]}" --port 8034 \
+  TOKENMILL_CPU_CAPABILITY=$LEVEL tokenmill serve "${args[@]}" --port 8034 \
     --host 127.0.0.1 --kv-cache-memory-gb 4 --served-model-name smollm2 >"$OUT/tm-$config.log" 2>&1 & TM=$!
   wait_up 8034 && wait_up 8035 || exit 1
   grep -m1 "kernels:" "$OUT/tm-$config.log"

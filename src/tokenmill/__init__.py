@@ -9,6 +9,12 @@ import os as _os
 # in the environment keeps 4 KB pages.
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+from tokenmill import envs as _envs  # noqa: E402
+
+# A TOKENMILL_CPU_CAPABILITY cap also caps oneDNN (read at its first use, so set before torch runs any
+# of it), so that a capped machine runs PyTorch's products as a machine of that level would.
+_envs.cap_onednn_to_capability()
+
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput

@@ -6,7 +6,8 @@ TOKENMILL_KERNELS          auto (default): build and load the native kernels, wa
 TOKENMILL_CPU_CAPABILITY   cap the kernels' instruction-set level (kernels/isa.py: x86-64-v2, avx2,
                            avx512, avx512_vnni, avx512_bf16, amx; generic off x86), as PyTorch's
                            ATEN_CPU_CAPABILITY caps ATen's. Also decides what the level implies
-                           elsewhere: bfloat16 as the default dtype, oneDNN's packed bfloat16 weights.
+                           elsewhere: bfloat16 as the default dtype, oneDNN's packed bfloat16 weights,
+                           and oneDNN's own cap (ONEDNN_MAX_CPU_ISA, unless that is set).
 TOKENMILL_CACHE_DIR        where built kernels and converted tokenizers are kept (default ~/.cache/tokenmill).
 TOKENMILL_KERNEL_CFLAGS    extra compiler flags for the kernels (e.g. -fsanitize=address; they enter
                            the build's cache key).
@@ -58,3 +59,15 @@ def c_compiler() -> Optional[str]:
 def omp_num_threads() -> Optional[str]:
     """OMP_NUM_THREADS, or None when unset."""
     return os.environ.get("OMP_NUM_THREADS") or None
+
+
+# oneDNN's ONEDNN_MAX_CPU_ISA for each capped level (amx and generic: no cap)
+_ONEDNN_ISA = {"x86-64-v2": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_vnni": "AVX512_CORE_VNNI",
+               "avx512_bf16": "AVX512_CORE_BF16"}
+
+
+def cap_onednn_to_capability() -> None:
+    """Set ONEDNN_MAX_CPU_ISA to match TOKENMILL_CPU_CAPABILITY, unless it is set already."""
+    isa = _ONEDNN_ISA.get(cpu_capability_cap() or "")
+    if isa is not None:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", isa)

@@ -3,6 +3,10 @@ for the CPUs users have, described by their /proc/cpuinfo flags (no torch, no co
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tokenmill.kernels import isa
@@ -75,3 +79,16 @@ def test_avx_ne_convert_lets_onednn_pack_bfloat16_without_avx512(cpu):
 def test_no_cpuinfo_still_runs_the_baseline(cpu):
     cpu("")
     assert isa.chosen_level().name == "x86-64-v2"
+
+
+@pytest.mark.parametrize("cap, preset, expected", [("avx2", None, "AVX2"), ("x86-64-v2", None, "SSE41"),
+                                                   ("avx512_bf16", None, "AVX512_CORE_BF16"), ("amx", None, None),
+                                                   ("avx2", "AVX512_CORE", "AVX512_CORE")])
+def test_the_cap_also_caps_onednn_unless_it_is_capped_already(cap, preset, expected):
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    env["TOKENMILL_CPU_CAPABILITY"] = cap
+    if preset:
+        env["ONEDNN_MAX_CPU_ISA"] = preset
+    code = "import os, tokenmill; print(os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == str(expected)
