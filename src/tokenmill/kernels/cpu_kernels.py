@@ -350,7 +350,8 @@ class QLinearOp:
             parts = []
             for first in range(0, rows, tile):
                 count = min(tile, rows - first)
-                weight = self.dequantize(first, count, x.dtype, _scratch(count * cols, x.dtype).view(count, cols))
+                scratch = scratch_buffer(count * cols, x.dtype).view(count, cols)
+                weight = self.dequantize(first, count, x.dtype, scratch)
                 parts.append(torch.nn.functional.linear(flat, weight, None if bias is None else bias[first:first + count]))
             out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         else:
@@ -365,8 +366,9 @@ class QLinearOp:
 _scratch_space = threading.local()
 
 
-def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reusable buffer of at least `numel` elements for this thread (grown, never shrunk)."""
+def scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reusable buffer of at least `numel` elements of `dtype` for this thread (grown, never shrunk).
+    A caller is done with it when it returns: the products that use it do not keep it."""
     buffers = getattr(_scratch_space, "buffers", None)
     if buffers is None:
         buffers = _scratch_space.buffers = {}

@@ -112,7 +112,8 @@ def environment() -> list[tuple[str, str]]:
     else:
         rows.append(("kernels", error or kernels_line(None)))
     rows += [("default dtype", "bfloat16" if isa.native_bf16() else "float32"),
-             ("oneDNN bf16 packing", "yes" if isa.onednn_bf16_packing() else "no (bfloat16 weights use F.linear)"),
+             ("oneDNN bf16 packing", "yes" if isa.onednn_bf16_packing() else
+              "no (bfloat16 weights: PyTorch's emulated product for few rows, widened to float32 for many)"),
              ("torch", f"{torch.__version__} (ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
                        f"oneDNN {'on' if torch.backends.mkldnn.is_available() else 'off'})"),
              ("threads", f"torch {torch.get_num_threads()}, OMP_NUM_THREADS "

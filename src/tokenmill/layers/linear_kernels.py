@@ -12,13 +12,12 @@ beats oneDNN's. A packed kernel owns its reordered copies; the layer drops the o
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.cpu_kernels import AMX_FEATURE_TILE
+from tokenmill.kernels.cpu_kernels import AMX_FEATURE_TILE, scratch_buffer
 from tokenmill.kernels.isa import onednn_bf16_packing
 from tokenmill.layers import quantized
 from tokenmill.layers.quantized import QuantizedWeight, reference_linear
@@ -111,7 +110,7 @@ class Float32ComputeKernel:
         parts = []
         for first in range(0, rows, tile):
             count = min(tile, rows - first)
-            scratch = widened_scratch(count * cols).view(count, cols)
+            scratch = scratch_buffer(count * cols, torch.float32).view(count, cols)
             scratch.copy_(self.weight[first:first + count])
             bias = None if self.bias32 is None else self.bias32[first:first + count]
             parts.append(F.linear(wide, scratch, bias).to(torch.bfloat16))
@@ -122,15 +121,6 @@ class Float32ComputeKernel:
 # measured on an AVX2 machine, 4 SmolLM2 layers (`tokenmill bench linears --dtype bfloat16`)
 WIDEN_FROM_ROWS = 8
 WIDENED_TILE_BYTES = 8 << 20
-_widened = threading.local()
-
-
-def widened_scratch(numel: int) -> torch.Tensor:
-    """This thread's float32 buffer of at least `numel` elements (grown, never shrunk)."""
-    buffer = getattr(_widened, "buffer", None)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _widened.buffer = torch.empty(numel)
-    return buffer[:numel]
 
 
 def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
