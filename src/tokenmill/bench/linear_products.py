@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from tokenmill.kernels.cpu_kernels import cpu_kernels
-from tokenmill.kernels.isa import native_bf16
+from tokenmill.engine.llm_engine import resolve_dtype
+from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, cpu_kernels, int8_rows_below
 from tokenmill.layers import quantized
 from tokenmill.layers.linear_kernels import (AmxPackedKernel, DenseKernel, Float32ComputeKernel, OneDnnPackedKernel,
                                           onednn_packing_available)
@@ -67,8 +67,7 @@ def run_linear_products(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     floats = [[torch.randn(shape) * 0.02 for shape in SMOLLM2_SHAPES]
               for _ in tqdm(range(args.layers), desc="weights", file=sys.stderr)]
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or \
-        (torch.bfloat16 if native_bf16() else torch.float32)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"), "float32")
     if dtype == torch.float32:
         bf16 = {"f32 dense": [[DenseKernel(w, None) for w in layer] for layer in floats]}
     elif onednn_packing_available(torch.bfloat16, torch.device("cpu")):
@@ -80,8 +79,8 @@ def run_linear_products(args: argparse.Namespace) -> int:
     ops = {fmt: [[kernels.qlinear_op(quantized.quantize(w, fmt), None) for w in layer] for layer in floats]
            for fmt in quantized.FORMATS}
     paths = [p for p in _FORCED_PATHS if p != "amx" or (kernels.amx and dtype == torch.bfloat16)]
-    if dtype == torch.bfloat16 and not native_bf16():
-        paths.remove("dequant")  # bfloat16 products stay int8 here (QLinearOp.int8_below): nothing to force
+    if int8_rows_below(kernels.level, kernels.amx, dtype) == ALWAYS_INT8:
+        paths.remove("dequant")  # every row count takes the int8 products here: nothing to force
     columns = list(bf16) + [f"{fmt} {path}" for fmt in ops for path in paths]
     thresholds = (quantized.DEQUANTIZE_FROM_ROWS, quantized.AMX_FROM_ROWS, quantized.AMX_BELOW_ROWS)
     print(f"{kernels.level.name} kernels, {str(dtype).removeprefix('torch.')} inputs")

@@ -1,6 +1,6 @@
 """Compile the C kernels into one shared library per instruction-set level (kernels/isa.py).
 
-A library is built on first use of its level, in about 5-10 s, and kept in the kernel cache
+A library is built on first use of its level (1.5 s for x86-64-v2, 7-11 s for a vector level on 2 cores), and kept in the kernel cache
 ($TOKENMILL_CACHE_DIR/kernels, default ~/.cache/tokenmill/kernels; where that cannot be written, a
 per-user folder in the system's temporary directory), named by the level and a hash of the sources,
 the flags and the compiler's version: the same library serves every process and every later run.

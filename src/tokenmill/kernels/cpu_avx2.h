@@ -54,13 +54,6 @@ static inline float reduce_add16(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(t10);
 }
 
-/* The sum of 8 lanes (pairwise halves). */
-static inline float reduce_add8(__m256 v) {
-    const __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
-
 /* The largest of 8 lanes. */
 static inline float reduce_max8(__m256 v) {
     const __m128 h = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
@@ -74,23 +67,6 @@ static inline int32_t reduce_add8_epi32(__m256i v) {
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm_cvtsi128_si32(h);
-}
-
-/* fast_exp on 8 lanes, the same operations in the same order, so each lane equals fast_exp. */
-static inline __m256 fast_exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
-    const __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693145751953125f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(1.428606765330187045e-06f)));
-    __m256 p = _mm256_add_ps(_mm256_set1_ps(0.0083333333333f), _mm256_mul_ps(r, _mm256_set1_ps(0.0013888888889f)));
-    p = _mm256_add_ps(_mm256_set1_ps(0.041666666666f), _mm256_mul_ps(r, p));
-    p = _mm256_add_ps(_mm256_set1_ps(0.16666666666f), _mm256_mul_ps(r, p));
-    p = _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(r, p));
-    p = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(r, p));
-    p = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(r, p));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 /* 2^x on 8 lanes as exp2_16 computes it (x clamped to [-126, 126]; the power of 2 applied by a

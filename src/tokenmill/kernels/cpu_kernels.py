@@ -67,6 +67,17 @@ def prefill_attention_fits(head_dim: Optional[int] = None, block_size: Optional[
             and (block_size is None or block_size % PREFILL_BLOCK_STEP == 0))
 
 
+def int8_rows_below(level: IsaLevel, amx: bool, dtype: torch.dtype) -> int:
+    """Input rows below which a quantised product of `dtype` inputs takes the int8 dot products, for
+    kernels of `level` (`amx`: their AMX tiles are usable): `quantized.int8_product_below`, except
+    every row count for bfloat16 where the level has no native bfloat16 matmul (there the int8 products
+    measured 4-7x faster than dequantising for PyTorch's emulated one at 24-1024 rows,
+    docs/benchmarks.md)."""
+    if dtype == torch.bfloat16 and not level_has(level, "avx512_bf16"):
+        return ALWAYS_INT8
+    return quantized.int8_product_below(amx and dtype == torch.bfloat16)
+
+
 def load_kernels(level: IsaLevel) -> "CpuKernels":
     """The kernels built for `level` (built on first use, then kept for the process). Raises
     KernelBuildError or OSError when they cannot be built or loaded."""
@@ -297,12 +308,8 @@ class QLinearOp:
         self.amx_bias_pointer = None if bias is None else _ptr(self.amx_bias)
 
     def int8_below(self, dtype: torch.dtype) -> int:
-        """Input rows below which inputs of `dtype` take the int8 path: every row count for bfloat16
-        where this level has no native bfloat16 matmul (there the int8 products measured 4-7x faster than
-        dequantising for PyTorch's emulated one at 24-1024 rows, docs/benchmarks.md)."""
-        if dtype == torch.bfloat16 and not level_has(self.level, "avx512_bf16"):
-            return ALWAYS_INT8
-        return quantized.int8_product_below(self.amx and dtype == torch.bfloat16)
+        """Input rows below which inputs of `dtype` take the int8 path (`int8_rows_below`)."""
+        return int8_rows_below(self.level, self.amx, dtype)
 
     def dequantize(self, first: int, count: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Weight rows [first, first + count) as a [count, cols] matrix of `dtype` (float32 or bfloat16),

@@ -396,6 +396,15 @@ void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias,
     free(qsum);
 }
 
+#if !defined(TM_VNNI) && defined(TM_AVX2)
+/* Row r's 4 bytes of each of the chunks c0 .. c0 + 3 of a cell, in chunk order. */
+static inline __m128i row_bytes_of_chunks(const uint8_t *cell, int r, int c0) {
+    int32_t w[4];
+    for (int c = 0; c < 4; c++) memcpy(&w[c], cell + (c0 + c) * 64 + 4 * r, 4);
+    return _mm_setr_epi32(w[0], w[1], w[2], w[3]);
+}
+#endif
+
 /* out[i, :k] = scale * u + offset for weight rows j = ids[i] (ids NULL: first + i), i < count: a
  * contiguous [count, k] matrix of the storage dtype (float32 or bfloat16 per `bf16`), for products
  * with many input rows, where one dequantisation serves them all, and for embedding lookups. Each
@@ -441,13 +450,10 @@ int tm_dequantize(void *out, const uint8_t *cells, int64_t first, const int64_t 
             /* row r's 32 values: 4 bytes from each chunk */
             __m128i u[2];
             if (bits == 8) {
-                u[0] = _mm_setr_epi32(*(const int32_t *)(cell + 4 * r), *(const int32_t *)(cell + 64 + 4 * r),
-                                      *(const int32_t *)(cell + 128 + 4 * r), *(const int32_t *)(cell + 192 + 4 * r));
-                u[1] = _mm_setr_epi32(*(const int32_t *)(cell + 256 + 4 * r), *(const int32_t *)(cell + 320 + 4 * r),
-                                      *(const int32_t *)(cell + 384 + 4 * r), *(const int32_t *)(cell + 448 + 4 * r));
+                u[0] = row_bytes_of_chunks(cell, r, 0);
+                u[1] = row_bytes_of_chunks(cell, r, 4);
             } else {
-                const __m128i packed = _mm_setr_epi32(*(const int32_t *)(cell + 4 * r), *(const int32_t *)(cell + 64 + 4 * r),
-                                                      *(const int32_t *)(cell + 128 + 4 * r), *(const int32_t *)(cell + 192 + 4 * r));
+                const __m128i packed = row_bytes_of_chunks(cell, r, 0);
                 const __m128i low = _mm_set1_epi8(0x0f);
                 u[0] = _mm_and_si128(packed, low);
                 u[1] = _mm_and_si128(_mm_srli_epi16(packed, 4), low);

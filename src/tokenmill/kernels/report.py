@@ -13,6 +13,7 @@ import torch
 from tokenmill import envs
 from tokenmill.cpu_features import cpu_flags
 from tokenmill.kernels import build, isa
+from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, cpu_kernels, int8_rows_below
 from tokenmill.layers import quantized
 
 # the cpuinfo flags that decide a level or a library path
@@ -50,9 +51,9 @@ def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, flo
             return "quantised products: PyTorch reference, the weight dequantised per call"
         amx = kernels.amx and dtype == torch.bfloat16
         text = f"quantised products: int8 dot products ({_vector_path(kernels)})"
-        if dtype == torch.bfloat16 and not isa.level_has(kernels.level, "avx512_bf16"):
+        below = int8_rows_below(kernels.level, kernels.amx, dtype)
+        if below == ALWAYS_INT8:
             return text + " at every row count (no native bfloat16 matmul to dequantise for)"
-        below = quantized.int8_product_below(amx)
         text += f" below {below} rows"
         if amx:
             text += f", AMX tiles {quantized.AMX_FROM_ROWS}-{quantized.AMX_BELOW_ROWS - 1} rows"
@@ -89,8 +90,6 @@ def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: 
 
 def environment() -> list[tuple[str, str]]:
     """The facts `tokenmill env` prints, as (name, value) rows; building the kernels if need be."""
-    from tokenmill.kernels.cpu_kernels import cpu_kernels
-
     flags = set(cpu_flags())
     rows = [("machine", platform.machine()), ("cpu", _cpu_model()),
             ("cpu flags", " ".join(f for f in INTERESTING_FLAGS if f in flags) or "(none of interest)"),
