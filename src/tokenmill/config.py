@@ -44,6 +44,12 @@ class ModelConfig:
     fused_decode: bool = _opt(True, "run each step as one native call where every projection runs natively "
                               "(quantised, or bfloat16 in AMX tiles; cpu_paged): decode steps, and prefill chunks "
                               "in bfloat16 on AMX; its output is identical to the per-layer path")
+    batch_invariant: bool = _opt(True, "compute every token the same way whatever else shares its step, so "
+                                 "a request's output ids and logprobs do not depend on the batch, chunk size, "
+                                 "prefix-cache hits, preemption or speculation (same machine, version and flags): "
+                                 "quantised products take int8 dot products at every row count, every query "
+                                 "attends as a decode query; --no-batch-invariant lets many-row products "
+                                 "dequantise and prefill use SDPA/AMX attention (gain: docs/benchmarks.md)")
     quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K "
                              "weights packed (other encodings are dequantised), none = dequantise everything "
                              "to --dtype (the float reference), int8/int4 = also quantise float weights per "

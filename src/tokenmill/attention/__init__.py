@@ -12,11 +12,12 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 __all__ = ["AttentionBackend", "SequenceChunk", "TorchReferenceBackend", "get_attention_backend"]
 
 
-def get_attention_backend(name: str, device: torch.device,
-                          dtype: torch.dtype = torch.float32) -> tuple[AttentionBackend, Optional[Any]]:
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                          batch_invariant: bool = True) -> tuple[AttentionBackend, Optional[Any]]:
     """The backend for `name` (auto | torch_ref | cpu_paged) on `device` for a `dtype` KV cache, and the
     native CPU kernels when it uses them. auto picks cpu_paged on CPU for float32 and bfloat16 when the
-    kernels build, else torch_ref (float16 included: the kernels do not read it)."""
+    kernels build, else torch_ref (float16 included: the kernels do not read it). `batch_invariant`:
+    cpu_paged attends every query alike (see CpuPagedBackend)."""
     if name not in ("auto", "torch_ref", "cpu_paged"):
         raise ValueError(f"unknown attention backend {name!r} (available: auto, torch_ref, cpu_paged)")
     native_dtype = dtype in (torch.float32, torch.bfloat16)
@@ -37,4 +38,4 @@ def get_attention_backend(name: str, device: torch.device,
             raise ValueError("attention backend cpu_paged needs the native kernels, which could not be built "
                              "(see the warning above); use torch_ref")
         return TorchReferenceBackend(), None
-    return CpuPagedBackend(kernels), kernels
+    return CpuPagedBackend(kernels, batch_invariant), kernels

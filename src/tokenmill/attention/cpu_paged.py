@@ -35,13 +35,16 @@ class CpuPagedMetadata(TorchRefMetadata):
 class CpuPagedBackend(TorchReferenceBackend):
     """Reference layout; native cache writes, decode and (bfloat16, AMX) prefill attention."""
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    def __init__(self, kernels: CpuKernels, batch_invariant: bool = True) -> None:
         self.kernels = kernels
+        # every query attends as a one-token decode at its position: one arithmetic per query, whether it
+        # arrives in a prefill, a chunk, after a prefix-cache hit or alone (kernels/decode_attention.c)
+        self.batch_invariant = batch_invariant
 
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> CpuPagedMetadata:
         """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
-        decodes, prefills = split_decodes(chunks)
+        decodes, prefills = split_decodes(chunks, every_query=self.batch_invariant)
         # the cache writes take the slots themselves: no block ids and offsets
         meta = CpuPagedMetadata(None, None, prefill_entries(prefills, block_size, device), slots=slot_mapping)
         if prefills and self.kernels.amx and prefill_attention_fits(block_size=block_size):

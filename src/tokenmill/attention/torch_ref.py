@@ -56,14 +56,15 @@ def is_decode(chunk: SequenceChunk) -> bool:
     return chunk.query_len == 1 and chunk.context_len > 1
 
 
-def split_decodes(chunks: list[SequenceChunk]) -> tuple[list[SequenceChunk], list[SequenceChunk]]:
+def split_decodes(chunks: list[SequenceChunk], every_query: bool = False) -> tuple[list[SequenceChunk], list[SequenceChunk]]:
     """(decode queries, prefill chunks): decode chunks, and every query of a `query_by_query` chunk as a
-    one-query chunk of its own (its context ends at its position), in batch order; the rest are prefills."""
+    one-query chunk of its own (its context ends at its position), in batch order; the rest are prefills.
+    `every_query`: every query of every chunk becomes such a one-query chunk, and there are no prefills."""
     decodes, prefills = [], []
     for c in chunks:
         if is_decode(c):
             decodes.append(c)
-        elif c.query_by_query and c.context_len > c.query_len:
+        elif (c.query_by_query and c.context_len > c.query_len) or every_query:
             first_context = c.context_len - c.query_len + 1
             decodes.extend(SequenceChunk(c.query_start + i, 1, first_context + i, c.block_ids)
                            for i in range(c.query_len))

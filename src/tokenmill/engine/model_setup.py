@@ -30,7 +30,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         if num_layers > arch.num_hidden_layers:
             raise ValueError(f"draft_num_layers {num_layers} is more than the model's {arch.num_hidden_layers} layers")
         arch = dataclasses.replace(arch, num_hidden_layers=num_layers)
-    backend, kernels = get_attention_backend(config.attention_backend, device, dtype)
+    backend, kernels = get_attention_backend(config.attention_backend, device, dtype, config.batch_invariant)
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -48,7 +48,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     if native is None and device.type == "cpu" and fast_linears:
         native = cpu_kernels()  # the linears use them whatever the attention backend
     model.use_linear_kernels(fast_linears and packing_applies(dtype, device),
-                             native if fast_linears else None)
+                             native if fast_linears else None, config.batch_invariant)
     if kernels is not None and (dtype == torch.bfloat16 or model.has_quantized_weights()):
         # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin
         # down; quantised weights already part from those results, and gain the fused step

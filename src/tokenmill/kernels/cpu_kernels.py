@@ -252,9 +252,10 @@ class CpuKernels:
                                m, k, out_features, x.stride(0), out_features)
         return out
 
-    def qlinear_op(self, weight: "QuantizedWeight", bias: Optional[torch.Tensor]) -> "QLinearOp":
+    def qlinear_op(self, weight: "QuantizedWeight", bias: Optional[torch.Tensor],
+                   batch_invariant: bool = True) -> "QLinearOp":
         """The native product with a packed weight, its pointers bound once (see QLinearOp)."""
-        return QLinearOp(self.lib, weight, bias, self.amx, self.level)
+        return QLinearOp(self.lib, weight, bias, self.amx, self.level, batch_invariant)
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's own input quantisation of x [m, cols]: (q int8 [m, padded], dx float32 [m, blocks])."""
@@ -272,7 +273,9 @@ class CpuKernels:
 
 class QLinearOp:
     """x [..., cols] (float32 or bfloat16, CPU) -> x W^T + bias for one quantised weight, computed as
-    `reference_linear` does (with `int8_below(x.dtype)`): with few input rows by the int8 dot-product
+    `reference_linear` does (with `int8_below(x.dtype)`). `batch_invariant` (the default): by the int8
+    dot-product kernel at every row count, so that a row's result never depends on how many rows share
+    the product. Otherwise by the measured fastest path for the row count: with few input rows the int8
     kernel; with bfloat16 input on AMX, from `quantized.AMX_FROM_ROWS` rows by AMX tiles over
     dequantised panels; from there on by dequantising the weight (up to 8 MB of rows at a time) into a
     per-thread scratch buffer and one matmul per such tile. It repacks the weight once into the
@@ -281,9 +284,10 @@ class QLinearOp:
     stay valid."""
 
     def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor], amx: bool,
-                 level: IsaLevel) -> None:
+                 level: IsaLevel, batch_invariant: bool = True) -> None:
         self.rows, self.cols = weight.shape
         self.level = level
+        self.batch_invariant = batch_invariant
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (self.rows,)
                                  or not bias.is_contiguous()):
             raise ValueError("qlinear takes a contiguous float32 bias of one value per output")
@@ -293,7 +297,9 @@ class QLinearOp:
         if weight.scale.dtype not in (torch.float16, torch.float32) or weight.offset.dtype != weight.scale.dtype:
             raise ValueError("qlinear takes float16 or float32 scales and offsets of one dtype")
         self.lib, self.bias = lib, bias
-        self.amx = amx  # quantised widths are whole blocks of 32, as the tiles need
+        # quantised widths are whole blocks of 32, as the tiles need; the tiles take part in no
+        # batch-invariant product
+        self.amx = amx and not batch_invariant
         self.format = weight.format
         self.bits = 8 if weight.format == "int8" else 4
         self.half = int(weight.scale.dtype == torch.float16)
@@ -308,8 +314,9 @@ class QLinearOp:
         self.amx_bias_pointer = None if bias is None else _ptr(self.amx_bias)
 
     def int8_below(self, dtype: torch.dtype) -> int:
-        """Input rows below which inputs of `dtype` take the int8 path (`int8_rows_below`)."""
-        return int8_rows_below(self.level, self.amx, dtype)
+        """Input rows below which inputs of `dtype` take the int8 path (`int8_rows_below`; every row
+        count when batch-invariant)."""
+        return ALWAYS_INT8 if self.batch_invariant else int8_rows_below(self.level, self.amx, dtype)
 
     def dequantize(self, first: int, count: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Weight rows [first, first + count) as a [count, cols] matrix of `dtype` (float32 or bfloat16),

@@ -50,13 +50,14 @@ class _ShardedLinear(nn.Module):
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
-    def use_kernel(self, packed: bool, native: Any = None) -> None:
+    def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: multiply through a kernel from now on. A packed kernel keeps its own copy
         of the weight, so the layer's is dropped (no more weights can be loaded into it). Quantised
-        weights use `native` (CpuKernels) when given, else the PyTorch reference."""
+        weights use `native` (CpuKernels) when given, else the PyTorch reference. `batch_invariant`: a
+        row's result may not depend on the other rows of the product (layers/linear_kernels.py)."""
         bias = None if self.bias is None else self.bias.data
         if self.quantized is not None:
-            self.kernel = QuantizedKernel(self.quantized, bias, native)
+            self.kernel = QuantizedKernel(self.quantized, bias, native, batch_invariant)
             if self.kernel.native is not None:
                 self.quantized = None  # the native kernel keeps its own copy
             return

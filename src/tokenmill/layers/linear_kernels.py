@@ -67,8 +67,11 @@ class AmxPackedKernel:
 
     amx = True  # as QLinearOp's flag: few-row products run on AMX tiles
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], native: Any) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], native: Any,
+                 batch_invariant: bool = True) -> None:
         self.native = native
+        # the tiles at every row count: a row's sums run in one order whatever shares the product
+        self.batch_invariant = batch_invariant
         self.out_features, self.in_features = weight.shape
         self.amx_weight = native.amx_pack(weight)
         self.amx_bias = None if bias is None else bias.float().contiguous()
@@ -78,7 +81,7 @@ class AmxPackedKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply (any leading dimensions)."""
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] >= quantized.AMX_BELOW_ROWS or x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or (flat.shape[0] >= quantized.AMX_BELOW_ROWS and not self.batch_invariant):
             return self.many_rows(x)
         if flat.stride(1) != 1:
             flat = flat.contiguous()
@@ -158,10 +161,11 @@ class QuantizedKernel:
 
     _warned = False
 
-    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor], native: Any) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor], native: Any,
+                 batch_invariant: bool = True) -> None:
         self.format = weight.format
         self.bias = None if bias is None else bias.float().contiguous()
-        self.native = native.qlinear_op(weight, self.bias) if native is not None else None
+        self.native = native.qlinear_op(weight, self.bias, batch_invariant) if native is not None else None
         self.weight = weight if self.native is None else None  # the reference's copy, only where it runs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from tokenmill.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
-from tokenmill.kernels.cpu_kernels import QLinearOp, prefill_attention_fits
+from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, QLinearOp, prefill_attention_fits
 from tokenmill.layers import quantized
 from tokenmill.layers.linear_kernels import AmxPackedKernel, QuantizedKernel
 
@@ -72,6 +72,8 @@ class FusedDecode:
         self.eps = first.input_layernorm.eps
         self.layers = (_Layer * len(model.layers))()
         self.all_amx = True
+        # every product computes its rows alike at any row count: the step applies at any row count
+        self.batch_invariant = True
         for struct, layer in zip(self.layers, model.layers):
             struct.input_norm = layer.input_layernorm.weight.data_ptr()
             struct.post_norm = layer.post_attention_layernorm.weight.data_ptr()
@@ -80,6 +82,7 @@ class FusedDecode:
                 op = _native_product(linear)
                 setattr(struct, field, _projection(op))
                 self.all_amx = self.all_amx and op.amx
+                self.batch_invariant = self.batch_invariant and op.batch_invariant
         self.shape = dict(hidden=model.arch.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                           head_dim=attn.head_dim, intermediate=mlp.down_proj.in_features)
         self.cache_pointers: Optional[list[int]] = None
@@ -105,9 +108,11 @@ class FusedDecode:
         return FusedDecode(model, kernels)
 
     def applies(self, metadata: Any, num_tokens: int) -> bool:
-        """True for a step of fewer rows than the products' dequantising threshold whose prefill chunks, if
-        any, the AMX prefill attention takes (bfloat16; `prefill_chunks` are built only with AMX)."""
-        below = quantized.AMX_BELOW_ROWS if self.all_amx else quantized.DEQUANTIZE_FROM_ROWS
+        """True for a step of fewer rows than the products' dequantising threshold (none when every product
+        is batch-invariant) whose prefill chunks, if any, the AMX prefill attention takes (bfloat16;
+        `prefill_chunks` are built only with AMX; a batch-invariant backend makes every query a decode)."""
+        below = (ALWAYS_INT8 if self.batch_invariant else
+                 quantized.AMX_BELOW_ROWS if self.all_amx else quantized.DEQUANTIZE_FROM_ROWS)
         if not isinstance(metadata, CpuPagedMetadata) or num_tokens >= below:
             return False
         if metadata.prefills:

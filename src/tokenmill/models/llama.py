@@ -175,16 +175,17 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
-    def use_linear_kernels(self, packed: bool, native: Any = None) -> None:
+    def use_linear_kernels(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: route every projection and the LM head through `make_kernel`, or through
         `QuantizedKernel` (with the native kernels `native`, if any) where the weight is quantised.
-        A tied float head keeps the embedding table for lookups and, when packed, a packed copy."""
+        A tied float head keeps the embedding table for lookups and, when packed, a packed copy.
+        `batch_invariant`: every product's rows are computed alike whatever their number."""
         for module in self.modules():
             if hasattr(module, "use_kernel"):
-                module.use_kernel(packed, native)
+                module.use_kernel(packed, native, batch_invariant)
         quantized_head = self.embed_quantized if self.lm_head is None else self.head_quantized
         if quantized_head is not None:
-            self.logits_kernel = QuantizedKernel(quantized_head, None, native)
+            self.logits_kernel = QuantizedKernel(quantized_head, None, native, batch_invariant)
             if self.logits_kernel.native is not None:  # it keeps its own copy of the table
                 if self.lm_head is None:
                     self.embed_quantized = self.logits_kernel.native
