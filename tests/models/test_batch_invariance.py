@@ -1,0 +1,112 @@
+"""A request's output does not depend on what else the engine is doing (issue 19).
+
+On the real default model in its default configuration (the GGUF's Q4_1 weights kept packed, the
+default dtype of this CPU), hypothesis draws the other requests of the batch and where the request sits
+among them, the chunked-prefill budget, the prefix cache's state (off, cold, warm, a partial hit),
+preemption (a KV cache too small for the batch, reloading from the second tier), n-gram speculation and
+the sampling (greedy or seeded); the request's token ids and logprobs must equal, bit for bit, those of
+the same request run alone on a fresh engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill import SamplingParams
+
+# held-out prompts: none of them is used to tune anything
+TARGETS = ["The capital of France is", "Write a haiku about rain on a tin roof.",
+           "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n", "Three facts about octopuses:\n1.",
+           "Q: What is 17 times 23?\nA:", "The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "In 1969, the first people to walk on the Moon", "Translate to French: 'Where is the library?'"]
+OTHERS = ["Hi", "Tell me a story about a robot who learns to paint, in the style of a fairy tale.",
+          "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20", "Summarise: " + "the cat sat on the mat. " * 12,
+          "Why is the sky blue?", "import numpy as np\n\ndef softmax(x):", "List the planets of the solar system.",
+          "A" * 40]
+MAX_TOKENS = 12
+BLOCK_SIZE = 16
+
+
+def sampling(kind: str, seed: int) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    return SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          logprobs=2)
+
+
+def result(output) -> tuple:
+    """The request's token ids and, per token, its logprob and the top-2 logprobs, exactly."""
+    completion = output.outputs[0]
+    logprobs = tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items())) for step in completion.logprobs)
+    return tuple(completion.token_ids), logprobs
+
+
+class Engines:
+    """One engine at a time, rebuilt when the drawn configuration changes (loading takes about a second)."""
+
+    def __init__(self, make):
+        self.make, self.key, self.llm = make, None, None
+
+    def get(self, **options):
+        key = tuple(sorted(options.items()))
+        if key != self.key:
+            self.llm = None
+            self.llm, self.key = self.make(max_model_len=512, block_size=BLOCK_SIZE, **options), key
+        return self.llm
+
+
+@pytest.fixture(scope="module")
+def engines(make_smollm2):
+    return Engines(make_smollm2)
+
+
+@pytest.fixture(scope="module")
+def alone(make_smollm2):
+    """Each target's result run alone on a fresh default engine, per sampling kind and speculation (greedy
+    output must not depend on speculation; seeded sampling with it is compared with itself alone)."""
+    cache: dict = {}
+
+    def get(target: int, kind: str, speculation: str) -> tuple:
+        key = (target, kind, speculation if kind == "seeded" else "none")
+        if key not in cache:
+            options = {} if key[2] == "none" else dict(speculative_method=key[2], num_speculative_tokens=3)
+            llm = make_smollm2(max_model_len=512, block_size=BLOCK_SIZE, **options)
+            cache[key] = result(llm.generate([TARGETS[target]], sampling(kind, 1000 + target), use_tqdm=False)[0])
+        return cache[key]
+    return get
+
+
+@st.composite
+def scenarios(draw):
+    others = draw(st.lists(st.integers(0, len(OTHERS) - 1), max_size=14))
+    return dict(target=draw(st.integers(0, len(TARGETS) - 1)), kind=draw(st.sampled_from(["greedy", "seeded"])),
+                others=others, position=draw(st.integers(0, len(others))),
+                budget=draw(st.sampled_from([2048, 64, 16, 5])),
+                cache=draw(st.sampled_from(["off", "cold", "warm", "partial"])),
+                preempt=draw(st.booleans()), speculation=draw(st.sampled_from(["none", "ngram"])))
+
+
+@pytest.mark.slow
+@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_output_does_not_depend_on_what_else_runs(engines, alone, scenario):
+    s = scenario
+    options = dict(max_num_batched_tokens=s["budget"], prefix_caching=s["cache"] != "off")
+    if s["preempt"]:  # 12 blocks of 16 tokens: a few requests at a time, the rest preempted and recomputed
+        options.update(num_kv_blocks=12, secondary_kv_gb=0.01)
+    if s["speculation"] != "none":
+        options.update(speculative_method=s["speculation"], num_speculative_tokens=3)
+    llm = engines.get(**options)
+    target = TARGETS[s["target"]]
+    if s["cache"] == "warm":
+        llm.generate([target], sampling("greedy", 0), use_tqdm=False)
+    elif s["cache"] == "partial":
+        llm.generate([target[:len(target) // 2] + " and so on"], sampling("greedy", 0), use_tqdm=False)
+    prompts = [OTHERS[i] for i in s["others"]]
+    params = [sampling("greedy" if i % 2 else "seeded", i) for i in range(len(prompts))]
+    prompts.insert(s["position"], target)
+    params.insert(s["position"], sampling(s["kind"], 1000 + s["target"]))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert result(outputs[s["position"]]) == alone(s["target"], s["kind"], s["speculation"])
