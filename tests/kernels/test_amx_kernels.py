@@ -30,7 +30,7 @@ def test_packed_bfloat16_product_equals_a_float32_matmul(amx_kernels, rows, out_
 
 def test_packed_kernel_takes_strided_rows_and_hands_many_rows_to_onednn(amx_kernels):
     weight = (torch.randn(64, 128) * 0.05).bfloat16()
-    kernel = AmxPackedKernel(weight, None, amx_kernels)
+    kernel = AmxPackedKernel(weight, None, amx_kernels, batch_invariant=False)
     wide = torch.randn(9, 256).bfloat16()
     bf16_close(kernel(wide[:, :128]), (wide[:, :128].float() @ weight.float().T).bfloat16())
     many = torch.randn(AMX_BELOW_ROWS + 5, 128).bfloat16()
@@ -48,7 +48,7 @@ def test_quantised_product_on_tiles_equals_the_dequantised_reference(amx_kernels
     else:
         packed = quantize(torch.randn(45, cols) * 0.05, fmt)  # 45 outputs: a partial panel of 32
     bias = torch.randn(45)
-    op = amx_kernels.qlinear_op(packed, bias)
+    op = amx_kernels.qlinear_op(packed, bias, batch_invariant=False)
     x = torch.randn(rows, cols).bfloat16()
     assert op.int8_below(torch.bfloat16) == AMX_FROM_ROWS
     bf16_close(op(x), reference_linear(x, packed, bias, int8_below=AMX_FROM_ROWS))
@@ -57,7 +57,7 @@ def test_quantised_product_on_tiles_equals_the_dequantised_reference(amx_kernels
 def test_tile_products_do_not_depend_on_the_rest_of_the_batch(amx_kernels):
     weight = (torch.randn(80, 256) * 0.05).bfloat16()
     packed_bf16 = AmxPackedKernel(weight, None, amx_kernels)
-    quantised = amx_kernels.qlinear_op(quantize(weight.float(), "int4"), None)
+    quantised = amx_kernels.qlinear_op(quantize(weight.float(), "int4"), None, batch_invariant=False)
     group = AMX_FROM_ROWS  # the fewest rows that still take the tiles
     batch = torch.randn(5 * group, 256).bfloat16()
     for op in (packed_bf16, quantised):
@@ -85,6 +85,6 @@ def test_tiles_hold_exactly_the_dequantised_weights(amx_kernels, fmt):
         cols = 256
     else:
         packed = quantize(torch.randn(40, cols) * 0.05, fmt)
-    op = amx_kernels.qlinear_op(packed, None)
+    op = amx_kernels.qlinear_op(packed, None, batch_invariant=False)
     picked = op(torch.eye(cols).bfloat16())  # cols >= AMX_FROM_ROWS rows: the tile path
     assert torch.equal(picked.T, packed.dequantize(torch.bfloat16))

@@ -73,13 +73,16 @@ def test_native_activation_quantisation_equals_the_reference(kernels):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, DEQUANTIZE_FROM_ROWS, 767, 768, 2049])
 @pytest.mark.parametrize("cols", [96, 576])
-def test_native_product_equals_the_reference_in_float32(kernels, fmt, rows, cols):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_native_product_equals_the_reference_in_float32(kernels, fmt, rows, cols, batch_invariant):
     torch.manual_seed(rows * cols)
     packed = quantize(torch.randn(45, cols) * 0.1, fmt)  # 45 outputs: a partial tile of 4
     bias = torch.randn(45)
     x = torch.randn(rows, cols)
-    got = kernels.qlinear_op(packed, bias)(x)
-    expected = reference_linear(x, packed, bias)
+    op = kernels.qlinear_op(packed, bias, batch_invariant)
+    assert (op.int8_below(x.dtype) > rows) == (batch_invariant or rows < DEQUANTIZE_FROM_ROWS)
+    got = op(x)
+    expected = reference_linear(x, packed, bias, int8_below=op.int8_below(x.dtype))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
@@ -95,10 +98,11 @@ def test_native_product_with_gguf_weights_in_bfloat16(kernels, qtype):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
 
 
-def test_few_row_products_do_not_depend_on_the_rest_of_the_batch(kernels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_do_not_depend_on_the_rest_of_the_batch(kernels, dtype):
     packed = quantize(torch.randn(64, 256), "int4")
-    op = kernels.qlinear_op(packed, None)
-    batch = torch.randn(DEQUANTIZE_FROM_ROWS - 1, 256)
+    op = kernels.qlinear_op(packed, None)  # batch-invariant: the int8 products at every row count
+    batch = torch.randn(2 * DEQUANTIZE_FROM_ROWS + 5, 256).to(dtype)
     together = op(batch)
     alone = torch.cat([op(batch[i:i + 1]) for i in range(batch.shape[0])])
     assert torch.equal(together, alone)

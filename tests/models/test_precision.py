@@ -91,18 +91,12 @@ def quantized(request, make_smollm2):
     return request.param, make_smollm2(dtype="bfloat16", quantization=request.param)
 
 
-def test_quantized_perplexity_on_both_product_paths(quantized, text_ids, hf_perplexity, monkeypatch):
+def test_quantized_perplexity(quantized, text_ids, hf_perplexity):
     name, llm = quantized
-    # scoring a long prompt takes the many-row path: weights dequantised to bfloat16
-    # measured: auto 36.08, int8 36.06 against 35.96 (35.89 and 36.01 with the previous prefill attention)
-    assert perplexity(llm, text_ids) == pytest.approx(hf_perplexity, rel=0.01)
-    # with every product on the few-row path (inputs quantised to int8 per block), as decoding runs
-    import tokenmill.layers.quantized as quantized_module
-    monkeypatch.setattr(quantized_module, "DEQUANTIZE_FROM_ROWS", 1 << 30)
-    monkeypatch.setattr(quantized_module, "AMX_FROM_ROWS", 1 << 30)
-    # measured: auto 36.19 (+0.6%), int8 36.51 (+1.5%); with the previous prefill attention 36.08 and
-    # 36.52; the PyTorch reference of the same arithmetic gives auto 36.25: the order of the float32 sums
-    # alone moves it by about 1% (the row-layout kernel before the cell layout measured 35.95 and 36.28)
+    # batch-invariant (the default): every product quantises its input rows to int8 per block, scoring a
+    # long prompt as decoding does. Measured with that path: auto 36.19 (+0.6%), int8 36.51 (+1.5%); the
+    # PyTorch reference of the same arithmetic gives auto 36.25: the order of the float32 sums alone moves
+    # it by about 1%. (Dequantising for many rows, as --no-batch-invariant does: auto 36.08, int8 36.06.)
     assert perplexity(llm, text_ids) == pytest.approx(hf_perplexity, rel=0.025)
 
 

@@ -94,11 +94,13 @@ def test_unknown_quantization_is_a_clear_error(tiny_hf):
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
-def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path, architecture, monkeypatch):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path, architecture, batch_invariant,
+                                                                       monkeypatch):
     # four prompts decode at most four rows at a time: move the AMX threshold so both paths run
     monkeypatch.setattr(quantized, "AMX_FROM_ROWS", 3)
     path = write_tiny_gguf(tmp_path / f"{architecture}.gguf", "Q4_1", architecture=architecture)
-    fused = build(path, dtype="bfloat16")
+    fused = build(path, dtype="bfloat16", batch_invariant=batch_invariant)
     model = fused.llm_engine.model
     assert model.fused_decode is not None
     decisions, fused_rows = [], []
@@ -111,7 +113,10 @@ def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path,
 
     model.fused_decode.applies = recorded
     outputs = greedy(fused)
-    assert any(decisions) and not all(decisions)  # pure decode steps fused, mixed ones layer by layer
-    # fused steps of 1-2 rows take the int8 products and of 3-4 the AMX ones (on a CPU with AMX)
-    assert min(fused_rows) < quantized.AMX_FROM_ROWS <= max(fused_rows)
-    assert outputs == greedy(build(path, dtype="bfloat16", fused_decode=False))
+    if batch_invariant:  # every step, prefills included, is decode queries on the int8 products
+        assert all(decisions) and max(fused_rows) > 4
+    else:
+        assert any(decisions) and not all(decisions)  # pure decode steps fused, mixed ones layer by layer
+        # fused steps of 1-2 rows take the int8 products and of 3-4 the AMX ones (on a CPU with AMX)
+        assert min(fused_rows) < quantized.AMX_FROM_ROWS <= max(fused_rows)
+    assert outputs == greedy(build(path, dtype="bfloat16", fused_decode=False, batch_invariant=batch_invariant))

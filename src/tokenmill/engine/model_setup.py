@@ -57,7 +57,8 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
             model.use_fused_decode()
     model.rotary.to_device(device)
     model.eval()
-    logger.info("kernels: %s", describe_model_paths(model, native if fast_linears else kernels, dtype, backend))
+    logger.info("kernels: %s", describe_model_paths(model, native if fast_linears else kernels, dtype, backend,
+                                                     config.batch_invariant))
     return model, backend
 
 

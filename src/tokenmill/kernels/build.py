@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "prefill_attention.c",
-                                     "quant_kernels.c", "amx_kernels.c", "decode_step.c")]
+                                     "quant_kernels.c", "amx_kernels.c", "decode_step.c",
+                                     "dense_kernels.c")]
 HEADERS = [_HERE / name for name in ("cpu_common.h", "cpu_avx2.h", "quant_cells.h", "amx_tiles.h")]
 # -ffp-contract=off: a * b + c rounds as PyTorch's separate element-wise ops do; explicit fmas stay.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-Wall")

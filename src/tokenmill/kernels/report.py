@@ -44,13 +44,16 @@ def _vector_path(kernels: Any) -> str:
     return "portable C"
 
 
-def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, float_kernel: Optional[str]) -> str:
+def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, float_kernel: Optional[str],
+                  batch_invariant: bool = False) -> str:
     """How the projections multiply: quantised weights by row count, float weights by their kernel."""
     if quantized_weights:
         if kernels is None:
             return "quantised products: PyTorch reference, the weight dequantised per call"
         amx = kernels.amx and dtype == torch.bfloat16
         text = f"quantised products: int8 dot products ({_vector_path(kernels)})"
+        if batch_invariant:
+            return text + " at every row count (batch-invariant)"
         below = int8_rows_below(kernels.level, kernels.amx, dtype)
         if below == ALWAYS_INT8:
             return text + " at every row count (no native bfloat16 matmul to dequantise for)"
@@ -68,21 +71,23 @@ def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
     if kernels is None or name == "TorchReferenceBackend":
         return "attention: PyTorch reference (gather + SDPA)"
     features = kernels.compiled_features
-    decode = "native paged decode (" + ("AVX-512" if "avx512f" in features else
-                                        "portable C vectorised by the compiler for AVX2" if "avx2" in features
+    decode = "native paged decode (" + ("AVX-512" if "avx512f" in features else "AVX2" if "avx2" in features
                                         else "portable C") + ")"
+    if getattr(backend, "batch_invariant", False):
+        return f"attention: {decode} for every query, prefill included (batch-invariant)"
     prefill = ("AMX flash attention" if kernels.amx and dtype == torch.bfloat16 else
                "PyTorch SDPA over gathered blocks")
     return f"attention: {decode}, prefill {prefill}"
 
 
-def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: Any) -> str:
+def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: Any,
+                         batch_invariant: bool = False) -> str:
     """The start-up line: level, products, attention and whether the fused step runs."""
     kernel_names = {type(getattr(m, "kernel", None)).__name__ for m in model.modules() if hasattr(m, "use_kernel")}
     kernel_names.discard("NoneType")
     kernel_names.discard("QuantizedKernel")
     float_kernel = ", ".join(sorted(kernel_names)) or None
-    parts = [kernels_line(kernels), product_paths(kernels, dtype, model.has_quantized_weights(), float_kernel),
+    parts = [kernels_line(kernels), product_paths(kernels, dtype, model.has_quantized_weights(), float_kernel, batch_invariant),
              attention_paths(kernels, dtype, backend),
              "fused step on" if getattr(model, "fused_decode", None) is not None else "fused step off"]
     return "; ".join(parts)

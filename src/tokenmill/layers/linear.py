@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear_kernels import LinearKernel, QuantizedKernel, make_kernel
+from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.layers.quantized import QuantizedWeight, cat_rows, quantize
 
 
@@ -61,8 +61,8 @@ class _ShardedLinear(nn.Module):
             if self.kernel.native is not None:
                 self.quantized = None  # the native kernel keeps its own copy
             return
-        self.kernel = make_kernel(self.weight.data, bias, packed, native)
-        if packed:
+        self.kernel = make_kernel(self.weight.data, bias, packed, native, batch_invariant)
+        if not isinstance(self.kernel, DenseKernel):  # the kernel keeps its own copy
             self.weight = None
 
     def _place(self, param: nn.Parameter, first_row: int, part: Any) -> None:

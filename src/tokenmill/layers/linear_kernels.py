@@ -121,6 +121,30 @@ class Float32ComputeKernel:
         return out.view(*x.shape[:-1], rows)
 
 
+class InvariantDenseKernel:
+    """Float weights multiplied by the native batch-invariant product (kernels/dense_kernels.c): each
+    output is one chain of fused multiply-adds in input-feature order, so a row's result does not depend
+    on how many rows share the product, as it does with BLAS. Inputs of the weight's dtype, CPU."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], native: Any) -> None:
+        self.native = native
+        self.out_features = weight.shape[0]
+        self.packed = native.dense_pack(weight)
+        self.bias = bias
+        # the bias is added in float32 as the bias of a bfloat16 F.linear is, from its bfloat16 value
+        self.bias32 = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply (any leading dimensions)."""
+        if x.dtype != self.packed.dtype:
+            return self(x.to(self.packed.dtype)).to(x.dtype)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        y = self.native.dense_linear(flat, self.packed, self.out_features, self.bias32)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 # measured on an AVX2 machine, 4 SmolLM2 layers (`tokenmill bench linears --dtype bfloat16`)
 WIDEN_FROM_ROWS = 8
 WIDENED_TILE_BYTES = 8 << 20
@@ -140,16 +164,25 @@ def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and onednn_bf16_packing())
 
 
-def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool, native: Any = None) -> LinearKernel:
-    """The kernel for one weight: dense unless `packed`; packed, with the AMX product too where the
-    native kernels `native` (CpuKernels or None) have AMX and the input width suits it, or computed in
-    float32 where oneDNN cannot pack bfloat16 weights on this CPU."""
+def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool, native: Any = None,
+                batch_invariant: bool = False) -> LinearKernel:
+    """The kernel for one weight. `batch_invariant` with the native kernels `native` (CpuKernels or None)
+    and a float32 or bfloat16 CPU weight: the AMX product at every row count where it applies, else
+    `InvariantDenseKernel`. Otherwise: dense unless `packed`; packed, with the AMX product too where
+    `native` has AMX and the input width suits it, or computed in float32 where oneDNN cannot pack
+    bfloat16 weights on this CPU."""
+    if batch_invariant and native is not None and weight.device.type == "cpu" \
+            and weight.dtype in (torch.float32, torch.bfloat16):
+        if packed and native.amx and weight.shape[1] % AMX_FEATURE_TILE == 0 \
+                and onednn_packing_available(weight.dtype, weight.device):
+            return AmxPackedKernel(weight, bias, native, batch_invariant=True)
+        return InvariantDenseKernel(weight, bias, native)
     if not packed:
         return DenseKernel(weight, bias)
     if not onednn_packing_available(weight.dtype, weight.device):
         return Float32ComputeKernel(weight, bias)
     if native is not None and native.amx and weight.shape[1] % AMX_FEATURE_TILE == 0:
-        return AmxPackedKernel(weight, bias, native)
+        return AmxPackedKernel(weight, bias, native, batch_invariant=False)
     return OneDnnPackedKernel(weight, bias)
 
 

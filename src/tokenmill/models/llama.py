@@ -15,7 +15,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import (
     MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader)
-from tokenmill.layers.linear_kernels import LinearKernel, QuantizedKernel, make_kernel
+from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.layers.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -192,8 +192,8 @@ class LlamaForCausalLM(nn.Module):
                 self.head_quantized = None
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_kernel = make_kernel(head.data, None, packed, native)
-        if packed and self.lm_head is not None:
+        self.logits_kernel = make_kernel(head.data, None, packed, native, batch_invariant)
+        if not isinstance(self.logits_kernel, DenseKernel) and self.lm_head is not None:
             self.lm_head.weight = None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], quantize_to: Optional[str] = None) -> None:
