@@ -254,7 +254,8 @@ static inline float sum_of_8(__m256 v) {
 /* Stands in for the keys past the longest context of a tile (read as float32 or bfloat16 zeros). */
 static const float zero_key[256];
 
-/* Attention of the queries [b0, b0 + tile) (one sequence, consecutive positions) for kv head kvh. */
+/* Attention of the queries [b0, b0 + tile) (one sequence, consecutive positions) for kv head kvh;
+ * `table` lists the blocks of the longest context among them. */
 static void attend_tile(void *out, const void *q, const void *k_cache, const void *v_cache,
                         const int64_t *token_index, const int32_t *table, const int32_t *context_lens, int64_t b0,
                         int64_t tile, int64_t kvh, int64_t num_kv_heads, int64_t group, int64_t head_dim,
@@ -346,12 +347,13 @@ static void attend_tile(void *out, const void *q, const void *k_cache, const voi
     free(qf);
 }
 
-/* Whether query b + 1 continues query b's sequence at the next position (same cached blocks). */
+/* Whether query b + 1 continues query b's sequence at the next position: its block table extends b's
+ * (a table lists the blocks of its own context only, so the tile's last query's table serves them all). */
 static int continues(const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                      int64_t b, int64_t max_blocks, int64_t block_size) {
     if (token_index[b + 1] != token_index[b] + 1 || context_lens[b + 1] != context_lens[b] + 1)
         return 0;
-    const int64_t used = (context_lens[b + 1] + block_size - 1) / block_size;
+    const int64_t used = (context_lens[b] + block_size - 1) / block_size;
     return memcmp(block_tables + b * max_blocks, block_tables + (b + 1) * max_blocks, sizeof(int32_t) * (size_t)used) == 0;
 }
 
@@ -374,7 +376,7 @@ static void decode_attention_avx2(void *out, const void *q, const void *k_cache,
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t i = 0; i < tiles; i++)
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
-            attend_tile(out, q, k_cache, v_cache, token_index, block_tables + starts[i] * max_blocks, context_lens,
+            attend_tile(out, q, k_cache, v_cache, token_index, block_tables + (starts[i + 1] - 1) * max_blocks, context_lens,
                         starts[i], starts[i + 1] - starts[i], kvh, num_kv_heads, group, head_dim, block_size,
                         q_row_stride, q_head_stride, out_row_stride, scale, bf16);
     free(starts);

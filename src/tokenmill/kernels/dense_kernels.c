@@ -48,14 +48,14 @@ void tm_dense_pack(void *packed, const void *w, int64_t n, int64_t k, int bf16) 
  * registers, one fused multiply-add per (row, output, k). */
 static inline __attribute__((always_inline)) void dense_tile(
     void *y, const void *x, const void *packed, const float *bias, int64_t r0, const int R, int64_t p0, const int P,
-    int64_t k, int64_t n, int64_t x_stride, int64_t y_stride, int w_bf16, int x_bf16) {
+    int64_t k, int64_t n, int64_t x_stride, int64_t y_stride, int w_bf16, int x_bf16, int y_bf16, int64_t w_p0) {
     __m256 acc[6][8];
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2 * P; h++) acc[r][h] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
         __m256 w[8];
         for (int p = 0; p < P; p++)
-            for (int h = 0; h < 2; h++) w[2 * p + h] = load8(packed, ((p0 + p) * k + i) * PANEL + 8 * h, w_bf16);
+            for (int h = 0; h < 2; h++) w[2 * p + h] = load8(packed, ((w_p0 + p) * k + i) * PANEL + 8 * h, w_bf16);
         for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_set1_ps(load_value(x, (r0 + r) * x_stride + i, x_bf16));
             for (int h = 0; h < 2 * P; h++) acc[r][h] = _mm256_fmadd_ps(xv, w[h], acc[r][h]);
@@ -73,11 +73,11 @@ static inline __attribute__((always_inline)) void dense_tile(
                 if (bias)
                     v = _mm256_add_ps(v, _mm256_maskload_ps(bias + j, mask));
                 if (valid == 8) {
-                    store8(y, (r0 + r) * y_stride + j, v, x_bf16);
+                    store8(y, (r0 + r) * y_stride + j, v, y_bf16);
                 } else {
                     float lanes[8];
                     _mm256_storeu_ps(lanes, v);
-                    for (int64_t e = 0; e < valid; e++) store_value(y, (r0 + r) * y_stride + j + e, lanes[e], x_bf16);
+                    for (int64_t e = 0; e < valid; e++) store_value(y, (r0 + r) * y_stride + j + e, lanes[e], y_bf16);
                 }
             }
         }
@@ -85,7 +85,9 @@ static inline __attribute__((always_inline)) void dense_tile(
 #endif
 
 #ifdef TM_AVX2
-/* The tiles of tm_dense_linear, with the dtypes as constants so that each inlined tile loads directly. */
+/* The tiles of tm_dense_linear, with the dtypes as constants so that each inlined tile loads directly.
+ * Several rows: bfloat16 inputs are widened to float32 once, and each weight panel once per block of
+ * rows into a per-thread buffer (widening is exact, so the chains are the same ones). */
 static inline __attribute__((always_inline)) void dense_tiles(
     void *y, const void *x, const void *packed, const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride,
     int64_t y_stride, const int w_bf16, const int x_bf16) {
@@ -95,22 +97,47 @@ static inline __attribute__((always_inline)) void dense_tiles(
         for (int64_t q = 0; q < (panels + 3) / 4; q++) {
             int64_t p = 4 * q;
             if (panels - p >= 4)
-                dense_tile(y, x, packed, bias, 0, 1, p, 4, k, n, x_stride, y_stride, w_bf16, x_bf16);
+                dense_tile(y, x, packed, bias, 0, 1, p, 4, k, n, x_stride, y_stride, w_bf16, x_bf16, x_bf16, p);
             else
-                for (; p < panels; p++) dense_tile(y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride, w_bf16, x_bf16);
+                for (; p < panels; p++)
+                    dense_tile(y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride, w_bf16, x_bf16, x_bf16, p);
         }
         return;
     }
-    for (int64_t b0 = 0; b0 < m; b0 += ROW_BLOCK) {
-        const int64_t b1 = b0 + ROW_BLOCK < m ? b0 + ROW_BLOCK : m;
+    float *xf = NULL;
+    if (x_bf16) {
+        xf = (float *)malloc(sizeof(float) * (size_t)(m * k));
         #pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            int64_t r = b0;
-            for (; r + 6 <= b1; r += 6) dense_tile(y, x, packed, bias, r, 6, p, 1, k, n, x_stride, y_stride, w_bf16, x_bf16);
-            for (; r + 2 <= b1; r += 2) dense_tile(y, x, packed, bias, r, 2, p, 1, k, n, x_stride, y_stride, w_bf16, x_bf16);
-            for (; r < b1; r++) dense_tile(y, x, packed, bias, r, 1, p, 1, k, n, x_stride, y_stride, w_bf16, x_bf16);
-        }
+        for (int64_t r = 0; r < m; r++) load_row(xf + r * k, x, r * x_stride, k, 1);
     }
+    const void *xs = x_bf16 ? (const void *)xf : x;
+    const int64_t xs_stride = x_bf16 ? k : x_stride;
+    #pragma omp parallel
+    {
+        float *wf = w_bf16 ? (float *)malloc(sizeof(float) * (size_t)(k * PANEL)) : NULL;
+        for (int64_t b0 = 0; b0 < m; b0 += ROW_BLOCK) {
+            const int64_t b1 = b0 + ROW_BLOCK < m ? b0 + ROW_BLOCK : m;
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                const void *w = packed;
+                int64_t w_p0 = p;
+                if (w_bf16) {
+                    load_row(wf, packed, p * k * PANEL, k * PANEL, 1);
+                    w = wf;
+                    w_p0 = 0;
+                }
+                int64_t r = b0;
+                for (; r + 6 <= b1; r += 6)
+                    dense_tile(y, xs, w, bias, r, 6, p, 1, k, n, xs_stride, y_stride, 0, 0, x_bf16, w_p0);
+                for (; r + 2 <= b1; r += 2)
+                    dense_tile(y, xs, w, bias, r, 2, p, 1, k, n, xs_stride, y_stride, 0, 0, x_bf16, w_p0);
+                for (; r < b1; r++)
+                    dense_tile(y, xs, w, bias, r, 1, p, 1, k, n, xs_stride, y_stride, 0, 0, x_bf16, w_p0);
+            }
+        }
+        free(wf);
+    }
+    free(xf);
 }
 #endif
 
