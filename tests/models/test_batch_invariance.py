@@ -1,7 +1,7 @@
 """A request's output does not depend on what else the engine is doing (issue 19).
 
 On the real default model in its default configuration (the GGUF's Q4_1 weights kept packed, the
-default dtype of this CPU), hypothesis draws the other requests of the batch and where the request sits
+default dtype of this CPU), and with its weights as float32 floats, hypothesis draws the other requests of the batch and where the request sits
 among them, the chunked-prefill budget, the prefix cache's state (off, cold, warm, a partial hit),
 preemption (a KV cache too small for the batch, reloading from the second tier), n-gram speculation and
 the sampling (greedy or seeded); the request's token ids and logprobs must equal, bit for bit, those of
@@ -44,38 +44,42 @@ def result(output) -> tuple:
 
 
 class Engines:
-    """One engine at a time, rebuilt when the drawn configuration changes (loading takes about a second)."""
+    """One engine at a time, rebuilt when the drawn configuration changes (loading takes about a second);
+    `weights`: engine options every engine of the test shares (the weight format and dtype)."""
 
-    def __init__(self, make):
-        self.make, self.key, self.llm = make, None, None
+    def __init__(self, make, **weights):
+        self.make, self.weights, self.key, self.llm = make, weights, None, None
+        self.alone: dict = {}
 
     def get(self, **options):
         key = tuple(sorted(options.items()))
         if key != self.key:
             self.llm = None
-            self.llm, self.key = self.make(max_model_len=512, block_size=BLOCK_SIZE, **options), key
+            self.llm, self.key = self.make(max_model_len=512, block_size=BLOCK_SIZE, **self.weights, **options), key
         return self.llm
+
+    def result_alone(self, target: int, kind: str, speculation: str) -> tuple:
+        """The target's result run alone on a fresh engine, per sampling kind and speculation (greedy output
+        must not depend on speculation; seeded sampling with it is compared with itself alone)."""
+        key = (target, kind, speculation if kind == "seeded" else "none")
+        if key not in self.alone:
+            options = {} if key[2] == "none" else dict(speculative_method=key[2], num_speculative_tokens=3)
+            llm = self.make(max_model_len=512, block_size=BLOCK_SIZE, **self.weights, **options)
+            self.alone[key] = result(llm.generate([TARGETS[target]], sampling(kind, 1000 + target), use_tqdm=False)[0])
+        return self.alone[key]
 
 
 @pytest.fixture(scope="module")
 def engines(make_smollm2):
+    """The default configuration: the GGUF's quantised weights kept packed, this CPU's default dtype."""
     return Engines(make_smollm2)
 
 
 @pytest.fixture(scope="module")
-def alone(make_smollm2):
-    """Each target's result run alone on a fresh default engine, per sampling kind and speculation (greedy
-    output must not depend on speculation; seeded sampling with it is compared with itself alone)."""
-    cache: dict = {}
-
-    def get(target: int, kind: str, speculation: str) -> tuple:
-        key = (target, kind, speculation if kind == "seeded" else "none")
-        if key not in cache:
-            options = {} if key[2] == "none" else dict(speculative_method=key[2], num_speculative_tokens=3)
-            llm = make_smollm2(max_model_len=512, block_size=BLOCK_SIZE, **options)
-            cache[key] = result(llm.generate([TARGETS[target]], sampling(kind, 1000 + target), use_tqdm=False)[0])
-        return cache[key]
-    return get
+def float_engines(make_smollm2):
+    """Float weights (every weight dequantised) in float32: the batch-invariant float product. (Where the
+    CPU has native bfloat16, the default test above runs in bfloat16.)"""
+    return Engines(make_smollm2, quantization="none", dtype="float32")
 
 
 @st.composite
@@ -88,11 +92,7 @@ def scenarios(draw):
                 preempt=draw(st.booleans()), speculation=draw(st.sampled_from(["none", "ngram"])))
 
 
-@pytest.mark.slow
-@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(scenario=scenarios())
-def test_output_does_not_depend_on_what_else_runs(engines, alone, scenario):
-    s = scenario
+def check(engines: Engines, s: dict) -> None:
     options = dict(max_num_batched_tokens=s["budget"], prefix_caching=s["cache"] != "off")
     if s["preempt"]:  # 12 blocks of 16 tokens: a few requests at a time, the rest preempted and recomputed
         options.update(num_kv_blocks=12, secondary_kv_gb=0.01)
@@ -109,4 +109,18 @@ def test_output_does_not_depend_on_what_else_runs(engines, alone, scenario):
     prompts.insert(s["position"], target)
     params.insert(s["position"], sampling(s["kind"], 1000 + s["target"]))
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert result(outputs[s["position"]]) == alone(s["target"], s["kind"], s["speculation"])
+    assert result(outputs[s["position"]]) == engines.result_alone(s["target"], s["kind"], s["speculation"])
+
+
+@pytest.mark.slow
+@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_output_does_not_depend_on_what_else_runs(engines, scenario):
+    check(engines, scenario)
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_output_with_float_weights_does_not_depend_on_what_else_runs(float_engines, scenario):
+    check(float_engines, scenario)

@@ -99,6 +99,11 @@ class SpeculationController:
         if (request.status is not RequestStatus.RUNNING or request.num_samples_to_fork
                 or not request.output_token_ids or request.num_computed_tokens != request.num_tokens - 1):
             return 0
+        params = request.sampling_params
+        if params.seed is not None and not params.greedy:
+            # a seeded sample is reproducible only without speculation: whether a request speculates, and
+            # so which random draws the rejection rule takes, depends on the rest of the batch here
+            return 0
         state = self._acceptance.get(request.request_id)
         if state is not None and self.step_index < state.paused_until:
             return 0
