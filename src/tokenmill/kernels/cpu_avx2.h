@@ -8,6 +8,7 @@
 #define TM_AVX2 1
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Load 8 storage values (float32, or bfloat16 when `bf16`) as float32 lanes. */
 static inline __m256 load8(const void *base, int64_t i, int bf16) {
@@ -54,6 +55,13 @@ static inline float reduce_add16(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(t10);
 }
 
+/* The sum of 8 lanes, by one fixed tree. */
+static inline float reduce_add8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
 /* The largest of 8 lanes. */
 static inline float reduce_max8(__m256 v) {
     const __m128 h = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
@@ -88,6 +96,20 @@ static inline __m256 exp2_8(__m256 x) {
 /* Lanes below `count` (0..8) set: a mask for maskload / maskstore. */
 static inline __m256i lanes_below8(int64_t count) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* The first `count` (1..8) lanes stored in the storage dtype, rounded as store8 rounds; the rest of
+ * memory untouched. */
+static inline void store8_first(void *base, int64_t i, __m256 v, int64_t count, int bf16) {
+    if (!bf16) {
+        _mm256_maskstore_ps((float *)base + i, lanes_below8(count), v);
+    } else if (count == 8) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + i), bf16_bits8(v));
+    } else {
+        uint16_t lanes[8];
+        _mm_storeu_si128((__m128i *)lanes, bf16_bits8(v));
+        memcpy((uint16_t *)base + i, lanes, (size_t)count * 2);
+    }
 }
 #endif
 

@@ -229,7 +229,8 @@ static void decode_attention_in_spans(void *out, const void *q, const void *k_ca
  * token attends alike in a decode step, a prefill chunk of any size or after a prefix-cache hit.
  * 1. scores, 8 keys at a time from key 0: per key, 8 lanes of fused multiply-adds over the head's
  *    dimensions in order, the lanes summed by one fixed tree (sum_each_of_8), times scale * log2(e);
- * 2. p = 2^(score - max) (exp2_8), their total summed 8 lanes at a time in key order, then one tree;
+ * 2. p = 2^(score - max) (exp2_8), their total summed 8 lanes at a time in key order, then one tree
+ *    (reduce_add8);
  * 3. out = (sum over keys in order of p * v, fused multiply-adds) * (1 / total).
  * A work item is up to QUERY_TILE consecutive queries of one sequence (a prefill chunk's) for one kv
  * head, so the K/V they share stay in cache; each query still runs its passes alone. */
@@ -242,13 +243,6 @@ static inline __m256 sum_each_of_8(const __m256 *v) {
     const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
     const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-
-/* The sum of 8 lanes, by one fixed tree. */
-static inline float sum_of_8(__m256 v) {
-    const __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
 /* Stands in for the keys past the longest context of a tile (read as float32 or bfloat16 zeros). */
@@ -312,7 +306,7 @@ static void attend_tile(void *out, const void *q, const void *k_cache, const voi
             _mm256_storeu_ps(sr + j0, p);
             sum8 = _mm256_add_ps(sum8, p);
         }
-        inv[r] = 1.0f / sum_of_8(sum8);
+        inv[r] = 1.0f / reduce_add8(sum8);
     }
     /* p . V with V's block in cache for all rows: each row's sums still run over the keys in order */
     float *acc = (float *)calloc((size_t)(rows * head_dim), sizeof(float));

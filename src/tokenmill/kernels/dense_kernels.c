@@ -72,13 +72,7 @@ static inline __attribute__((always_inline)) void dense_tile(
                 __m256 v = acc[r][2 * p + h];
                 if (bias)
                     v = _mm256_add_ps(v, _mm256_maskload_ps(bias + j, mask));
-                if (valid == 8) {
-                    store8(y, (r0 + r) * y_stride + j, v, y_bf16);
-                } else {
-                    float lanes[8];
-                    _mm256_storeu_ps(lanes, v);
-                    for (int64_t e = 0; e < valid; e++) store_value(y, (r0 + r) * y_stride + j + e, lanes[e], y_bf16);
-                }
+                store8_first(y, (r0 + r) * y_stride + j, v, valid, y_bf16);
             }
         }
 }

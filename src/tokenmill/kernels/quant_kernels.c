@@ -310,18 +310,8 @@ static inline __attribute__((always_inline)) void cells_tile8(
                 continue;
             const __m256i mask = lanes_below8(valid);
             const __m256 add = bias ? _mm256_maskload_ps(bias + j, mask) : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                const __m256 v = _mm256_add_ps(acc[g][h][r], add);
-                if (!bf16) {
-                    _mm256_maskstore_ps((float *)y + (r0 + r) * y_stride + j, mask, v);
-                } else if (valid == 8) {
-                    _mm_storeu_si128((__m128i *)((uint16_t *)y + (r0 + r) * y_stride + j), bf16_bits8(v));
-                } else {
-                    uint16_t lanes[8];
-                    _mm_storeu_si128((__m128i *)lanes, bf16_bits8(v));
-                    memcpy((uint16_t *)y + (r0 + r) * y_stride + j, lanes, (size_t)valid * 2);
-                }
-            }
+            for (int r = 0; r < R; r++)
+                store8_first(y, (r0 + r) * y_stride + j, _mm256_add_ps(acc[g][h][r], add), valid, bf16);
         }
 }
 #define TM_CELLS_TILE cells_tile8

@@ -130,7 +130,6 @@ class InvariantDenseKernel:
         self.native = native
         self.out_features = weight.shape[0]
         self.packed = native.dense_pack(weight)
-        self.bias = bias
         # the bias is added in float32 as the bias of a bfloat16 F.linear is, from its bfloat16 value
         self.bias32 = None if bias is None else bias.float().contiguous()
 
