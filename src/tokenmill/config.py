@@ -7,6 +7,7 @@ keyword form (`LLM(dtype=..., block_size=...)`) and routes each keyword to its s
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LINEAR_KERNELS = ("auto", "dense")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -103,8 +105,9 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
     max_num_seqs: int = _opt(128, "most sequences in the running batch")
-    schedule_policy: str = _opt("fcfs", "order of admission: fcfs (priority, then arrival) or lpm "
-                                "(longest cached prefix first, never starving others)", choices=("fcfs", "lpm"))
+    schedule_policy: str = _opt("fcfs", "order of admission: fcfs (arrival), priority (a request's priority, "
+                                "lower first, then arrival; requests may set it only under this policy) or lpm "
+                                "(longest cached prefix first, never starving others)", choices=SCHEDULE_POLICIES)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -112,8 +115,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -220,20 +224,61 @@ def all_field_names() -> list[str]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How `tokenmill serve` listens and admits requests."""
+    """How `tokenmill serve` listens, guards and admits requests (limits: docs/reliability.md)."""
 
     host: str = _opt("0.0.0.0", "address to listen on")
     port: int = _opt(8000, "port to listen on")
-    api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer KEY' on /v1 and tokenizer endpoints")
+    api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health and "
+                                  "/metrics (also from $TOKENMILL_API_KEY or --api-key-file, which keep it out "
+                                  "of the process list)")
+    api_key_file: Optional[str] = _opt(None, "read the API key from this file (its first line)")
+    metrics_require_key: bool = _opt(False, "put /metrics behind the API key too (by default Prometheus and "
+                                     "routers scrape it without one)")
     served_model_name: Optional[str] = _opt(None, "model name clients use (default: the model argument)")
-    max_waiting_requests: Optional[int] = _opt(None, "answer 429 when this many requests already wait")
+    max_waiting_requests: int = _opt(256, "answer 429 (with Retry-After) when this many requests already wait; "
+                                     "requests from arrival to end are bounded by max_num_seqs plus this")
+    max_waiting_tokens: int = _opt(65536, "answer 429 when the waiting requests' prompt tokens plus a new "
+                                   "prompt's would pass this (a prompt is always admitted when none waits)")
+    max_request_body_mb: float = _opt(8.0, "largest request body in MiB (413 past it)")
+    max_prompts_per_request: int = _opt(64, "most prompts in one /v1/completions request")
+    max_stop_strings: int = _opt(64, "most stop strings in one request (each at most 1024 characters)")
+    max_logit_bias: int = _opt(1024, "most logit_bias entries in one request")
+    max_tools: int = _opt(128, "most tools in one chat request")
+    max_constraint_kb: float = _opt(64.0, "largest output constraint (JSON schema, regex, grammar, choice list) "
+                                    "or tool parameter schema, in KiB of JSON text")
+    grammar_compile_timeout: float = _opt(10.0, "seconds an output constraint may take to compile (400 past it; "
+                                          "compiled constraints are cached)")
     shutdown_timeout: float = _opt(30.0, "seconds running requests may finish after SIGTERM before abort")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_prompts_per_request", "max_stop_strings", "max_logit_bias", "max_tools"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_request_body_mb", "max_constraint_kb", "grammar_compile_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both")
+
+    def resolved_api_key(self) -> Optional[str]:
+        """The API key from --api-key, --api-key-file or $TOKENMILL_API_KEY (in that order), or None."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as handle:
+                    key = handle.readline().strip()
+            except OSError as exc:
+                raise ValueError(f"api_key_file {self.api_key_file!r} cannot be read: {exc.strerror}") from None
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file!r} is empty")
+            return key
+        return os.environ.get("TOKENMILL_API_KEY") or None

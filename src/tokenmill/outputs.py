@@ -31,7 +31,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[LogprobsDict]] = None
-    finish_reason: Optional[str] = None  # 'stop' | 'length' | 'abort'
+    finish_reason: Optional[str] = None  # 'stop' | 'length' | 'abort' | 'error'
     stop_reason: Union[None, int, str] = None
 
     @property
@@ -62,3 +62,28 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: Optional[list[Optional[LogprobsDict]]] = None
     metrics: Optional[RequestMetrics] = None
+    error: Optional[str] = None  # set when the request failed (finished, every sample 'error')
+    delta: bool = False  # True: outputs and prompt_logprobs hold only what is new since the last output
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output saying what `older` and then `newer` said: `newer` itself when cumulative, else the
+    two deltas joined (text, token ids and logprobs concatenated per sample; `newer`'s state)."""
+    if not newer.delta:
+        return newer
+    samples = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        first = samples.get(c.index)
+        if first is None:
+            samples[c.index] = c
+            continue
+        logprobs = None if c.logprobs is None else (first.logprobs or []) + c.logprobs
+        samples[c.index] = CompletionOutput(c.index, first.text + c.text, first.token_ids + c.token_ids,
+                                            c.cumulative_logprob, logprobs, c.finish_reason or first.finish_reason,
+                                            c.stop_reason if c.finish_reason else first.stop_reason)
+    prompt_logprobs = older.prompt_logprobs
+    if newer.prompt_logprobs:
+        prompt_logprobs = (prompt_logprobs or []) + newer.prompt_logprobs
+    return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids,
+                         [samples[i] for i in sorted(samples)], newer.finished, prompt_logprobs,
+                         newer.metrics, newer.error, True)

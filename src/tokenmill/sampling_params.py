@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from tokenmill.structured.spec import StructuredOutput
 
 _GREEDY_EPS = 1e-5
+# Bounds that keep float32 sampling arithmetic finite: logits (|x| < 1e4) divided by a temperature or
+# scaled by a repetition penalty inside these ranges never overflow to inf or produce NaN.
+MAX_TEMPERATURE = 1e4
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a 64-bit signed integer, as vLLM and torch take it
+OUTPUT_KINDS = ("cumulative", "delta")
 
 
 @dataclass
@@ -21,6 +28,10 @@ class SamplingParams:
     `logit_bias` adds a bias to the logits of the given token ids before any other control.
     `structured_output` constrains the whole output (a JSON schema, regex, choice or grammar): tokens it
     forbids are masked before every other control, and the request stops when it is complete.
+    `cache_salt` (vLLM's field) makes the request's prefix-cache blocks reachable only from requests with
+    the same salt: one tenant cannot reuse, or time, another's cached prompts.
+    `output_kind` (vLLM's RequestOutputKind): "cumulative" outputs hold everything so far, "delta" ones
+    only what is new since the previous output (the server's streams: no output is copied twice).
     """
 
     n: int = 1
@@ -43,6 +54,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
     structured_output: Optional[StructuredOutput] = None
+    cache_salt: Optional[str] = None
+    output_kind: str = "cumulative"
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,40 +70,55 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
     def _validate(self) -> None:
-        _require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
-        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-            "top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}",
-        )
-        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _require(self.repetition_penalty > 0.0, "repetition_penalty",
-                 f"must be > 0, got {self.repetition_penalty}")
-        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-                 f"must be in [-2, 2], got {self.presence_penalty}")
-        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-                 f"must be in [-2, 2], got {self.frequency_penalty}")
-        _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(_finite_in(self.temperature, 0.0, MAX_TEMPERATURE), "temperature",
+                 f"must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        _require(_finite_in(self.top_p, 0.0, 1.0) and self.top_p > 0.0, "top_p",
+                 f"must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+                 "top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        _require(_finite_in(self.min_p, 0.0, 1.0), "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        _require(_finite_in(self.repetition_penalty, low, high), "repetition_penalty",
+                 f"must be in [{low:g}, {high:g}], got {self.repetition_penalty!r}")
+        _require(_finite_in(self.presence_penalty, -2.0, 2.0), "presence_penalty",
+                 f"must be in [-2, 2], got {self.presence_penalty!r}")
+        _require(_finite_in(self.frequency_penalty, -2.0, 2.0), "frequency_penalty",
+                 f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                  "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                  f"must be an integer >= 0, got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                  "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         _require(self.prompt_logprobs is None
-                 or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+                 or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                  "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         _require(all(isinstance(s, str) and s for s in self.stop_strings), "stop",
                  "must be a non-empty string or a list of non-empty strings")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be a list of non-negative token ids")
-        _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+                 "seed", f"must be a 64-bit signed integer, got {self.seed!r}")
         _require(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                  "structured_output", "must be a tokenmill StructuredOutput")
-        _require(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+        _require(all(_is_int(t) and t >= 0 and _finite_in(b, -100.0, 100.0)
+                     for t, b in (self.logit_bias or {}).items()),
                  "logit_bias", "must map non-negative token ids to biases in [-100, 100]")
+        _require(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 256),
+                 "cache_salt", "must be a non-empty string of at most 256 characters")
+        _require(self.output_kind in OUTPUT_KINDS, "output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
+        _require(self.structured_output is None or self.min_tokens == 0, "min_tokens",
+                 "cannot be combined with a structured output constraint (the grammar decides where the "
+                 "output may end)")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field when a token id it gives is outside the model's vocabulary."""
+        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            _require(not bad, name, f"token ids must be < the vocabulary size {vocab_size}; got {bad[:5]}")
 
     @property
     def greedy(self) -> bool:
@@ -108,11 +136,24 @@ class SamplingParams:
         logprobs (sample 0 reports those for the whole request)."""
         clone = SamplingParams(**{k: getattr(self, k) for k in _INIT_FIELDS})
         clone.n, clone.prompt_logprobs = 1, None
-        clone.seed = None if self.seed is None else self.seed + index
+        clone.seed = None if self.seed is None else _wrap_int64(self.seed + index)
         return clone
 
 
 _INIT_FIELDS = [f for f in SamplingParams.__dataclass_fields__ if f != "stop_strings"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_in(value: object, low: float, high: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and low <= value <= high
+
+
+def _wrap_int64(value: int) -> int:
+    return (value - SEED_RANGE[0]) % (1 << 64) + SEED_RANGE[0]
 
 
 def _require(ok: bool, name: str, message: str) -> None:

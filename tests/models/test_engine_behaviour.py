@@ -137,7 +137,7 @@ def test_chat_applies_the_template(llm):
 
 def test_priority_runs_first_when_one_sequence_fits(tmp_path):
     path = make_tiny_hf_model(tmp_path, arch="llama")
-    llm = LLM(str(path), dtype="float32", max_num_seqs=1, num_kv_blocks=64)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=1, num_kv_blocks=64, schedule_policy="priority")
     engine = llm.llm_engine
     engine.add_request("low", "a b c", SamplingParams(max_tokens=3, ignore_eos=True), priority=5)
     engine.add_request("high", "a b c", SamplingParams(max_tokens=3, ignore_eos=True), priority=-5)
@@ -145,6 +145,12 @@ def test_priority_runs_first_when_one_sequence_fits(tmp_path):
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["high", "low"]
+
+
+def test_priority_needs_the_priority_policy(tmp_path):
+    engine = LLM(str(make_tiny_hf_model(tmp_path, arch="llama")), dtype="float32", num_kv_blocks=64).llm_engine
+    with pytest.raises(ValueError, match="schedule_policy 'priority'"):
+        engine.add_request("r", "a b c", SamplingParams(max_tokens=3), priority=1)
 
 
 def test_bfloat16_logits_track_float32(tmp_path):

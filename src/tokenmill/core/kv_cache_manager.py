@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from tokenmill.core.block_pool import BlockKey, BlockPool
 from tokenmill.core.secondary_tier import SecondaryTier
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
 
 _ROOT = b"tokenmill-prefix-root"
 
@@ -18,6 +21,7 @@ class CachedSequence(Protocol):
     request_id: str
     num_computed_tokens: int
     num_tokens: int
+    sampling_params: SamplingParams  # its cache_salt keeps the request's blocks apart from unsalted ones
 
     def token_ids_range(self, start: int, end: int) -> list[int]: ...
 
@@ -126,10 +130,14 @@ class KVCacheManager:
             self.tier.end_step()
 
     # ------------------------------------------------------------------ prefix cache
-    def block_key(self, parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:
+    def block_key(self, parent: BlockKey, token_ids: Sequence[int], request_salt: Optional[str] = None) -> BlockKey:
         """The content key of a full block: a SHA-256 chained over every earlier block (and the
-        cache salt), paired with the block's own token ids so a hit is verified token by token."""
-        parent_digest = parent[0] if parent is not None else _ROOT + self._salt
+        cache salt, then the request's own salt, if any, for the first block), paired with the block's
+        own token ids so a hit is verified token by token. Requests with different salts never share."""
+        if parent is not None:
+            parent_digest = parent[0]
+        else:
+            parent_digest = _ROOT + self._salt + (b"\0request-salt\0" + request_salt.encode() if request_salt else b"")
         tokens = tuple(token_ids)
         digest = hashlib.sha256(parent_digest + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
         return (digest, tokens)
@@ -143,7 +151,8 @@ class KVCacheManager:
         for index in range((num_tokens - 1) // self.block_size):
             start = index * self.block_size
             keys.append(self.block_key(keys[-1] if keys else None,
-                                       request.token_ids_range(start, start + self.block_size)))
+                                       request.token_ids_range(start, start + self.block_size),
+                                       request.sampling_params.cache_salt))
         self._lookup_memo[request.request_id] = (num_tokens, keys)
         return keys
 
@@ -198,7 +207,8 @@ class KVCacheManager:
             index = len(keys)
             start = index * self.block_size
             key = self.block_key(keys[-1] if keys else None,
-                                 request.token_ids_range(start, start + self.block_size))
+                                 request.token_ids_range(start, start + self.block_size),
+                                 request.sampling_params.cache_salt)
             self.pool.register(table[index], key)
             keys.append(key)
 

@@ -85,6 +85,8 @@ class ModelRunnerOutput:
     `sampled_token_ids[rid]` lists the tokens the step adds to the sequence: the accepted speculative
     tokens (a prefix of the proposals) and then one token the target sampled, so a request without
     proposals gets exactly one. `logprobs[rid]`, when asked for, has one entry per token.
+    `failed[rid]` says why the step's work for that request raised (its sampling, grammar or logprobs):
+    the request ends with an error and has no other entry; the rest of the batch is unaffected.
     `prompt_logprobs[rid]` covers the chunk's positions in order; entry j scores the token at
     position start + j + 1 (the first prompt token has no logprob and is never included).
     """
@@ -93,6 +95,7 @@ class ModelRunnerOutput:
     completed: set[str] = field(default_factory=set)  # requests whose output grammar is complete
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class RequestUpdate:
     prompt_logprobs_start: int = 0
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
+    error: Optional[str] = None  # why the request failed (finish_reason "error")
     first_scheduled_time: Optional[float] = None
     num_draft_tokens: int = 0  # speculative tokens verified this step
     num_accepted_tokens: int = 0  # of those, the ones the target accepted

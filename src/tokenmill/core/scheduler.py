@@ -13,6 +13,10 @@ from tokenmill.core.sched_output import (
 from tokenmill.request import Request, RequestStatus
 
 
+def _priority_key(request: Request) -> tuple:
+    return request.priority_key
+
+
 # Under lpm, a waiting request passed over this many times is admitted next: no starvation.
 MAX_TIMES_PASSED_OVER = 8
 
@@ -245,6 +249,12 @@ class Scheduler:
             if request is None or request.status.finished:
                 continue  # finished (e.g. aborted) while the step ran
             update = RequestUpdate(item.request_id, first_scheduled_time=request.first_scheduled_time)
+            error = result.failed.get(item.request_id)
+            if error is not None:  # its blocks return to the pool; the rest of the batch is unaffected
+                self.finish_requests([item.request_id], RequestStatus.FINISHED_ERROR)
+                update.finish_reason, update.error = RequestStatus.FINISHED_ERROR.value, error
+                updates.append(update)
+                continue
             if item.request_id in result.prompt_logprobs:
                 update.new_prompt_logprobs = result.prompt_logprobs[item.request_id]
                 update.prompt_logprobs_start = item.start + 1
@@ -321,8 +331,7 @@ class Scheduler:
 
     @staticmethod
     def _insert(queue: list[Request], request: Request) -> None:
-        keys = [r.priority_key for r in queue]
-        queue.insert(bisect.bisect_right(keys, request.priority_key), request)
+        queue.insert(bisect.bisect_right(queue, request.priority_key, key=_priority_key), request)
 
     @property
     def num_running(self) -> int:
@@ -333,3 +342,8 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Requests queued (including preempted ones)."""
         return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (prompts, and outputs of preempted ones)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)

@@ -1,49 +1,90 @@
 """The engine behind the server: one thread owns the step loop, the event loop owns the requests.
 
 HTTP handlers call `generate`, an async generator of RequestOutputs. Adds and aborts travel to the
-engine thread through a command queue; outputs travel back through each request's asyncio.Queue
-(`call_soon_threadsafe`, once per event loop and step). Only the engine thread touches the LLMEngine
-— that is the invariant that makes the engine itself lock-free. PyTorch releases the GIL inside its
-kernels, so the event loop keeps serving hundreds of open streams while a step runs.
+engine thread through a command queue; outputs travel back through each request's bounded
+`OutputStream` (`call_soon_threadsafe`, once per event loop and step). Only the engine thread touches
+the LLMEngine — that is the invariant that makes the engine itself lock-free. PyTorch releases the
+GIL inside its kernels, so the event loop keeps serving hundreds of open streams while a step runs.
+
+Failures are kept to their owner: a request whose own work fails in a step ends alone
+(`RequestFailedError`); a fault of the engine itself fails the requests in flight, after which the
+engine proves it can still run (a one-token probe) or is declared dead (`on_dead`, so the server exits
+non-zero and a supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
+from tokenmill.engine.admission import AdmissionLimits, Ticket
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import RequestOutput, merge_outputs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
+# Outputs a stream holds for a slow reader; past it the newest output is merged into the last queued
+# one (`merge_outputs`: nothing is lost, and a slow reader costs at most its request's output in memory).
+MAX_PENDING_OUTPUTS = 8
+_PROBE_MAX_STEPS = 64
+
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at its limit; the client should retry later."""
+    """The server is at its admission limit; the client should retry later (HTTP 429)."""
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can run."""
+    """The engine loop has stopped or is shutting down; no request can run (HTTP 503)."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: "asyncio.Queue[RequestOutput | BaseException]"
+class RequestFailedError(RuntimeError):
+    """This request's own work failed inside an engine step; other requests were not affected."""
 
 
-def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    """On the event loop: queue each output for its stream, in the order the step produced them."""
-    for stream, output in items:
-        stream.outputs.put_nowait(output)
+class OutputStream:
+    """One request's outputs on their way to the event loop: at most MAX_PENDING_OUTPUTS queued.
+
+    Only the event loop's thread calls `put` and `get`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: "RequestOutput | BaseException") -> None:
+        """Queue an output (replacing the newest queued one when full) or an error that ends the stream."""
+        if (isinstance(item, RequestOutput) and len(self._items) >= MAX_PENDING_OUTPUTS
+                and isinstance(self._items[-1], RequestOutput)):
+            self._items[-1] = merge_outputs(self._items[-1], item)
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> "RequestOutput | BaseException":
+        """The next item, waiting for one."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _deliver(items: list[tuple[OutputStream, "RequestOutput | BaseException"]]) -> None:
+    """On the event loop: hand each item to its stream, in the order the step produced them."""
+    for stream, item in items:
+        stream.put(item)
 
 
 class AsyncEngine:
@@ -56,15 +97,23 @@ class AsyncEngine:
     """
 
     def __init__(self, make_engine: Callable[[], LLMEngine], model_name: str,
-                 max_waiting_requests: Optional[int] = None) -> None:
+                 limits: Optional[AdmissionLimits] = None,
+                 on_dead: Optional[Callable[[str], None]] = None) -> None:
         self.model_name = model_name
-        self.max_waiting_requests = max_waiting_requests
+        self.limits = limits or AdmissionLimits()
+        self.on_dead = on_dead
         self.metrics = EngineMetrics(model_name)
         self._commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._stopping = False
         self._accepting = True
+        self._reserved = 0  # sequences of requests between arrival and their end
+        self._reserve_lock = threading.Lock()
+        self.fault: Optional[str] = None  # why the engine is unhealthy right now (None = healthy)
+        self.dead = False
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                   thread_name_prefix="tokenmill-grammar")
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
         self.engine: LLMEngine
@@ -81,28 +130,66 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     # ------------------------------------------------------------------ event-loop side
+    def reserve(self, num_sequences: int) -> Ticket:
+        """Hold admission room for a request of `num_sequences` sequences (prompts x n) from its arrival
+        to its end; release the ticket when the response is over.
+
+        Raises ValueError when the request alone exceeds what the server can ever hold, QueueFullError
+        when the server holds as much as it may now, EngineDeadError when it admits nothing.
+        """
+        self._check_open()
+        capacity = self.limits.max_sequences(self.engine.config.scheduler.max_num_seqs)
+        if num_sequences > capacity:
+            raise ValueError(f"the request has {num_sequences} sequences (prompts x n); this server holds at "
+                             f"most {capacity} at once")
+        with self._reserve_lock:
+            full = self._reserved + num_sequences > capacity
+            if not full:
+                self._reserved += num_sequences
+        if full:
+            self.metrics.record_rejection()
+            raise QueueFullError(f"the server is at capacity ({capacity} sequences running or waiting); "
+                                 f"retry later")
+        return Ticket(num_sequences, self._release)
+
+    def _release(self, num_sequences: int) -> None:
+        with self._reserve_lock:  # a ticket collected by the GC may be released on any thread
+            self._reserved -= num_sequences
+
+    @property
+    def num_reserved(self) -> int:
+        """Sequences of requests between arrival and end."""
+        return self._reserved
+
+    async def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile (or find cached) an output constraint off the event loop and the engine thread.
+
+        Raises ValueError when it is invalid or takes longer than the limit to compile.
+        """
+        future = self._grammar_pool.submit(self.engine.grammars.compile, spec)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.limits.grammar_compile_timeout)
+        except asyncio.TimeoutError:
+            raise ValueError(f"the output constraint did not compile within "
+                             f"{self.limits.grammar_compile_timeout:g} s; simplify it") from None
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs until it finishes.
+        """Yield the request's outputs (as `params.output_kind` asks) until it finishes.
 
-        Raises ValueError (bad request), QueueFullError or EngineDeadError before the first output.
-        Closing the generator early (client gone, task cancelled) aborts the request in the engine.
+        Raises ValueError (bad request), QueueFullError or EngineDeadError before the first output, and
+        RequestFailedError or EngineDeadError after it. Closing the generator early (client gone, task
+        cancelled), at any point from admission on, aborts the request in the engine.
         """
-        if not self._accepting:
-            raise EngineDeadError("the server is shutting down and admits no new requests")
-        if params.structured_output is not None:
-            # compiled here, on a worker thread: a slow schema never stalls the engine's steps
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        self._check_open()
+        stream = OutputStream(asyncio.get_running_loop())
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         arrival = time.monotonic()
+        submitted = finished = False
 
         def add() -> None:
             try:
-                if self.max_waiting_requests is not None and \
-                        self.engine.scheduler.num_waiting >= self.max_waiting_requests:
-                    raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
+                self._check_room(len(prompt_token_ids))
                 self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
                                         priority=priority, arrival_time=arrival)
                 self._streams[request_id] = stream
@@ -110,21 +197,31 @@ class AsyncEngine:
             except BaseException as exc:  # handed to the caller, never kills the loop
                 admitted.set_exception(exc)
 
-        self._submit(add)
-        await asyncio.wrap_future(admitted)
-        finished = False
         try:
+            if params.structured_output is not None:
+                await self.compile_grammar(params.structured_output)
+            self._submit(add)
+            submitted = True
+            await asyncio.wrap_future(admitted)
             while True:
-                item = await stream.outputs.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped the request
                     raise item
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
-            if not finished:
+            # Commands run in order, so an abort sent while the add is still queued finds it added.
+            if submitted and not finished:
                 self.abort(request_id)
+
+    def _check_open(self) -> None:
+        if self.dead:
+            raise EngineDeadError(f"the engine has stopped: {self.fault}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down and admits no new requests")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (safe from any thread; unknown or finished ids are ignored)."""
@@ -150,8 +247,8 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        """True while the engine thread runs."""
-        return self._thread.is_alive() and not self._stopping
+        """True while the engine thread runs and is not recovering from a fault."""
+        return self._thread.is_alive() and not self._stopping and self.fault is None
 
     def shutdown(self) -> None:
         """Abort every live request, stop the loop and wait for the thread."""
@@ -161,8 +258,21 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ engine-thread side
+    def _check_room(self, prompt_len: int) -> None:
+        scheduler = self.engine.scheduler
+        limit = self.limits.max_waiting_requests
+        if scheduler.num_waiting >= limit:
+            self.metrics.record_rejection()
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+        tokens, token_limit = scheduler.num_waiting_tokens, self.limits.max_waiting_tokens
+        if scheduler.num_waiting and tokens + prompt_len > token_limit:
+            self.metrics.record_rejection()
+            raise QueueFullError(f"the waiting queue holds {tokens} prompt tokens and takes at most "
+                                 f"{token_limit}; retry later")
+
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
             self.engine = make_engine()
@@ -171,7 +281,11 @@ class AsyncEngine:
             self._ready.set()
             return
         self._ready.set()
-        self._loop()
+        try:
+            self._loop()
+        except BaseException as exc:  # the loop itself broke: nothing can run any more
+            logger.exception("the engine loop stopped")
+            self._die(f"the engine loop stopped: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         while True:
@@ -185,9 +299,11 @@ class AsyncEngine:
                 continue
             try:
                 self._step()
-            except Exception as exc:  # a bug in a step must not take the server down
+            except Exception as exc:
                 logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(exc)
+                self._recover(f"{type(exc).__name__}: {exc}")
+                if self.dead:
+                    return
 
     def _run_commands(self) -> None:
         while True:
@@ -205,24 +321,63 @@ class AsyncEngine:
         self.metrics.observe_step(outputs, self.engine.stats())
         # one wake-up per event loop and step, however many streams: each wake-up is a socket write,
         # after which the loop takes the GIL to stream what it was handed
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            deliveries.setdefault(stream.loop, []).append((stream, output))
+            item = output if output.error is None else RequestFailedError(
+                f"generation failed for this request: {output.error}")
+            deliveries.setdefault(stream.loop, []).append((stream, item))
         for loop, items in deliveries.items():
             loop.call_soon_threadsafe(_deliver, items)
 
     def _refresh_gauges(self) -> None:
         self.metrics.observe_step([], self.engine.stats())
 
-    def _fail_all(self, exc: Exception) -> None:
-        error = RuntimeError(f"internal engine error: {type(exc).__name__}")
+    def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+            stream.loop.call_soon_threadsafe(stream.put, error)
         self._streams.clear()
+
+    def _recover(self, reason: str) -> None:
+        """After a fault of the engine itself: fail the requests in flight, then run a one-token probe.
+        Healthy again if it completes with the pool empty; otherwise dead."""
+        self.fault = f"engine step failed: {reason}"
+        self.metrics.record_fault()
+        self._fail_all(EngineDeadError(f"the engine failed while running this request ({reason})"))
+        try:
+            self._probe()
+        except Exception as exc:
+            logger.exception("the engine did not recover")
+            self._die(f"{self.fault}; the recovery probe failed too: {type(exc).__name__}: {exc}")
+            return
         self._refresh_gauges()
+        logger.warning("the engine recovered from a failed step (%s)", reason)
+        self.fault = None
+
+    def _probe(self) -> None:
+        engine = self.engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("requests are still queued after every request was aborted")
+        engine.add_request("tokenmill-recovery-probe", None, SamplingParams(max_tokens=1, temperature=0.0),
+                           prompt_token_ids=[0])
+        for _ in range(_PROBE_MAX_STEPS):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        if engine.has_unfinished_requests() or engine.kv_cache.pool.num_used_blocks:
+            raise RuntimeError("the probe did not finish, or KV blocks stayed in use")
+
+    def _die(self, reason: str) -> None:
+        self.fault, self.dead = reason, True
+        self._accepting = False
+        try:
+            self._fail_all(EngineDeadError(f"the engine has stopped: {reason}"))
+        except Exception:
+            logger.exception("could not fail the requests in flight")
+        if self.on_dead is not None:
+            self.on_dead(reason)

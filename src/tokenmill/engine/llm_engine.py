@@ -155,6 +155,14 @@ class LLMEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = self._check_prompt_ids(prompt_token_ids)
+        if priority != 0 and self.config.scheduler.schedule_policy != "priority":
+            raise ValueError(f"priority {priority} is honoured only with schedule_policy 'priority' "
+                             f"(this engine runs {self.config.scheduler.schedule_policy!r})")
+        params.check_vocabulary(self.arch.vocab_size)
+        max_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_seqs:
+            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({max_seqs}): the samples of one request "
+                             f"run in one batch")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_token_ids)
@@ -214,12 +222,11 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         result = self.runner.execute(schedule)
         updates = self.scheduler.update_from_output(schedule, result)
-        outputs, stopped = self.output_processor.process(updates)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for update in updates:
-            if update.finish_reason is not None or update.request_id in stopped:
-                self.scheduler.pop_finished(update.request_id)
+        outputs, stopped, failed = self.output_processor.process(updates)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        for request_id in [u.request_id for u in updates] + failed:
+            self.scheduler.pop_finished(request_id)
         if self.speculation is not None:
             self.speculation.observe(updates)
             self.speculation.propose(self.scheduler.running)

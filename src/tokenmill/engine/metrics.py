@@ -45,6 +45,9 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
+        self.rejections = counter("num_requests_rejected", "Requests refused with 429 (admission limits).")
+        self.faults = counter("engine_faults", "Engine steps that failed as a whole (the requests in flight "
+                              "failed with them).")
         self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finish_reason"], registry=r)
         self.model_name = model_name
@@ -100,7 +103,7 @@ class EngineMetrics:
         seen = self._seen_tokens.setdefault(output.request_id, [0] * len(output.outputs))
         before = sum(seen)
         for completion in output.outputs:
-            seen[completion.index] = len(completion.token_ids)
+            seen[completion.index] = (seen[completion.index] if output.delta else 0) + len(completion.token_ids)
         new_tokens = sum(seen) - before
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
@@ -115,8 +118,8 @@ class EngineMetrics:
             self._finish(output, now)
 
     def _finish(self, output: RequestOutput, now: float) -> None:
-        self._seen_tokens.pop(output.request_id, None)
         self._last_token_time.pop(output.request_id, None)
+        output_tokens = sum(self._seen_tokens.pop(output.request_id, [0]))
         metrics = output.metrics
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         for completion in output.outputs:
@@ -132,7 +135,7 @@ class EngineMetrics:
         logger.info(json.dumps({
             "event": "request_finished", "request_id": output.request_id,
             "prompt_tokens": len(output.prompt_token_ids),
-            "output_tokens": sum(len(c.token_ids) for c in output.outputs),
+            "output_tokens": output_tokens,
             "finish_reason": [c.finish_reason for c in output.outputs],
             "queue_time_s": _round(queue), "ttft_s": _round(ttft), "total_s": _round(now - metrics.arrival_time),
         }))
@@ -143,6 +146,14 @@ class EngineMetrics:
         self._last_token_time.pop(request_id, None)
         self._success.labels(self.model_name, "abort").inc()
         logger.info(json.dumps({"event": "request_aborted", "request_id": request_id}))
+
+    def record_rejection(self) -> None:
+        """Count a request refused for lack of room."""
+        self.rejections.inc()
+
+    def record_fault(self) -> None:
+        """Count a failed engine step."""
+        self.faults.inc()
 
     def render(self) -> bytes:
         """The Prometheus exposition text."""

@@ -23,6 +23,8 @@ class _Sample:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: Any = None
+    sent_text: int = 0  # delta outputs: how much of the text and tokens earlier outputs carried
+    sent_tokens: int = 0
 
 
 @dataclass
@@ -34,6 +36,8 @@ class _RequestState:
     samples: list[_Sample]
     metrics: RequestMetrics
     prompt_logprobs: Optional[list[Optional[LogprobsDict]]] = None
+    error: Optional[str] = None  # why the request failed; then every sample is finished
+    sent_prompt_logprobs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -81,10 +85,15 @@ class OutputProcessor:
             self._sample_of.pop(internal, None)
         self.states.pop(request_id, None)
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's updates. Returns (outputs of touched requests, internal ids stopped by a stop string)."""
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Apply one step's updates. Returns (outputs of touched requests, internal ids stopped by a stop
+        string, internal ids still live whose request failed: the scheduler must end them).
+
+        A request whose update carries an error, or whose own output processing raises, fails as a
+        whole (every sample); the other requests are unaffected."""
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
+        failed: list[str] = []
         now = time.monotonic()
         for update in updates:
             owner = self._sample_of.get(update.request_id)
@@ -99,23 +108,42 @@ class OutputProcessor:
             if update.new_token_ids:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now
-            if update.new_prompt_logprobs and owner[1] == 0:
-                self._add_prompt_logprobs(state, update)
-            for token, entry in zip(update.new_token_ids, update.new_logprobs or [None] * len(update.new_token_ids)):
-                if sample.finish_reason is not None:
-                    break
-                if self._append_token(state, sample, token, entry):
-                    stopped.append(update.request_id)
-            if update.finish_reason is not None and sample.finish_reason is None:
-                sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
+            if update.error is not None:
+                state.error = state.error or update.error
+                continue
+            try:
+                self._apply(state, sample, update, stopped)
+            except Exception as exc:
+                state.error = state.error or f"{type(exc).__name__}: {exc}"
         for state in touched.values():
+            if state.error is not None:
+                failed.extend(self._fail(state))
             if state.finished:
                 state.metrics.finished_time = now
         outputs = [self._output(state) for state in touched.values()]
         for state in touched.values():
             if state.finished:
                 self.drop(state.request_id)
-        return outputs, stopped
+        return outputs, [rid for rid in stopped if rid not in failed], failed
+
+    def _apply(self, state: _RequestState, sample: _Sample, update: RequestUpdate, stopped: list[str]) -> None:
+        if update.new_prompt_logprobs and sample.index == 0:
+            self._add_prompt_logprobs(state, update)
+        for token, entry in zip(update.new_token_ids, update.new_logprobs or [None] * len(update.new_token_ids)):
+            if sample.finish_reason is not None:
+                break
+            if self._append_token(state, sample, token, entry):
+                stopped.append(update.request_id)
+        if update.finish_reason is not None and sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
+
+    @staticmethod
+    def _fail(state: _RequestState) -> list[str]:
+        """Finish every sample of a failed request; returns the internal ids of those still live."""
+        live = [sample_request_id(state.request_id, s.index) for s in state.samples if s.finish_reason is None]
+        for sample in state.samples:
+            sample.finish_reason, sample.stop_reason = "error", None
+        return live
 
     def _append_token(self, state: _RequestState, sample: _Sample, token: int,
                       entry: Optional[TokenLogprobs]) -> bool:
@@ -155,15 +183,28 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id])
 
     def _output(self, state: _RequestState) -> RequestOutput:
+        """The request's output: everything so far, or (output_kind "delta") only what is new. While it
+        runs, text that could still become a stop string is held back (never sent, then taken back)."""
+        delta = state.params.output_kind == "delta"
         completions = []
         for s in state.samples:
             text = s.text
             if s.finish_reason is None and state.params.stop_strings:
                 held = partial_stop_suffix(text, state.params.stop_strings)
                 text = text[:len(text) - held]
-            completions.append(CompletionOutput(s.index, text, list(s.token_ids), s.cumulative_logprob,
-                                                None if s.logprobs is None else list(s.logprobs),
+            token_ids, logprobs = s.token_ids, s.logprobs
+            if delta:
+                text, s.sent_text = text[s.sent_text:], max(s.sent_text, len(text))
+                token_ids, logprobs = token_ids[s.sent_tokens:], None if logprobs is None else logprobs[s.sent_tokens:]
+                s.sent_tokens = len(s.token_ids)
+            else:
+                token_ids, logprobs = list(token_ids), None if logprobs is None else list(logprobs)
+            completions.append(CompletionOutput(s.index, text, token_ids, s.cumulative_logprob, logprobs,
                                                 s.finish_reason, s.stop_reason))
-        prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None:
+            start = state.sent_prompt_logprobs if delta else 0
+            prompt_logprobs = prompt_logprobs[start:]
+            state.sent_prompt_logprobs = len(state.prompt_logprobs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             state.finished, prompt_logprobs, state.metrics)
+                             state.finished, prompt_logprobs, state.metrics, state.error, delta)

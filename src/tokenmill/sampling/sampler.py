@@ -22,6 +22,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     is in the batch.
     """
     logits = adjust_logits(logits, rows)
+    check_some_allowed(logits)
     tokens = row_argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
@@ -42,6 +43,16 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
     return logits
+
+
+def check_some_allowed(logits: torch.Tensor) -> None:
+    """Raise ValueError when a row of adjusted logits allows no token (every entry -inf or NaN): its
+    output constraint, logit_bias and min_tokens together forbid everything."""
+    allowed = (logits > float("-inf")).any(dim=-1)
+    if not bool(allowed.all()):
+        rows = (~allowed).nonzero().flatten().tolist()
+        raise ValueError(f"no token is allowed in rows {rows}: the output constraint, logit_bias and "
+                         f"min_tokens together forbid every token")
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

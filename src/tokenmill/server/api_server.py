@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -15,33 +16,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
+from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
-from tokenmill.server.serving_common import APIError, ClientDisconnected, unless_disconnected
+from tokenmill.server.serving_common import APIError, ClientDisconnected, error_response, unless_disconnected
 from tokenmill.server.serving_completion import CompletionHandler
 
 logger = logging.getLogger(__name__)
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-
-
-def _error(status: int, message: str, type_: str, param: Optional[str] = None,
-           headers: Optional[dict[str, str]] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+_error = error_response
 
 
 class ApiKeyMiddleware:
-    """Answers 401 to API requests without `Authorization: Bearer <api_key>`. Plain ASGI, so streamed
-    responses pass through untouched: Starlette's BaseHTTPMiddleware relays every chunk through a
-    memory stream and a task switch (measured here at batch 1: TPOT 12.5 -> 11.7 ms, two alternating pairs)."""
+    """Answers 401 to requests without `Authorization: Bearer <api_key>`, on every path but the open
+    ones (/health, and /metrics unless it requires the key). Plain ASGI, so streamed responses pass
+    through untouched: Starlette's BaseHTTPMiddleware relays every chunk through a memory stream and a
+    task switch (measured here at batch 1: TPOT 12.5 -> 11.7 ms, two alternating pairs)."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: Any, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 response = _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -49,6 +47,41 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 to a request whose body is larger than `max_bytes` (by its Content-Length, or once
+    the bytes read pass the limit), before the body is parsed."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # the app's handlers answer it (FastAPI re-raises HTTPException)
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than this server takes ({self.max_bytes} bytes)"
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        await _error(413, self._message(), "invalid_request_error")(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -62,19 +95,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         return f"'{param}' is not supported by this server", param
     if kind == "missing":
         return f"'{param}' is required", param
+    if kind == "value_error":
+        return str(error.get("msg")).removeprefix("Value error, "), param
     return f"'{param}': {error.get('msg')}" if param else str(error.get("msg")), param
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional[str]) -> FastAPI:
-    """The HTTP application over a running AsyncEngine."""
+def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional[str],
+              api_key: Optional[str] = None) -> FastAPI:
+    """The HTTP application over a running AsyncEngine; with `api_key`, every route but /health (and
+    /metrics, unless config.metrics_require_key) requires it."""
     model_name = engine.model_name
     app = FastAPI(title="tokenmill", version=__version__)
-    completions = CompletionHandler(engine, model_name)
-    chat = ChatHandler(engine, model_name, chat_template)
+    limits = RequestLimits.from_config(config)
+    completions = CompletionHandler(engine, model_name, limits)
+    chat = ChatHandler(engine, model_name, chat_template, limits)
     started = int(time.time())
 
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * (1 << 20)))
+    if api_key:  # added last, so it runs first: no body of an unauthenticated request is read
+        open_paths = {"/health"} if config.metrics_require_key else {"/health", "/metrics"}
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -92,6 +132,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(RequestFailedError)
+    async def on_request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return _error(500, str(exc), "internal_error")
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -114,7 +158,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_alive else 503)
+        if engine.is_alive:
+            return Response(status_code=200)
+        return _error(503, engine.fault or "the engine is not running", "service_unavailable")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -136,10 +182,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
-            tokens = engine.tokenizer(chat.render(body.messages, body.add_generation_prompt),
-                                      add_special_tokens=False).input_ids
+            _, tokens = await asyncio.to_thread(chat.prompt, body.messages, body.add_generation_prompt)
         else:
-            tokens = engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            tokens = (await asyncio.to_thread(engine.tokenizer, body.prompt,
+                                              add_special_tokens=body.add_special_tokens)).input_ids
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
 
     @app.post("/detokenize")

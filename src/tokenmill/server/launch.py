@@ -16,22 +16,37 @@ logger = logging.getLogger(__name__)
 # holds it, the engine waits up to the switch interval (5 ms by default). 1 ms measured 6% more
 # throughput under 16 streams (docs/benchmarks.md).
 _GIL_SWITCH_INTERVAL_S = 0.001
+_ENGINE_DEAD_EXIT = 3  # the engine died while serving (`tokenmill serve` exits 2 on a bad flag)
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM. On SIGTERM: stop admitting, let running requests finish for up to
-    `shutdown_timeout` seconds, abort the rest, exit 0."""
+    `shutdown_timeout` seconds, abort the rest, exit 0. If the engine dies, exit 3."""
     import uvicorn
 
+    from tokenmill.engine.admission import AdmissionLimits
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.api_server import build_app
 
     server_config.validate()
+    api_key = server_config.resolved_api_key()
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     name = server_config.served_model_name or _default_name(engine_config.model.model)
-    async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, server_config.max_waiting_requests)
-    app = build_app(async_engine, server_config, async_engine.engine.source.chat_template)
+    limits = AdmissionLimits(server_config.max_waiting_requests, server_config.max_waiting_tokens,
+                             server_config.grammar_compile_timeout)
+    died: list[str] = []
+    servers: list[uvicorn.Server] = []
+
+    def on_dead(reason: str) -> None:
+        """The engine cannot run any more: stop serving and exit non-zero, so a supervisor restarts us."""
+        logger.error("the engine is dead (%s); shutting the server down", reason)
+        died.append(reason)
+        for running in servers:
+            running.should_exit = True
+
+    async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, limits, on_dead)
+    app = build_app(async_engine, server_config, async_engine.engine.source.chat_template, api_key)
 
     class _GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -41,6 +56,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="info",
                             timeout_graceful_shutdown=server_config.shutdown_timeout, access_log=False)
     server = _GracefulServer(config)
+    servers.append(server)
+    server.should_exit = bool(died)
     # uvicorn re-raises the signal it stopped on once it has shut down gracefully; with the default
     # SIGTERM action that kills the process (exit -15) before the engine shuts down. Exit 0 instead.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -51,7 +68,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     finally:
         async_engine.shutdown()
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    return _ENGINE_DEAD_EXIT if died else 0
 
 
 def _exit_cleanly(sig: int, frame: Any) -> None:

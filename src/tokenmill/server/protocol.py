@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import re
+from typing import Any, Iterator, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Body(_Strict):
+    """A whole request body: its text must be Unicode (no lone UTF-16 surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        path = find_lone_surrogate(data)
+        if path is not None:
+            raise ValueError(f"'{path}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                             f"which is not Unicode text")
+        return data
 
 
 class StreamOptions(_Strict):
@@ -36,7 +53,7 @@ class ResponseFormat(_Strict):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions (OpenAI's and vLLM's extensions)."""
 
     model: Optional[str] = None
@@ -67,6 +84,7 @@ class _SamplingFields(_Strict):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    cache_salt: Optional[str] = None
 
     def structured_output(self) -> Optional[StructuredOutput]:
         """The output constraint the request asks for, if any (ValueError when it asks for two, or a
@@ -102,6 +120,8 @@ class _SamplingFields(_Strict):
                 bias = {int(token): float(value) for token, value in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+            if len(bias) != len(self.logit_bias):
+                raise ValueError("logit_bias names a token id twice")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -110,7 +130,7 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
-            structured_output=self.structured_output(),
+            structured_output=self.structured_output(), cache_salt=self.cache_salt, output_kind="delta",
         )
 
     @property
@@ -210,7 +230,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """POST /tokenize: a prompt, or chat messages rendered through the template."""
 
     model: Optional[str] = None
@@ -230,3 +250,31 @@ class DetokenizeRequest(_Strict):
 def error_body(message: str, type_: str, param: Optional[str] = None, code: Any = None) -> dict[str, Any]:
     """The OpenAI error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def find_lone_surrogate(value: Any) -> Optional[str]:
+    """The path ('messages.0.content') of the first string in a parsed JSON value that holds a lone
+    UTF-16 surrogate (valid JSON escapes, but not Unicode text: no tokenizer can encode them), or None.
+    Walks without recursion, so any nesting depth is safe."""
+    for path, item in _strings(value):
+        if _SURROGATE.search(item):
+            return path
+    return None
+
+
+def _strings(value: Any) -> Iterator[tuple[str, str]]:
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            yield path, item
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                key_path = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    yield key_path, key
+                stack.append((key_path, child))
+        elif isinstance(item, list):
+            if item and all(isinstance(x, int) for x in item):
+                continue  # token ids: nothing to check
+            stack.extend((f"{path}.{i}" if path else str(i), child) for i, child in enumerate(item))

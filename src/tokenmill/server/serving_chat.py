@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from typing import Any, AsyncIterator, Optional
 
+from tokenmill.engine.admission import Ticket
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
+from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, merge_outputs
+from tokenmill.server.chat_prompt import chat_prompt_ids
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_common import (
-    SSE_DONE, APIError, DeltaTracker, bad_request, new_id, now, primed, stream_chunk, top_entries, usage)
+    SSE_DONE, STREAM_ERRORS, APIError, ChoiceTracker, bad_request, new_id, now, primed, sse_error, stream_chunk,
+    top_entries, usage)
 from tokenmill.server.tool_calls import (
     ToolCallStream, ToolMode, forced_call, parse_tool_calls, render_messages, tool_mode)
 
@@ -18,12 +24,14 @@ _FIELDS = set(ChatCompletionRequest.model_fields)
 class ChatHandler:
     """Runs a chat completion on the engine and shapes the OpenAI response."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str]) -> None:
-        self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str],
+                 limits: RequestLimits = RequestLimits()) -> None:
+        self.engine, self.model_name, self.chat_template, self.limits = engine, model_name, chat_template, limits
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               tools: Optional[ToolMode] = None) -> str:
-        """The prompt text the chat template makes of `messages` (and of the tools offered)."""
+    def prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               tools: Optional[ToolMode] = None) -> tuple[str, list[int]]:
+        """The prompt text the chat template makes of `messages` (and of the tools offered), and its
+        token ids, in which text from the messages is never a control token (`chat_prompt_ids`)."""
         if not self.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
@@ -31,14 +39,16 @@ class ChatHandler:
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         try:
-            return self.engine.tokenizer.apply_chat_template(
-                conversation, tools=tool_specs, tokenize=False, chat_template=self.chat_template,
-                add_generation_prompt=add_generation_prompt)
+            return chat_prompt_ids(self.engine.tokenizer, self.chat_template, conversation, tool_specs,
+                                   add_generation_prompt)
         except Exception as exc:  # a template may raise on a conversation it does not accept
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    def _start(self, body: ChatCompletionRequest
-               ) -> tuple[str, list[int], AsyncIterator[RequestOutput], Optional[ToolMode]]:
+    async def _start(self, body: ChatCompletionRequest
+                     ) -> tuple[str, list[int], AsyncIterator[RequestOutput], Optional[ToolMode], Ticket]:
+        """Check the request, hold admission room for it, render and tokenise its prompt off the event
+        loop and start its engine request. The caller releases the ticket when the response ends."""
+        self.limits.check(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
@@ -49,24 +59,31 @@ class ChatHandler:
             tools = tool_mode(body)
             params = body.sampling_params(max_tokens, logprobs)
             if tools is not None and tools.forced:
-                params.structured_output = forced_call(tools)
+                params = dataclasses.replace(params, structured_output=forced_call(tools))  # re-validated
+            ticket = self.engine.reserve(body.n)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
-        prompt = self.render(body.messages, body.add_generation_prompt, tools)
-        token_ids = self.engine.tokenizer(prompt, add_special_tokens=False).input_ids
+        try:
+            prompt, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt,
+                                                        tools)
+        except BaseException:
+            ticket.release()
+            raise
         request_id = new_id("chatcmpl")
         stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority)
-        return request_id, token_ids, stream, tools
+        return request_id, token_ids, stream, tools, ticket
 
     async def complete(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """The whole response."""
-        response_id, token_ids, stream, tools = self._start(body)
+        response_id, token_ids, stream, tools, ticket = await self._start(body)
         final: Optional[RequestOutput] = None
         try:
             async for output in stream:
-                final = output
+                final = output if final is None else merge_outputs(final, output)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
+        finally:
+            ticket.release()
         assert final is not None
         choices = []
         for c in final.outputs:
@@ -98,13 +115,19 @@ class ChatHandler:
 
     async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
-        response_id, token_ids, stream, tools = self._start(body)
-        return self._events(response_id, body, len(token_ids), await primed(stream, _FIELDS), tools)
+        response_id, token_ids, stream, tools, ticket = await self._start(body)
+        try:
+            outputs = await primed(stream, _FIELDS)
+        except BaseException:
+            ticket.release()
+            raise
+        return self._events(response_id, body, len(token_ids), outputs, tools, ticket)
 
     async def _events(self, response_id: str, body: ChatCompletionRequest, prompt_tokens: int,
-                      outputs: AsyncIterator[RequestOutput], tools: Optional[ToolMode]) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[RequestOutput], tools: Optional[ToolMode],
+                      ticket: Ticket) -> AsyncIterator[str]:
         created = now()
-        tracker = DeltaTracker()
+        tracker = ChoiceTracker()
         tool_streams = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
         completion_tokens = 0
 
@@ -125,24 +148,23 @@ class ChatHandler:
                     yield chunk(choices)
             if body.include_usage:
                 yield chunk([], usage(prompt_tokens, completion_tokens))
-            yield SSE_DONE
+        except STREAM_ERRORS as exc:
+            yield sse_error(exc)
         finally:
+            ticket.release()
             await outputs.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE
 
-    def _delta_choice(self, body: ChatCompletionRequest, tracker: DeltaTracker, completion: CompletionOutput,
+    def _delta_choice(self, body: ChatCompletionRequest, tracker: ChoiceTracker, completion: CompletionOutput,
                       tool_stream: Optional[ToolCallStream]) -> Optional[dict[str, Any]]:
         index = completion.index
-        if index in tracker.finished:
+        text, token_ids, entries = completion.text, completion.token_ids, completion.logprobs
+        if not tracker.take(index, completion) or not (text or token_ids or completion.finished):
             return None
-        text, token_ids, entries = tracker.delta(index, completion)
-        if not (text or token_ids or completion.finished):
-            return None
-        if completion.finished:
-            tracker.finished.add(index)
         delta: dict[str, Any] = {}
         finish_reason = completion.finish_reason
         if tool_stream is not None:
-            text, calls = tool_stream.push(completion.text, completion.finished)
+            text, calls = tool_stream.push(tracker.texts[index], completion.finished)
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
                 finish_reason = "tool_calls"

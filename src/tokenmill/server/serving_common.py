@@ -9,8 +9,11 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
+from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from tokenmill.server.protocol import error_body
 
 T = TypeVar("T")
 
@@ -29,6 +32,37 @@ def bad_request(exc: ValueError, fields: Any = ()) -> APIError:
     message = str(exc)
     first = message.split(" ", 1)[0]
     return APIError(400, message, param=first if first in fields else None)
+
+
+def error_response(status: int, message: str, type_: str, param: Optional[str] = None,
+                   headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    """An error in the OpenAI shape. Text from the request that is not Unicode (lone surrogates) is
+    escaped, so no error can fail to encode."""
+    return JSONResponse(error_body(_printable(message), type_, _printable(param)), status_code=status,
+                        headers=headers)
+
+
+def _printable(text: Optional[str]) -> Optional[str]:
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# How an engine exception is answered: (HTTP status, OpenAI error type).
+ENGINE_ERRORS: dict[type, tuple[int, str]] = {
+    QueueFullError: (429, "rate_limit_error"),
+    EngineDeadError: (503, "service_unavailable"),
+    RequestFailedError: (500, "internal_error"),
+}
+
+
+def sse_error(exc: BaseException) -> str:
+    """The SSE event that ends a stream whose request failed after its first event (vLLM's shape:
+    an `error` object; `code` is the HTTP status the failure would have had)."""
+    status, type_ = ENGINE_ERRORS.get(type(exc), (500, "internal_error"))
+    body = error_body(_printable(str(exc)), type_, code=status)
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+STREAM_ERRORS = tuple(ENGINE_ERRORS)
 
 
 class ClientDisconnected(Exception):
@@ -148,22 +182,22 @@ async def _replay(items: list[T], stream: AsyncIterator[T]) -> AsyncIterator[T]:
         await stream.aclose()  # type: ignore[attr-defined]
 
 
-class DeltaTracker:
-    """Remembers what was already streamed of each choice, to send only what is new."""
+class ChoiceTracker:
+    """What was streamed of each choice of delta outputs: whether it finished (later outputs of a
+    finished choice are skipped), and its whole text so far (tool calls are parsed from it)."""
 
     def __init__(self) -> None:
-        self.text_sent: dict[int, int] = {}
-        self.tokens_sent: dict[int, int] = {}
         self.finished: set[int] = set()
+        self.texts: dict[int, str] = {}
 
-    def delta(self, choice: int, completion: CompletionOutput) -> tuple[str, list[int], Optional[list[LogprobsDict]]]:
-        """New text, new token ids and their logprobs since the last call for `choice`."""
-        text_from = self.text_sent.get(choice, 0)
-        tokens_from = self.tokens_sent.get(choice, 0)
-        self.text_sent[choice] = len(completion.text)
-        self.tokens_sent[choice] = len(completion.token_ids)
-        logprobs = None if completion.logprobs is None else completion.logprobs[tokens_from:]
-        return completion.text[text_from:], completion.token_ids[tokens_from:], logprobs
+    def take(self, choice: int, completion: CompletionOutput) -> bool:
+        """Record `completion`, a delta of `choice`; False when the choice had already finished."""
+        if choice in self.finished:
+            return False
+        self.texts[choice] = self.texts.get(choice, "") + completion.text
+        if completion.finished:
+            self.finished.add(choice)
+        return True
 
 
 def top_entries(entry: LogprobsDict, count: int) -> list[tuple[int, Logprob]]:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Optional
 
+from tokenmill.engine.admission import Ticket
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput
+from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, merge_outputs
 from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_common import (
-    SSE_DONE, APIError, DeltaTracker, bad_request, merge, new_id, now, primed, stream_chunk, top_entries, usage)
+    SSE_DONE, STREAM_ERRORS, APIError, ChoiceTracker, bad_request, merge, new_id, now, primed, sse_error,
+    stream_chunk, top_entries, usage)
 
 _FIELDS = set(CompletionRequest.model_fields)
 
@@ -20,7 +24,7 @@ class CompletionPrompt:
         self.text, self.token_ids = text, token_ids
 
 
-def prompts_of(body: CompletionRequest, engine: AsyncEngine) -> list[CompletionPrompt]:
+def prompt_items(body: CompletionRequest) -> list[Any]:
     """The request's prompts: a string, a list of strings, token ids, or a list of token-id lists."""
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -31,7 +35,11 @@ def prompts_of(body: CompletionRequest, engine: AsyncEngine) -> list[CompletionP
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    tokenizer = engine.tokenizer
+    return items
+
+
+def tokenize_prompts(items: list[Any], tokenizer: Any) -> list[CompletionPrompt]:
+    """Each prompt with its token ids (text prompts tokenised)."""
     result = []
     for item in items:
         if isinstance(item, str):
@@ -46,31 +54,44 @@ def prompts_of(body: CompletionRequest, engine: AsyncEngine) -> list[CompletionP
 class CompletionHandler:
     """Runs a completions request on the engine and shapes the OpenAI response."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: RequestLimits = RequestLimits()) -> None:
+        self.engine, self.model_name, self.limits = engine, model_name, limits
 
-    def _start(self, body: CompletionRequest) -> tuple[str, list[CompletionPrompt], list[AsyncIterator[RequestOutput]]]:
-        prompts = prompts_of(body, self.engine)
+    async def _start(self, body: CompletionRequest
+                     ) -> tuple[str, list[CompletionPrompt], list[AsyncIterator[RequestOutput]], Ticket]:
+        """Check the request, hold admission room for it, tokenise its prompts off the event loop and
+        start its engine requests. The caller releases the ticket when the response ends."""
+        self.limits.check(body)
+        items = prompt_items(body)
+        self.limits.check_prompts(len(items))
         want_prompt_logprobs = body.echo and body.logprobs is not None
         try:
             params = body.sampling_params(body.max_tokens, body.logprobs,
                                           body.logprobs if want_prompt_logprobs else None)
+            ticket = self.engine.reserve(len(items) * body.n)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
+        try:
+            prompts = await asyncio.to_thread(tokenize_prompts, items, self.engine.tokenizer)
+        except BaseException:
+            ticket.release()
+            raise
         request_id = new_id("cmpl")
         streams = [self.engine.generate(f"{request_id}-{i}", p.token_ids, params, p.text, body.priority)
                    for i, p in enumerate(prompts)]
-        return request_id, prompts, streams
+        return request_id, prompts, streams, ticket
 
     async def complete(self, body: CompletionRequest) -> dict[str, Any]:
         """The whole response."""
-        response_id, prompts, streams = self._start(body)
+        response_id, prompts, streams, ticket = await self._start(body)
         final: dict[int, RequestOutput] = {}
         try:
             async for index, output in merge(streams):
-                final[index] = output
+                final[index] = merge_outputs(final[index], output) if index in final else output
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
+        finally:
+            ticket.release()
         choices = []
         completion_tokens = 0
         for index, prompt in enumerate(prompts):
@@ -123,13 +144,18 @@ class CompletionHandler:
 
     async def stream(self, body: CompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
-        response_id, prompts, streams = self._start(body)
-        return self._events(response_id, body, prompts, await primed(merge(streams), _FIELDS))
+        response_id, prompts, streams, ticket = await self._start(body)
+        try:
+            outputs = await primed(merge(streams), _FIELDS)
+        except BaseException:
+            ticket.release()
+            raise
+        return self._events(response_id, body, prompts, outputs, ticket)
 
     async def _events(self, response_id: str, body: CompletionRequest, prompts: list[CompletionPrompt],
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]], ticket: Ticket) -> AsyncIterator[str]:
         created = now()
-        tracker = DeltaTracker()
+        tracker = ChoiceTracker()
         completion_tokens = 0
         echoed: set[int] = set()
         text_offsets: dict[int, int] = {}  # where each choice's next token starts in its whole text
@@ -142,9 +168,9 @@ class CompletionHandler:
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * body.n + completion.index
-                    if index in tracker.finished:
+                    if not tracker.take(index, completion):
                         continue
-                    text, token_ids, entries = tracker.delta(index, completion)
+                    text, token_ids, entries = completion.text, completion.token_ids, completion.logprobs
                     completion_tokens += len(token_ids)
                     prefix = ""
                     if body.echo and index not in echoed:
@@ -160,13 +186,14 @@ class CompletionHandler:
                     choices.append({"index": index, "text": prefix + text, "logprobs": logprobs,
                                     "finish_reason": completion.finish_reason,
                                     "stop_reason": completion.stop_reason})
-                    if completion.finished:
-                        tracker.finished.add(index)
                 if choices:
                     yield chunk(choices)
             if body.include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 yield chunk([], usage(prompt_tokens, completion_tokens))
-            yield SSE_DONE
+        except STREAM_ERRORS as exc:
+            yield sse_error(exc)
         finally:
+            ticket.release()
             await outputs.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE

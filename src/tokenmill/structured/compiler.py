@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from tokenmill.structured.spec import StructuredOutput
@@ -35,20 +36,23 @@ def json_schema_ebnf(schema: str) -> str:
 
 
 class GrammarCache:
-    """Compiles StructuredOutputs for a tokenizer with xgrammar and keeps each result.
+    """Compiles StructuredOutputs for a tokenizer with xgrammar and keeps the `max_entries` most recently
+    used results (a request's matcher holds its own reference, so eviction never breaks one in flight).
 
     Thread-safe: the server compiles on worker threads (off the engine loop) and the runner finds the
     result here. Invalid constraints raise ValueError naming what is wrong.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 max_entries: int = 256) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
         self.vocab_size = vocab_size
-        self._compiled: dict[StructuredOutput, Any] = {}
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self.max_entries = max_entries
         self._lock = threading.Lock()
         self.num_compilations = 0
 
@@ -56,15 +60,19 @@ class GrammarCache:
         """The xgrammar CompiledGrammar of `spec` (compiled on first use)."""
         with self._lock:
             found = self._compiled.get(spec)
-        if found is not None:
-            return found
+            if found is not None:
+                self._compiled.move_to_end(spec)
+                return found
         try:
             compiled = self._compile(spec)
         except RuntimeError as exc:
             raise ValueError(f"invalid {_WHAT[spec.kind]}: {xgrammar_message(exc)}") from None
         with self._lock:
             self.num_compilations += 1
-            return self._compiled.setdefault(spec, compiled)
+            compiled = self._compiled.setdefault(spec, compiled)
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+            return compiled
 
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self.compiler

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -14,6 +15,8 @@ from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import sample
 from tokenmill.structured.matchers import GrammarMatchers
 from tokenmill.worker.kv_tier_store import KVTierStore
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -139,23 +142,39 @@ class ModelRunner:
                            item.output_token_ids, self.eos_token_ids)
 
     def _sample(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], result: ModelRunnerOutput) -> None:
+        """Sample (or verify proposals for) every sampling chunk. A request whose own work raises ends
+        with an error (`result.failed`) and the others still get their tokens: a failed batch call is
+        redone one request at a time, which for greedy and seeded rows picks the same tokens (a seeded
+        row draws only from its own generator)."""
         plain = [i for i in sample_rows if not batch[i].spec_token_ids]
-        if plain:
-            sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
-            constrained = self._masked(sample_logits, [(k, batch[i], []) for k, i in enumerate(plain)])
-            tokens = sample(constrained, [self.sampling_row(batch[i]) for i in plain], self.default_generator)
-            for i, token in zip(plain, tokens.tolist()):
-                result.sampled_token_ids[batch[i].request_id] = self._advance(batch[i], [token], result)
-            wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
-            if wanted:
-                picked = torch.tensor(wanted, device=self.device)
-                entries = token_logprobs(sample_logits[picked], tokens[picked],
-                                         [batch[plain[k]].sampling_params.logprobs for k in wanted])
-                for k, entry in zip(wanted, entries):
-                    result.logprobs[batch[plain[k]].request_id] = [entry]
         speculative = [i for i in sample_rows if batch[i].spec_token_ids]
-        if speculative:
-            self._verify(batch, logits, sample_rows, speculative, result)
+        for run, group in ((self._sample_plain, plain), (self._verify, speculative)):
+            if not group:
+                continue
+            try:
+                run(batch, logits, sample_rows, group, result)
+            except Exception:
+                for i in group:
+                    try:
+                        run(batch, logits, sample_rows, [i], result)
+                    except Exception as exc:
+                        fail_request(result, batch[i].request_id, exc)
+
+    def _sample_plain(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], plain: list[int],
+                      result: ModelRunnerOutput) -> None:
+        sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
+        constrained = self._masked(sample_logits, [(k, batch[i], []) for k, i in enumerate(plain)])
+        tokens = sample(constrained, [self.sampling_row(batch[i]) for i in plain], self.default_generator)
+        wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
+        entries = []
+        if wanted:
+            picked = torch.tensor(wanted, device=self.device)
+            entries = token_logprobs(sample_logits[picked], tokens[picked],
+                                     [batch[plain[k]].sampling_params.logprobs for k in wanted])
+        for k, entry in zip(wanted, entries):
+            result.logprobs[batch[plain[k]].request_id] = [entry]
+        for i, token in zip(plain, tokens.tolist()):
+            self._advance(batch[i], [token], result)
 
     def _verify(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], speculative: list[int],
                 result: ModelRunnerOutput) -> None:
@@ -167,15 +186,16 @@ class ModelRunner:
             proposals.append(Proposal(item.spec_token_ids, sample_rows[i], self.sampling_row(item),
                                       None if q is None else q[:len(item.spec_token_ids)]))
         constrained = self._masked(logits, [(sample_rows[i], batch[i], batch[i].spec_token_ids) for i in speculative])
-        for i, tokens in zip(speculative, verify(constrained, proposals, self.default_generator)):
+        verified = verify(constrained, proposals, self.default_generator)
+        for i, tokens in zip(speculative, verified):
             item = batch[i]
-            tokens = self._advance(item, tokens, result)
-            result.sampled_token_ids[item.request_id] = tokens
             if item.sampling_params.logprobs is not None:
                 first = sample_rows[i]
                 result.logprobs[item.request_id] = token_logprobs(
                     logits[first:first + len(tokens)], torch.tensor(tokens, device=self.device),
                     [item.sampling_params.logprobs] * len(tokens))
+        for i, tokens in zip(speculative, verified):
+            self._advance(batch[i], tokens, result)
 
     def _masked(self, logits: torch.Tensor, rows: list[tuple[int, ScheduledRequest, list[int]]]) -> torch.Tensor:
         """`logits` with the grammar masks of the constrained requests among (first row, item, proposals)
@@ -189,14 +209,21 @@ class ModelRunner:
         self.grammars.mask(masked, wanted)
         return masked
 
-    def _advance(self, item: ScheduledRequest, tokens: list[int], result: ModelRunnerOutput) -> list[int]:
-        """The step's tokens, cut where the request's grammar (if any) completed; completion is recorded."""
+    def _advance(self, item: ScheduledRequest, tokens: list[int], result: ModelRunnerOutput) -> None:
+        """Record the step's tokens, cut where the request's grammar (if any) completed. A grammar that
+        raises fails this request only; it is the last step of the request's state to change, so the
+        caller's per-request retry never advances a grammar twice."""
         if item.sampling_params.structured_output is None:
-            return tokens
-        kept, completed = self.grammars.advance(item.request_id, tokens)
+            result.sampled_token_ids[item.request_id] = tokens
+            return
+        try:
+            kept, completed = self.grammars.advance(item.request_id, tokens)
+        except Exception as exc:
+            fail_request(result, item.request_id, exc)
+            return
         if completed:
             result.completed.add(item.request_id)
-        return kept
+        result.sampled_token_ids[item.request_id] = kept
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor, prompt_rows: dict[int, tuple[int, int]],
                          result: ModelRunnerOutput) -> None:
@@ -206,7 +233,20 @@ class ModelRunner:
                 result.prompt_logprobs[item.request_id] = []
                 continue
             targets = item.prompt_token_ids[item.start + 1:item.start + 1 + count]
-            entries = token_logprobs(logits[first:first + count],
-                                     torch.tensor(targets, device=self.device),
-                                     [item.sampling_params.prompt_logprobs] * count)
+            try:
+                entries = token_logprobs(logits[first:first + count],
+                                         torch.tensor(targets, device=self.device),
+                                         [item.sampling_params.prompt_logprobs] * count)
+            except Exception as exc:
+                fail_request(result, item.request_id, exc)
+                continue
             result.prompt_logprobs[item.request_id] = entries
+
+
+def fail_request(result: ModelRunnerOutput, request_id: str, exc: Exception) -> None:
+    """Mark `request_id` failed in `result` (dropping what the step had recorded for it)."""
+    logger.warning("request %s failed in the step: %s: %s", request_id, type(exc).__name__, exc)
+    for entries in (result.sampled_token_ids, result.logprobs, result.prompt_logprobs):
+        entries.pop(request_id, None)
+    result.completed.discard(request_id)
+    result.failed[request_id] = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,45 @@
+"""Admission control: how much work the server holds at once, and the ticket each request carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Bounds on queued work. Past them a request is refused with 429 (and Retry-After), never left to
+    wait without bound.
+
+    `max_waiting_requests` and `max_waiting_tokens` bound the scheduler's waiting queue (requests, and
+    the prompt tokens they bring; a request is never refused by the token bound when nothing waits, so
+    any prompt that fits the model can run). Sequences from arrival to end (prompts x n, tokenising,
+    compiling a grammar, waiting or running) are bounded by max_num_seqs + max_waiting_requests.
+    """
+
+    max_waiting_requests: int = 256
+    max_waiting_tokens: int = 65536
+    grammar_compile_timeout: float = 10.0
+
+    def max_sequences(self, max_num_seqs: int) -> int:
+        """The most sequences held from arrival to end."""
+        return max_num_seqs + self.max_waiting_requests
+
+
+class Ticket:
+    """Admission room held by one request; `release` (idempotent) gives it back. A ticket dropped
+    unreleased (a response whose body was never sent) gives it back when collected."""
+
+    def __init__(self, num_sequences: int, release: Callable[[int], None]) -> None:
+        self.num_sequences = num_sequences
+        self._release = release
+        self._held = True
+
+    def release(self) -> None:
+        """Give the room back (only the first call counts)."""
+        if self._held:
+            self._held = False
+            self._release(self.num_sequences)
+
+    def __del__(self) -> None:
+        self.release()
