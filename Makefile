@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean cross-compiler asan
+.PHONY: serve test install clean cross-compiler asan reliability soak
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,15 @@ test: $(STAMP) cross-compiler
 	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q -m every_level
 
 LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if platform.machine() in ('x86_64', 'AMD64') else 'generic')")
+
+# The reliability suite at full size (docs/reliability.md): thousands of generated requests per endpoint,
+# 10x overload and a 300-stream disconnect storm. `make test` runs the same tests at CI size.
+reliability: $(STAMP)
+	TOKENMILL_FUZZ_EXAMPLES=3000 TOKENMILL_RELIABILITY_SCALE=10 $(PY) -m pytest -q -s tests/reliability
+
+# 30 minutes of mixed, partly hostile load on the default model; RSS and KV blocks must stay flat.
+soak: $(STAMP)
+	$(PY) scripts/soak.py --minutes 30
 
 # tests/kernels/test_build.py cross-compiles the kernels for aarch64 (Debian's gcc-aarch64-linux-gnu).
 cross-compiler:

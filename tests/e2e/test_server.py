@@ -479,7 +479,8 @@ def test_api_key_required(guarded_url):
     wrong = {"Authorization": "Bearer not-the-key"}
     requests = [("GET", "/v1/models", None), ("POST", "/v1/completions", _CMPL),
                 ("POST", "/v1/chat/completions", _CHAT), ("POST", "/tokenize", {"prompt": "hi"}),
-                ("POST", "/detokenize", {"tokens": [1]})]
+                ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/docs", None), ("GET", "/openapi.json", None),
+                ("GET", "/version", None)]
     for method, path, body in requests:
         for headers in ({}, wrong, {"Authorization": API_KEY}):
             response = httpx.request(method, f"{guarded_url}{path}", json=body, headers=headers, timeout=30)
@@ -487,6 +488,7 @@ def test_api_key_required(guarded_url):
     assert httpx.get(f"{guarded_url}/v1/models", headers=good).status_code == 200
     assert httpx.post(f"{guarded_url}/tokenize", json={"prompt": "hi"}, headers=good).status_code == 200
     assert httpx.get(f"{guarded_url}/health").status_code == 200
+    assert httpx.get(f"{guarded_url}/metrics").status_code == 200  # scraped without a key, as vLLM serves it
 
     with pytest.raises(openai.AuthenticationError):
         OpenAI(base_url=f"{guarded_url}/v1", api_key="not-the-key", max_retries=0).models.list()

@@ -110,6 +110,7 @@ class AsyncEngine:
         self._accepting = True
         self._reserved = 0  # sequences of requests between arrival and their end
         self._reserve_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
         self.fault: Optional[str] = None  # why the engine is unhealthy right now (None = healthy)
         self.dead = False
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
@@ -189,6 +190,7 @@ class AsyncEngine:
 
         def add() -> None:
             try:
+                self._check_open()
                 self._check_room(len(prompt_token_ids))
                 self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
                                         priority=priority, arrival_time=arrival)
@@ -236,9 +238,12 @@ class AsyncEngine:
         self._submit(abort)
 
     def _submit(self, command: Callable[[], None]) -> None:
-        if self._stopping:
-            raise EngineDeadError("the engine loop has stopped")
-        self._commands.put(command)
+        # Invariant: a command queued while the engine is alive always runs; `_die` sets `dead` under
+        # this lock and then runs what is queued, so no caller waits on a command nobody will run.
+        with self._submit_lock:
+            if self._stopping or self.dead:
+                raise EngineDeadError(f"the engine loop has stopped{': ' + self.fault if self.dead else ''}")
+            self._commands.put(command)
         self._wakeup.set()
 
     def stop_accepting(self) -> None:
@@ -373,11 +378,13 @@ class AsyncEngine:
             raise RuntimeError("the probe did not finish, or KV blocks stayed in use")
 
     def _die(self, reason: str) -> None:
-        self.fault, self.dead = reason, True
+        with self._submit_lock:
+            self.fault, self.dead = reason, True
         self._accepting = False
         try:
             self._fail_all(EngineDeadError(f"the engine has stopped: {reason}"))
         except Exception:
             logger.exception("could not fail the requests in flight")
+        self._run_commands()  # adds queued before the death now fail fast (`_check_open`)
         if self.on_dead is not None:
             self.on_dead(reason)
