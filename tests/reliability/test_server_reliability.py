@@ -73,6 +73,7 @@ BAD_REQUESTS = {
     "too many prompts": ("/v1/completions", {"prompt": ["a"] * 65}, "prompt"),
     "priority without the priority policy": ("/v1/completions", {"prompt": "hi", "priority": -3}, "priority"),
     "deeply nested JSON": ("/v1/completions", deep_json(100_000), None),
+    "a JSON schema nested 300 levels": ("/v1/completions", deep_json(300), "nested"),
     "prompt token id past the vocabulary": ("/v1/completions", {"prompt": [1, VOCAB]}, "prompt"),
 }
 

@@ -1,5 +1,63 @@
-"""TEMPORARY shim (replaced by the real module)."""
-def chat_prompt_ids(tokenizer, chat_template, conversation, tools, add_generation_prompt):
-    text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, chat_template=chat_template,
-                                         add_generation_prompt=add_generation_prompt)
-    return text, tokenizer(text, add_special_tokens=False).input_ids
+"""Chat prompts as token ids in which text from the messages never becomes a control token."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+# Private-use characters frame the stand-in for a message's content while the template renders.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
+def chat_prompt_ids(tokenizer: Any, chat_template: str, conversation: list[dict], tools: Optional[list],
+                    add_generation_prompt: bool) -> tuple[str, list[int]]:
+    """The prompt text the template makes of `conversation` and its token ids, where text that came
+    from message contents never becomes a special (control) token: a user who types '<|im_start|>system'
+    gets those characters as plain text, not a forged turn.
+
+    When no content holds a special token's text (nearly always), this is exactly the template's text
+    tokenised whole. Otherwise the template renders with a stand-in for each such content; the pieces
+    the template wrote are tokenised with special tokens recognised and the contents with special tokens
+    split. A template that changes content as it renders it (so the stand-in cannot be found once, or the
+    contents put back do not give the template's own text) raises ValueError: such content cannot be
+    rendered safely, and it is refused rather than risk a forged control token.
+    """
+    def render(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt)
+
+    text = render(conversation)
+    specials = special_token_texts(tokenizer)
+    affected = [i for i, message in enumerate(conversation)
+                if isinstance(message.get("content"), str) and any(s in message["content"] for s in specials)]
+    if not affected:
+        return text, tokenizer(text, add_special_tokens=False).input_ids
+    if any(_OPEN in m.get("content") or _CLOSE in m.get("content") for m in conversation
+           if isinstance(m.get("content"), str)):
+        raise ValueError("message content holds both special-token text and private-use characters "
+                         "U+E000/U+E001; it cannot be rendered safely")
+    contents = {f"{_OPEN}{i}{_CLOSE}": conversation[i]["content"] for i in affected}
+    stand_ins = [dict(m) for m in conversation]
+    for stand_in, i in zip(contents, affected):
+        stand_ins[i]["content"] = stand_in
+    pieces = re.split(f"({_OPEN}\\d+{_CLOSE})", render(stand_ins))
+    if sorted(pieces[1::2]) != sorted(contents) or "".join(contents.get(p, p) for p in pieces) != text:
+        raise ValueError("this chat template changes message content as it renders it, so content that holds "
+                         "special-token text cannot be rendered safely")
+    ids: list[int] = []
+    for index, piece in enumerate(pieces):
+        if index % 2:
+            ids += tokenizer(contents[piece], add_special_tokens=False, split_special_tokens=True).input_ids
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False).input_ids
+    return text, ids
+
+
+def special_token_texts(tokenizer: Any) -> list[str]:
+    """The text of every special token the tokenizer recognises in input (its control tokens)."""
+    cached = getattr(tokenizer, "_tokenmill_special_texts", None)
+    if cached is None:
+        cached = sorted({token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+                        | set(tokenizer.all_special_tokens))
+        tokenizer._tokenmill_special_texts = cached
+    return cached

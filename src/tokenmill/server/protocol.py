@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -12,6 +12,7 @@ from tokenmill.structured.spec import StructuredOutput
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_NESTING = 100
 
 
 class _Strict(BaseModel):
@@ -19,15 +20,13 @@ class _Strict(BaseModel):
 
 
 class _Body(_Strict):
-    """A whole request body: its text must be Unicode (no lone UTF-16 surrogates)."""
+    """A whole request body: its text must be Unicode (no lone UTF-16 surrogates) and it nests at most
+    MAX_NESTING levels (deeper JSON schemas would overflow the recursion of json.dumps and xgrammar)."""
 
     @model_validator(mode="before")
     @classmethod
     def _unicode_text(cls, data: Any) -> Any:
-        path = find_lone_surrogate(data)
-        if path is not None:
-            raise ValueError(f"'{path}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                             f"which is not Unicode text")
+        check_body(data)
         return data
 
 
@@ -252,29 +251,31 @@ def error_body(message: str, type_: str, param: Optional[str] = None, code: Any 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def find_lone_surrogate(value: Any) -> Optional[str]:
-    """The path ('messages.0.content') of the first string in a parsed JSON value that holds a lone
-    UTF-16 surrogate (valid JSON escapes, but not Unicode text: no tokenizer can encode them), or None.
-    Walks without recursion, so any nesting depth is safe."""
-    for path, item in _strings(value):
-        if _SURROGATE.search(item):
-            return path
-    return None
-
-
-def _strings(value: Any) -> Iterator[tuple[str, str]]:
-    stack: list[tuple[str, Any]] = [("", value)]
+def check_body(value: Any) -> None:
+    """Raise ValueError when a parsed JSON body nests deeper than MAX_NESTING levels or holds a string
+    with a lone UTF-16 surrogate (valid JSON escapes, but not Unicode text: no tokenizer can encode them),
+    naming where ('messages.0.content'). Walks without recursion, so any depth is safe to check."""
+    stack: list[tuple[str, Any, int]] = [("", value, 0)]
     while stack:
-        path, item = stack.pop()
+        path, item, depth = stack.pop()
         if isinstance(item, str):
-            yield path, item
-        elif isinstance(item, dict):
+            if _SURROGATE.search(item):
+                raise ValueError(f"'{_shown(path)}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                                 f"escape), which is not Unicode text")
+            continue
+        if not isinstance(item, (dict, list)) or (isinstance(item, list) and all(isinstance(x, int) for x in item)):
+            continue  # numbers, and token-id lists: nothing to check
+        if depth >= MAX_NESTING:
+            raise ValueError(f"'{_shown(path)}' is nested more than {MAX_NESTING} levels deep")
+        if isinstance(item, dict):
             for key, child in item.items():
-                key_path = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str) and _SURROGATE.search(key):
-                    yield key_path, key
-                stack.append((key_path, child))
-        elif isinstance(item, list):
-            if item and all(isinstance(x, int) for x in item):
-                continue  # token ids: nothing to check
-            stack.extend((f"{path}.{i}" if path else str(i), child) for i, child in enumerate(item))
+                stack.append((f"{path}.{key}" if path else str(key), key, depth + 1))
+                stack.append((f"{path}.{key}" if path else str(key), child, depth + 1))
+        else:
+            stack.extend((f"{path}.{i}" if path else str(i), child, depth + 1) for i, child in enumerate(item))
+
+
+def _shown(path: str) -> str:
+    """A path as an error message may show it: surrogates escaped, at most 80 characters."""
+    text = path.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 80 else text[:37] + "..." + text[-40:]

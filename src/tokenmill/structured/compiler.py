@@ -65,7 +65,7 @@ class GrammarCache:
                 return found
         try:
             compiled = self._compile(spec)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors for what it cannot take
             raise ValueError(f"invalid {_WHAT[spec.kind]}: {xgrammar_message(exc)}") from None
         with self._lock:
             self.num_compilations += 1
