@@ -35,7 +35,7 @@ LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if plat
 # The reliability suite at full size (docs/reliability.md): thousands of generated requests per endpoint,
 # 10x overload and a 300-stream disconnect storm. `make test` runs the same tests at CI size.
 reliability: $(STAMP)
-	TOKENMILL_FUZZ_EXAMPLES=3000 TOKENMILL_RELIABILITY_SCALE=10 $(PY) -m pytest -q -s tests/reliability
+	TOKENMILL_FUZZ_EXAMPLES=1000 TOKENMILL_RELIABILITY_SCALE=10 $(PY) -m pytest -q -s tests/reliability
 
 # 30 minutes of mixed, partly hostile load on the default model; RSS and KV blocks must stay flat.
 soak: $(STAMP)

@@ -6,7 +6,7 @@ nothing left running afterwards.
 
 The server runs a tiny random-weight model with the default model's tokenizer and --max-model-len 64,
 so any accepted request is short. TOKENMILL_FUZZ_EXAMPLES sets the examples per operation and mode
-(CI: 25; `make reliability`: 3000); the run is derandomised, so CI sees the same requests every time.
+(CI: 25; `make reliability`: 1000); the run is derandomised, so CI sees the same requests every time.
 """
 
 from __future__ import annotations
