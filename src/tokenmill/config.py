@@ -179,8 +179,47 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {self.speculative_min_acceptance}")
 
 
+EXECUTOR_BACKENDS = ("auto", "uni", "mp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes run the model, and how they split it (docs/parallel.md)."""
+
+    tensor_parallel_size: int = _opt(1, "ranks each layer's matrices are split across")
+    pipeline_parallel_size: int = _opt(1, "stages the layers are split into")
+    distributed_executor_backend: str = _opt(
+        "auto", "where the model runs: uni = in the engine's process (no overhead; one rank only), mp = one "
+        "worker process per rank started with spawn, each owning its shard and KV pool; auto = uni for one "
+        "rank, else mp", choices=EXECUTOR_BACKENDS)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def backend(self) -> str:
+        """The executor backend after resolving auto."""
+        if self.distributed_executor_backend == "auto":
+            return "uni" if self.world_size == 1 else "mp"
+        return self.distributed_executor_backend
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
+                             f"pipeline_parallel_size is {self.world_size}: use 'mp'")
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "speculative": SpeculativeConfig}
+            "speculative": SpeculativeConfig, "parallel": ParallelConfig}
 
 
 @dataclass(frozen=True)
@@ -191,9 +230,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        for section in (self.model, self.cache, self.scheduler, self.speculative):
+        for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel):
             section.validate()
 
     @classmethod

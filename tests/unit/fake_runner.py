@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
+
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.request_state import RequestStates
 
 EOS = 2
 
@@ -17,11 +20,18 @@ def next_token(tokens: list[int]) -> int:
 
 
 class FakeRunner:
-    """Checks what a real runner relies on (token positions, block capacity) and samples next_token."""
+    """Checks what a real runner relies on (token positions, block capacity) and samples next_token.
+
+    Like the real runner it knows requests only through the step contract's diffs (RequestStates), and
+    checks them against the scheduler's own view: the pickled step must rebuild the same sequence.
+    """
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
+        self.states = RequestStates()
         self.steps: list[SchedulerOutput] = []
+        self.items: list = []  # the batch items of the latest step
+        self.requests = None  # the scheduler's requests, to compare with, when given
         self.block_contents: dict[int, dict[int, int]] = {}  # block -> offset -> token written there
         self.tier_contents: dict[int, dict[int, int]] = {}  # second-tier slot -> saved block contents
 
@@ -38,12 +48,20 @@ class FakeRunner:
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(schedule)
+        schedule = pickle.loads(pickle.dumps(schedule))  # what a worker process would receive
+        self.items = self.states.apply(schedule)
+        for item in self.items:  # the runner's rebuilt state is the scheduler's
+            assert item.block_ids == self.kv.block_table(item.request_id), f"{item.request_id}: block table drifted"
+            if self.requests is not None:
+                request = self.requests[item.request_id]
+                assert (item.prompt_token_ids, item.output_token_ids) == \
+                    (request.prompt_token_ids, request.output_token_ids), f"{item.request_id}: tokens drifted"
         out = ModelRunnerOutput()
         for block, slot in schedule.kv_saves:  # saves first, then loads, then the forward pass
             self.tier_contents[slot] = dict(self.block_contents.get(block, {}))
         for slot, block in schedule.kv_loads:
             self.block_contents[block] = dict(self.tier_contents[slot])
-        for item in schedule.scheduled:
+        for item in self.items:
             self._check_reads_and_write(item)
             tokens = item.prompt_token_ids + item.output_token_ids
             end = item.start + item.num_tokens
@@ -75,7 +93,9 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, 
                    prefix_caching: bool = False, secondary_slots: int = 0) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching,
                         secondary_slots=secondary_slots)
-    return Scheduler(SchedulingLimits(budget, max_seqs, max_model_len), kv), FakeRunner(kv)
+    scheduler, runner = Scheduler(SchedulingLimits(budget, max_seqs, max_model_len), kv), FakeRunner(kv)
+    runner.requests = scheduler.requests
+    return scheduler, runner
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, n: int = 1,

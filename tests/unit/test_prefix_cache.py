@@ -15,8 +15,9 @@ SHARED = list(range(100, 116))  # four 4-token blocks
 def first_chunk(scheduler, runner, request):
     scheduler.add_request(request)
     schedule = scheduler.schedule()
-    item = next(s for s in schedule.scheduled if s.request_id == request.request_id)
-    scheduler.update_from_output(schedule, runner.execute(schedule))
+    result = runner.execute(schedule)
+    item = next(s for s in runner.items if s.request_id == request.request_id)
+    scheduler.update_from_output(schedule, result)
     return item
 
 

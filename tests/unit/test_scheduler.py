@@ -23,6 +23,7 @@ def test_token_budget_chunks_long_prompts():
     scheduler.update_from_output(first, runner.execute(first))
     second = scheduler.schedule()
     assert [(s.start, s.num_tokens) for s in second.scheduled] == [(16, 16)]
+    scheduler.update_from_output(second, runner.execute(second))
     outputs = run_to_completion(scheduler, runner)
     assert len(outputs["a"]) == 2
     assert all(step.total_num_tokens <= 16 for step in runner.steps)

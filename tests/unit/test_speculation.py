@@ -3,7 +3,7 @@
 from fake_runner import EOS, make_request, make_scheduler, next_token, run_to_completion
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.controller import COOLDOWN_STEPS, SpeculationController
+from tokenmill.spec_decode.controller import COOLDOWN_STEPS, Draft, SpeculationController
 from tokenmill.spec_decode.ngram import NgramProposer
 
 
@@ -25,7 +25,7 @@ class OracleProposer:
                     token += 1  # a wrong guess: everything after it must be rejected too
                 proposal.append(token)
                 sequence = sequence + [token]
-            result[request.request_id] = proposal
+            result[request.request_id] = Draft(proposal)
         return result
 
     def forget(self, request_id):
@@ -47,8 +47,14 @@ def run_speculative(scheduler, runner, controller, max_steps=10_000):
                 scheduler.kv_cache.blocks_for(request.num_computed_tokens + 1)
         scheduler.kv_cache.pool.check_invariants()
         controller.observe(updates)
-        controller.propose(scheduler.running)
+        propose(scheduler, controller)
     raise AssertionError("scheduler did not finish")
+
+
+def propose(scheduler, controller):
+    """What the engine does after each step: the controller's drafts become the scheduler's proposals."""
+    drafts = controller.propose(scheduler.running)
+    scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
 
 
 def requests(count=5):
@@ -127,14 +133,14 @@ def test_controller_stands_aside_for_big_batches_and_poor_acceptance():
         scheduler.add_request(make_request(f"r{i}", 4, max_tokens=200, seed_token=i))
     controller = SpeculationController(OracleProposer(wrong_every=1), num_tokens=3, max_batch=4, min_acceptance=0.5)
     scheduler.update_from_output(s := scheduler.schedule(), runner.execute(s))
-    controller.propose(scheduler.running)
+    propose(scheduler, controller)
     assert all(not r.spec_token_ids for r in scheduler.running)  # 6 running > max_batch 4
 
     scheduler.finish_requests(["r4", "r5"], scheduler.running[0].status.FINISHED_ABORTED)
     def rounds_in(steps: int) -> int:
         rounds = 0
         for _ in range(steps):
-            controller.propose(scheduler.running)
+            propose(scheduler, controller)
             rounds += sum(bool(r.spec_token_ids) for r in scheduler.running)
             schedule = scheduler.schedule()
             controller.observe(scheduler.update_from_output(schedule, runner.execute(schedule)))

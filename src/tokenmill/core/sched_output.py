@@ -1,61 +1,98 @@
-"""The contract between scheduler and runner: what to compute this step, and what came back."""
+"""The contract between scheduler and runner: what to compute this step, and what came back.
+
+Everything here is plain data that pickles cheaply, so a step can cross a process boundary (the
+multi-process executor sends it to worker processes). A request's prompt, sampling parameters and
+blocks cross once, in `NewRequestData`; afterwards only what changed crosses, in `CachedRequestData`.
+The runner keeps its own per-request state (`worker/request_state.py`) built from these; the
+scheduler keeps its own. Nothing else passes between them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from tokenmill.sampling_params import SamplingParams
 
 
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` at positions start .. start+len-1.
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or has forgotten): everything it needs, once.
 
-    `prompt_token_ids` and `output_token_ids` are read-only views of the request (the runner uses
-    them for penalties). When `sample` is true this chunk reaches the end of the sequence and the
-    runner samples the next token from the logits of its last position.
-
-    `spec_token_ids` are speculative proposals: the last len(spec_token_ids) entries of `token_ids`,
-    placed after the sequence's real tokens. The runner verifies them against the target's logits at
-    the chunk's last len(spec_token_ids) + 1 positions (`sample` is then always true).
+    `output_token_ids` is non-empty for a forked sample's parent state or a request the runner had
+    dropped; a request resumed after preemption is not new (see CachedRequestData).
     """
 
     request_id: str
-    token_ids: list[int]
-    start: int
-    block_ids: list[int]
-    sample: bool
-    sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """What changed for a request the runner knows since it last saw it.
+
+    `new_token_ids` are output tokens appended since (the tokens the previous step kept).
+    The runner's block table becomes table[:block_ids_start] + new_block_ids: growth appends, a
+    rollback past rejected proposals truncates, and a request resumed after preemption replaces the
+    whole table (block_ids_start == 0).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    block_ids_start: int
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of a step: compute `num_tokens` tokens at positions start .. start+num_tokens-1.
+
+    When `sample` is true this chunk reaches the end of the sequence and the runner samples the next
+    token from the logits of its last position. `spec_token_ids` are speculative proposals: the last
+    len(spec_token_ids) of the chunk's tokens, placed after the sequence's real tokens; the runner
+    verifies them at the chunk's last len(spec_token_ids) + 1 positions (`sample` is then true).
+    """
+
+    request_id: str
+    start: int
+    num_tokens: int
+    sample: bool
     spec_token_ids: list[int] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed for this request in this step."""
-        return len(self.token_ids)
 
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Whether the runner must return log-probabilities for this chunk's prompt positions."""
-        return (self.sampling_params.prompt_logprobs is not None
-                and self.start < len(self.prompt_token_ids))
+@dataclass(slots=True)
+class GrammarMasks:
+    """Token bitmasks of the step's constrained rows (xgrammar's layout: int32 words, bit t = token t
+    allowed). `rows[request_id] = (first, count)`: bitmask rows first .. first+count-1 mask that
+    request's sampled positions in order (its position after proposals[:i] is row first + i); the
+    positions past `count` (after a forbidden proposal or a completed grammar) are not masked."""
+
+    bitmask: Any  # torch.int32 [rows, ceil(vocab / 32)]
+    rows: dict[str, tuple[int, int]]
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     """Everything the runner needs for one forward pass: a flattened, unpadded token batch.
 
-    `finished_request_ids` names requests gone since the last step, so the runner drops their state.
+    Order of application: forget `finished_request_ids`, add `new_requests`, apply `cached_requests`,
+    do the second-tier copies (saves, then loads), then compute `scheduled` in order.
+    `spec_probs[request_id]` is the [len(proposals), vocab] distribution a draft drew a sampling
+    request's proposals from (absent for deterministic proposals); `grammar` masks constrained rows.
     """
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
-    # Second KV tier copies, done before the forward pass in this order: saves, then loads.
     kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (pool block, tier slot)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, pool block)
+    spec_probs: dict[str, Any] = field(default_factory=dict)
+    grammar: Optional[GrammarMasks] = None
 
     @property
     def total_num_tokens(self) -> int:
@@ -68,7 +105,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
     """Log-probability of one chosen token, its rank, and the top-N alternatives (token id, logprob)."""
 
@@ -87,15 +124,23 @@ class ModelRunnerOutput:
     proposals gets exactly one. `logprobs[rid]`, when asked for, has one entry per token.
     `failed[rid]` says why the step's work for that request raised (its sampling, grammar or logprobs):
     the request ends with an error and has no other entry; the rest of the batch is unaffected.
+    `completed` names requests whose output grammar completed (the engine cuts their tokens there).
     `prompt_logprobs[rid]` covers the chunk's positions in order; entry j scores the token at
     position start + j + 1 (the first prompt token has no logprob and is never included).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    completed: set[str] = field(default_factory=set)  # requests whose output grammar is complete
+    completed: set[str] = field(default_factory=set)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """Mark `request_id` failed (dropping what the step had recorded for it)."""
+        for entries in (self.sampled_token_ids, self.logprobs, self.prompt_logprobs):
+            entries.pop(request_id, None)
+        self.completed.discard(request_id)
+        self.failed[request_id] = f"{type(exc).__name__}: {exc}"
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import (
-    ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput)
+    CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate, ScheduledChunk, SchedulerOutput)
 from tokenmill.request import Request, RequestStatus
 
 
@@ -29,6 +29,14 @@ class SchedulingLimits:
     max_num_seqs: int
     max_model_len: int
     policy: str = "fcfs"
+
+
+@dataclass
+class _RunnerView:
+    """What the runner has been told of a request: how many output tokens, and which block table."""
+
+    num_output_tokens: int
+    block_ids: list[int]
 
 
 @dataclass
@@ -67,6 +75,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
+        # Invariant: a request is here from the step that first sends it to the runner until the step
+        # that reports it finished; the runner's state for it equals this view after each step.
+        self._runner_views: dict[str, _RunnerView] = {}
         self.num_preemptions_total = 0
         self.spec_totals = SpecTotals()
 
@@ -115,15 +126,22 @@ class Scheduler:
             done.append(rid)
         return done
 
+    def set_proposals(self, proposals: dict[str, list[int]]) -> None:
+        """The next step's speculative proposals: each running request named gets its own, every other
+        running request none (proposals not verified in the step after they were made are stale)."""
+        for request in self.running:
+            request.spec_token_ids = list(proposals.get(request.request_id, ()))
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
-        """Build this step's batch."""
+        """Build this step's batch. Invariant of the step contract: every output must reach the runner,
+        in order (it carries diffs against the previous ones), before the next is built."""
         budget = self.limits.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[ScheduledChunk] = []
         num_preempted = 0
 
         index = 0
@@ -149,7 +167,9 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
 
         saves, loads = self.kv_cache.take_pending_copies()
-        output = SchedulerOutput(scheduled, self._finished_since_last_step, num_preempted, saves, loads)
+        output = SchedulerOutput(scheduled, finished_request_ids=self._finished_since_last_step,
+                                 num_preempted=num_preempted, kv_saves=saves, kv_loads=loads)
+        self._describe_for_runner(output)
         self._finished_since_last_step = []
         self.num_preemptions_total += num_preempted
         return output
@@ -163,7 +183,7 @@ class Scheduler:
             request.spec_token_ids = request.spec_token_ids[:max(0, budget - lacking)]
         return min(lacking + len(request.spec_token_ids), budget)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledChunk]) -> int:
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
         computing = set()  # keys of full blocks that requests admitted in this step compute
         while self.waiting and budget > 0:
@@ -215,21 +235,39 @@ class Scheduler:
                 r.num_times_passed_over += 1
         return chosen
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         # Invariant (from _grant): proposals are scheduled only with every token the request lacks.
         real = num_new - len(request.spec_token_ids)
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_ids_range(start, start + real) + request.spec_token_ids,
-            start=start,
-            block_ids=self.kv_cache.block_table(request.request_id),
-            sample=start + real == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            spec_token_ids=request.spec_token_ids,
-        )
+        return ScheduledChunk(request.request_id, start, num_new, start + real == request.num_tokens,
+                              list(request.spec_token_ids))
+
+    def _describe_for_runner(self, output: SchedulerOutput) -> None:
+        """Fill the step's request data: in full for a request the runner has not seen, else the diff
+        since it last saw it (new output tokens, block table change)."""
+        for request_id in output.finished_request_ids:
+            self._runner_views.pop(request_id, None)
+        for chunk in output.scheduled:
+            request = self.requests[chunk.request_id]
+            table = self.kv_cache.block_table(chunk.request_id)
+            view = self._runner_views.get(chunk.request_id)
+            if view is None:
+                self._runner_views[chunk.request_id] = _RunnerView(len(request.output_token_ids), list(table))
+                output.new_requests.append(NewRequestData(chunk.request_id, request.prompt_token_ids,
+                                                          list(request.output_token_ids),
+                                                          request.sampling_params, list(table)))
+                continue
+            sent = view.block_ids
+            if len(table) >= len(sent) and table[:len(sent)] == sent:
+                keep = len(sent)
+            else:
+                keep = next(i for i, (a, b) in enumerate(zip(sent, table + [None])) if a != b)
+            new_tokens = request.output_token_ids[view.num_output_tokens:]
+            if new_tokens or keep < len(sent) or len(table) > keep:
+                output.cached_requests.append(CachedRequestData(chunk.request_id, new_tokens, table[keep:], keep))
+                view.num_output_tokens = len(request.output_token_ids)
+                del sent[keep:]
+                sent.extend(table[keep:])
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
@@ -273,7 +311,7 @@ class Scheduler:
             updates.append(update)
         return updates
 
-    def _append_sampled(self, request: Request, item: ScheduledRequest, result: ModelRunnerOutput,
+    def _append_sampled(self, request: Request, item: ScheduledChunk, result: ModelRunnerOutput,
                         update: RequestUpdate) -> None:
         """Append the step's tokens (accepted proposals, then the sampled one) up to the first that
         stops the request, and roll num_computed_tokens and the block table back past rejected proposals."""

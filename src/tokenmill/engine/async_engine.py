@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable, Optional
 from tokenmill.engine.admission import AdmissionLimits, Ticket
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
+from tokenmill.executor import ExecutorDiedError
 from tokenmill.outputs import RequestOutput, merge_outputs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
@@ -264,6 +265,9 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=30)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
 
     # ------------------------------------------------------------------ engine-thread side
     def _check_room(self, prompt_len: int) -> None:
@@ -298,12 +302,19 @@ class AsyncEngine:
             if self._stopping:
                 self._run_commands()
                 return
+            gone = self.engine.executor.failure()
+            if gone is not None:  # a worker process died: no step can run again
+                self._die(gone)
+                return
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
             try:
                 self._step()
+            except ExecutorDiedError as exc:
+                self._die(str(exc))
+                return
             except Exception as exc:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._recover(f"{type(exc).__name__}: {exc}")

@@ -34,6 +34,10 @@ class LLM:
         llm.llm_engine, llm._ids = engine, itertools.count()
         return llm
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (they also stop when this process exits)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         """The model's (Hugging Face) tokenizer."""
         return self.llm_engine.tokenizer

@@ -13,8 +13,8 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
-from tokenmill.engine.model_setup import load_model
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.executor import Executor, make_executor
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.outputs import RequestOutput
@@ -22,8 +22,8 @@ from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.setup import make_speculation
 from tokenmill.structured.compiler import GrammarCache
-from tokenmill.structured.matchers import GrammarMatchers
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.structured.step_grammars import StepGrammars
+from tokenmill.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -80,39 +80,60 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self.arch.eos_token_ids
 
-        self.model, backend = load_model(source, config.model, self.device, self.dtype, self.max_model_len)
-
         block_size = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or self._blocks_for_budget(block_size, config.cache.kv_cache_memory_gb)
         tier_slots = 0
         if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
             tier_slots = self._blocks_for_budget(block_size, config.cache.secondary_kv_gb)
+        spec = WorkerSpec(config.model, source.path, str(self.device), str(self.dtype).removeprefix("torch."),
+                          self.max_model_len, num_blocks, block_size, tier_slots, config.cache.secondary_kv_folder,
+                          self.eos_token_ids)
+        self.executor: Executor = make_executor(spec, config.parallel, source)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
                                        cache_salt=source.path, secondary_slots=tier_slots)
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, config.scheduler.schedule_policy)
         self.scheduler = Scheduler(limits, self.kv_cache)
-        self.runner = ModelRunner(self.model, backend, num_blocks, block_size, self.arch.num_key_value_heads,
-                                  self.arch.head_dim, self.dtype, self.device, self.eos_token_ids,
-                                  config.model.seed, tier_slots, config.cache.secondary_kv_folder)
-        self.speculation = make_speculation(config, self) if config.speculative.enabled else None
         self._grammar_cache: Optional[GrammarCache] = None
         self._grammar_lock = threading.Lock()
+        self.step_grammars: Optional[StepGrammars] = None
+        self._draft_probs: dict = {}  # request id -> distributions of its drafted proposals, for the next step
+        try:
+            self.speculation = make_speculation(config, self) if config.speculative.enabled else None
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)
-        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention; %s), %d KV blocks x %d tokens, "
-                    "max_model_len %d", time.perf_counter() - started, self.arch.architecture, self.device,
-                    self.dtype, type(backend).__name__, self.model.describe_weights(),
+        logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+                    time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
                     num_blocks, block_size, self.max_model_len)
 
     @property
+    def runner(self):
+        """The model runner, when the model runs in this process (the in-process executor)."""
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise AttributeError("the model runs in worker processes: this process has no runner")
+        return worker.runner
+
+    @property
+    def model(self):
+        """The loaded model, when it runs in this process (the in-process executor)."""
+        return self.runner.model
+
+    @property
     def grammars(self) -> GrammarCache:
-        """The compiled-grammar cache of structured output (built, with the runner's matchers, on first use)."""
+        """The compiled-grammar cache of structured output (built, with the step's matchers, on first use)."""
         with self._grammar_lock:
             if self._grammar_cache is None:
                 cache = GrammarCache(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
-                self.runner.grammars = GrammarMatchers(cache)
+                self.step_grammars = StepGrammars(cache)
                 self._grammar_cache = cache
             return self._grammar_cache
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (a no-op for the in-process executor)."""
+        self.executor.shutdown()
 
     def _max_model_len(self) -> int:
         limit, reason = self.arch.max_position_embeddings, "the model's context length"
@@ -220,7 +241,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, and return the outputs of every request it touched."""
         schedule = self.scheduler.schedule()
-        result = self.runner.execute(schedule)
+        if self._draft_probs:
+            schedule.spec_probs = {c.request_id: probs for c in schedule.scheduled
+                                   if c.spec_token_ids and (probs := self._draft_probs.get(c.request_id)) is not None}
+            self._draft_probs = {}
+        grammars = self.step_grammars
+        mask_failures = grammars.prepare(schedule, self.scheduler.requests) if grammars is not None else {}
+        result = self.executor.execute(schedule)
+        if grammars is not None:
+            grammars.finish(schedule, result, mask_failures)
         updates = self.scheduler.update_from_output(schedule, result)
         outputs, stopped, failed = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -229,5 +258,7 @@ class LLMEngine:
             self.scheduler.pop_finished(request_id)
         if self.speculation is not None:
             self.speculation.observe(updates)
-            self.speculation.propose(self.scheduler.running)
+            drafts = self.speculation.propose(self.scheduler.running)
+            self.scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
+            self._draft_probs = {rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None}
         return outputs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 from tokenmill.core.sched_output import RequestUpdate
 from tokenmill.request import Request, RequestStatus
@@ -16,10 +16,19 @@ COOLDOWN_STEPS = 8
 MAX_COOLDOWN_STEPS = 128
 
 
+@dataclass
+class Draft:
+    """One request's proposals for the next step, and for a sampled (non-greedy) draft the [len, vocab]
+    distributions they were drawn from (the rejection rule needs them; None for deterministic ones)."""
+
+    token_ids: list[int]
+    probs: Any = None
+
+
 class Proposer(Protocol):
     """Makes speculative proposals for requests in the decode phase."""
 
-    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, Draft]:
         """Proposals (at most the given count each) by request id; a request may get none."""
 
     def forget(self, request_id: str) -> None:
@@ -77,22 +86,25 @@ class SpeculationController:
                 self._asked.discard(request_id)
                 self.proposer.forget(request_id)
 
-    def propose(self, running: list[Request]) -> None:
-        """Set `spec_token_ids` of the running requests that speculate in the next step."""
+    def propose(self, running: list[Request]) -> dict[str, Draft]:
+        """The drafts of the running requests that speculate in the next step (at most their room each)."""
         self.step_index += 1
         live = {r.request_id for r in running}
         self.forget([rid for rid in self._acceptance.keys() | self._asked if rid not in live])
-        for request in running:  # proposals not verified last step are stale (a draft's distributions are gone)
-            request.spec_token_ids = []
         if len(running) > self.max_batch:
-            return
+            return {}
         wanted = [(request, room) for request in running if (room := self._room(request)) > 0]
         if not wanted:
-            return
+            return {}
         self._asked.update(request.request_id for request, _ in wanted)
-        proposals = self.proposer.propose(wanted)
+        drafts = self.proposer.propose(wanted)
+        kept = {}
         for request, room in wanted:
-            request.spec_token_ids = list(proposals.get(request.request_id, ()))[:room]
+            draft = drafts.get(request.request_id)
+            if draft is not None and draft.token_ids:
+                probs = None if draft.probs is None else draft.probs[:room]
+                kept[request.request_id] = Draft(list(draft.token_ids[:room]), probs)
+        return kept
 
     def _room(self, request: Request) -> int:
         """How many tokens `request` may propose next step: 0 unless it is decoding and not paused."""

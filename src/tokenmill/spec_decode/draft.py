@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.sched_output import ScheduledRequest
 from tokenmill.request import Request
 from tokenmill.sampling.rejection import draw
 from tokenmill.sampling.sampler import adjust_logits, filtered_probs, row_argmax
+from tokenmill.spec_decode.controller import Draft
+from tokenmill.structured.matchers import GrammarMatchers
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.request_state import BatchItem
 
 
 def draft_seed(seed: int) -> int:
@@ -29,18 +31,21 @@ class DraftProposer:
     of its sequence and yields the first proposal; each further proposal is one decode pass.
 
     Greedy requests get the draft's argmax. Sampling requests draw from the draft's distribution under
-    their own sampling controls, and that distribution goes to the target runner for the rejection rule.
+    their own sampling controls, and that distribution goes with the proposals (in the step) to the
+    target runner for the rejection rule. Constrained requests propose only what their grammars allow
+    (`grammars` gives the engine's matchers, None before the first constrained request).
     """
 
     def __init__(self, model: Any, backend: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, eos_token_ids: tuple[int, ...], seed: int, target: ModelRunner) -> None:
+                 device: torch.device, eos_token_ids: tuple[int, ...], seed: int,
+                 grammars: Callable[[], Optional[GrammarMatchers]]) -> None:
         arch = model.arch
         self.kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
         # A seeded request's draft generator gets a scrambled seed: the draft's choices must be
         # independent of the acceptance draws the target makes with the request's own seed.
         self.runner = ModelRunner(model, backend, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim,
                                   dtype, device, eos_token_ids, seed + 1, request_seed=draft_seed)
-        self.target = target
+        self.grammars = grammars
         self.cached: dict[str, int] = {}  # request id -> leading tokens whose draft KV is valid
 
     def forget(self, request_id: str) -> None:
@@ -50,7 +55,7 @@ class DraftProposer:
         self.runner.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, Draft]:
         """Up to `room` proposals for each (request, room); a request whose draft KV does not fit gets none."""
         items, rooms = [], []
         for request, room in wanted:
@@ -69,7 +74,7 @@ class DraftProposer:
             constrained = [(row, grammars[item.request_id]) for row, item in enumerate(items)
                            if item.request_id in grammars]
             if constrained:
-                self.target.grammars.mask_with(logits, constrained)
+                self.grammars().mask_with(logits, constrained)
             for item, token, dist in zip(items, *self._pick(items, logits)):
                 drafts[item.request_id].append(token)
                 if item.request_id in grammars and not grammars[item.request_id].is_terminated():
@@ -80,15 +85,13 @@ class DraftProposer:
             following = [(item, room) for item, room in zip(items, rooms) if room > step]
             items = [self._next(item, drafts[item.request_id][-1]) for item, _ in following]
             rooms = [room for _, room in following]
-        for request_id, rows in probs.items():
-            if rows:
-                self.target.proposal_probs[request_id] = torch.stack(rows)
-        return drafts
+        return {request_id: Draft(tokens, torch.stack(probs[request_id]) if probs[request_id] else None)
+                for request_id, tokens in drafts.items()}
 
-    def _grammar_forks(self, items: list[ScheduledRequest]) -> dict[str, Any]:
-        """Copies of the target's grammar matchers of the constrained requests: the draft proposes only
+    def _grammar_forks(self, items: list[BatchItem]) -> dict[str, Any]:
+        """Copies of the engine's grammar matchers of the constrained requests: the draft proposes only
         what their grammars allow (its distribution is then the masked one, which verification uses)."""
-        grammars = self.target.grammars
+        grammars = self.grammars()
         if grammars is None:
             return {}
         forks = {}
@@ -99,7 +102,7 @@ class DraftProposer:
                     forks[item.request_id] = fork
         return forks
 
-    def _catch_up(self, request: Request, room: int) -> Optional[ScheduledRequest]:
+    def _catch_up(self, request: Request, room: int) -> Optional[BatchItem]:
         """The chunk feeding the draft every token it lacks, with blocks for the room-1 proposals fed after."""
         rid = request.request_id
         cached = min(self.cached.get(rid, 0), request.num_computed_tokens)
@@ -109,18 +112,18 @@ class DraftProposer:
             self.forget(rid)
             return None
         self.cached[rid] = end + room - 1  # once all proposals but the last are fed
-        return ScheduledRequest(rid, request.token_ids_range(cached, end), cached, self.kv.block_table(rid), True,
+        return BatchItem(rid, request.token_ids_range(cached, end), cached, self.kv.block_table(rid), True,
                                 request.sampling_params, request.prompt_token_ids,
                                 list(request.output_token_ids))
 
     @staticmethod
-    def _next(item: ScheduledRequest, token: int) -> ScheduledRequest:
+    def _next(item: BatchItem, token: int) -> BatchItem:
         """The decode chunk feeding `token` (the latest proposal) after `item`."""
         output = item.output_token_ids + [token]  # proposals count as output for penalties and min_tokens
-        return ScheduledRequest(item.request_id, [token], item.start + item.num_tokens, item.block_ids, True,
+        return BatchItem(item.request_id, [token], item.start + item.num_tokens, item.block_ids, True,
                                 item.sampling_params, item.prompt_token_ids, output)
 
-    def _pick(self, items: list[ScheduledRequest], logits: torch.Tensor):
+    def _pick(self, items: list[BatchItem], logits: torch.Tensor):
         """Each item's proposal, and for sampling requests the distribution it was drawn from."""
         rows = [self.runner.sampling_row(item) for item in items]
         adjusted = adjust_logits(logits, rows)

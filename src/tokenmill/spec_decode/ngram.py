@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from tokenmill.spec_decode.controller import Draft
+
 if TYPE_CHECKING:
     from tokenmill.request import Request
 
@@ -38,13 +40,13 @@ class NgramProposer:
                 return token_ids[start:start + k]
         return []
 
-    def propose(self, wanted: list[tuple["Request", int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple["Request", int]]) -> dict[str, Draft]:
         """Proposals for (request, most tokens) pairs, looked up in each request's prompt + output."""
         result = {}
         for request, room in wanted:
             proposal = self.propose_one(request.prompt_token_ids + request.output_token_ids, room)
             if proposal:
-                result[request.request_id] = proposal
+                result[request.request_id] = Draft(proposal)
         return result
 
     def forget(self, request_id: str) -> None:

@@ -42,4 +42,5 @@ def _draft_proposer(config: EngineConfig, engine: "LLMEngine"):
     model, backend = load_model(source, draft_config, engine.device, engine.dtype, engine.max_model_len,
                                 spec.draft_num_layers)
     return DraftProposer(model, backend, engine.kv_cache.num_blocks, engine.kv_cache.block_size, engine.dtype,
-                         engine.device, engine.eos_token_ids, config.model.seed, engine.runner)
+                         engine.device, engine.eos_token_ids, config.model.seed,
+                         lambda: engine.step_grammars.matchers if engine.step_grammars is not None else None)

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch
 
+from tokenmill.core.sched_output import GrammarMasks
 from tokenmill.structured.compiler import GrammarCache
 from tokenmill.structured.spec import StructuredOutput
 
@@ -13,9 +14,10 @@ from tokenmill.structured.spec import StructuredOutput
 class GrammarMatchers:
     """One xgrammar matcher per constrained request, created at its first sampled token.
 
-    `mask` sets to -inf, in place, every logit the grammar forbids at each position to be sampled,
-    before any sampling control sees them. With speculative proposals the matcher walks through them
-    to mask every verified position, then rolls back; `advance` then feeds it the tokens actually kept.
+    These live with the engine, not the runner: `masks` gives, for the step's constrained rows, the
+    bitmasks the runner applies to the logits before any sampling control sees them (with speculative
+    proposals the matcher walks through them to mask every verified position, then rolls back);
+    after the step `advance` feeds each matcher the tokens actually kept.
     A matcher terminates when its grammar is complete (no stop token needed): the tokens after that
     point are cut and the request finishes.
     """
@@ -38,26 +40,33 @@ class GrammarMatchers:
             self.matchers[request_id] = matcher
         return matcher
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str, StructuredOutput, list[int]]]) -> None:
-        """Mask, in place, logits rows first .. first + len(proposals) of each (first, request id, spec,
-        proposals): row first + i is the position after proposals[:i]."""
-        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.cache.vocab_size)
-        masked: list[int] = []
-        for first, request_id, spec, proposals in rows:
+    def masks(self, rows: list[tuple[str, StructuredOutput, list[int]]]) -> Optional[GrammarMasks]:
+        """The bitmasks of each (request id, spec, proposals)'s positions to sample this step: its
+        position after proposals[:i] for i = 0 .. len(proposals), stopping at a completed grammar or
+        after a proposal the grammar forbids (that proposal is then rejected at its own, masked
+        position). None when no row is constrained."""
+        if not rows:
+            return None
+        total = sum(len(proposals) + 1 for _, _, proposals in rows)
+        bitmask = self._xgr.allocate_token_bitmask(total, self.cache.vocab_size)
+        placed: dict[str, tuple[int, int]] = {}
+        next_row = 0
+        for request_id, spec, proposals in rows:
             matcher = self._matcher(request_id, spec)
-            advanced = 0
+            advanced = count = 0
             for i in range(len(proposals) + 1):
                 if matcher.is_terminated():
                     break  # the grammar is complete: whatever follows is cut by `advance`
-                matcher.fill_next_token_bitmask(bitmask, first + i)
-                masked.append(first + i)
+                matcher.fill_next_token_bitmask(bitmask, next_row + count)
+                count += 1
                 if i == len(proposals) or not matcher.accept_token(proposals[i]):
-                    break  # a proposal the grammar forbids is rejected at its own (masked) position
+                    break
                 advanced += 1
             if advanced:
                 matcher.rollback(advanced)
-        if masked:
-            apply_bitmask(logits, bitmask, masked)
+            placed[request_id] = (next_row, count)
+            next_row += count
+        return GrammarMasks(bitmask[:next_row].clone(), placed)
 
     def fork(self, request_id: str) -> Optional[Any]:
         """A copy of the request's matcher in its current state (None before its first token), for a
@@ -90,7 +99,23 @@ class GrammarMatchers:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits[r, t] = -inf where bit t of bitmask[r] is 0, for each r in rows (xgrammar's kernel)."""
+    """logits[r, t] = -inf where bit t of bitmask[r] is 0, for each r in rows (xgrammar's kernel;
+    bitmask has a row per logits row)."""
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def apply_masks(logits: torch.Tensor, masks: GrammarMasks, rows: list[tuple[int, str]]) -> None:
+    """Apply `masks` in place to `logits`: for each (first logits row, request id), that request's
+    masked positions, in order from the first row."""
+    targets, sources = [], []
+    for first, request_id in rows:
+        start, count = masks.rows.get(request_id, (0, 0))
+        targets.extend(range(first, first + count))
+        sources.extend(range(start, start + count))
+    if not targets:
+        return
+    full = torch.full((logits.shape[0], masks.bitmask.shape[1]), -1, dtype=torch.int32)
+    full[targets] = masks.bitmask[sources]
+    apply_bitmask(logits, full, targets)

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from tokenmill.attention.base import AttentionBackend, SequenceChunk
-from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import sample
-from tokenmill.structured.matchers import GrammarMatchers
 from tokenmill.worker.kv_tier_store import KVTierStore
+from tokenmill.worker.request_state import BatchItem, RequestStates
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the KV cache tensors and the per-request generators; turns a step's schedule into tokens.
+    """Owns the KV cache tensors, its own state of every live request (from the step contract) and
+    the per-request generators; turns a step's schedule into tokens.
 
     KV cache: one tensor per layer, in the layout the attention backend chooses; slot s (block
     s // block_size, offset s % block_size) holds the K/V of the token the scheduler mapped to s.
@@ -42,12 +43,9 @@ class ModelRunner:
         if tier_slots:
             self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, num_kv_heads, head_dim),
                                     len(self.kv_caches), dtype, device, tier_folder)
+        self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
-        # The distributions a draft model drew each request's proposals from, [proposals, V], set by the
-        # draft proposer for the next step only; a request missing here proposed deterministically.
-        self.proposal_probs: dict[str, torch.Tensor] = {}
-        self.grammars: Optional[GrammarMatchers] = None  # set by the engine at its first constrained request
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
@@ -55,8 +53,7 @@ class ModelRunner:
         """Run one step."""
         for request_id in schedule.finished_request_ids:
             self.generators.pop(request_id, None)
-            if self.grammars is not None:
-                self.grammars.drop(request_id)
+        batch = self.requests.apply(schedule)
         if schedule.kv_saves or schedule.kv_loads:
             assert self.tier is not None, "second-tier copies scheduled without a second tier"
             self.tier.save(self.kv_caches, schedule.kv_saves)  # saves before loads: see SecondaryTier
@@ -64,23 +61,22 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if schedule.is_empty:
             return result
-        batch = schedule.scheduled
         hidden, chunks = self.forward(batch)
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
         if rows:  # else every chunk is a partial prefill: nothing to sample or score yet
             logits = self.model.compute_logits(self._rows(hidden, rows))
-            self._sample(batch, logits, sample_rows, result)
+            step = _StepExtras(schedule.spec_probs, schedule.grammar)
+            self._sample(batch, logits, sample_rows, step, result)
             self._prompt_logprobs(batch, logits, prompt_rows, result)
-        self.proposal_probs.clear()
         return result
 
-    def forward(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[SequenceChunk]]:
+    def forward(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[SequenceChunk]]:
         """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden]."""
         input_ids, positions, slots, chunks = self._flatten(batch)
         metadata = self.backend.build_metadata(chunks, slots, self.block_size, self.device)
         return self.model(input_ids, positions, self.kv_caches, metadata), chunks
 
-    def _flatten(self, batch: list[ScheduledRequest]):
+    def _flatten(self, batch: list[BatchItem]):
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -97,7 +93,7 @@ class ModelRunner:
         return as_tensor(ids), as_tensor(pos), as_tensor(slots), chunks
 
     @staticmethod
-    def _logit_rows(batch: list[ScheduledRequest], chunks: list[SequenceChunk]):
+    def _logit_rows(batch: list[BatchItem], chunks: list[SequenceChunk]):
         """Which hidden rows need logits: the last of each sampling chunk (its last 1 + proposals, when it
         carries speculative proposals), and every prompt row asked for.
 
@@ -125,7 +121,7 @@ class ModelRunner:
             return x
         return x[torch.tensor(rows, dtype=torch.long, device=self.device)]
 
-    def generator_for(self, item: ScheduledRequest) -> Optional[torch.Generator]:
+    def generator_for(self, item: BatchItem) -> Optional[torch.Generator]:
         """A seeded request's own generator (created at its first use), None for an unseeded one."""
         seed = item.sampling_params.seed
         if seed is None:
@@ -136,12 +132,13 @@ class ModelRunner:
             self.generators[item.request_id] = gen
         return gen
 
-    def sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+    def sampling_row(self, item: BatchItem) -> SamplingRow:
         """What sampling needs of `item`: its controls, generator and tokens so far."""
         return SamplingRow(item.sampling_params, self.generator_for(item), item.prompt_token_ids,
                            item.output_token_ids, self.eos_token_ids)
 
-    def _sample(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], result: ModelRunnerOutput) -> None:
+    def _sample(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], step: "_StepExtras",
+                result: ModelRunnerOutput) -> None:
         """Sample (or verify proposals for) every sampling chunk. A request whose own work raises ends
         with an error (`result.failed`) and the others still get their tokens: a failed batch call is
         redone one request at a time, which for greedy and seeded rows picks the same tokens (a seeded
@@ -152,18 +149,18 @@ class ModelRunner:
             if not group:
                 continue
             try:
-                run(batch, logits, sample_rows, group, result)
+                run(batch, logits, sample_rows, group, step, result)
             except Exception:
                 for i in group:
                     try:
-                        run(batch, logits, sample_rows, [i], result)
+                        run(batch, logits, sample_rows, [i], step, result)
                     except Exception as exc:
                         fail_request(result, batch[i].request_id, exc)
 
     def _sample_plain(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], plain: list[int],
-                      result: ModelRunnerOutput) -> None:
+                      step: "_StepExtras", result: ModelRunnerOutput) -> None:
         sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
-        constrained = self._masked(sample_logits, [(k, batch[i], []) for k, i in enumerate(plain)])
+        constrained = self._masked(sample_logits, step.grammar, [(k, batch[i]) for k, i in enumerate(plain)])
         tokens = sample(constrained, [self.sampling_row(batch[i]) for i in plain], self.default_generator)
         wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
         entries = []
@@ -174,18 +171,18 @@ class ModelRunner:
         for k, entry in zip(wanted, entries):
             result.logprobs[batch[plain[k]].request_id] = [entry]
         for i, token in zip(plain, tokens.tolist()):
-            self._advance(batch[i], [token], result)
+            result.sampled_token_ids[batch[i].request_id] = [token]
 
     def _verify(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], speculative: list[int],
-                result: ModelRunnerOutput) -> None:
+                step: "_StepExtras", result: ModelRunnerOutput) -> None:
         """Accept or reject each request's proposals (rows sample_rows[i] .. + len(proposals))."""
         proposals = []
         for i in speculative:
             item = batch[i]
-            q = self.proposal_probs.get(item.request_id)
+            q = step.spec_probs.get(item.request_id)
             proposals.append(Proposal(item.spec_token_ids, sample_rows[i], self.sampling_row(item),
-                                      None if q is None else q[:len(item.spec_token_ids)]))
-        constrained = self._masked(logits, [(sample_rows[i], batch[i], batch[i].spec_token_ids) for i in speculative])
+                                      None if q is None else q[:len(item.spec_token_ids)].to(self.device)))
+        constrained = self._masked(logits, step.grammar, [(sample_rows[i], batch[i]) for i in speculative])
         verified = verify(constrained, proposals, self.default_generator)
         for i, tokens in zip(speculative, verified):
             item = batch[i]
@@ -195,35 +192,23 @@ class ModelRunner:
                     logits[first:first + len(tokens)], torch.tensor(tokens, device=self.device),
                     [item.sampling_params.logprobs] * len(tokens))
         for i, tokens in zip(speculative, verified):
-            self._advance(batch[i], tokens, result)
+            result.sampled_token_ids[batch[i].request_id] = tokens
 
-    def _masked(self, logits: torch.Tensor, rows: list[tuple[int, ScheduledRequest, list[int]]]) -> torch.Tensor:
-        """`logits` with the grammar masks of the constrained requests among (first row, item, proposals)
+    @staticmethod
+    def _masked(logits: torch.Tensor, grammar: Optional[GrammarMasks],
+                rows: list[tuple[int, BatchItem]]) -> torch.Tensor:
+        """`logits` with the step's grammar masks of the constrained requests among (first row, item)
         applied (to a copy: log-probabilities stay those of the model), or `logits` itself."""
-        wanted = [(row, item.request_id, item.sampling_params.structured_output, proposals)
-                  for row, item, proposals in rows if item.sampling_params.structured_output is not None]
+        wanted = [(row, item.request_id) for row, item in rows if item.sampling_params.structured_output is not None]
         if not wanted:
             return logits
-        assert self.grammars is not None, "a constrained request reached a runner without grammars"
-        masked = logits.clone()
-        self.grammars.mask(masked, wanted)
-        return masked
+        if grammar is None:
+            raise RuntimeError("a constrained request reached the runner without its grammar masks")
+        from tokenmill.structured.matchers import apply_masks
 
-    def _advance(self, item: ScheduledRequest, tokens: list[int], result: ModelRunnerOutput) -> None:
-        """Record the step's tokens, cut where the request's grammar (if any) completed. A grammar that
-        raises fails this request only; it is the last step of the request's state to change, so the
-        caller's per-request retry never advances a grammar twice."""
-        if item.sampling_params.structured_output is None:
-            result.sampled_token_ids[item.request_id] = tokens
-            return
-        try:
-            kept, completed = self.grammars.advance(item.request_id, tokens)
-        except Exception as exc:
-            fail_request(result, item.request_id, exc)
-            return
-        if completed:
-            result.completed.add(item.request_id)
-        result.sampled_token_ids[item.request_id] = kept
+        masked = logits.clone()
+        apply_masks(masked, grammar, wanted)
+        return masked
 
     def _prompt_logprobs(self, batch, logits: torch.Tensor, prompt_rows: dict[int, tuple[int, int]],
                          result: ModelRunnerOutput) -> None:
@@ -243,10 +228,12 @@ class ModelRunner:
             result.prompt_logprobs[item.request_id] = entries
 
 
+class _StepExtras(NamedTuple):
+    spec_probs: dict[str, torch.Tensor]
+    grammar: Optional[GrammarMasks]
+
+
 def fail_request(result: ModelRunnerOutput, request_id: str, exc: Exception) -> None:
-    """Mark `request_id` failed in `result` (dropping what the step had recorded for it)."""
+    """Mark `request_id` failed in `result`, and say so in the log."""
     logger.warning("request %s failed in the step: %s: %s", request_id, type(exc).__name__, exc)
-    for entries in (result.sampled_token_ids, result.logprobs, result.prompt_logprobs):
-        entries.pop(request_id, None)
-    result.completed.discard(request_id)
-    result.failed[request_id] = f"{type(exc).__name__}: {exc}"
+    result.fail(request_id, exc)

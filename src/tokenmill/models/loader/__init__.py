@@ -45,7 +45,7 @@ class ModelSource:
 
     path: str
     arch: ArchConfig
-    tokenizer: "PreTrainedTokenizerBase"
+    tokenizer: Optional["PreTrainedTokenizerBase"]  # None when opened for the weights only
     chat_template: Optional[str]
     num_tensors: int
     # keep_quantized -> (hf_parameter_name, float tensor or QuantizedWeight) pairs
@@ -69,7 +69,7 @@ class ModelSource:
             yield from progress
 
 
-def _hf_folder_source(folder: str) -> ModelSource:
+def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
     def stored_dtype() -> str:
         return SafetensorsWeights(folder).dtype_name_of(_EMBEDDING)
 
@@ -86,37 +86,38 @@ def _hf_folder_source(folder: str) -> ModelSource:
         if not name.endswith("rotary_emb.inv_freq")
         and not (name == _LM_HEAD and arch.tie_word_embeddings)
     }
-    tokenizer = load_hf_tokenizer(folder)
+    tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
     return ModelSource(
         path=folder,
         arch=arch,
         tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
+        chat_template=tokenizer.chat_template if tokenizer is not None else None,
         num_tensors=len(wanted),
         weight_stream=lambda keep_quantized: weights.iter_tensors(wanted),
     )
 
 
-def _gguf_source(path: str) -> ModelSource:
+def _gguf_source(path: str, with_tokenizer: bool) -> ModelSource:
     checkpoint = GGUFCheckpoint(path)
-    tokenizer = load_gguf_tokenizer(path)
+    tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
     return ModelSource(
         path=path,
         arch=checkpoint.arch,
         tokenizer=tokenizer,
-        chat_template=checkpoint.chat_template or tokenizer.chat_template,
+        chat_template=checkpoint.chat_template or (tokenizer.chat_template if tokenizer is not None else None),
         num_tensors=checkpoint.num_tensors,
         weight_stream=checkpoint.iter_weights,
     )
 
 
-def load_model_source(model: Optional[str]) -> ModelSource:
-    """Open the checkpoint named by `model` (alias, GGUF file or HF folder; None = default)."""
+def load_model_source(model: Optional[str], with_tokenizer: bool = True) -> ModelSource:
+    """Open the checkpoint named by `model` (alias, GGUF file or HF folder; None = default); a worker
+    that only computes opens it `with_tokenizer=False`."""
     path = resolve_model_path(model)
     if Path(path).is_dir():
         if not (Path(path) / "config.json").exists():
             raise ValueError(f"{path} is a folder without config.json (not an HF checkpoint)")
-        return _hf_folder_source(path)
+        return _hf_folder_source(path, with_tokenizer)
     if path.endswith(".gguf"):
-        return _gguf_source(path)
+        return _gguf_source(path, with_tokenizer)
     raise ValueError(f"{path} is neither an HF checkpoint folder nor a .gguf file")

@@ -1,0 +1,22 @@
+"""The default executor: the one rank runs in the engine's own process, with no copy of the step."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.executor.base import Executor
+from tokenmill.models.loader import ModelSource
+from tokenmill.worker.worker import Worker, WorkerSpec
+
+
+class InProcessExecutor(Executor):
+    """Calls its worker directly: the step is handed over by reference."""
+
+    def __init__(self, spec: WorkerSpec, source: Optional[ModelSource] = None) -> None:
+        self.worker = Worker(spec, source)
+        self.description = self.worker.description
+
+    def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step in this process."""
+        return self.worker.execute(schedule)

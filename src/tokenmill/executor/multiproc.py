@@ -1,0 +1,159 @@
+"""One worker process per rank, started with spawn; each step is pickled once and sent down a pipe to every rank.
+
+Each worker owns its device, its model (its shard) and its KV pool. The engine's process keeps the
+scheduler, tokenizer and grammars. A worker that exits is noticed at once (its process sentinel), by
+the step waiting on it and by a monitor thread when no step runs, so nothing waits on a dead rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import threading
+import traceback
+from multiprocessing import connection, get_context
+from typing import Any, Optional
+
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.executor.base import Executor, ExecutorDiedError, WorkerStepError
+from tokenmill.worker.worker import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+# How long a stopping worker gets to exit by itself before it is terminated, then killed.
+_STOP_GRACE_SECONDS = 5.0
+
+
+class MultiprocExecutor(Executor):
+    """Spawns `world_size` worker processes and runs each step on all of them.
+
+    Invariant: every rank receives every step, in order, over its own pipe; only the driver (rank 0)
+    answers with the step's output, so a step costs one pickle of the step and one of the output.
+    """
+
+    def __init__(self, spec: WorkerSpec, world_size: int) -> None:
+        context = get_context("spawn")
+        self._failure: Optional[str] = None
+        self._stopping = False
+        self.processes, self.pipes = [], []
+        for rank in range(world_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=worker_main, name=f"tokenmill-worker-{rank}", daemon=True,
+                                      args=(dataclasses.replace(spec, rank=rank, world_size=world_size), theirs,
+                                            logging.getLogger().getEffectiveLevel()))
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(ours)
+        try:
+            descriptions = [self._receive(rank) for rank in range(world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.description = f"{descriptions[0]}; {world_size} worker process{'es' if world_size > 1 else ''}"
+        self._monitor = threading.Thread(target=self._watch, name="tokenmill-worker-monitor", daemon=True)
+        self._monitor.start()
+
+    def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step to every rank; the driver's output."""
+        if self._failure is not None:
+            raise ExecutorDiedError(self._failure)
+        payload = pickle.dumps(schedule, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, pipe in enumerate(self.pipes):
+            try:
+                pipe.send_bytes(payload)
+            except OSError as exc:
+                raise ExecutorDiedError(self._died(rank, f"its pipe broke ({exc})")) from exc
+        return self._receive(0)
+
+    def _receive(self, rank: int) -> Any:
+        """The next answer of `rank`: its value, or the error it reports; raises if any worker exits first."""
+        pipe = self.pipes[rank]
+        sentinels = {process.sentinel: r for r, process in enumerate(self.processes)}
+        while True:
+            ready = connection.wait([pipe, *sentinels])
+            if pipe in ready:
+                try:
+                    kind, value = pickle.loads(pipe.recv_bytes())
+                except (EOFError, OSError) as exc:
+                    raise ExecutorDiedError(self._died(rank, f"its pipe closed ({exc})")) from exc
+                if kind == "error":
+                    raise WorkerStepError(f"worker rank {rank} failed: {value}")
+                return value
+            for sentinel in ready:
+                raise ExecutorDiedError(self._died(sentinels[sentinel], "it exited"))
+
+    def _died(self, rank: int, how: str) -> str:
+        process = self.processes[rank]
+        process.join(timeout=0.1)
+        reason = (f"worker rank {rank} (pid {process.pid}) is gone: {how}"
+                  f"{'' if process.exitcode is None else f', exit code {process.exitcode}'}")
+        if self._failure is None:
+            self._failure = reason
+        return self._failure
+
+    def _watch(self) -> None:
+        ready = connection.wait([process.sentinel for process in self.processes])
+        if self._stopping:
+            return
+        rank = next(r for r, process in enumerate(self.processes) if process.sentinel in ready)
+        logger.error("%s", self._died(rank, "it exited"))
+
+    def failure(self) -> Optional[str]:
+        """Why a worker is gone, or None while all run."""
+        return self._failure
+
+    def shutdown(self) -> None:
+        """Ask every worker to stop, then terminate and kill what is left."""
+        self._stopping = True
+        for pipe in self.pipes:
+            try:
+                pipe.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=_STOP_GRACE_SECONDS)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=_STOP_GRACE_SECONDS)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for pipe in self.pipes:
+            pipe.close()
+
+
+def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -> None:
+    """A worker process: build the rank, say ready (or why not), then run steps until told to stop or
+    until the engine's end of the pipe closes (the engine is gone)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    from tokenmill.worker.worker import Worker
+
+    try:
+        worker = Worker(spec)
+    except BaseException as exc:
+        _send(pipe, ("error", f"{type(exc).__name__}: {exc}"))
+        return
+    _send(pipe, ("ready", worker.description))
+    while True:
+        try:
+            schedule = pickle.loads(pipe.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if schedule is None:
+            return
+        try:
+            output = worker.execute(schedule)
+        except Exception:
+            _send(pipe, ("error", traceback.format_exc()))
+            continue
+        if spec.rank == 0:
+            _send(pipe, ("ok", output))
+
+
+def _send(pipe: connection.Connection, message: tuple[str, Any]) -> None:
+    pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))

@@ -1,0 +1,94 @@
+"""Executors: a worker process gives what the in-process runner gives, and a dead worker is an error, not a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.engine.llm import LLM
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.executor import ExecutorDiedError
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.spec import StructuredOutput
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 5, 9, 13], [3, 3, 8], list(range(20, 57))]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
+
+
+def results(llm: LLM, params: list[SamplingParams]):
+    outputs = llm.generate([p for p in PROMPTS for _ in params], params * len(PROMPTS), use_tqdm=False)
+    return [(o.prompt_logprobs, [(s.token_ids, s.logprobs, s.finish_reason) for s in o.outputs]) for o in outputs]
+
+
+def test_a_worker_process_gives_the_in_process_tokens_and_logprobs(tiny_llama):
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=7, logprobs=1, n=2),
+              SamplingParams(max_tokens=8, temperature=0.0,
+                             structured_output=StructuredOutput.choice(["yes", "no", "maybe"])),
+              SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=2, repetition_penalty=1.3)]
+    options = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=16,  # chunks and preemption
+                   speculative_method="ngram", num_speculative_tokens=3)
+    here = LLM(tiny_llama, **options)
+    there = LLM(tiny_llama, distributed_executor_backend="mp", **options)
+    try:
+        assert "1 worker process" in there.llm_engine.executor.description
+        assert results(there, params) == results(here, params)
+    finally:
+        there.shutdown()
+    assert not any(p.is_alive() for p in there.llm_engine.executor.processes)
+
+
+def test_a_killed_worker_fails_the_next_step_naming_the_rank(tiny_llama):
+    engine = LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, num_kv_blocks=32,
+                                                distributed_executor_backend="mp"))
+    try:
+        os.kill(engine.executor.processes[0].pid, signal.SIGKILL)
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+        with pytest.raises(ExecutorDiedError, match="worker rank 0"):
+            engine.step()
+        assert "worker rank 0" in engine.executor.failure()
+    finally:
+        engine.shutdown()
+
+
+def test_the_server_engine_fails_in_flight_requests_and_dies_when_a_worker_dies(tiny_llama):
+    deaths = []
+    engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(
+        model=tiny_llama, num_kv_blocks=64, distributed_executor_backend="mp")), "tiny", on_dead=deaths.append)
+
+    async def generate_until_killed():
+        params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True, output_kind="delta")
+        killed = None
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("long", [1, 2, 3], params):
+                if killed is None:
+                    os.kill(engine.engine.executor.processes[0].pid, signal.SIGKILL)
+                    killed = time.monotonic()
+        return time.monotonic() - killed
+
+    try:
+        seconds = asyncio.run(generate_until_killed())
+        deadline = time.monotonic() + 5
+        while not deaths and time.monotonic() < deadline:  # on_dead runs just after the streams are failed
+            time.sleep(0.05)
+        assert seconds < 5 and engine.dead and "worker rank 0" in deaths[0]
+    finally:
+        engine.shutdown()
+
+
+def test_parallel_sizes_the_executor_cannot_run_are_refused(tiny_llama):
+    with pytest.raises(ValueError, match="'uni' runs one rank"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        LLM(tiny_llama, tensor_parallel_size=2)
