@@ -188,6 +188,11 @@ class ParallelConfig:
 
     tensor_parallel_size: int = _opt(1, "ranks each layer's matrices are split across")
     pipeline_parallel_size: int = _opt(1, "stages the layers are split into")
+    tensor_parallel_exact: bool = _opt(
+        True, "row-parallel projections (attention output, MLP down) gather their whole input and each rank "
+        "computes whole dot products for its share of the outputs, so every tensor-parallel size gives the "
+        "single-rank tokens and logprobs bit for bit; --no-tensor-parallel-exact sums partial products with an "
+        "all-reduce instead (Megatron's way: fewer bytes per layer, results differ across sizes)")
     distributed_executor_backend: str = _opt(
         "auto", "where the model runs: uni = in the engine's process (no overhead; one rank only), mp = one "
         "worker process per rank started with spawn, each owning its shard and KV pool; auto = uni for one "

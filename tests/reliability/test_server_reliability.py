@@ -14,6 +14,7 @@ import json
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -138,7 +139,6 @@ def test_poison_next_to_an_innocent_stream_leaves_it_identical(server):
 
 async def _overload(server, count: int) -> tuple[dict[int, int], list[float]]:
     statuses: dict[int, int] = {}
-    health_times: list[float] = []
     body = {"prompt": "Once upon a time", "max_tokens": 16, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=server.url, timeout=120.0,
                                  limits=httpx.Limits(max_connections=count + 8)) as client:
@@ -149,16 +149,22 @@ async def _overload(server, count: int) -> tuple[dict[int, int], list[float]]:
                 if response.status_code == 429:
                     assert response.headers["retry-after"] == "1"
 
-        async def probe_health() -> None:
-            for _ in range(10):
-                started = time.perf_counter()
-                assert (await client.get("/health")).status_code == 200
-                assert (await client.get("/metrics")).status_code == 200
-                health_times.append(time.perf_counter() - started)
-                await asyncio.sleep(0.05)
+        # the probe has its own thread and connection: it times the server, not this busy event loop
+        probe = ThreadPoolExecutor(max_workers=1).submit(_probe_health, server.url)
+        await asyncio.gather(*(one() for _ in range(count)))
+    return statuses, probe.result(timeout=120)
 
-        await asyncio.gather(*(one() for _ in range(count)), probe_health())
-    return statuses, health_times
+
+def _probe_health(url: str) -> list[float]:
+    times = []
+    with httpx.Client(base_url=url, timeout=60.0) as client:
+        for _ in range(10):
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            assert client.get("/metrics").status_code == 200
+            times.append(time.perf_counter() - started)
+            time.sleep(0.05)
+    return times
 
 
 def test_overload_gets_429_and_health_stays_responsive(server):

@@ -23,7 +23,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.setup import make_speculation
 from tokenmill.structured.compiler import GrammarCache
 from tokenmill.structured.step_grammars import StepGrammars
-from tokenmill.worker.worker import WorkerSpec
+from tokenmill.worker.worker import WorkerSpec, check_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,12 @@ class LLMEngine:
         tier_slots = 0
         if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
             tier_slots = self._blocks_for_budget(block_size, config.cache.secondary_kv_gb)
+        tp_size = config.parallel.tensor_parallel_size
+        if tp_size > 1:
+            check_divisible(self.arch, tp_size, config.parallel.tensor_parallel_exact)  # before any worker starts
         spec = WorkerSpec(config.model, source.path, str(self.device), str(self.dtype).removeprefix("torch."),
                           self.max_model_len, num_blocks, block_size, tier_slots, config.cache.secondary_kv_folder,
-                          self.eos_token_ids)
+                          self.eos_token_ids, tp_exact=config.parallel.tensor_parallel_exact)
         self.executor: Executor = make_executor(spec, config.parallel, source)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
                                        cache_salt=source.path, secondary_slots=tier_slots)

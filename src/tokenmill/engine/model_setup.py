@@ -16,15 +16,18 @@ from tokenmill.kernels.report import describe_model_paths
 from tokenmill.layers.linear_kernels import packing_applies
 from tokenmill.models.loader import ModelSource
 from tokenmill.models.registry import build_model
+from tokenmill.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def load_model(source: ModelSource, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               max_model_len: int, num_layers: Optional[int] = None) -> tuple[Any, AttentionBackend]:
-    """The model of `source` with its weights loaded and the kernels `config` asks for, and its attention
-    backend. `num_layers` keeps only the first layers (with the final norm and head): a shallow draft."""
+               max_model_len: int, num_layers: Optional[int] = None,
+               tp: TPGroup = TPGroup.single()) -> tuple[Any, AttentionBackend]:
+    """The model of `source` (rank `tp.rank`'s shard) with its weights loaded and the kernels `config`
+    asks for, and its attention backend. `num_layers` keeps only the first layers (with the final norm
+    and head): a shallow draft."""
     arch = source.arch
     if num_layers is not None:
         if num_layers > arch.num_hidden_layers:
@@ -35,7 +38,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = build_model(arch, backend, max_model_len)
+            model = build_model(arch, backend, max_model_len, tp)
         finally:
             torch.set_default_dtype(previous)
     quantization = config.quantization
@@ -53,7 +56,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin
         # down; quantised weights already part from those results, and gain the fused step
         model.use_fused_kernels(kernels)
-        if config.fused_decode:
+        if config.fused_decode and tp.size == 1:  # one native call per step leaves no room for all-reduces
             model.use_fused_decode()
     model.rotary.to_device(device)
     model.eval()

@@ -41,11 +41,9 @@ class Executor(ABC):
 def make_executor(spec: "WorkerSpec", parallel: "ParallelConfig", source: Optional["ModelSource"] = None) -> Executor:
     """The executor `parallel.backend` names, its ranks built from `spec` (`source`, when given, is the
     engine's already opened checkpoint, which the in-process executor reuses)."""
-    if parallel.world_size > 1:
-        raise NotImplementedError(
-            f"tensor_parallel_size {parallel.tensor_parallel_size} x pipeline_parallel_size "
-            f"{parallel.pipeline_parallel_size}: splitting a model across ranks is not implemented yet; "
-            f"only one rank runs (in this process, or in a worker process with --distributed-executor-backend mp)")
+    if parallel.pipeline_parallel_size > 1:
+        raise NotImplementedError(f"pipeline_parallel_size {parallel.pipeline_parallel_size}: pipeline "
+                                  f"parallelism is not implemented yet (tensor parallelism is)")
     if parallel.backend == "mp":
         from tokenmill.executor.multiproc import MultiprocExecutor
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import threading
 import traceback
 from multiprocessing import connection, get_context
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError, WorkerStepError
@@ -34,6 +35,8 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, spec: WorkerSpec, world_size: int) -> None:
         context = get_context("spawn")
+        if world_size > 1:
+            spec = dataclasses.replace(spec, init_method=spec.init_method or f"tcp://127.0.0.1:{_free_port()}")
         self._failure: Optional[str] = None
         self._stopping = False
         self.processes, self.pipes = [], []
@@ -47,7 +50,7 @@ class MultiprocExecutor(Executor):
             self.processes.append(process)
             self.pipes.append(ours)
         try:
-            descriptions = [self._receive(rank) for rank in range(world_size)]
+            descriptions = [self._receive(rank, [rank]) for rank in range(world_size)]
         except BaseException:
             self.shutdown()
             raise
@@ -65,23 +68,31 @@ class MultiprocExecutor(Executor):
                 pipe.send_bytes(payload)
             except OSError as exc:
                 raise ExecutorDiedError(self._died(rank, f"its pipe broke ({exc})")) from exc
-        return self._receive(0)
+        return self._receive(0, range(len(self.pipes)))
 
-    def _receive(self, rank: int) -> Any:
-        """The next answer of `rank`: its value, or the error it reports; raises if any worker exits first."""
-        pipe = self.pipes[rank]
+    def _receive(self, rank: int, listening: Iterable[int]) -> Any:
+        """The next answer of `rank`, while watching the `listening` ranks' pipes (the others speak only
+        to report a failed step) and every worker's sentinel. A step that fails on one rank of several
+        leaves the ranks out of step (some may wait in a collective): the executor is then failed too."""
+        pipes = {self.pipes[r]: r for r in listening}
         sentinels = {process.sentinel: r for r, process in enumerate(self.processes)}
         while True:
-            ready = connection.wait([pipe, *sentinels])
-            if pipe in ready:
+            ready = connection.wait([*pipes, *sentinels])
+            for pipe in (p for p in ready if p in pipes):
+                speaker = pipes[pipe]
                 try:
                     kind, value = pickle.loads(pipe.recv_bytes())
                 except (EOFError, OSError) as exc:
-                    raise ExecutorDiedError(self._died(rank, f"its pipe closed ({exc})")) from exc
+                    raise ExecutorDiedError(self._died(speaker, f"its pipe closed ({exc})")) from exc
                 if kind == "error":
-                    raise WorkerStepError(f"worker rank {rank} failed: {value}")
-                return value
-            for sentinel in ready:
+                    message = f"worker rank {speaker} failed: {value}"
+                    if len(self.pipes) > 1:
+                        self._failure = self._failure or message
+                        raise ExecutorDiedError(message)
+                    raise WorkerStepError(message)
+                if speaker == rank:
+                    return value
+            for sentinel in (s for s in ready if s in sentinels):
                 raise ExecutorDiedError(self._died(sentinels[sentinel], "it exited"))
 
     def _died(self, rank: int, how: str) -> str:
@@ -130,6 +141,10 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
+    if spec.world_size > 1:  # the ranks share this host's cores
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {spec.rank}] %(levelname)s %(name)s: %(message)s")
     from tokenmill.worker.worker import Worker
 
@@ -153,6 +168,15 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -
             continue
         if spec.rank == 0:
             _send(pipe, ("ok", output))
+
+
+def _free_port() -> int:
+    """A TCP port free on this host right now, for a single-host rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _send(pipe: connection.Connection, message: tuple[str, Any]) -> None:

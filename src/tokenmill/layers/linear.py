@@ -1,8 +1,9 @@
 """Linear layers written for tensor-parallel sharding.
 
-Each layer holds only its rank's shard and knows how to cut that shard out of a full checkpoint
-tensor (`weight_loader`). With tp_size == 1 (the only size wired up today) the shard is the whole
-tensor; adding tensor parallelism means passing a rank/size and an all-reduce, not rewriting models.
+Each layer holds only its rank's shard (`TPGroup`) and knows how to cut that shard out of a full
+checkpoint tensor (`weight_loader`). Column-parallel layers split output features (no communication);
+row-parallel layers split input features and all-reduce their partial outputs. At one rank the shard
+is the whole tensor and nothing is communicated.
 
 A layer's weight may instead be kept quantised (layers/quantized.py): when a checkpoint part arrives
 quantised, or `quantize_to` names a format, the parts are gathered until every row is there and then
@@ -19,16 +20,18 @@ from torch import nn
 
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.layers.quantized import QuantizedWeight, cat_rows, quantize
+from tokenmill.parallel.group import TPGroup
+
+_SINGLE = TPGroup.single()
 
 
 class _ShardedLinear(nn.Module):
     """y = x W^T (+ b) over this rank's shard of W."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        if tp_size != 1:
-            raise NotImplementedError("tensor parallelism (tp_size > 1) is not supported yet")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -48,14 +51,18 @@ class _ShardedLinear(nn.Module):
         """Apply the layer to the last dimension of x."""
         if self.kernel is not None:
             return self.kernel(x)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self._local_bias())
+
+    def _local_bias(self) -> Optional[torch.Tensor]:
+        """The bias this rank adds (all of it; a row-parallel layer adds it on rank 0 only, before the sum)."""
+        return None if self.bias is None else self.bias.data
 
     def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: multiply through a kernel from now on. A packed kernel keeps its own copy
         of the weight, so the layer's is dropped (no more weights can be loaded into it). Quantised
         weights use `native` (CpuKernels) when given, else the PyTorch reference. `batch_invariant`: a
         row's result may not depend on the other rows of the product (layers/linear_kernels.py)."""
-        bias = None if self.bias is None else self.bias.data
+        bias = self._local_bias()
         if self.quantized is not None:
             self.kernel = QuantizedKernel(self.quantized, bias, native, batch_invariant)
             if self.kernel.native is not None:
@@ -109,9 +116,8 @@ class _ShardedLinear(nn.Module):
 class ColumnParallelLinear(_ShardedLinear):
     """Output features split across ranks: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = _SINGLE) -> None:
+        super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of a full checkpoint tensor into `param`."""
@@ -122,10 +128,9 @@ class ColumnParallelLinear(_ShardedLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul (e.g. gate+up)."""
 
-    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
-        self.local_sizes = [size // tp_size for size in out_sizes]
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False, tp: TPGroup = _SINGLE) -> None:
+        self.local_sizes = [tp.shard(size, "intermediate size") for size in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of projection number `shard_id` into its slice of `param`."""
@@ -136,15 +141,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused; heads split across ranks (kv heads replicated when fewer than ranks)."""
+    """q, k and v projections fused; query and KV heads split across ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
-        self.num_local_heads = num_heads // tp_size
-        self.num_local_kv_heads = max(1, num_kv_heads // tp_size)
+                 bias: bool = False, tp: TPGroup = _SINGLE) -> None:
+        self.num_local_heads = tp.shard(num_heads, "attention heads")
+        self.num_local_kv_heads = tp.shard(num_kv_heads, "KV heads")
         self.head_dim = head_dim
-        out = (self.num_local_heads + 2 * self.num_local_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+        out = (self.num_local_heads + 2 * self.num_local_kv_heads) * head_dim * tp.size
+        super().__init__(hidden_size, out, bias, tp)
         self.q_size = self.num_local_heads * head_dim
         self.kv_size = self.num_local_kv_heads * head_dim
 
@@ -154,9 +159,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset, size, rank = 0, self.q_size, self.tp_rank
         elif shard_id in ("k", "v"):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size = self.kv_size
-            replicas = max(1, self.tp_size // max(1, loaded.shape[0] // self.head_dim))
-            rank = self.tp_rank // replicas
+            size, rank = self.kv_size, self.tp_rank
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         self._place(param, offset, loaded.narrow(0, rank * size, size))
@@ -167,14 +170,43 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_ShardedLinear):
-    """Input features split across ranks; partial outputs are summed (all-reduce) when tp_size > 1."""
+    """The projection whose input is split across ranks (attention heads, intermediate features).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+    Two ways to finish it (`tp.exact`):
+    - exact (the default): gather the whole input on every rank, compute this rank's output features
+      from whole rows of W, and gather the outputs. Every output element is the same dot product as
+      at one rank, so any tensor-parallel size gives the single-rank result bit for bit.
+    - partial sums (Megatron's): each rank multiplies its input features by its columns of W and the
+      partial outputs are summed (all-reduce): fewer bytes, but a row's sum is split differently per
+      size, and quantised activations turn those last-bit differences into visible ones.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = _SINGLE) -> None:
+        self.gathers = tp.size > 1 and tp.exact
+        if self.gathers:
+            super().__init__(in_features, tp.shard(out_features, "hidden size"), bias, tp)
+        else:
+            super().__init__(tp.shard(in_features, "input features of a row-parallel projection"), out_features,
+                             bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole output on every rank."""
+        if self.gathers:
+            return self.tp.all_gather_last_dim(super().forward(self.tp.all_gather_last_dim(x)))
+        return self.tp.all_reduce(super().forward(x))
+
+    def _local_bias(self) -> Optional[torch.Tensor]:
+        if self.tp.size > 1 and not self.gathers and not self.tp.is_driver:
+            return None  # partial sums: the bias is added once, by rank 0
+        return super()._local_bias()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """Copy this rank's columns of a full checkpoint tensor into `param` (bias only on rank 0's sum)."""
+        """Copy this rank's share of a full checkpoint tensor into `param`: its rows (exact), or its columns
+        and the whole bias (partial sums)."""
+        if self.gathers:
+            rows = param.shape[0]
+            self._place(param, 0, loaded.narrow(0, self.tp_rank * rows, rows))
+            return
         if param.dim() == 1:
             self._copy(param.data, loaded)
             return

@@ -67,13 +67,19 @@ class QuantizedWeight:
         return (self.data.shape[0], self.cols)
 
     def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
-        """Rows [start, start + length) (dim 0); columns only whole (packing is per row)."""
+        """Rows [start, start + length) (dim 0), or columns (dim 1) at whole 32-column blocks: the
+        values, scales and offsets are taken as they are (a tensor-parallel shard dequantises exactly
+        to the same columns of the whole weight)."""
         if dim == 1 and (start, length) == (0, self.cols):
             return self
-        if dim != 0:
-            raise NotImplementedError("quantised weights can be split by rows only (tensor parallelism "
-                                      "over input features is not supported for them)")
-        return self.index_rows(torch.arange(start, start + length))
+        if dim == 0:
+            return self.index_rows(torch.arange(start, start + length))
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(f"a quantised weight splits by input features only at multiples of {BLOCK} "
+                             f"columns; asked for columns {start}..{start + length} of {self.cols}")
+        first, count = start // BLOCK, length // BLOCK
+        return _pad_and_pack(self.format, length, self.unsigned_values()[:, start:start + length],
+                             self.scale[:, first:first + count], self.offset[:, first:first + count])
 
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """The rows picked by `index` (a permutation or a selection)."""

@@ -20,18 +20,19 @@ from tokenmill.layers.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
+from tokenmill.parallel.group import TPGroup
 
 
 class LlamaAttention(nn.Module):
     """Self-attention with fused QKV, optional per-head q/k RMSNorm, RoPE and paged KV."""
 
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, tp: TPGroup) -> None:
         super().__init__()
         self.head_dim = arch.head_dim
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
-                                          arch.num_key_value_heads, bias=arch.attention_bias)
+                                          arch.num_key_value_heads, bias=arch.attention_bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
-        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size)
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size, tp=tp)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.backend = backend
@@ -52,10 +53,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused."""
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp=tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,12 +67,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, backend)
+        self.self_attn = LlamaAttention(arch, backend, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, tp)
 
     def forward(self, rope: "RopeInputs", hidden: torch.Tensor, residual: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,24 +89,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM over a flattened token batch; `compute_logits` runs the head on chosen rows only."""
+    """Decoder-only LM over a flattened token batch; `compute_logits` runs the head on chosen rows only.
+
+    Under tensor parallelism (`tp`) each rank holds its heads, its share of the MLP and its rows of the
+    vocabulary (embedding and head): embeddings and row-parallel outputs are summed over the ranks, and
+    the logits are gathered on the driver rank (the others get None).
+    """
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int,
+                 tp: TPGroup = TPGroup.single()) -> None:
         super().__init__()
-        self.arch = arch
+        self.arch, self.tp = arch, tp
+        self.local_vocab = tp.shard(arch.vocab_size, "vocabulary")
+        self.vocab_start = tp.rank * self.local_vocab
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = nn.Embedding(self.local_vocab, arch.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, tp)
                                     for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = nn.Linear(arch.hidden_size, self.local_vocab, bias=False)
             self.lm_head.weight.requires_grad_(False)
         self.logits_kernel: Optional[LinearKernel] = None
         self.kernels: Any = None  # see use_fused_kernels
@@ -119,10 +128,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        if self.embed_quantized is not None:
-            hidden = self.embed_quantized.embedding(input_ids, self.norm.weight.dtype)
-        else:
-            hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         if self.fused_decode is not None and self.fused_decode.applies(attn_metadata, hidden.shape[0]):
             fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata)
             if fused is not None:
@@ -132,6 +138,22 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
         return self.norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, hidden]; under tensor parallelism each rank looks up the ids in its rows of the
+        vocabulary (zeros for the others) and the ranks' rows are summed (exactly: one is non-zero)."""
+        outside = None
+        if self.tp.size > 1:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.local_vocab)
+            input_ids = local.masked_fill(outside, 0)
+        if self.embed_quantized is not None:
+            hidden = self.embed_quantized.embedding(input_ids, self.norm.weight.dtype)
+        else:
+            hidden = self.embed_tokens(input_ids)
+        if outside is not None:
+            hidden = self.tp.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0))
+        return hidden
 
     def use_fused_kernels(self, kernels: Any) -> None:
         """Route RMSNorm (+ residual add), SiLU-and-mul and RoPE through native kernels (CpuKernels)."""
@@ -168,12 +190,14 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = FusedDecode.build(self)
         return self.fused_decode is not None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """[N, hidden] -> float32 logits [N, vocab] (on the driver rank; None on the others)."""
         if self.logits_kernel is not None:
-            return self.logits_kernel(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+            logits = self.logits_kernel(hidden).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = torch.nn.functional.linear(hidden, weight).float()
+        return self.tp.gather_last_dim(logits)
 
     def use_linear_kernels(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: route every projection and the LM head through `make_kernel`, or through
@@ -228,6 +252,8 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+            if target in ("embed_tokens.weight", "lm_head.weight"):
+                tensor = self._vocab_rows(tensor)
             if target in ("embed_tokens.weight", "lm_head.weight") and (
                     isinstance(tensor, QuantizedWeight) or quantize_to is not None):
                 self._keep_vocab_matrix_quantized(target, tensor)
@@ -241,10 +267,16 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
-    def _keep_vocab_matrix_quantized(self, target: str, tensor: Any) -> None:
+    def _vocab_rows(self, tensor: Any) -> Any:
+        """This rank's rows of a [vocab, hidden] checkpoint tensor (all of it at one rank)."""
         if tuple(tensor.shape) != (self.arch.vocab_size, self.arch.hidden_size):
             raise ValueError(f"weight shape mismatch: checkpoint {tuple(tensor.shape)}, model expects "
-                             f"{(self.arch.vocab_size, self.arch.hidden_size)} for {target}")
+                             f"{(self.arch.vocab_size, self.arch.hidden_size)} for the vocabulary matrix")
+        if self.tp.size == 1:
+            return tensor
+        return tensor.narrow(0, self.vocab_start, self.local_vocab)
+
+    def _keep_vocab_matrix_quantized(self, target: str, tensor: Any) -> None:
         packed = (tensor if isinstance(tensor, QuantizedWeight) else quantize(tensor, "int8")).to(self.norm.weight.device)
         if target == "embed_tokens.weight":
             self.embed_quantized = packed

@@ -65,6 +65,8 @@ class ModelRunner:
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
         if rows:  # else every chunk is a partial prefill: nothing to sample or score yet
             logits = self.model.compute_logits(self._rows(hidden, rows))
+            if logits is None:  # a tensor-parallel rank other than the driver: it samples nothing
+                return result
             step = _StepExtras(schedule.spec_probs, schedule.grammar)
             self._sample(batch, logits, sample_rows, step, result)
             self._prompt_logprobs(batch, logits, prompt_rows, result)

@@ -10,7 +10,9 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loader import ModelSource, load_model_source
+from tokenmill.parallel.group import TPGroup, init_tensor_parallel
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ class WorkerSpec:
     eos_token_ids: tuple[int, ...]
     rank: int = 0
     world_size: int = 1
+    init_method: Optional[str] = None  # the torch.distributed rendezvous of a parallel run
+    tp_exact: bool = True  # see ParallelConfig.tensor_parallel_exact
 
 
 class Worker:
@@ -50,12 +54,27 @@ class Worker:
         dtype = DTYPES[spec.dtype]
         source = source or load_model_source(spec.model_path, with_tokenizer=False)
         arch = source.arch
-        self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len)
-        self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size, arch.num_key_value_heads,
-                                  arch.head_dim, dtype, self.device, spec.eos_token_ids, spec.model.seed,
-                                  spec.tier_slots, spec.tier_folder)
+        tp = TPGroup.single()
+        if spec.world_size > 1:
+            check_divisible(arch, spec.world_size, spec.tp_exact)  # before the rendezvous: every rank fails alike
+            tp = init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, self.device, spec.tp_exact)
+        self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp)
+        self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size,
+                                  arch.num_key_value_heads // tp.size, arch.head_dim, dtype, self.device,
+                                  spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder)
         self.description = (f"{dtype}, {type(backend).__name__} attention; {self.model.describe_weights()}")
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on this rank."""
         return self.runner.execute(schedule)
+
+
+def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True) -> None:
+    """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits."""
+    parts = [("attention heads", arch.num_attention_heads), ("KV heads", arch.num_key_value_heads),
+             ("intermediate size", arch.intermediate_size), ("vocabulary", arch.vocab_size)]
+    if exact:
+        parts.append(("hidden size", arch.hidden_size))
+    for what, total in parts:
+        if total % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {what} ({total})")

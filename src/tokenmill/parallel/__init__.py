@@ -1,0 +1,1 @@
+"""Tensor parallelism: the rank group the layers use, and joining a run's rendezvous."""
