@@ -7,6 +7,7 @@ the step waiting on it and by a monitor thread when no step runs, so nothing wai
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -57,6 +58,9 @@ class MultiprocExecutor(Executor):
         self.description = f"{descriptions[0]}; {world_size} worker process{'es' if world_size > 1 else ''}"
         self._monitor = threading.Thread(target=self._watch, name="tokenmill-worker-monitor", daemon=True)
         self._monitor.start()
+        # at exit, stop the workers ourselves: multiprocessing's own handler would SIGTERM them first
+        # (atexit runs handlers last-registered first), which the monitor would report as a failure
+        atexit.register(self.shutdown)
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Send the step to every rank; the driver's output."""
@@ -116,8 +120,11 @@ class MultiprocExecutor(Executor):
         return self._failure
 
     def shutdown(self) -> None:
-        """Ask every worker to stop, then terminate and kill what is left."""
+        """Ask every worker to stop, then terminate and kill what is left (idempotent)."""
+        if self._stopping:
+            return
         self._stopping = True
+        atexit.unregister(self.shutdown)
         for pipe in self.pipes:
             try:
                 pipe.send_bytes(pickle.dumps(None))

@@ -1,0 +1,76 @@
+"""`tokenmill serve --tensor-parallel-size 2`: the same streamed answer as one rank; a killed rank makes the
+server unhealthy and exit for its supervisor, within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from e2e.server_harness import ServerProcess
+from helpers.tiny_models import make_tiny_hf_model
+
+BODY = dict(prompt="The lighthouse keeper", max_tokens=24, temperature=0, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", num_key_value_heads=4))
+
+
+def streamed(url: str) -> tuple[str, list]:
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    text, logprobs = "", []
+    for chunk in client.completions.create(model=client.models.list().data[0].id, stream=True, **BODY):
+        text += chunk.choices[0].text
+        logprobs += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []
+    return text, logprobs
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's worker processes: its spawned children (not multiprocessing's resource tracker)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and \
+                    b"spawn_main" in open(f"/proc/{entry}/cmdline", "rb").read():
+                children.append(int(entry))
+    return sorted(children)
+
+
+def test_two_ranks_stream_the_one_rank_answer_and_a_killed_rank_stops_the_server(tiny, tmp_path):
+    one = ServerProcess(tiny, log_path=tmp_path / "one.log").start().wait_ready()
+    try:
+        expected = streamed(one.url)
+    finally:
+        one.stop()
+    two = ServerProcess(tiny, "--tensor-parallel-size", "2", log_path=tmp_path / "two.log").start().wait_ready()
+    try:
+        assert streamed(two.url) == expected
+        workers = worker_pids(two.proc.pid)
+        assert len(workers) == 2, two.log()[-2000:]
+        os.kill(workers[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        code = two.proc.wait(timeout=30)
+        assert time.monotonic() - killed < 10
+        assert code == 3, two.log()[-2000:]
+        assert "worker rank" in two.log()
+    finally:
+        two.stop()
+
+
+def test_a_size_that_does_not_divide_the_model_stops_the_server_with_the_numbers(tiny, tmp_path):
+    server = ServerProcess(tiny, "--tensor-parallel-size", "3", log_path=tmp_path / "bad.log").start()
+    assert server.proc.wait(timeout=120) != 0
+    assert "tensor_parallel_size 3 does not divide the model's attention heads (4)" in server.log()
+    server.stop()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/health", timeout=2.0)
