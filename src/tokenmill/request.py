@@ -29,6 +29,16 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
+def tokens_in_range(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Token ids in [start, end) of prompt + output, without concatenating the two."""
+    n_prompt = len(prompt)
+    if end <= n_prompt:
+        return prompt[start:end]
+    if start >= n_prompt:
+        return output[start - n_prompt:end - n_prompt]
+    return prompt[start:] + output[:end - n_prompt]
+
+
 class Request:
     """A sequence the engine is generating for.
 
@@ -94,12 +104,7 @@ class Request:
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) of prompt + output."""
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt:end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+        return tokens_in_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def check_stop_token(self, token_id: int) -> bool:
         """Record and return whether `token_id` (just appended) ends the request by token rules.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.request import tokens_in_range
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -25,12 +26,7 @@ class RequestState:
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) of prompt + output."""
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt:end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+        return tokens_in_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 @dataclass(slots=True)
