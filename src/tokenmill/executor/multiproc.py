@@ -97,7 +97,20 @@ class MultiprocExecutor(Executor):
                 if speaker == rank:
                     return value
             for sentinel in (s for s in ready if s in sentinels):
-                raise ExecutorDiedError(self._died(sentinels[sentinel], "it exited"))
+                gone = sentinels[sentinel]
+                raise ExecutorDiedError(self._died(gone, f"it exited{self._last_words(gone)}"))
+
+    def _last_words(self, rank: int) -> str:
+        """The error a worker sent before exiting (a failed start), if any is waiting in its pipe."""
+        pipe = self.pipes[rank]
+        try:
+            if pipe.poll():
+                kind, value = pickle.loads(pipe.recv_bytes())
+                if kind == "error":
+                    return f" after reporting: {value}"
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass
+        return ""
 
     def _died(self, rank: int, how: str) -> str:
         process = self.processes[rank]
