@@ -187,7 +187,8 @@ class ParallelConfig:
     """How many processes run the model, and how they split it (docs/parallel.md)."""
 
     tensor_parallel_size: int = _opt(1, "ranks each layer's matrices are split across")
-    pipeline_parallel_size: int = _opt(1, "stages the layers are split into (not implemented yet: only 1 runs)")
+    pipeline_parallel_size: int = _opt(1, "contiguous stages the layers are split into, one rank each (times "
+                                       "tensor_parallel_size); a step passes through the stages in turn")
     tensor_parallel_exact: bool = _opt(
         True, "row-parallel projections (attention output, MLP down) gather their whole input and each rank "
         "computes whole dot products for its share of the outputs, so every tensor-parallel size gives the "

@@ -1,5 +1,5 @@
-"""`tokenmill serve --tensor-parallel-size 2`: the same streamed answer as one rank; a killed rank makes the
-server unhealthy and exit for its supervisor, within seconds."""
+"""`tokenmill serve` with 2 tensor-parallel ranks or 2 pipeline stages: the same streamed answer as one
+rank; a killed rank makes the server exit for its supervisor, within seconds."""
 
 from __future__ import annotations
 
@@ -46,13 +46,20 @@ def worker_pids(server_pid: int) -> list[int]:
     return sorted(children)
 
 
-def test_two_ranks_stream_the_one_rank_answer_and_a_killed_rank_stops_the_server(tiny, tmp_path):
-    one = ServerProcess(tiny, log_path=tmp_path / "one.log").start().wait_ready()
+@pytest.fixture(scope="module")
+def one_rank_answer(tiny, tmp_path_factory):
+    one = ServerProcess(tiny, log_path=tmp_path_factory.mktemp("one") / "one.log").start().wait_ready()
     try:
-        expected = streamed(one.url)
+        return streamed(one.url)
     finally:
         one.stop()
-    two = ServerProcess(tiny, "--tensor-parallel-size", "2", log_path=tmp_path / "two.log").start().wait_ready()
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_two_ranks_stream_the_one_rank_answer_and_a_killed_rank_stops_the_server(tiny, one_rank_answer, flag,
+                                                                                   tmp_path):
+    expected = one_rank_answer
+    two = ServerProcess(tiny, flag, "2", log_path=tmp_path / "two.log").start().wait_ready()
     try:
         assert streamed(two.url) == expected
         workers = worker_pids(two.proc.pid)

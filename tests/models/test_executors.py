@@ -90,7 +90,7 @@ def test_the_server_engine_fails_in_flight_requests_and_dies_when_a_worker_dies(
 def test_parallel_sizes_the_executor_cannot_run_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="uni")
-    with pytest.raises(NotImplementedError, match="pipeline parallelism is not implemented yet"):
-        LLM(tiny_llama, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 is more than the model's 2 layers"):
+        LLM(tiny_llama, pipeline_parallel_size=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's attention heads \(4\)"):
         LLM(tiny_llama, tensor_parallel_size=3)

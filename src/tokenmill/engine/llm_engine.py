@@ -85,12 +85,13 @@ class LLMEngine:
         tier_slots = 0
         if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
             tier_slots = self._blocks_for_budget(block_size, config.cache.secondary_kv_gb)
-        tp_size = config.parallel.tensor_parallel_size
-        if tp_size > 1:
-            check_divisible(self.arch, tp_size, config.parallel.tensor_parallel_exact)  # before any worker starts
+        parallel = config.parallel
+        check_divisible(self.arch, parallel.tensor_parallel_size, parallel.tensor_parallel_exact,
+                        parallel.pipeline_parallel_size)  # before any worker starts
         spec = WorkerSpec(config.model, source.path, str(self.device), str(self.dtype).removeprefix("torch."),
                           self.max_model_len, num_blocks, block_size, tier_slots, config.cache.secondary_kv_folder,
-                          self.eos_token_ids, tp_exact=config.parallel.tensor_parallel_exact)
+                          self.eos_token_ids, tp_size=parallel.tensor_parallel_size,
+                          pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact)
         self.executor: Executor = make_executor(spec, config.parallel, source)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
                                        cache_salt=source.path, secondary_slots=tier_slots)

@@ -16,7 +16,7 @@ from tokenmill.kernels.report import describe_model_paths
 from tokenmill.layers.linear_kernels import packing_applies
 from tokenmill.models.loader import ModelSource
 from tokenmill.models.registry import build_model
-from tokenmill.parallel.group import TPGroup
+from tokenmill.parallel.group import PipelineStage, TPGroup
 
 logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -24,8 +24,8 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def load_model(source: ModelSource, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_model_len: int, num_layers: Optional[int] = None,
-               tp: TPGroup = TPGroup.single()) -> tuple[Any, AttentionBackend]:
-    """The model of `source` (rank `tp.rank`'s shard) with its weights loaded and the kernels `config`
+               tp: TPGroup = TPGroup.single(), stage: PipelineStage = PipelineStage()) -> tuple[Any, AttentionBackend]:
+    """The model of `source` (rank `tp.rank`'s shard of pipeline stage `stage`'s layers) with its weights loaded and the kernels `config`
     asks for, and its attention backend. `num_layers` keeps only the first layers (with the final norm
     and head): a shallow draft."""
     arch = source.arch
@@ -38,7 +38,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = build_model(arch, backend, max_model_len, tp)
+            model = build_model(arch, backend, max_model_len, tp, stage)
         finally:
             torch.set_default_dtype(previous)
     quantization = config.quantization
@@ -56,7 +56,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin
         # down; quantised weights already part from those results, and gain the fused step
         model.use_fused_kernels(kernels)
-        if config.fused_decode and tp.size == 1:  # one native call per step leaves no room for all-reduces
+        if config.fused_decode and tp.size == 1 and stage.size == 1:  # one native call runs every layer
             model.use_fused_decode()
     model.rotary.to_device(device)
     model.eval()

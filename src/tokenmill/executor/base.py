@@ -41,13 +41,10 @@ class Executor(ABC):
 def make_executor(spec: "WorkerSpec", parallel: "ParallelConfig", source: Optional["ModelSource"] = None) -> Executor:
     """The executor `parallel.backend` names, its ranks built from `spec` (`source`, when given, is the
     engine's already opened checkpoint, which the in-process executor reuses)."""
-    if parallel.pipeline_parallel_size > 1:
-        raise NotImplementedError(f"pipeline_parallel_size {parallel.pipeline_parallel_size}: pipeline "
-                                  f"parallelism is not implemented yet (tensor parallelism is)")
     if parallel.backend == "mp":
         from tokenmill.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(spec, parallel.world_size)
+        return MultiprocExecutor(spec)
     from tokenmill.executor.in_process import InProcessExecutor
 
     return InProcessExecutor(spec, source)

@@ -28,14 +28,17 @@ _STOP_GRACE_SECONDS = 5.0
 
 
 class MultiprocExecutor(Executor):
-    """Spawns `world_size` worker processes and runs each step on all of them.
+    """Spawns `spec.world_size` worker processes and runs each step on all of them.
 
-    Invariant: every rank receives every step, in order, over its own pipe; only the driver (rank 0)
-    answers with the step's output, so a step costs one pickle of the step and one of the output.
+    Invariant: every rank receives every step, in order, over its own pipe; only the driver (the first
+    tensor-parallel rank of the last pipeline stage) answers with the step's output, so a step costs one
+    pickle of the step and one of the output.
     """
 
-    def __init__(self, spec: WorkerSpec, world_size: int) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         context = get_context("spawn")
+        world_size = spec.world_size
+        self.driver = spec.driver_rank
         if world_size > 1:
             spec = dataclasses.replace(spec, init_method=spec.init_method or f"tcp://127.0.0.1:{_free_port()}")
         self._failure: Optional[str] = None
@@ -44,7 +47,7 @@ class MultiprocExecutor(Executor):
         for rank in range(world_size):
             ours, theirs = context.Pipe()
             process = context.Process(target=worker_main, name=f"tokenmill-worker-{rank}", daemon=True,
-                                      args=(dataclasses.replace(spec, rank=rank, world_size=world_size), theirs,
+                                      args=(dataclasses.replace(spec, rank=rank), theirs,
                                             logging.getLogger().getEffectiveLevel()))
             process.start()
             theirs.close()
@@ -72,7 +75,7 @@ class MultiprocExecutor(Executor):
                 pipe.send_bytes(payload)
             except OSError as exc:
                 raise ExecutorDiedError(self._died(rank, f"its pipe broke ({exc})")) from exc
-        return self._receive(0, range(len(self.pipes)))
+        return self._receive(self.driver, range(len(self.pipes)))
 
     def _receive(self, rank: int, listening: Iterable[int]) -> Any:
         """The next answer of `rank`, while watching the `listening` ranks' pipes (the others speak only
@@ -186,7 +189,7 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -
         except Exception:
             _send(pipe, ("error", traceback.format_exc()))
             continue
-        if spec.rank == 0:
+        if spec.rank == spec.driver_rank:
             _send(pipe, ("ok", output))
 
 

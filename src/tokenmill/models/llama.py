@@ -20,7 +20,7 @@ from tokenmill.layers.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
-from tokenmill.parallel.group import TPGroup
+from tokenmill.parallel.group import PipelineStage, TPGroup
 
 
 class LlamaAttention(nn.Module):
@@ -93,7 +93,10 @@ class LlamaForCausalLM(nn.Module):
 
     Under tensor parallelism (`tp`) each rank holds its heads, its share of the MLP and its rows of the
     vocabulary (embedding and head): embeddings and row-parallel outputs are summed over the ranks, and
-    the logits are gathered on the driver rank (the others get None).
+    the logits are gathered on the driver rank (the others get None). Under pipeline parallelism
+    (`stage`) a rank holds only its stage's layers: it receives the previous stage's (hidden, residual)
+    and passes its own on; only the last stage returns hidden states. Every stage keeps the embedding
+    and head (small next to the layers for the models run here).
     """
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -101,16 +104,18 @@ class LlamaForCausalLM(nn.Module):
                ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int,
-                 tp: TPGroup = TPGroup.single()) -> None:
+                 tp: TPGroup = TPGroup.single(), stage: PipelineStage = PipelineStage()) -> None:
         super().__init__()
-        self.arch, self.tp = arch, tp
+        self.arch, self.tp, self.stage = arch, tp, stage
+        self.first_layer = stage.first_layer
+        end_layer = arch.num_hidden_layers if stage.end_layer < 0 else stage.end_layer
         self.local_vocab = tp.shard(arch.vocab_size, "vocabulary")
         self.vocab_start = tp.rank * self.local_vocab
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.embed_tokens = nn.Embedding(self.local_vocab, arch.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, tp)
-                                    for _ in range(arch.num_hidden_layers))
+                                    for _ in range(self.first_layer, end_layer))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None
         if not arch.tie_word_embeddings:
@@ -126,17 +131,24 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode: Any = None  # see use_fused_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: Any) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        hidden = self.embed(input_ids)
-        if self.fused_decode is not None and self.fused_decode.applies(attn_metadata, hidden.shape[0]):
-            fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata)
-            if fused is not None:
-                return fused
-        rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
+                attn_metadata: Any) -> Optional[torch.Tensor]:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (None on a stage before the last)."""
         residual = None
+        if self.stage.is_first:
+            hidden = self.embed(input_ids)
+            if self.fused_decode is not None and self.fused_decode.applies(attn_metadata, hidden.shape[0]):
+                fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata)
+                if fused is not None:
+                    return fused
+        else:
+            hidden, residual = self.stage.recv(input_ids.shape[0], self.arch.hidden_size, self.norm.weight.dtype,
+                                               input_ids.device)
+        rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        if not self.stage.is_last:
+            self.stage.send(hidden, residual)
+            return None
         return self.norm(hidden, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -244,6 +256,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if "rotary_emb.inv_freq" in name:
                 continue
+            name = self._local_layer_name(name)
+            if name is None:
+                continue  # a layer of another pipeline stage
             target, shard = name, None
             for ckpt, fused, shard_id in self.STACKED:
                 if f".{ckpt}." in name:
@@ -266,6 +281,16 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _local_layer_name(self, name: str) -> Optional[str]:
+        """`name` with its layer index made local to this stage, or None for another stage's layer."""
+        if not name.startswith("layers."):
+            return name
+        index_text, rest = name[len("layers."):].split(".", 1)
+        local = int(index_text) - self.first_layer
+        if not 0 <= local < len(self.layers):
+            return None
+        return f"layers.{local}.{rest}"
 
     def _vocab_rows(self, tensor: Any) -> Any:
         """This rank's rows of a [vocab, hidden] checkpoint tensor (all of it at one rank)."""

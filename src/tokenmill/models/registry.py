@@ -7,7 +7,7 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.parallel.group import TPGroup
+from tokenmill.parallel.group import PipelineStage, TPGroup
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,11 +23,11 @@ def supported_architectures() -> list[str]:
 
 
 def build_model(arch: ArchConfig, backend: AttentionBackend, max_positions: int,
-                tp: TPGroup = TPGroup.single()) -> nn.Module:
+                tp: TPGroup = TPGroup.single(), stage: PipelineStage = PipelineStage()) -> nn.Module:
     """Instantiate (uninitialised) the model for `arch`, holding rank `tp.rank`'s shard; unknown
     architectures raise ValueError, and so does a tensor-parallel size that does not divide the model."""
     klass = _MODELS.get(arch.architecture)
     if klass is None:
         raise ValueError(f"unsupported architecture {arch.architecture!r}; supported: "
                          f"{', '.join(supported_architectures())}")
-    return klass(arch, backend, max_positions, tp)
+    return klass(arch, backend, max_positions, tp, stage)

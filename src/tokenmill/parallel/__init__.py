@@ -1,1 +1,1 @@
-"""Tensor parallelism: the rank group the layers use, and joining a run's rendezvous."""
+"""Tensor and pipeline parallelism: the groups the layers use, and joining a run's rendezvous."""

@@ -1,7 +1,7 @@
-"""The tensor-parallel group a model's layers talk through: all-reduce and gather, or nothing at size 1.
+"""The groups a model's layers talk through: tensor-parallel collectives and pipeline stages.
 
-`TPGroup.single()` is the one-rank group (no torch.distributed at all); a worker of a parallel run builds
-its group with `init_tensor_parallel` over torch.distributed (gloo on CPU, NCCL on CUDA).
+`TPGroup.single()` and `PipelineStage()` are the one-rank defaults (no torch.distributed at all); a worker
+of a parallel run builds its own with `init_parallel` over torch.distributed (gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class TPGroup:
     size: int = 1
     exact: bool = True  # row-parallel projections gather whole rows instead of summing partial products
     group: Optional[object] = None  # the torch.distributed process group; None = the default group
+    root: int = 0  # the global rank of the group's rank 0 (where logits are gathered)
 
     @staticmethod
     def single() -> "TPGroup":
@@ -71,7 +72,7 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
-        torch.distributed.gather(x, parts, dst=0, group=self.group)
+        torch.distributed.gather(x, parts, dst=self.root, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def shard(self, total: int, what: str) -> int:
@@ -96,3 +97,74 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
         raise RuntimeError(f"rank {rank} of {world_size} could not join the rendezvous at {init_method} "
                            f"within {timeout_seconds:.0f} s: {type(exc).__name__}: {exc}") from exc
     return TPGroup(rank, world_size, exact)
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This rank's pipeline stage: layers [first_layer, end_layer) of the model, the embedding on the first
+    stage, the final norm and head on the last. Activations (hidden, residual) go from each stage to the
+    same tensor-parallel rank of the next one.
+
+    Invariant: every rank of a stage runs the same steps in the same order, so each send meets its recv.
+    """
+
+    index: int = 0
+    size: int = 1
+    first_layer: int = 0
+    end_layer: int = -1  # -1: to the last layer (one stage)
+    prev_rank: Optional[int] = None  # the global rank activations come from (None on the first stage)
+    next_rank: Optional[int] = None  # the global rank activations go to (None on the last stage)
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this stage embeds the tokens."""
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this stage runs the final norm and the LM head (and its driver rank samples)."""
+        return self.index == self.size - 1
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """Pass this stage's output to the next stage."""
+        torch.distributed.send(torch.stack((hidden, residual)).contiguous(), self.next_rank)
+
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's (hidden, residual) for a step of `num_tokens` tokens."""
+        both = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
+        torch.distributed.recv(both, self.prev_rank)
+        return both[0], both[1]
+
+
+def stage_layers(num_layers: int, num_stages: int, index: int) -> tuple[int, int]:
+    """Layers [first, end) of stage `index`: contiguous, the first `num_layers % num_stages` stages one more."""
+    if num_layers < num_stages:
+        raise ValueError(f"pipeline_parallel_size {num_stages} is more than the model's {num_layers} layers")
+    base, extra = divmod(num_layers, num_stages)
+    first = index * base + min(index, extra)
+    return first, first + base + (1 if index < extra else 0)
+
+
+def init_parallel(rank: int, tp_size: int, pp_size: int, num_layers: int, init_method: str,
+                  device: torch.device, exact: bool = True,
+                  timeout_seconds: float = 120.0) -> tuple[TPGroup, PipelineStage]:
+    """Join the run's rendezvous as global `rank` of tp_size x pp_size (rank = stage * tp_size + tp rank) and
+    build this rank's tensor-parallel group and pipeline stage."""
+    import torch.distributed as dist
+
+    world = tp_size * pp_size
+    init_tensor_parallel(rank, world, init_method, device, exact, timeout_seconds)
+    stage_index, tp_rank = divmod(rank, tp_size)
+    group = None
+    if pp_size > 1 and tp_size > 1:  # one group per stage; every rank creates every group, in order
+        for s in range(pp_size):
+            created = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+            if s == stage_index:
+                group = created
+    tp = TPGroup(tp_rank, tp_size, exact, group, root=stage_index * tp_size)
+    first, end = stage_layers(num_layers, pp_size, stage_index)
+    stage = PipelineStage(stage_index, pp_size, first, end,
+                          rank - tp_size if stage_index > 0 else None,
+                          rank + tp_size if stage_index < pp_size - 1 else None)
+    return tp, stage

@@ -37,7 +37,7 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
                         dtype=dtype, device=device)
-            for _ in range(model.arch.num_hidden_layers)
+            for _ in range(len(model.layers))  # this pipeline stage's layers
         ]
         self.tier = None
         if tier_slots:
@@ -62,6 +62,8 @@ class ModelRunner:
         if schedule.is_empty:
             return result
         hidden, chunks = self.forward(batch)
+        if hidden is None:  # a pipeline stage before the last: its output went to the next stage
+            return result
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
         if rows:  # else every chunk is a partial prefill: nothing to sample or score yet
             logits = self.model.compute_logits(self._rows(hidden, rows))

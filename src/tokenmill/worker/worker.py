@@ -12,7 +12,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loader import ModelSource, load_model_source
-from tokenmill.parallel.group import TPGroup, init_tensor_parallel
+from tokenmill.parallel.group import PipelineStage, TPGroup, init_parallel, stage_layers
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -38,9 +38,20 @@ class WorkerSpec:
     tier_folder: Optional[str]
     eos_token_ids: tuple[int, ...]
     rank: int = 0
-    world_size: int = 1
-    init_method: Optional[str] = None  # the torch.distributed rendezvous of a parallel run
+    tp_size: int = 1
+    pp_size: int = 1
+    init_method: Optional[str] = None  # the torch.distributed rendezvous of a parallel run (rank = stage x tp + tp rank)
     tp_exact: bool = True  # see ParallelConfig.tensor_parallel_exact
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the run."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and answers: the first tensor-parallel rank of the last stage."""
+        return (self.pp_size - 1) * self.tp_size
 
 
 class Worker:
@@ -54,11 +65,13 @@ class Worker:
         dtype = DTYPES[spec.dtype]
         source = source or load_model_source(spec.model_path, with_tokenizer=False)
         arch = source.arch
-        tp = TPGroup.single()
+        tp, stage = TPGroup.single(), PipelineStage()
         if spec.world_size > 1:
-            check_divisible(arch, spec.world_size, spec.tp_exact)  # before the rendezvous: every rank fails alike
-            tp = init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, self.device, spec.tp_exact)
-        self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp)
+            check_divisible(arch, spec.tp_size, spec.tp_exact, spec.pp_size)  # before the rendezvous: all fail alike
+            tp, stage = init_parallel(spec.rank, spec.tp_size, spec.pp_size, arch.num_hidden_layers, spec.init_method,
+                                      self.device, spec.tp_exact)
+        self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
+                                         stage=stage)
         self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size,
                                   arch.num_key_value_heads // tp.size, arch.head_dim, dtype, self.device,
                                   spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder)
@@ -69,8 +82,10 @@ class Worker:
         return self.runner.execute(schedule)
 
 
-def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True) -> None:
-    """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits."""
+def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size: int = 1) -> None:
+    """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits, or the
+    model has fewer layers than pipeline stages."""
+    stage_layers(arch.num_hidden_layers, pp_size, 0)
     parts = [("attention heads", arch.num_attention_heads), ("KV heads", arch.num_key_value_heads),
              ("intermediate size", arch.intermediate_size), ("vocabulary", arch.vocab_size)]
     if exact:

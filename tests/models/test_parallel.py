@@ -1,4 +1,4 @@
-"""Tensor parallelism: ranks in worker processes over gloo give the single-process tokens and logprobs."""
+"""Tensor and pipeline parallelism: ranks in worker processes over gloo give the single-process tokens and logprobs."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def max_gap(a, b):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    """A tiny Llama and Qwen2 (QKV bias) with 4 KV heads, so 2 and 4 ranks divide them."""
-    return {arch: str(make_tiny_hf_model(tmp_path_factory.mktemp(arch), arch=arch, num_key_value_heads=4))
+    """A tiny Llama and Qwen2 (QKV bias) with 4 KV heads and 4 layers, so 2 and 4 ranks or stages divide them."""
+    return {arch: str(make_tiny_hf_model(tmp_path_factory.mktemp(arch), arch=arch, num_key_value_heads=4,
+                                         num_hidden_layers=4))
             for arch in ("llama", "qwen2")}
 
 
@@ -67,11 +68,29 @@ def test_tiny_models_split_over_2_and_4_ranks_equal_hf(tiny_models, arch, exact)
             assert max_gap(logprobs, single[1]) < 1e-4, f"tp={tp}"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_models_in_pipeline_stages_equal_one_rank_bit_for_bit(tiny_models, arch):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = [hf_greedy_tokens(hf, ids, 12) for ids in PROMPT_IDS]
+    single = ids_and_logprobs(LLM(tiny_models[arch], dtype="float32").generate(PROMPT_IDS, greedy(), use_tqdm=False))
+    assert single[0] == expected
+    for sizes in (dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=4),
+                  dict(pipeline_parallel_size=2, tensor_parallel_size=2)):
+        llm = LLM(tiny_models[arch], dtype="float32", **sizes)
+        try:
+            assert ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False)) == single, sizes
+        finally:
+            llm.shutdown()
+
+
 def test_features_work_split_and_a_row_does_not_depend_on_its_batch(tiny_models):
-    """Prefix caching, chunked prefill, preemption, speculation and seeded sampling at 2 ranks, in the
-    default configuration: a request alone and in a mixed batch gives the same ids and logprobs."""
-    options = dict(tensor_parallel_size=2, num_kv_blocks=24, block_size=4, max_num_batched_tokens=16,
-                   speculative_method="ngram", num_speculative_tokens=3)
+    """Prefix caching, chunked prefill, preemption, speculation and seeded sampling at 2 ranks x 2 stages,
+    in the default configuration: a request alone and in a mixed batch gives the same ids and logprobs."""
+    options = dict(tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=24, block_size=4,
+                   max_num_batched_tokens=16, speculative_method="ngram", num_speculative_tokens=3)
     llm = LLM(tiny_models["llama"], **options)
     try:
         seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=12, logprobs=1)
@@ -83,6 +102,18 @@ def test_features_work_split_and_a_row_does_not_depend_on_its_batch(tiny_models)
         assert llm.llm_engine.stats().prefix_cache_hits > 0
     finally:
         llm.shutdown()
+
+
+def test_smollm2_float32_in_stages_equals_one_rank(make_smollm2, smollm2):
+    params = greedy(16)
+    single = ids_and_logprobs(smollm2.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
+    for sizes in (dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3),
+                  dict(tensor_parallel_size=3, pipeline_parallel_size=2)):
+        split = make_smollm2(dtype="float32", quantization="none", **sizes)
+        try:
+            assert ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)) == single, sizes
+        finally:
+            split.shutdown()
 
 
 def test_smollm2_float32_over_3_ranks_summing_partial_products(make_smollm2, smollm2):
@@ -136,3 +167,5 @@ def test_a_killed_rank_fails_the_engine_naming_it(tiny_models):
 def test_sizes_that_do_not_divide_the_model_are_refused_with_the_numbers(tiny_models):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's attention heads \(4\)"):
         LLM(tiny_models["llama"], tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 5 is more than the model's 4 layers"):
+        LLM(tiny_models["llama"], pipeline_parallel_size=5)
