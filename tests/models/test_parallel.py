@@ -55,7 +55,9 @@ def test_tiny_models_split_over_2_and_4_ranks_equal_hf(tiny_models, arch, exact)
         expected = [hf_greedy_tokens(hf, ids, 12) for ids in PROMPT_IDS]
     single = ids_and_logprobs(LLM(tiny_models[arch], dtype="float32").generate(PROMPT_IDS, greedy(), use_tqdm=False))
     assert single[0] == expected
-    for tp in (2, 4):
+    # exact gathers the same way at any size (2 ranks: the features test); partial sums add two operands
+    # with an all-reduce and more in rank order, so both sizes
+    for tp in (2, 4) if not exact else (4,):
         llm = LLM(tiny_models[arch], dtype="float32", tensor_parallel_size=tp, tensor_parallel_exact=exact)
         try:
             ids, logprobs = ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False))
@@ -68,7 +70,7 @@ def test_tiny_models_split_over_2_and_4_ranks_equal_hf(tiny_models, arch, exact)
             assert max_gap(logprobs, single[1]) < 1e-4, f"tp={tp}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama"])
 def test_tiny_models_in_pipeline_stages_equal_one_rank_bit_for_bit(tiny_models, arch):
     from transformers import AutoModelForCausalLM
 
