@@ -46,8 +46,13 @@ def test_padded_width_and_row_operations_keep_values():
                        torch.cat([full[5:], full[:5]]))
     permuted = undo_llama_rope_permute(packed, num_heads=5)
     assert torch.equal(permuted.dequantize(), undo_llama_rope_permute(full, num_heads=5))
-    with pytest.raises(NotImplementedError, match="rows only"):
-        packed.narrow(1, 0, 32)
+    for fmt in ("int4", "int8"):  # tensor-parallel input shards: whole 32-column blocks, values kept exactly
+        weight_fmt = quantize(weight, fmt)
+        for start, length in ((0, 32), (32, 64), (64, 32)):
+            assert torch.equal(weight_fmt.narrow(1, start, length).dequantize(),
+                               weight_fmt.dequantize()[:, start:start + length])
+    with pytest.raises(ValueError, match="multiples of 32 columns"):
+        packed.narrow(1, 16, 32)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.randn(4, 40), "int8")
 
