@@ -90,10 +90,12 @@ def verify(tokens: list[int], drafts: list[int]) -> list[int]:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
                    max_model_len: int = 256, watermark: float = 0.0,
-                   prefix_caching: bool = False, secondary_slots: int = 0) -> tuple[Scheduler, FakeRunner]:
+                   prefix_caching: bool = False, secondary_slots: int = 0,
+                   steps_in_flight: int = 1) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching,
                         secondary_slots=secondary_slots)
-    scheduler, runner = Scheduler(SchedulingLimits(budget, max_seqs, max_model_len), kv), FakeRunner(kv)
+    limits = SchedulingLimits(budget, max_seqs, max_model_len, max_steps_in_flight=steps_in_flight)
+    scheduler, runner = Scheduler(limits, kv), FakeRunner(kv)
     runner.requests = scheduler.requests
     return scheduler, runner
 

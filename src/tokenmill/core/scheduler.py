@@ -29,6 +29,9 @@ class SchedulingLimits:
     max_num_seqs: int
     max_model_len: int
     policy: str = "fcfs"
+    # Steps that may be in flight at once (pipeline stages); with more than one, each step takes its
+    # share of the live requests so the next step has requests of its own to run.
+    max_steps_in_flight: int = 1
 
 
 @dataclass
@@ -66,6 +69,11 @@ class Scheduler:
 
     Invariant: `running` and `waiting` are both sorted by Request.priority_key, so the preemption
     victim is always running[-1] and, under fcfs, the next admission is always waiting[0].
+
+    Steps in flight (pipeline stages): a step may be built while earlier ones still run, up to
+    `limits.max_steps_in_flight`. A request is in at most one step in flight (its next tokens depend
+    on that step's result), and nothing is preempted while any step is in flight: a step that cannot
+    grow a request's blocks stops there, and the request waits for the steps ahead to come back.
     """
 
     def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager) -> None:
@@ -78,6 +86,7 @@ class Scheduler:
         # Invariant: a request is here from the step that first sends it to the runner until the step
         # that reports it finished; the runner's state for it equals this view after each step.
         self._runner_views: dict[str, _RunnerView] = {}
+        self.in_flight: set[str] = set()  # ids of requests in a step sent to the runner and not yet updated
         self.num_preemptions_total = 0
         self.spec_totals = SpecTotals()
 
@@ -143,16 +152,24 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledChunk] = []
         num_preempted = 0
+        room = self._step_share()
+        stalled = False
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and room > 0:
             request = self.running[index]
+            if request.request_id in self.in_flight:
+                index += 1
+                continue
             num_new = self._grant(request, budget)
             while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 if request.spec_token_ids:  # proposals are optional: drop them before preempting anyone
                     request.spec_token_ids = []
                     num_new = self._grant(request, budget)
                     continue
+                if self.in_flight:  # no preemption under a step in flight: wait for it instead
+                    stalled = True
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 num_preempted += 1
@@ -161,18 +178,31 @@ class Scheduler:
             else:
                 scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
+                room -= 1
                 index += 1
+                continue
+            if stalled:
+                break
 
-        if num_preempted == 0:
-            budget = self._admit_waiting(budget, scheduled)
+        if num_preempted == 0 and not stalled:
+            budget = self._admit_waiting(budget, room, scheduled)
 
         saves, loads = self.kv_cache.take_pending_copies()
         output = SchedulerOutput(scheduled, finished_request_ids=self._finished_since_last_step,
                                  num_preempted=num_preempted, kv_saves=saves, kv_loads=loads)
         self._describe_for_runner(output)
+        self.in_flight.update(chunk.request_id for chunk in scheduled)
         self._finished_since_last_step = []
         self.num_preemptions_total += num_preempted
         return output
+
+    def _step_share(self) -> int:
+        """How many requests this step may take: all of them with one step in flight at a time, else an
+        even share of the live requests (at least one), so consecutive steps run disjoint requests."""
+        steps = self.limits.max_steps_in_flight
+        if steps == 1:
+            return len(self.running) + len(self.waiting)
+        return max(1, -(-(len(self.running) + len(self.waiting)) // steps))
 
     @staticmethod
     def _grant(request: Request, budget: int) -> int:
@@ -183,10 +213,10 @@ class Scheduler:
             request.spec_token_ids = request.spec_token_ids[:max(0, budget - lacking)]
         return min(lacking + len(request.spec_token_ids), budget)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, room: int, scheduled: list[ScheduledChunk]) -> int:
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
         computing = set()  # keys of full blocks that requests admitted in this step compute
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and room > 0:
             request = self._next_waiting()
             if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
                 break
@@ -217,6 +247,7 @@ class Scheduler:
             self._insert(self.running, request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            room -= 1
             num_seqs += 1 + request.num_samples_to_fork
         return budget
 
@@ -283,6 +314,7 @@ class Scheduler:
         self.kv_cache.end_step()
         updates = []
         for item in output.scheduled:
+            self.in_flight.discard(item.request_id)
             request = self.requests.get(item.request_id)
             if request is None or request.status.finished:
                 continue  # finished (e.g. aborted) while the step ran

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
@@ -12,6 +13,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, make_executor
@@ -96,12 +98,16 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
                                        cache_salt=source.path, secondary_slots=tier_slots)
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                  self.max_model_len, config.scheduler.schedule_policy)
+                                  self.max_model_len, config.scheduler.schedule_policy,
+                                  self.executor.max_steps_in_flight)
         self.scheduler = Scheduler(limits, self.kv_cache)
         self._grammar_cache: Optional[GrammarCache] = None
         self._grammar_lock = threading.Lock()
         self.step_grammars: Optional[StepGrammars] = None
         self._draft_probs: dict = {}  # request id -> distributions of its drafted proposals, for the next step
+        # Steps submitted and not yet finished, oldest first, each with its grammar-mask failures.
+        # Invariant: the executor returns outputs in this order; at most executor.max_steps_in_flight.
+        self._in_flight: deque[tuple[SchedulerOutput, dict]] = deque()
         try:
             self.speculation = make_speculation(config, self) if config.speculative.enabled else None
         except BaseException:
@@ -225,8 +231,8 @@ class LLMEngine:
             self.output_processor.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return self.scheduler.has_unfinished_requests()
+        """True while any request is waiting or running, or a step is still in flight."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
         """Queue sizes, cache use and cumulative counters, for metrics."""
@@ -243,15 +249,36 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, and return the outputs of every request it touched."""
+        """Schedule and submit steps while the executor has room for one more in flight (one at a time with
+        a single stage), then finish the oldest: the outputs of every request it touched."""
+        try:
+            while len(self._in_flight) < self.executor.max_steps_in_flight and self._submit_next():
+                pass
+            return self._finish_oldest() if self._in_flight else []
+        except BaseException:
+            self._abandon_in_flight()
+            raise
+
+    def _submit_next(self) -> bool:
+        """Schedule a step and submit it; False when there is nothing to submit while others are in flight."""
         schedule = self.scheduler.schedule()
+        if self._in_flight and schedule.is_empty and not (schedule.finished_request_ids or schedule.kv_saves
+                                                          or schedule.kv_loads):
+            return False
         if self._draft_probs:
             schedule.spec_probs = {c.request_id: probs for c in schedule.scheduled
-                                   if c.spec_token_ids and (probs := self._draft_probs.get(c.request_id)) is not None}
-            self._draft_probs = {}
+                                   if c.spec_token_ids and (probs := self._draft_probs.pop(c.request_id, None))
+                                   is not None}
         grammars = self.step_grammars
         mask_failures = grammars.prepare(schedule, self.scheduler.requests) if grammars is not None else {}
-        result = self.executor.execute(schedule)
+        self.executor.submit(schedule)
+        self._in_flight.append((schedule, mask_failures))
+        return True
+
+    def _finish_oldest(self) -> list[RequestOutput]:
+        schedule, mask_failures = self._in_flight.popleft()
+        result = self.executor.collect()
+        grammars = self.step_grammars
         if grammars is not None:
             grammars.finish(schedule, result, mask_failures)
         updates = self.scheduler.update_from_output(schedule, result)
@@ -262,7 +289,19 @@ class LLMEngine:
             self.scheduler.pop_finished(request_id)
         if self.speculation is not None:
             self.speculation.observe(updates)
-            drafts = self.speculation.propose(self.scheduler.running)
+            drafts = self.speculation.propose(self.scheduler.running, busy=self.scheduler.in_flight)
             self.scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
             self._draft_probs = {rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None}
         return outputs
+
+    def _abandon_in_flight(self) -> None:
+        """After a failed step: wait out the steps still in flight and drop their results, so that the next
+        output collected is the next step's own. The requests they carried are the caller's to abort."""
+        while self._in_flight:
+            self._in_flight.popleft()
+            try:
+                self.executor.collect()
+            except Exception:
+                break
+        self._in_flight.clear()
+        self.scheduler.in_flight.clear()

@@ -22,13 +22,28 @@ class WorkerStepError(RuntimeError):
 
 
 class Executor(ABC):
-    """Runs steps on the model's ranks. `description` says what was loaded (dtype, attention, weights)."""
+    """Runs steps on the model's ranks. `description` says what was loaded (dtype, attention, weights).
+
+    Steps are submitted and collected in order. Up to `max_steps_in_flight` may be submitted before the
+    oldest is collected: more than one only where the ranks form pipeline stages, so that stage s can
+    run a step while stage s + 1 runs the one before it.
+    """
 
     description: str
+    max_steps_in_flight: int = 1
 
     @abstractmethod
+    def submit(self, schedule: SchedulerOutput) -> None:
+        """Start a step on every rank; its output comes from `collect`."""
+
+    @abstractmethod
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step not yet collected (from the rank that samples)."""
+
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; the output of the rank that samples."""
+        """Run one step with none other in flight; the output of the rank that samples."""
+        self.submit(schedule)
+        return self.collect()
 
     def failure(self) -> Optional[str]:
         """Why the executor can no longer run steps (a worker died), or None while it can."""

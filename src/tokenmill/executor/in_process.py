@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -16,6 +17,17 @@ class InProcessExecutor(Executor):
     def __init__(self, spec: WorkerSpec, source: Optional[ModelSource] = None) -> None:
         self.worker = Worker(spec, source)
         self.description = self.worker.description
+        self._outputs: deque[ModelRunnerOutput] = deque(maxlen=self.max_steps_in_flight)
+
+    def submit(self, schedule: SchedulerOutput) -> None:
+        """Run the step in this process (now: there is one rank)."""
+        if len(self._outputs) >= self.max_steps_in_flight:
+            raise RuntimeError("a step was submitted before the previous one was collected")
+        self._outputs.append(self.worker.execute(schedule))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The step's output."""
+        return self._outputs.popleft()
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step in this process."""

@@ -15,7 +15,7 @@ import pickle
 import threading
 import traceback
 from multiprocessing import connection, get_context
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError, WorkerStepError
@@ -32,13 +32,16 @@ class MultiprocExecutor(Executor):
 
     Invariant: every rank receives every step, in order, over its own pipe; only the driver (the first
     tensor-parallel rank of the last pipeline stage) answers with the step's output, so a step costs one
-    pickle of the step and one of the output.
+    pickle of the step and one of the output. Up to one step per pipeline stage is in flight: each rank
+    runs its steps in the order sent, and the driver answers them in that order.
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
         context = get_context("spawn")
         world_size = spec.world_size
         self.driver = spec.driver_rank
+        self.max_steps_in_flight = spec.pp_size
+        self._num_in_flight = 0
         if world_size > 1:
             spec = dataclasses.replace(spec, init_method=spec.init_method or f"tcp://127.0.0.1:{_free_port()}")
         self._failure: Optional[str] = None
@@ -65,17 +68,28 @@ class MultiprocExecutor(Executor):
         # (atexit runs handlers last-registered first), which the monitor would report as a failure
         atexit.register(self.shutdown)
 
-    def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every rank; the driver's output."""
+    def submit(self, schedule: SchedulerOutput) -> None:
+        """Send the step to every rank."""
         if self._failure is not None:
             raise ExecutorDiedError(self._failure)
+        if self._num_in_flight >= self.max_steps_in_flight:
+            raise RuntimeError(f"more than {self.max_steps_in_flight} steps submitted before one was collected")
         payload = pickle.dumps(schedule, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, pipe in enumerate(self.pipes):
             try:
                 pipe.send_bytes(payload)
             except OSError as exc:
                 raise ExecutorDiedError(self._died(rank, f"its pipe broke ({exc})")) from exc
-        return self._receive(self.driver, range(len(self.pipes)))
+        self._num_in_flight += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        """The driver's output of the oldest step in flight."""
+        if self._num_in_flight == 0:
+            raise RuntimeError("collect() with no step in flight")
+        try:
+            return self._receive(self.driver, range(len(self.pipes)))
+        finally:
+            self._num_in_flight -= 1
 
     def _receive(self, rank: int, listening: Iterable[int]) -> Any:
         """The next answer of `rank`, while watching the `listening` ranks' pipes (the others speak only
@@ -177,9 +191,10 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -
         _send(pipe, ("error", f"{type(exc).__name__}: {exc}"))
         return
     _send(pipe, ("ready", worker.description))
+    receive = _pipe_reader(pipe) if spec.pp_size > 1 else pipe.recv_bytes
     while True:
         try:
-            schedule = pickle.loads(pipe.recv_bytes())
+            schedule = pickle.loads(receive())
         except (EOFError, OSError):
             return
         if schedule is None:
@@ -191,6 +206,37 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -
             continue
         if spec.rank == spec.driver_rank:
             _send(pipe, ("ok", output))
+
+
+def _pipe_reader(pipe: connection.Connection) -> Callable[[], bytes]:
+    """A `recv_bytes` served by a thread that drains the pipe as steps arrive.
+
+    With steps in flight the engine may write a step to a rank that is blocked handing activations to a
+    stage that is itself blocked answering the engine; reading the pipe off the compute thread keeps
+    such a cycle from ever closing. The queue is bounded by the engine: at most one step per stage is
+    in flight, plus the stop message.
+    """
+    import queue
+
+    steps: "queue.Queue[bytes | BaseException]" = queue.Queue()
+
+    def drain() -> None:
+        while True:
+            try:
+                steps.put(pipe.recv_bytes())
+            except (EOFError, OSError) as exc:
+                steps.put(exc)
+                return
+
+    threading.Thread(target=drain, name="tokenmill-step-reader", daemon=True).start()
+
+    def receive() -> bytes:
+        item = steps.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    return receive
 
 
 def _free_port() -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import AbstractSet, Any, Iterable, Protocol
 
 from tokenmill.core.sched_output import RequestUpdate
 from tokenmill.request import Request, RequestStatus
@@ -86,14 +86,16 @@ class SpeculationController:
                 self._asked.discard(request_id)
                 self.proposer.forget(request_id)
 
-    def propose(self, running: list[Request]) -> dict[str, Draft]:
-        """The drafts of the running requests that speculate in the next step (at most their room each)."""
+    def propose(self, running: list[Request], busy: AbstractSet[str] = frozenset()) -> dict[str, Draft]:
+        """The drafts of the running requests that speculate in their next step (at most their room each);
+        none for the `busy` ones, whose step is still in flight."""
         self.step_index += 1
         live = {r.request_id for r in running}
         self.forget([rid for rid in self._acceptance.keys() | self._asked if rid not in live])
         if len(running) > self.max_batch:
             return {}
-        wanted = [(request, room) for request in running if (room := self._room(request)) > 0]
+        wanted = [(request, room) for request in running
+                  if request.request_id not in busy and (room := self._room(request)) > 0]
         if not wanted:
             return {}
         self._asked.update(request.request_id for request, _ in wanted)
