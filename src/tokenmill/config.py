@@ -198,6 +198,16 @@ class ParallelConfig:
         "auto", "where the model runs: uni = in the engine's process (no overhead; one rank only), mp = one "
         "worker process per rank started with spawn, each owning its shard and KV pool; auto = uni for one "
         "rank, else mp", choices=EXECUTOR_BACKENDS)
+    nnodes: int = _opt(1, "hosts the ranks are spread over (torchrun's convention): each runs "
+                       "tensor_parallel_size x pipeline_parallel_size / nnodes consecutive ranks; node 0 runs "
+                       "the engine (and the server), every other node only its workers. Needs "
+                       "TOKENMILL_DIST_KEY, the same secret on every node")
+    node_rank: int = _opt(0, "this host's index among the nnodes (0 = the one that serves)")
+    master_addr: str = _opt("127.0.0.1", "address of node 0, which every node can reach (with nnodes > 1)")
+    master_port: int = _opt(29500, "node 0's port for the torch.distributed rendezvous; master_port + 1 carries "
+                            "the steps to the other nodes' workers (with nnodes > 1)")
+    distributed_timeout: float = _opt(120.0, "seconds a rank waits for the others (rendezvous, workers of "
+                                      "other nodes connecting) before it fails saying which did not come")
 
     @property
     def world_size(self) -> int:
@@ -222,6 +232,25 @@ class ParallelConfig:
         if self.backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
                              f"pipeline_parallel_size is {self.world_size}: use 'mp'")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank} of nnodes "
+                             f"{self.nnodes}")
+        if self.nnodes > 1:
+            if self.world_size % self.nnodes:
+                raise ValueError(f"nnodes {self.nnodes} does not divide tensor_parallel_size x "
+                                 f"pipeline_parallel_size ({self.world_size}): every node runs as many ranks")
+            if self.backend != "mp":
+                raise ValueError("nnodes > 1 runs workers in processes: distributed_executor_backend must be mp")
+            if not 0 < self.master_port < 65535:
+                raise ValueError(f"master_port must be in [1, 65534] (master_port + 1 is used too), "
+                                 f"got {self.master_port}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks each node runs."""
+        return self.world_size // self.nnodes
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

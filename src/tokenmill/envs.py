@@ -13,6 +13,8 @@ TOKENMILL_KERNEL_CFLAGS    extra compiler flags for the kernels (e.g. -fsanitize
                            the build's cache key).
 CC                         the C compiler (default: gcc, else cc, on PATH).
 OMP_NUM_THREADS            read only to report it (`tokenmill env`); OpenMP and PyTorch act on it.
+TOKENMILL_DIST_KEY         the shared secret of a multi-node run (--nnodes > 1): the engine and the other
+                           nodes' workers authenticate each other with it before any step crosses.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ def c_compiler() -> Optional[str]:
 def omp_num_threads() -> Optional[str]:
     """OMP_NUM_THREADS, or None when unset."""
     return os.environ.get("OMP_NUM_THREADS") or None
+
+
+def distributed_key() -> bytes:
+    """TOKENMILL_DIST_KEY as bytes; ValueError when unset (steps cross between hosts only authenticated)."""
+    key = os.environ.get("TOKENMILL_DIST_KEY", "")
+    if not key:
+        raise ValueError("a multi-node run (nnodes > 1) needs TOKENMILL_DIST_KEY: the same secret on every node "
+                         "(e.g. export TOKENMILL_DIST_KEY=$(openssl rand -hex 16) and copy it to the others)")
+    return key.encode()
 
 
 # oneDNN's ONEDNN_MAX_CPU_ISA for each capped level (amx and generic: no cap)

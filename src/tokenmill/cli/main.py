@@ -80,7 +80,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
     server = ServerConfig(**{k: v for k, v in vars(args).items() if k in server_fields})
-    return run_server(EngineConfig.from_kwargs(**engine_kwargs(args)), server)
+    engine_config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    if engine_config.parallel.node_rank > 0:  # another node of a multi-node run: its workers, no server
+        from tokenmill.executor.nodes import run_worker_node
+
+        return run_worker_node(engine_config)
+    return run_server(engine_config, server)
 
 
 def _env_parser(sub: argparse._SubParsersAction) -> None:

@@ -73,6 +73,10 @@ class LLMEngine:
     """Loads a model and runs requests through scheduler -> runner -> output processor, one step at a time."""
 
     def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None) -> None:
+        if config.parallel.node_rank != 0:
+            raise ValueError(f"node_rank {config.parallel.node_rank} runs only workers, and the engine runs on node 0: "
+                             f"start this node with `tokenmill serve MODEL --nnodes {config.parallel.nnodes} "
+                             f"--node-rank {config.parallel.node_rank} ...`")
         self.config = config
         started = time.perf_counter()
         source = source or load_model_source(config.model.model)

@@ -59,7 +59,7 @@ def make_executor(spec: "WorkerSpec", parallel: "ParallelConfig", source: Option
     if parallel.backend == "mp":
         from tokenmill.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(spec)
+        return MultiprocExecutor(spec, parallel)
     from tokenmill.executor.in_process import InProcessExecutor
 
     return InProcessExecutor(spec, source)

@@ -13,10 +13,12 @@ import logging
 import os
 import pickle
 import threading
+import time
 import traceback
 from multiprocessing import connection, get_context
 from typing import Any, Callable, Iterable, Optional
 
+from tokenmill.config import ParallelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError, WorkerStepError
 from tokenmill.worker.worker import WorkerSpec
@@ -36,18 +38,32 @@ class MultiprocExecutor(Executor):
     runs its steps in the order sent, and the driver answers them in that order.
     """
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, parallel: Optional[ParallelConfig] = None) -> None:
         context = get_context("spawn")
+        parallel = parallel or ParallelConfig(spec.tp_size, spec.pp_size, spec.tp_exact, "mp")
         world_size = spec.world_size
         self.driver = spec.driver_rank
         self.max_steps_in_flight = spec.pp_size
         self._num_in_flight = 0
+        # Held while a step is sent or its answer received, so the monitor sees a quiet connection only
+        # when no step is in flight (see _watch).
+        self._step_lock = threading.Lock()
+        key = None
+        if parallel.nnodes > 1:
+            from tokenmill.envs import distributed_key
+
+            key = distributed_key()  # before any worker starts
+            rendezvous = f"tcp://{parallel.master_addr}:{parallel.master_port}"
+        else:
+            rendezvous = spec.init_method or f"tcp://127.0.0.1:{_free_port()}"
         if world_size > 1:
-            spec = dataclasses.replace(spec, init_method=spec.init_method or f"tcp://127.0.0.1:{_free_port()}")
+            spec = dataclasses.replace(spec, init_method=rendezvous, nnodes=parallel.nnodes,
+                                       timeout=parallel.distributed_timeout)
         self._failure: Optional[str] = None
         self._stopping = False
-        self.processes, self.pipes = [], []
-        for rank in range(world_size):
+        self.processes: list = []  # this host's workers: ranks 0 .. ranks_per_node - 1
+        self.pipes: list = [None] * world_size  # every rank's connection, local (pipe) or remote (socket)
+        for rank in range(spec.ranks_per_node):
             ours, theirs = context.Pipe()
             process = context.Process(target=worker_main, name=f"tokenmill-worker-{rank}", daemon=True,
                                       args=(dataclasses.replace(spec, rank=rank), theirs,
@@ -55,13 +71,19 @@ class MultiprocExecutor(Executor):
             process.start()
             theirs.close()
             self.processes.append(process)
-            self.pipes.append(ours)
+            self.pipes[rank] = ours
         try:
+            if key is not None:
+                from tokenmill.executor.nodes import accept_remote_ranks
+
+                accept_remote_ranks(spec, parallel, key, self.pipes)
             descriptions = [self._receive(rank, [rank]) for rank in range(world_size)]
         except BaseException:
             self.shutdown()
             raise
         self.description = f"{descriptions[0]}; {world_size} worker process{'es' if world_size > 1 else ''}"
+        if parallel.nnodes > 1:
+            self.description += f" on {parallel.nnodes} nodes"
         self._monitor = threading.Thread(target=self._watch, name="tokenmill-worker-monitor", daemon=True)
         self._monitor.start()
         # at exit, stop the workers ourselves: multiprocessing's own handler would SIGTERM them first
@@ -75,21 +97,23 @@ class MultiprocExecutor(Executor):
         if self._num_in_flight >= self.max_steps_in_flight:
             raise RuntimeError(f"more than {self.max_steps_in_flight} steps submitted before one was collected")
         payload = pickle.dumps(schedule, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, pipe in enumerate(self.pipes):
-            try:
-                pipe.send_bytes(payload)
-            except OSError as exc:
-                raise ExecutorDiedError(self._died(rank, f"its pipe broke ({exc})")) from exc
-        self._num_in_flight += 1
+        with self._step_lock:
+            self._num_in_flight += 1
+            for rank, pipe in enumerate(self.pipes):
+                try:
+                    pipe.send_bytes(payload)
+                except OSError as exc:
+                    raise ExecutorDiedError(self._died(rank, f"its pipe broke ({exc})")) from exc
 
     def collect(self) -> ModelRunnerOutput:
         """The driver's output of the oldest step in flight."""
         if self._num_in_flight == 0:
             raise RuntimeError("collect() with no step in flight")
-        try:
-            return self._receive(self.driver, range(len(self.pipes)))
-        finally:
-            self._num_in_flight -= 1
+        with self._step_lock:
+            try:
+                return self._receive(self.driver, range(len(self.pipes)))
+            finally:
+                self._num_in_flight -= 1
 
     def _receive(self, rank: int, listening: Iterable[int]) -> Any:
         """The next answer of `rank`, while watching the `listening` ranks' pipes (the others speak only
@@ -130,20 +154,41 @@ class MultiprocExecutor(Executor):
         return ""
 
     def _died(self, rank: int, how: str) -> str:
-        process = self.processes[rank]
-        process.join(timeout=0.1)
-        reason = (f"worker rank {rank} (pid {process.pid}) is gone: {how}"
-                  f"{'' if process.exitcode is None else f', exit code {process.exitcode}'}")
+        if rank < len(self.processes):
+            process = self.processes[rank]
+            process.join(timeout=0.1)
+            reason = (f"worker rank {rank} (pid {process.pid}) is gone: {how}"
+                      f"{'' if process.exitcode is None else f', exit code {process.exitcode}'}")
+        else:
+            reason = f"worker rank {rank} (on another node) is gone: {how}"
         if self._failure is None:
             self._failure = reason
         return self._failure
 
     def _watch(self) -> None:
-        ready = connection.wait([process.sentinel for process in self.processes])
-        if self._stopping:
-            return
-        rank = next(r for r, process in enumerate(self.processes) if process.sentinel in ready)
-        logger.error("%s", self._died(rank, "it exited"))
+        """Report a worker that goes away while no step runs. A local one: its process sentinel. One on
+        another node: its connection turns readable while no step is in flight (such a worker speaks
+        only to answer a step), which is its end of file."""
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        remote = {self.pipes[rank]: rank for rank in range(len(self.processes), len(self.pipes))}
+        while True:
+            try:
+                ready = connection.wait([*sentinels, *remote], timeout=1.0 if remote else None)
+            except (OSError, ValueError):  # a connection closed by shutdown()
+                ready = []
+            if self._stopping or self._failure is not None:
+                return
+            gone = [sentinels[s] for s in ready if s in sentinels]
+            if gone:
+                logger.error("%s", self._died(gone[0], "it exited"))
+                return
+            for pipe in (p for p in ready if p in remote):
+                with self._step_lock:
+                    if self._num_in_flight == 0 and not self._stopping and pipe.poll():
+                        logger.error("%s", self._died(remote[pipe], "its connection closed"))
+                        return
+            if ready:
+                time.sleep(0.05)  # an answer waiting for collect(): let it be read
 
     def failure(self) -> Optional[str]:
         """Why a worker is gone, or None while all run."""
@@ -155,7 +200,7 @@ class MultiprocExecutor(Executor):
             return
         self._stopping = True
         atexit.unregister(self.shutdown)
-        for pipe in self.pipes:
+        for pipe in (p for p in self.pipes if p is not None):
             try:
                 pipe.send_bytes(pickle.dumps(None))
             except OSError:
@@ -168,7 +213,7 @@ class MultiprocExecutor(Executor):
             if process.is_alive():
                 process.kill()
                 process.join()
-        for pipe in self.pipes:
+        for pipe in (p for p in self.pipes if p is not None):
             pipe.close()
 
 
@@ -181,7 +226,7 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -
     if spec.world_size > 1:  # the ranks share this host's cores
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
     logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {spec.rank}] %(levelname)s %(name)s: %(message)s")
     from tokenmill.worker.worker import Worker
 

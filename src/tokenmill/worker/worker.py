@@ -42,11 +42,18 @@ class WorkerSpec:
     pp_size: int = 1
     init_method: Optional[str] = None  # the torch.distributed rendezvous of a parallel run (rank = stage x tp + tp rank)
     tp_exact: bool = True  # see ParallelConfig.tensor_parallel_exact
+    nnodes: int = 1  # hosts the ranks are spread over (each runs world_size / nnodes of them)
+    timeout: float = 120.0  # seconds the rendezvous waits for every rank
 
     @property
     def world_size(self) -> int:
         """Ranks in the run."""
         return self.tp_size * self.pp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing this host's cores."""
+        return self.world_size // self.nnodes
 
     @property
     def driver_rank(self) -> int:
@@ -69,7 +76,7 @@ class Worker:
         if spec.world_size > 1:
             check_divisible(arch, spec.tp_size, spec.tp_exact, spec.pp_size)  # before the rendezvous: all fail alike
             tp, stage = init_parallel(spec.rank, spec.tp_size, spec.pp_size, arch.num_hidden_layers, spec.init_method,
-                                      self.device, spec.tp_exact)
+                                      self.device, spec.tp_exact, spec.timeout)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage)
         self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size,
