@@ -94,9 +94,13 @@ def test_features_work_split_and_a_row_does_not_depend_on_its_batch(tiny_models)
     options = dict(tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=24, block_size=4,
                    max_num_batched_tokens=16, speculative_method="ngram", num_speculative_tokens=3)
     llm = LLM(tiny_models["llama"], **options)
+    engine, depths = llm.llm_engine, []
+    submit = engine.executor.submit
+    engine.executor.submit = lambda schedule: (submit(schedule), depths.append(engine.num_steps_in_flight + 1))[0]
     try:
         seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=12, logprobs=1)
         batch = llm.generate(PROMPT_IDS + [PROMPT_IDS[0]], [greedy()] * 4 + [seeded], use_tqdm=False)
+        assert max(depths) == 2 and depths.count(2) > len(depths) // 3  # the two stages ran steps side by side
         alone = [llm.generate(ids, greedy(), use_tqdm=False)[0] for ids in PROMPT_IDS]
         seeded_alone = llm.generate(PROMPT_IDS[0], seeded, use_tqdm=False)[0]
         assert ids_and_logprobs(batch[:4]) == ids_and_logprobs(alone)

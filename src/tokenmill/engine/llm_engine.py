@@ -247,6 +247,11 @@ class LLMEngine:
                            kv.prefix_queries, kv.prefix_hits, kv.pool.num_evictions, tier_hits, tier_saves,
                            replace(scheduler.spec_totals))
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps submitted to the executor and not yet finished (at most one per pipeline stage)."""
+        return len(self._in_flight)
+
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
         return len(self.output_processor.states)
