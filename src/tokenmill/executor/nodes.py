@@ -81,9 +81,7 @@ def accept_remote_ranks(spec: "WorkerSpec", parallel: "ParallelConfig", key: byt
 
 def _admit(sock: socket.socket, key: bytes, pending: set[int]) -> Optional[tuple[int, connection.Connection]]:
     """Authenticate a connected peer and read the rank it runs; None (and the socket closed) if refused."""
-    sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_HANDSHAKE_SECONDS))
-    conn = connection.Connection(sock.detach())
+    conn = _handshake_connection(sock)
     try:
         connection.deliver_challenge(conn, key)
         connection.answer_challenge(conn, key)
@@ -111,9 +109,7 @@ def connect_to_engine(address: tuple[str, int], key: bytes, rank: int, timeout: 
             last = exc
             time.sleep(0.5)
             continue
-        sock.settimeout(None)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_HANDSHAKE_SECONDS))
-        conn = connection.Connection(sock.detach())
+        conn = _handshake_connection(sock)
         try:
             connection.answer_challenge(conn, key)
             connection.deliver_challenge(conn, key)
@@ -191,6 +187,14 @@ def remote_worker_main(address: tuple[str, int], key: bytes, rank: int, model_pa
         logging.getLogger(__name__).error("%s", exc)
         raise SystemExit(1)
     worker_main(dataclasses.replace(spec, model_path=model_path), conn, log_level)
+
+
+def _handshake_connection(sock: socket.socket) -> connection.Connection:
+    """A blocking Connection over `sock` whose reads give up after the handshake's time (a silent peer
+    cannot stall the accepting loop); cleared with _set_receive_timeout once the peer is known."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_HANDSHAKE_SECONDS))
+    return connection.Connection(sock.detach())
 
 
 def _timeval(seconds: float) -> bytes:
