@@ -20,7 +20,7 @@ class InProcessExecutor(Executor):
         self._outputs: deque[ModelRunnerOutput] = deque(maxlen=self.max_steps_in_flight)
 
     def submit(self, schedule: SchedulerOutput) -> None:
-        """Run the step in this process (now: there is one rank)."""
+        """Run the step now, in this process (one rank: nothing to overlap)."""
         if len(self._outputs) >= self.max_steps_in_flight:
             raise RuntimeError("a step was submitted before the previous one was collected")
         self._outputs.append(self.worker.execute(schedule))
@@ -28,7 +28,3 @@ class InProcessExecutor(Executor):
     def collect(self) -> ModelRunnerOutput:
         """The step's output."""
         return self._outputs.popleft()
-
-    def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the step in this process."""
-        return self.worker.execute(schedule)
