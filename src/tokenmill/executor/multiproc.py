@@ -38,9 +38,8 @@ class MultiprocExecutor(Executor):
     runs its steps in the order sent, and the driver answers them in that order.
     """
 
-    def __init__(self, spec: WorkerSpec, parallel: Optional[ParallelConfig] = None) -> None:
+    def __init__(self, spec: WorkerSpec, parallel: ParallelConfig) -> None:
         context = get_context("spawn")
-        parallel = parallel or ParallelConfig(spec.tp_size, spec.pp_size, spec.tp_exact, "mp")
         world_size = spec.world_size
         self.driver = spec.driver_rank
         self.max_steps_in_flight = spec.pp_size

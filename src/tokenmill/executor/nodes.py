@@ -193,8 +193,9 @@ def _handshake_connection(sock: socket.socket) -> connection.Connection:
     """A blocking Connection over `sock` whose reads give up after the handshake's time (a silent peer
     cannot stall the accepting loop); cleared with _set_receive_timeout once the peer is known."""
     sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_HANDSHAKE_SECONDS))
-    return connection.Connection(sock.detach())
+    conn = connection.Connection(sock.detach())
+    _set_receive_timeout(conn, _HANDSHAKE_SECONDS)
+    return conn
 
 
 def _timeval(seconds: float) -> bytes:
