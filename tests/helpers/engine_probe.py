@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import torch
 
 from tokenmill.attention.base import SequenceChunk
@@ -36,3 +39,64 @@ def hf_greedy_tokens(model, ids: list[int], count: int) -> list[int]:
         tokens.append(token)
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+@torch.inference_mode()
+def hf_greedy_logprobs(model, ids: list[int], count: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding with HF's own KV cache: the tokens and each one's float32 log-probability."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(count):
+        row = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        token = int(row.argmax())
+        tokens.append(token)
+        logprobs.append(float(row[token]))
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logprobs
+
+
+def assert_logits_equal_hf(llm, hf, prompts: list[list[int]]) -> None:
+    """Each prompt's float32 logits through the paged KV path equal HF's, within float32 noise."""
+    for ids in prompts:
+        ours = model_logits(llm.llm_engine, ids)
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+# eight prompts of different lengths and content, ids inside every tiny model's vocabulary
+EIGHT_PROMPTS = [[1, 520, 9531, 42], list(range(100, 400, 7)), [7, 8, 9] * 30, [2, 3],
+                 list(range(1000, 1060)), [4242] * 5 + [17, 18], list(range(300, 100, -9)), [11, 12, 13, 14, 15, 16]]
+
+
+def assert_greedy_matches_hf(llm, hf, prompts: list[list[int]] = EIGHT_PROMPTS, count: int = 32,
+                             logprob_tolerance: float = 1e-4) -> None:
+    """The engine's greedy ids equal HF's for every prompt (run as one batch), and each token's
+    logprob is within `logprob_tolerance` of HF's."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=count, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    for ids, output in zip(prompts, outputs):
+        sample = output.outputs[0]
+        tokens, logprobs = hf_greedy_logprobs(hf, ids, count)
+        assert sample.token_ids == tokens, f"prompt of {len(ids)} tokens"
+        ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs)) <= logprob_tolerance
+
+
+PERPLEXITY_TEXT = (Path(__file__).parent.parent / "data" / "perplexity.txt").read_text()
+
+
+def token_logprobs(llm, ids: list[int]) -> list[float]:
+    """Each token's log-probability after its prefix (teacher-forced), from the second on."""
+    from tokenmill import SamplingParams
+
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [position[token].logprob for position, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
+
+
+def perplexity(llm, ids: list[int]) -> float:
+    """exp of the mean negative log-probability of `ids` after their prefixes."""
+    scored = token_logprobs(llm, ids)
+    return math.exp(-sum(scored) / len(scored))

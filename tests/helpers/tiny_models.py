@@ -1,4 +1,5 @@
-"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral) with the SmolLM2 tokenizer."""
+"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, DeepSeek-V2, Mixtral, Qwen3-MoE,
+OLMoE) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -37,6 +38,27 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 512},
     "qwen2": {},
     "qwen3": {"head_dim": 32},  # != hidden / heads, as in real Qwen3 models
+    # mixtures of experts: 8 experts of width 32, 2 per token. Mixtral renormalises the top 2; Qwen3-MoE
+    # here too (norm_topk_prob), with a dense middle layer (mlp_only_layers); OLMoE does not renormalise
+    # and norms q and k over the whole projections. initializer_range 0.1: routing far from uniform and
+    # experts whose outputs matter (a wrong normalisation moves the logits by ~1, not ~0.05)
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "initializer_range": 0.1},
+    "qwen3_moe": {"num_hidden_layers": 3, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                  "initializer_range": 0.1},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "initializer_range": 0.1},
+    # 5 sliding layers then a global one, a window shorter than the test prompts; head_dim and the
+    # attention scalar differ from hidden / heads as in the real models
+    "gemma3_text": {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 16,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "final_logit_softcapping": 30.0},
+    # multi-head latent attention: a latent (kv_lora_rank 32) narrower than the heads' keys and values
+    # (4 x (16 + 8) and 4 x 16), RoPE on 8 dims, queries straight from q_proj (q_lora_rank=24 for the
+    # low-rank path); every layer dense (first_k_dense_replace = layers: override it for MoE layers);
+    # initializer_range 0.2 so attention is far from uniform
+    "deepseek_v2": {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 2, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "initializer_range": 0.2},
 }
 
 
@@ -53,7 +75,8 @@ def make_tiny_hf_model(
     dtype: torch.dtype = torch.float32,
     **config_overrides: Any,
 ) -> Path:
-    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3) and its tokenizer in `dir`.
+    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, deepseek_v2, mixtral,
+    qwen3_moe, olmoe) and its tokenizer in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.base import SequenceChunk
+from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -47,8 +47,10 @@ def test_decode_attention_and_cache_writes_match_the_reference_backend(kernels, 
                                                  num_blocks=128)
     ref_cache, fast_cache = cache.clone(), cache.clone()
     ref, fast = TorchReferenceBackend(), CpuPagedBackend(kernels)
-    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, torch.device("cpu")))
-    got = fast.forward(q, k, v, fast_cache, fast.build_metadata(chunks, slots, block_size, torch.device("cpu")))
+    layer = AttentionLayer(head_dim ** -0.5)
+    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, torch.device("cpu")),
+                           layer)
+    got = fast.forward(q, k, v, fast_cache, fast.build_metadata(chunks, slots, block_size, torch.device("cpu")), layer)
     assert torch.equal(fast_cache, ref_cache)  # the K/V writes are copies: exact
     assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -56,13 +58,14 @@ def test_decode_attention_and_cache_writes_match_the_reference_backend(kernels, 
 def test_a_decode_result_does_not_depend_on_the_rest_of_the_batch(kernels):
     lengths = [300, 5, 77, 140]
     cache, chunks, slots, q, k, v = random_batch(5, torch.bfloat16, 9, 3, 64, 16, lengths, num_blocks=64)
-    backend = CpuPagedBackend(kernels)
-    together = backend.forward(q, k, v, cache.clone(), backend.build_metadata(chunks, slots, 16, torch.device("cpu")))
+    backend, layer = CpuPagedBackend(kernels), AttentionLayer(64 ** -0.5)
+    together = backend.forward(q, k, v, cache.clone(), backend.build_metadata(chunks, slots, 16, torch.device("cpu")),
+                               layer)
     for i, chunk in enumerate(chunks):
         alone = SequenceChunk(0, 1, chunk.context_len, chunk.block_ids)
         row = slice(i, i + 1)
         out = backend.forward(q[row], k[row], v[row], cache.clone(),
-                              backend.build_metadata([alone], slots[row], 16, torch.device("cpu")))
+                              backend.build_metadata([alone], slots[row], 16, torch.device("cpu")), layer)
         assert torch.equal(out[0], together[i])
 
 
@@ -79,8 +82,119 @@ def test_decode_reads_q_rows_in_place_within_a_mixed_batch(kernels):
     results = []
     for backend in (TorchReferenceBackend(), CpuPagedBackend(kernels)):
         c = cache.clone()
-        results.append(backend.forward(q, k, v, c, backend.build_metadata(chunks, slots, block_size, c.device)))
+        results.append(backend.forward(q, k, v, c, backend.build_metadata(chunks, slots, block_size, c.device),
+                                       AttentionLayer(head_dim ** -0.5)))
     assert torch.allclose(results[0], results[1], atol=2e-5, rtol=2e-5)
+
+
+class DecodeCall:
+    """Inputs of kernels.decode_attention over a cache of `lengths` sequences in scattered blocks, one row
+    each, then `chunk` rows of one more sequence at consecutive positions from `chunk_start` (a prefill
+    chunk attending query by query: the AVX2 path tiles such rows), rows in that order."""
+
+    def __init__(self, seed, dtype, heads, kv_heads, head_dim, block_size, lengths, chunk=0, chunk_start=1):
+        gen = torch.Generator().manual_seed(seed)
+        self.lens = list(lengths) + list(range(chunk_start, chunk_start + chunk))
+        self.tables = []
+        used = [-(-length // block_size) for length in lengths] + ([-(-self.lens[-1] // block_size)] if chunk else [])
+        num_blocks = sum(used) + 3
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        for n in used:
+            self.tables.append(order[:n])
+            order = order[n:]
+        self.tables += [self.tables.pop()] * chunk if chunk else []
+        max_blocks = max(used)
+        self.block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in self.tables], dtype=torch.int32)
+        self.context_lens = torch.tensor(self.lens, dtype=torch.int32)
+        self.cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, generator=gen).to(dtype)
+        self.q = torch.randn(len(self.lens), heads, head_dim, generator=gen).to(dtype)
+        self.scale, self.block_size = head_dim ** -0.5, block_size
+
+    def run(self, kernels, rows=None, cache=None, **window):
+        """The outputs of `rows` (default all) attending in one call, as [len(rows), heads, head_dim]."""
+        rows = list(range(len(self.lens))) if rows is None else rows
+        out = torch.zeros_like(self.q[rows])
+        kernels.decode_attention(out, self.q[rows], self.cache if cache is None else cache,
+                                 torch.arange(len(rows), dtype=torch.int64), self.block_tables[rows],
+                                 self.context_lens[rows], self.scale, **window)
+        return out
+
+    def keys_and_values(self, row):
+        """Row `row`'s context as float32 [2, kv_heads, context, head_dim]."""
+        blocks = self.cache[:, self.tables[row]].float()  # [2, blocks, kv_heads, block_size, head_dim]
+        return blocks.transpose(1, 2).flatten(2, 3)[:, :, :self.lens[row]]
+
+    def reference(self, window):
+        """softmax(q k^T * scale) v over each row's last `window` keys, in float32."""
+        out = torch.empty(self.q.shape)
+        for row, length in enumerate(self.lens):
+            kv = self.keys_and_values(row)[:, :, max(0, length - window) if window > 0 else 0:]
+            group = self.q.shape[1] // kv.shape[1]
+            k, v = kv.repeat_interleave(group, dim=1)
+            weights = torch.softmax((k @ self.q[row].float().unsqueeze(-1)).squeeze(-1) * self.scale, dim=-1)
+            out[row] = (weights.unsqueeze(1) @ v).squeeze(1)
+        return out
+
+
+# (heads, kv_heads, head_dim, block_size): the AVX-512 spans of each head_dim (192 and 256 too), AVX2's
+# tiles, group 9 on the portable loop, and block sizes below, at and not dividing the 64-key spans
+WINDOWED_SHAPES = [(9, 3, 64, 16), (8, 2, 128, 8), (8, 4, 256, 16), (4, 1, 256, 5), (6, 2, 192, 32),
+                   (9, 1, 64, 16), (4, 4, 32, 16)]
+# lengths: within and past a block, at and past a 64-key span, long
+WINDOWED_LENGTHS = [1, 2, 7, 17, 40, 64, 65, 130, 200]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", WINDOWED_SHAPES)
+def test_windowed_decode_attends_only_the_last_window_keys(kernels, dtype, heads, kv_heads, head_dim, block_size):
+    call = DecodeCall(11, dtype, heads, kv_heads, head_dim, block_size, WINDOWED_LENGTHS, chunk=11, chunk_start=58)
+    # one key, less than a block, not a multiple of the block size, a span, longer than every context
+    for window in (1, 3, 37, 64, 1000):
+        expected = call.reference(window)
+        got = call.run(kernels, window=window)
+        assert torch.allclose(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]), window
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", WINDOWED_SHAPES)
+def test_a_windowed_decode_result_does_not_depend_on_the_rest_of_the_batch(kernels, heads, kv_heads, head_dim,
+                                                                           block_size):
+    call = DecodeCall(12, torch.bfloat16, heads, kv_heads, head_dim, block_size, WINDOWED_LENGTHS, chunk=10,
+                      chunk_start=70)
+    rows = len(call.lens)
+    for window in (3, 37):
+        together = call.run(kernels, window=window)
+        for row in range(rows):
+            assert torch.equal(call.run(kernels, [row], window=window)[0], together[row]), (window, row)
+        # the chunk's rows in other tiles: its second half alone, and behind other sequences
+        half = list(range(rows - 5, rows))
+        assert torch.equal(call.run(kernels, half, window=window), together[half])
+        assert torch.equal(call.run(kernels, [3, 8] + half, window=window)[2:], together[half])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", WINDOWED_SHAPES)
+def test_keys_before_the_window_do_not_reach_the_result(kernels, heads, kv_heads, head_dim, block_size):
+    """NaN in every key and value before a row's window (the chunk's: before its first row's window), whole
+    blocks included, as a freed and reused block may hold: the results stay bit-identical."""
+    call = DecodeCall(13, torch.float32, heads, kv_heads, head_dim, block_size, WINDOWED_LENGTHS, chunk=9,
+                      chunk_start=75)
+    chunk_rows = len(call.lens) - 9
+    for window in (3, 37):
+        poisoned = call.cache.clone()
+        for row, length in enumerate(call.lens[:chunk_rows + 1]):
+            for position in range(max(0, length - window)):
+                poisoned[:, call.tables[row][position // block_size], :, position % block_size] = float("nan")
+        assert torch.equal(call.run(kernels, cache=poisoned, window=window), call.run(kernels, window=window))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", WINDOWED_SHAPES)
+def test_no_window_or_one_no_context_exceeds_is_full_attention_bit_for_bit(kernels, dtype, heads, kv_heads, head_dim,
+                                                                           block_size):
+    call = DecodeCall(14, dtype, heads, kv_heads, head_dim, block_size, WINDOWED_LENGTHS, chunk=8, chunk_start=30)
+    full = call.run(kernels)
+    assert torch.allclose(full.float(), call.reference(0), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for window in (0, -1, max(call.lens), 10 ** 9):
+        assert torch.equal(call.run(kernels, window=window), full), window
 
 
 @pytest.mark.parametrize("rows,hidden", [(33, 576), (1, 100), (17, 24)])  # widths with and without vector tails

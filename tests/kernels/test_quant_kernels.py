@@ -32,8 +32,20 @@ def test_gguf_blocks_convert_exactly(qtype):
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     assert packed.format == EXACT_GGUF_FORMATS[qtype]
     assert torch.equal(packed.dequantize(), expected)
-    # GGUF's own scales are half precision and stay so; Q4_K's products of two scales need float32
-    assert packed.scale.dtype == (torch.float32 if qtype == T.Q4_K else torch.float16)
+    # GGUF's own scales are half precision and stay so; the K-quants' products of two scales need float32
+    assert packed.scale.dtype == (torch.float32 if qtype in (T.Q4_K, T.Q5_K) else torch.float16)
+
+
+def test_q6_k_is_requantised_to_int8_within_an_eighth_of_its_own_step():
+    rows, cols = 8, 512
+    raw = gguf_blocks(T.Q6_K, rows, cols)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K))
+    packed = quantize(weight, quantized.NEAR_GGUF_FORMATS[T.Q6_K])
+    assert packed.format == "int8"
+    blocks = weight.view(rows, -1, 32)
+    # one int8 step is absmax / 127 per 32 weights: the rounding error is at most half of it
+    bound = blocks.abs().amax(-1, keepdim=True) / 254 * (1 + 1e-3)
+    assert ((packed.dequantize().view(rows, -1, 32) - blocks).abs() <= bound).all()
 
 
 def test_padded_width_and_row_operations_keep_values():

@@ -5,28 +5,17 @@ HF float32 on the same weights, and greedy agreement with float32."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.engine_probe import PERPLEXITY_TEXT as TEXT
+from helpers.engine_probe import perplexity, token_logprobs
 from tokenmill import SamplingParams
 
-TEXT = (Path(__file__).parent.parent / "data" / "perplexity.txt").read_text()
 PROMPTS = ["Write a short poem about the sea.", "The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "Explain how a bicycle works.", "1, 2, 3, 4,", "The best way to learn a language is",
            "Q: What is 12 * 7?\nA:"]
-
-
-def token_logprobs(llm, ids) -> list[float]:
-    """Each token's log-probability after its prefix (teacher-forced), from the second on."""
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return [position[token].logprob for position, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
-
-
-def perplexity(llm, ids):
-    scored = token_logprobs(llm, ids)
-    return math.exp(-sum(scored) / len(scored))
 
 
 @pytest.fixture(scope="module")

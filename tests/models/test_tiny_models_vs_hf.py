@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.engine_probe import hf_greedy_tokens, model_logits
+from helpers.engine_probe import assert_logits_equal_hf, hf_greedy_tokens
 from helpers.tiny_models import LLAMA3_ROPE_SCALING, make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 
@@ -34,11 +34,7 @@ def pair(request, tmp_path_factory):
 
 def test_logits_equal_hf(pair):
     llm, hf = pair
-    for ids in PROMPTS:
-        ours = model_logits(llm.llm_engine, ids)
-        with torch.inference_mode():
-            theirs = hf(torch.tensor([ids])).logits[0].float()
-        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    assert_logits_equal_hf(llm, hf, PROMPTS)
 
 
 def test_batched_greedy_equals_hf(pair):

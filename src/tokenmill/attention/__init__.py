@@ -6,10 +6,10 @@ from typing import Any, Optional
 
 import torch
 
-from tokenmill.attention.base import AttentionBackend, SequenceChunk
+from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
-__all__ = ["AttentionBackend", "SequenceChunk", "TorchReferenceBackend", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionLayer", "SequenceChunk", "TorchReferenceBackend", "get_attention_backend"]
 
 
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,

@@ -4,9 +4,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What one layer's attention adds to the step's metadata: its softmax scale and its sliding window
+    (a query at position p sees keys (p - sliding_window, p]; None: every earlier key)."""
+
+    scale: float
+    sliding_window: Optional[int] = None
+
+    def window_start(self, context_len: int) -> int:
+        """The first position a query at `context_len - 1` sees."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, context_len - self.sliding_window)
 
 
 @dataclass(frozen=True)
@@ -44,8 +59,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: Any, layer: AttentionLayer) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: one layer's tensor. Returns [T, H, D].
 
-        Writes k and v into the cache at metadata's slot mapping first, then attends.
+        Writes k and v into the cache at metadata's slot mapping first, then attends with `layer`'s
+        scale and window.
         """

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.attention.base import SequenceChunk
+from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, prefill_entries,
                                           split_decodes)
 from tokenmill.kernels.cpu_kernels import CpuKernels, prefill_attention_fits
@@ -60,15 +60,19 @@ class CpuPagedBackend(TorchReferenceBackend):
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
         self.kernels.cache_write(kv_cache, k, v, m.slots)
 
-    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,
+                     layer: AttentionLayer) -> None:
         self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
-                                      m.decode_lens, q.shape[-1] ** -0.5)
+                                      m.decode_lens, layer.scale, window=layer.sliding_window or 0)
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
-        """All prefill chunks in one kernel call where it applies, else the reference's SDPA per chunk."""
+                      kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:
+        """All prefill chunks in one kernel call where it applies, else the reference's SDPA per chunk.
+        The AMX kernel attends causally without a window: a windowed layer takes it only where no
+        chunk's context is longer than the window (there the two are the same attention)."""
         assert isinstance(m, CpuPagedMetadata)
-        if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and self.kernels.prefill_attention(
-                out, q, kv_cache, m.prefill_chunks, m.prefill_tables, q.shape[-1] ** -0.5):
+        windowless = layer.sliding_window is None or all(p.context_len <= layer.sliding_window for p in m.prefills)
+        if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and windowless and \
+                self.kernels.prefill_attention(out, q, kv_cache, m.prefill_chunks, m.prefill_tables, layer.scale):
             return
-        super()._prefill_into(out, q, k, v, kv_cache, m)
+        super()._prefill_into(out, q, k, v, kv_cache, m, layer)

@@ -10,14 +10,13 @@ attention reads.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.base import AttentionBackend, SequenceChunk
+from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk
 
 
 @dataclass
@@ -27,16 +26,24 @@ class _Prefill:
     context_len: int
     block_table: Optional[torch.Tensor]  # [blocks]; None when the chunk starts at position 0
     device: torch.device
+    _masks: dict[Optional[int], Optional[torch.Tensor]] = field(default_factory=dict)
 
-    @functools.cached_property
-    def mask(self) -> Optional[torch.Tensor]:
-        """[query_len, context_len], True = may attend; None for a chunk starting at position 0 (plain
-        causal). Built on first use and kept for the step's other layers: a backend whose kernel takes
-        the chunk never builds it."""
+    def mask(self, window: Optional[int]) -> Optional[torch.Tensor]:
+        """[query_len, context_len], True = may attend: causal, and within `window` keys of the query
+        when given; None where plain causal attention is exact (a chunk from position 0 that no window
+        cuts). Built on first use per window and kept for the step's other layers: a backend whose
+        kernel takes the chunk never builds it."""
         start = self.context_len - self.query_len
-        if start == 0:
+        if start == 0 and (window is None or window >= self.context_len):
             return None
-        return torch.ones(self.query_len, self.context_len, dtype=torch.bool, device=self.device).tril(start)
+        if window not in self._masks:
+            queries = torch.arange(start, self.context_len, device=self.device)[:, None]
+            keys = torch.arange(self.context_len, device=self.device)[None, :]
+            allowed = keys <= queries
+            if window is not None:
+                allowed &= keys > queries - window
+            self._masks[window] = allowed
+        return self._masks[window]
 
 
 @dataclass
@@ -49,6 +56,18 @@ class TorchRefMetadata:
     decode_token_index: Optional[torch.Tensor] = None  # [B]
     decode_tables: Optional[torch.Tensor] = None  # [B, max_blocks], padded with block 0
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_blocks * block_size]
+    decode_lens: Optional[torch.Tensor] = None  # [B] context lengths (int64), for windowed masks
+    _windowed_decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask_for(self, window: Optional[int]) -> torch.Tensor:
+        """The decode mask of a layer with `window` (keys within the window of each query only)."""
+        if window is None:
+            return self.decode_mask
+        if window not in self._windowed_decode_masks:
+            keys = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            recent = keys[None, :] >= (self.decode_lens - window)[:, None]
+            self._windowed_decode_masks[window] = self.decode_mask & recent[:, None, None, :]
+        return self._windowed_decode_masks[window]
 
 
 def is_decode(chunk: SequenceChunk) -> bool:
@@ -123,24 +142,25 @@ class TorchReferenceBackend(AttentionBackend):
             meta.decode_token_index = torch.tensor([c.query_start for c in decodes], device=device)
             meta.decode_tables = tables.to(device)
             meta.decode_mask = mask[:, None, None, :].to(device)
+            meta.decode_lens = lengths.to(device)
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TorchRefMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: TorchRefMetadata, layer: AttentionLayer) -> torch.Tensor:
         """Write K/V, then attend (see AttentionBackend.forward)."""
         m = metadata
         self._write(k, v, kv_cache, m)
         out = q.new_empty(q.shape)
         if m.decode_token_index is not None:
-            self._decode_into(out, q, kv_cache, m)
+            self._decode_into(out, q, kv_cache, m, layer)
         if m.prefills:
-            self._prefill_into(out, q, k, v, kv_cache, m)
+            self._prefill_into(out, q, k, v, kv_cache, m, layer)
         return out
 
     @staticmethod
     def _prefill_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
-        """Each prefill chunk's causal attention (one SDPA call per chunk) into its rows of out."""
+                      kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:
+        """Each prefill chunk's causal (and windowed) attention, one SDPA call per chunk, into its rows of out."""
         for p in m.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
@@ -150,8 +170,9 @@ class TorchReferenceBackend(AttentionBackend):
             else:
                 kp = _tiles(kv_cache[0], p.block_table)[:, :p.context_len].unsqueeze(0)
                 vp = _tiles(kv_cache[1], p.block_table)[:, :p.context_len].unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
-                                                is_causal=p.mask is None, enable_gqa=True)
+            mask = p.mask(layer.sliding_window)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
+                                                scale=layer.scale, enable_gqa=True)
             out[rows] = op.squeeze(0).transpose(0, 1)
 
     @staticmethod
@@ -159,11 +180,12 @@ class TorchReferenceBackend(AttentionBackend):
         kv_cache[0][m.block_ids, :, m.offsets] = k
         kv_cache[1][m.block_ids, :, m.offsets] = v
 
-    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
-        out[m.decode_token_index] = self._decode(q[m.decode_token_index], kv_cache, m)
+    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,
+                     layer: AttentionLayer) -> None:
+        out[m.decode_token_index] = self._decode(q[m.decode_token_index], kv_cache, m, layer)
 
     @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> torch.Tensor:
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> torch.Tensor:
         """One query per sequence. The G query heads sharing a kv head become G query rows of one
         attention call, so K/V are gathered once and never repeated per query head."""
         batch, num_heads, head_dim = q.shape
@@ -171,5 +193,6 @@ class TorchReferenceBackend(AttentionBackend):
         k = _tiles(kv_cache[0], m.decode_tables)  # [B, KVH, L, D]
         v = _tiles(kv_cache[1], m.decode_tables)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=m.decode_mask)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=m.decode_mask_for(layer.sliding_window),
+                                             scale=layer.scale)
         return out.reshape(batch, num_heads, head_dim)

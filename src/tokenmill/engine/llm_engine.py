@@ -18,6 +18,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kernels.isa import native_bf16
+from tokenmill.models.arch import kv_cache_geometry
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -151,10 +152,6 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         limit, reason = self.arch.max_position_embeddings, "the model's context length"
-        window = self.arch.sliding_window
-        if window is not None and window < limit:
-            # Sliding-window attention is not implemented: within the window it equals full attention.
-            limit, reason = window, "the model's sliding window (sliding-window attention is not supported)"
         asked = self.config.model.max_model_len
         if asked is None:
             return limit
@@ -163,8 +160,8 @@ class LLMEngine:
         return asked
 
     def _blocks_for_budget(self, block_size: int, gib: float) -> int:
-        arch = self.arch
-        bytes_per_block = (2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim
+        kv_heads, head_dim = kv_cache_geometry(self.arch)  # every rank's heads together
+        bytes_per_block = (2 * self.arch.num_hidden_layers * block_size * kv_heads * head_dim
                            * torch.tensor([], dtype=self.dtype).element_size())
         return max(1, int(gib * _GIB) // bytes_per_block)
 

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _INT],
+    "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT],
     "tm_cache_write": [_P] * 4 + [_I64] * 7 + [_INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
@@ -149,9 +149,10 @@ class CpuKernels:
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                          token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         scale: float) -> None:
+                         scale: float, window: int = 0) -> None:
         """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
-        cached tokens. q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [2, blocks, kv_heads,
+        cached tokens, or with window > 0 over the last `window` of them only (the blocks before those are
+        not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [2, blocks, kv_heads,
         block_size, head_dim] contiguous; block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
         bf16 = _storage_flag(out, q, kv_cache)
         _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
@@ -163,7 +164,7 @@ class CpuKernels:
         self.lib.tm_decode_attention(
             _ptr(out), _ptr(q), _ptr(kv_cache), _ptr(kv_cache) + half, _ptr(token_index), _ptr(block_tables),
             _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
-            block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, bf16)
+            block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
 
     def cache_write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] (rows may be strided, heads contiguous) at `slots` (int64)."""

@@ -17,7 +17,17 @@
 /* One query token per sequence against its paged context.
  * q/out rows: token_index[b] selects the row of sequence b; heads at q_head_stride within a row.
  * Cache (one layer, one of K or V): [num_blocks, kv_heads, block_size, head_dim], contiguous.
- * Query head h reads kv head h / (num_heads / kv_heads). */
+ * Query head h reads kv head h / (num_heads / kv_heads).
+ * Sliding window: query b sits at position context_lens[b] - 1 and attends the keys
+ * [window_first(context_lens[b], window), context_lens[b]). The blocks wholly before that first key
+ * are never read (a window's sequence may have given them back), and with no window, or a context no
+ * longer than it, every path runs exactly the operations it runs without one. */
+
+/* The first key a query of context `ctx` attends: window <= 0 is full attention. */
+static inline int64_t window_first(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 #ifdef __AVX512F__
 /* Ask for the cache lines of `count` storage values from element `first` on. */
 static inline void prefetch_tile(const void *base, int64_t first, int64_t count, int bf16) {
@@ -72,14 +82,20 @@ static inline __m512 key_dot_##NV(const __m512 *qv, const void *qh, const void *
 #endif
 DEFINE_KEY_DOT(4)
 DEFINE_KEY_DOT(8)
+DEFINE_KEY_DOT(12)
+DEFINE_KEY_DOT(16)
 
 /* One (sequence, kv head, span of keys) of decode attention with NV 16-lane vectors per head row:
  * scores 16 keys at a time (one horizontal-sum tree for all 16), exponentials 16 lanes at a time,
- * and the G output accumulators in registers while V streams through once. Keys [key0, key1), key0 a
- * multiple of block_size. Per query row g it leaves the span's score maximum top[g], the sum of
- * exp(score - top[g]) in total[g], and the exp-weighted sum of V rows (not yet divided by the total)
- * in out_rows[g]; decode_attention merges the spans. `scores` holds G * (key1 - key0) floats. */
-#define DEFINE_DECODE_ITEM(NV)                                                                          \
+ * and the G output accumulators in registers while V streams through once per VC of the NV vectors
+ * (each output lane sums its own products in key order, so how the columns are split changes no
+ * result). Keys [key0, key1); key0 may sit inside a block (a window's first span), and each block's
+ * keys are taken from key0's offset, 16 at a time, so a span starting on a block boundary runs the
+ * same operations whatever block_size is. Per query row g it leaves the span's score maximum top[g],
+ * the sum of exp(score - top[g]) in total[g], and the exp-weighted sum of V rows (not yet divided by
+ * the total) in out_rows[g]; decode_attention merges the spans. `scores` holds G * (key1 - key0)
+ * floats. Only the blocks holding keys of the span are read. */
+#define DEFINE_DECODE_ITEM(NV, VC)                                                                      \
 static void decode_item_##NV(float *out_rows, float *top, float *total, const void *q, int64_t q_row,  \
                              int64_t q_head_stride, const void *k_cache, const void *v_cache,            \
                              const int32_t *table, int64_t key0, int64_t key1, int64_t kvh,              \
@@ -92,12 +108,14 @@ static void decode_item_##NV(float *out_rows, float *top, float *total, const vo
         BF16_VECTORS(qh, NV, q, q_row + (kvh * group + g) * q_head_stride, bf16);                        \
         float *sg = scores + g * span;                                                                   \
         __m512 mx = _mm512_set1_ps(-INFINITY);                                                           \
-        for (int64_t start = key0; start < key1; start += block_size) {                                  \
-            const int64_t n = key1 - start < block_size ? key1 - start : block_size;                     \
-            const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;  \
-            if (g == 0 && start + block_size < key1)  /* the next block is elsewhere: fetch it early */  \
-                prefetch_tile(k_cache, ((int64_t)table[start / block_size + 1] * num_kv_heads + kvh) * tile, \
-                              tile, bf16);                                                               \
+        for (int64_t start = key0, end; start < key1; start = end) {                                     \
+            const int64_t block = start / block_size;                                                    \
+            end = (block + 1) * block_size < key1 ? (block + 1) * block_size : key1;                     \
+            const int64_t n = end - start;                                                               \
+            const int64_t tile_base = ((int64_t)table[block] * num_kv_heads + kvh) * tile                \
+                                      + (start - block * block_size) * head_dim;                         \
+            if (g == 0 && end < key1)  /* the next block is elsewhere: fetch it early */                 \
+                prefetch_tile(k_cache, ((int64_t)table[block + 1] * num_kv_heads + kvh) * tile, tile, bf16); \
             for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                     \
                 const int count = (int)(n - j0 < 16 ? n - j0 : 16);                                      \
                 __m512 dots[16];                                                                         \
@@ -123,28 +141,40 @@ static void decode_item_##NV(float *out_rows, float *top, float *total, const vo
         }                                                                                                \
         total[g] = _mm512_reduce_add_ps(sums);                                                           \
     }                                                                                                    \
-    __m512 acc[8][NV];                                                                                   \
-    for (int64_t g = 0; g < group; g++)                                                                  \
-        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();                                   \
-    for (int64_t start = key0; start < key1; start += block_size) {                                      \
-        const int64_t n = key1 - start < block_size ? key1 - start : block_size;                         \
-        const int64_t tile_base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile;      \
-        if (start + block_size < key1)                                                                   \
-            prefetch_tile(v_cache, ((int64_t)table[start / block_size + 1] * num_kv_heads + kvh) * tile, tile, bf16); \
-        for (int64_t j = 0; j < n; j++) {                                                                \
-            __m512 row[NV];                                                                              \
-            for (int v = 0; v < NV; v++) row[v] = load16(v_cache, tile_base + j * head_dim + 16 * v, bf16); \
-            for (int64_t g = 0; g < group; g++) {                                                        \
-                const __m512 p = _mm512_set1_ps(scores[g * span + (start - key0) + j]);                  \
-                for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);         \
+    for (int c = 0; c < NV; c += VC) {                                                                   \
+        __m512 acc[8][VC];                                                                               \
+        for (int64_t g = 0; g < group; g++)                                                              \
+            for (int v = 0; v < VC; v++) acc[g][v] = _mm512_setzero_ps();                               \
+        for (int64_t start = key0, end; start < key1; start = end) {                                     \
+            const int64_t block = start / block_size;                                                    \
+            end = (block + 1) * block_size < key1 ? (block + 1) * block_size : key1;                     \
+            const int64_t n = end - start;                                                               \
+            const int64_t tile_base = ((int64_t)table[block] * num_kv_heads + kvh) * tile                \
+                                      + (start - block * block_size) * head_dim + 16 * c;                \
+            if (end < key1)                                                                              \
+                prefetch_tile(v_cache, ((int64_t)table[block + 1] * num_kv_heads + kvh) * tile, tile, bf16); \
+            for (int64_t j = 0; j < n; j++) {                                                            \
+                __m512 row[VC];                                                                          \
+                for (int v = 0; v < VC; v++) row[v] = load16(v_cache, tile_base + j * head_dim + 16 * v, bf16); \
+                for (int64_t g = 0; g < group; g++) {                                                    \
+                    const __m512 p = _mm512_set1_ps(scores[g * span + (start - key0) + j]);              \
+                    for (int v = 0; v < VC; v++) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);     \
+                }                                                                                        \
             }                                                                                            \
         }                                                                                                \
+        for (int64_t g = 0; g < group; g++)                                                              \
+            for (int v = 0; v < VC; v++) _mm512_storeu_ps(out_rows + g * head_dim + 16 * (c + v), acc[g][v]); \
     }                                                                                                    \
-    for (int64_t g = 0; g < group; g++)                                                                  \
-        for (int v = 0; v < NV; v++) _mm512_storeu_ps(out_rows + g * head_dim + 16 * v, acc[g][v]);     \
 }
-DEFINE_DECODE_ITEM(4)
-DEFINE_DECODE_ITEM(8)
+DEFINE_DECODE_ITEM(4, 4)
+DEFINE_DECODE_ITEM(8, 8)
+DEFINE_DECODE_ITEM(12, 6)  /* head_dim 192 and 256 take V in halves: G x NV accumulators would not */
+DEFINE_DECODE_ITEM(16, 8)  /* come near the 32 registers */
+/* decode_item_NV for head_dim 64 (NV 4), 128, 192 and 256 */
+static void (*const decode_items[4])(float *, float *, float *, const void *, int64_t, int64_t, const void *,
+                                     const void *, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                     int64_t, float, int, float *) = {decode_item_4, decode_item_8, decode_item_12,
+                                                                      decode_item_16};
 #endif
 
 /* Keys per span of the AVX-512 decode path, rounded down to whole blocks (at least one): spans are
@@ -174,18 +204,21 @@ static void merge_spans(void *out, int64_t out_row, const float *rows, const flo
 }
 
 /* The AVX-512 path: items are (sequence, kv head, span of SPAN_KEYS keys); then one merge per
- * (sequence, kv head). */
+ * (sequence, kv head). Spans stay at multiples of span_keys from key 0 whatever the window: a window
+ * drops the spans wholly before its first key and starts the one holding it there, so a sequence's
+ * spans are a function of its own length and window. */
 static void decode_attention_in_spans(void *out, const void *q, const void *k_cache, const void *v_cache,
                                       const int64_t *token_index, const int32_t *block_tables,
                                       const int32_t *context_lens, int64_t num_seqs, int64_t num_kv_heads,
                                       int64_t group, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                                       int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                                      float scale, int bf16) {
+                                      float scale, int64_t window, int bf16) {
     const int64_t span_keys = (SPAN_KEYS / block_size > 1 ? SPAN_KEYS / block_size : 1) * block_size;
     int64_t *first_span = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     first_span[0] = 0;
     for (int64_t b = 0; b < num_seqs; b++)
-        first_span[b + 1] = first_span[b] + (context_lens[b] + span_keys - 1) / span_keys;
+        first_span[b + 1] = first_span[b] + (context_lens[b] + span_keys - 1) / span_keys
+                            - window_first(context_lens[b], window) / span_keys;
     const int64_t spans = first_span[num_seqs];
     float *rows = (float *)malloc(sizeof(float) * (size_t)(spans * num_kv_heads * group * (head_dim + 2)));
     float *tops = rows + spans * num_kv_heads * group * head_dim, *totals = tops + spans * num_kv_heads * group;
@@ -200,10 +233,12 @@ static void decode_attention_in_spans(void *out, const void *q, const void *k_ca
                     const int64_t mid = (b + hi + 1) / 2;
                     if (first_span[mid] <= item) b = mid; else hi = mid - 1;
                 }
-                const int64_t key0 = (item - first_span[b]) * span_keys;
-                const int64_t key1 = key0 + span_keys < context_lens[b] ? key0 + span_keys : context_lens[b];
+                const int64_t first = window_first(context_lens[b], window);
+                const int64_t span_start = (first / span_keys + item - first_span[b]) * span_keys;
+                const int64_t key0 = span_start > first ? span_start : first;
+                const int64_t key1 = span_start + span_keys < context_lens[b] ? span_start + span_keys : context_lens[b];
                 const int64_t slot = kvh * spans + item;
-                (head_dim == 64 ? decode_item_4 : decode_item_8)(
+                decode_items[head_dim / 64 - 1](
                     rows + slot * group * head_dim, tops + slot * group, totals + slot * group, q,
                     token_index[b] * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + b * max_blocks,
                     key0, key1, kvh, num_kv_heads, block_size, group, scale, bf16, scores);
@@ -224,12 +259,15 @@ static void decode_attention_in_spans(void *out, const void *q, const void *k_ca
 #endif
 
 #if defined(TM_AVX2) && !defined(__AVX512F__)
-/* The AVX2 path. A query's arithmetic depends only on its q row, its context length and the cached
- * K/V: every query runs the same three passes, whatever other queries share its work item, so a
- * token attends alike in a decode step, a prefill chunk of any size or after a prefix-cache hit.
- * 1. scores, 8 keys at a time from key 0: per key, 8 lanes of fused multiply-adds over the head's
- *    dimensions in order, the lanes summed by one fixed tree (sum_each_of_8), times scale * log2(e);
- * 2. p = 2^(score - max) (exp2_8), their total summed 8 lanes at a time in key order, then one tree
+/* The AVX2 path. A query's arithmetic depends only on its q row, its context length, the window and
+ * the cached K/V: every query runs the same three passes over its keys [first, ctx), whatever other
+ * queries share its work item, so a token attends alike in a decode step, a prefill chunk of any size
+ * or after a prefix-cache hit.
+ * 1. scores, 8 keys at a time from a multiple of 8: per key, 8 lanes of fused multiply-adds over the
+ *    head's dimensions in order, the lanes summed by one fixed tree (sum_each_of_8), times
+ *    scale * log2(e);
+ * 2. p = 2^(score - max) (exp2_8), their total summed 8 lanes at a time in key order (lane i holding
+ *    the keys i mod 8; lanes outside [first, ctx) selected away, never multiplied), then one tree
  *    (reduce_add8);
  * 3. out = (sum over keys in order of p * v, fused multiply-adds) * (1 / total).
  * A work item is up to QUERY_TILE consecutive queries of one sequence (a prefill chunk's) for one kv
@@ -245,7 +283,8 @@ static inline __m256 sum_each_of_8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-/* Stands in for the keys past the longest context of a tile (read as float32 or bfloat16 zeros). */
+/* Stands in for the keys outside the tile's keys, before its earliest first key or past its longest
+ * context (read as float32 or bfloat16 zeros). */
 static const float zero_key[256];
 
 /* Attention of the queries [b0, b0 + tile) (one sequence, consecutive positions) for kv head kvh;
@@ -254,11 +293,16 @@ static void attend_tile(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *table, const int32_t *context_lens, int64_t b0,
                         int64_t tile, int64_t kvh, int64_t num_kv_heads, int64_t group, int64_t head_dim,
                         int64_t block_size, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int bf16) {
+                        float scale, int64_t window, int bf16) {
     const int64_t rows = tile * group, nv = head_dim / 8, tile_elems = block_size * head_dim;
-    int64_t longest = 0;
-    for (int64_t t = 0; t < tile; t++) longest = context_lens[b0 + t] > longest ? context_lens[b0 + t] : longest;
-    const int64_t stride = (longest + 7) / 8 * 8;
+    int64_t longest = 0, earliest = INT64_MAX;
+    for (int64_t t = 0; t < tile; t++) {
+        const int64_t ctx = context_lens[b0 + t], first = window_first(ctx, window);
+        longest = ctx > longest ? ctx : longest;
+        earliest = first < earliest ? first : earliest;
+    }
+    /* row r's score of key j at scores[r * stride + j - base]: the tile's keys from a multiple of 8 */
+    const int64_t base = earliest / 8 * 8, stride = (longest - base + 7) / 8 * 8;
     float *qf = (float *)malloc(sizeof(float) * (size_t)(rows * (head_dim + stride)));
     float *scores = qf + rows * head_dim;
     for (int64_t t = 0; t < tile; t++)
@@ -267,17 +311,18 @@ static void attend_tile(void *out, const void *q, const void *k_cache, const voi
                 _mm256_storeu_ps(qf + (t * group + g) * head_dim + 8 * v,
                                  load8(q, token_index[b0 + t] * q_row_stride + (kvh * group + g) * q_head_stride + 8 * v, bf16));
     const __m256 score_scale = _mm256_set1_ps(scale * LOG2E);
-    for (int64_t j0 = 0; j0 < longest; j0 += 8) {
+    for (int64_t j0 = base; j0 < longest; j0 += 8) {
         const void *keys[8];
         int64_t key_at[8];
         for (int i = 0; i < 8; i++) {
-            const int64_t j = j0 + i;
-            keys[i] = j < longest ? k_cache : (const void *)zero_key;
-            key_at[i] = j < longest ? ((int64_t)table[j / block_size] * num_kv_heads + kvh) * tile_elems
-                                      + (j % block_size) * head_dim : 0;
+            const int64_t j = j0 + i, inside = j >= earliest && j < longest;
+            keys[i] = inside ? k_cache : (const void *)zero_key;
+            key_at[i] = inside ? ((int64_t)table[j / block_size] * num_kv_heads + kvh) * tile_elems
+                                 + (j % block_size) * head_dim : 0;
         }
         for (int64_t r = 0; r < rows; r++) {
-            if (j0 >= context_lens[b0 + r / group])
+            const int64_t ctx = context_lens[b0 + r / group];
+            if (j0 >= ctx || j0 + 8 <= window_first(ctx, window))
                 continue;
             __m256 acc[8];
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
@@ -287,45 +332,48 @@ static void attend_tile(void *out, const void *q, const void *k_cache, const voi
                 for (int i = 0; i < 8; i++)
                     acc[i] = _mm256_fmadd_ps(qv, load8(keys[i], key_at[i] + 8 * v, bf16), acc[i]);
             }
-            _mm256_storeu_ps(scores + r * stride + j0, _mm256_mul_ps(sum_each_of_8(acc), score_scale));
+            _mm256_storeu_ps(scores + r * stride + (j0 - base), _mm256_mul_ps(sum_each_of_8(acc), score_scale));
         }
     }
     float *inv = (float *)malloc(sizeof(float) * (size_t)rows);
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t ctx = context_lens[b0 + r / group];
+        const int64_t ctx = context_lens[b0 + r / group], first = window_first(ctx, window);
         float *sr = scores + r * stride;
         __m256 top8 = _mm256_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < ctx; j0 += 8)  /* a maximum is exact in any order */
-            top8 = _mm256_max_ps(top8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr + j0),
-                                                         _mm256_castsi256_ps(lanes_below8(ctx - j0))));
+        for (int64_t j0 = first / 8 * 8; j0 < ctx; j0 += 8) {  /* a maximum is exact in any order */
+            const __m256i valid = _mm256_andnot_si256(lanes_below8(first - j0), lanes_below8(ctx - j0));
+            top8 = _mm256_max_ps(top8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(sr + (j0 - base)),
+                                                         _mm256_castsi256_ps(valid)));
+        }
         const __m256 top = _mm256_set1_ps(reduce_max8(top8));
         __m256 sum8 = _mm256_setzero_ps();
-        for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
-            const __m256 valid = _mm256_castsi256_ps(lanes_below8(ctx - j0));
-            const __m256 p = _mm256_and_ps(exp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + j0), top)), valid);
-            _mm256_storeu_ps(sr + j0, p);
+        for (int64_t j0 = first / 8 * 8; j0 < ctx; j0 += 8) {
+            const __m256 valid = _mm256_castsi256_ps(_mm256_andnot_si256(lanes_below8(first - j0), lanes_below8(ctx - j0)));
+            const __m256 p = _mm256_and_ps(exp2_8(_mm256_sub_ps(_mm256_loadu_ps(sr + (j0 - base)), top)), valid);
+            _mm256_storeu_ps(sr + (j0 - base), p);
             sum8 = _mm256_add_ps(sum8, p);
         }
         inv[r] = 1.0f / reduce_add8(sum8);
     }
     /* p . V with V's block in cache for all rows: each row's sums still run over the keys in order */
     float *acc = (float *)calloc((size_t)(rows * head_dim), sizeof(float));
-    for (int64_t start = 0; start < longest; start += block_size) {
-        const int64_t base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile_elems;
+    for (int64_t start = earliest / block_size * block_size; start < longest; start += block_size) {
+        const int64_t at = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile_elems;
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t ctx = context_lens[b0 + r / group];
-            if (start >= ctx)
+            const int64_t ctx = context_lens[b0 + r / group], first = window_first(ctx, window);
+            if (start >= ctx || start + block_size <= first)
                 continue;
             const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-            const float *pr = scores + r * stride + start;
+            const int64_t skip = first > start ? first - start : 0;  /* the block's keys before the window */
+            const float *pr = scores + r * stride;
             for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
                 float *ar = acc + r * head_dim + d0;
                 __m256 a[8];
                 for (int v = 0; v < 8; v++) a[v] = _mm256_loadu_ps(ar + 8 * v);
-                for (int64_t j = 0; j < n; j++) {
-                    const __m256 p = _mm256_set1_ps(pr[j]);
+                for (int64_t j = skip; j < n; j++) {
+                    const __m256 p = _mm256_set1_ps(pr[start + j - base]);
                     for (int v = 0; v < 8; v++)
-                        a[v] = _mm256_fmadd_ps(p, load8(v_cache, base + j * head_dim + d0 + 8 * v, bf16), a[v]);
+                        a[v] = _mm256_fmadd_ps(p, load8(v_cache, at + j * head_dim + d0 + 8 * v, bf16), a[v]);
                 }
                 for (int v = 0; v < 8; v++) _mm256_storeu_ps(ar + 8 * v, a[v]);
             }
@@ -355,7 +403,7 @@ static void decode_attention_avx2(void *out, const void *q, const void *k_cache,
                                   const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                                   int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,
                                   int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                                  int64_t out_row_stride, float scale, int bf16) {
+                                  int64_t out_row_stride, float scale, int64_t window, int bf16) {
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     int64_t tiles = 0;
     for (int64_t b = 0; b < num_seqs;) {
@@ -372,7 +420,7 @@ static void decode_attention_avx2(void *out, const void *q, const void *k_cache,
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
             attend_tile(out, q, k_cache, v_cache, token_index, block_tables + (starts[i + 1] - 1) * max_blocks, context_lens,
                         starts[i], starts[i + 1] - starts[i], kvh, num_kv_heads, group, head_dim, block_size,
-                        q_row_stride, q_head_stride, out_row_stride, scale, bf16);
+                        q_row_stride, q_head_stride, out_row_stride, scale, window, bf16);
     free(starts);
 }
 #endif
@@ -381,31 +429,32 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                          const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                         int64_t out_row_stride, float scale, int bf16) {
+                         int64_t out_row_stride, float scale, int64_t window, int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tile_elems = block_size * head_dim;  /* one (block, kv head) tile is contiguous */
 #if defined(TM_AVX2) && !defined(__AVX512F__)
     if (head_dim % 64 == 0 && head_dim <= 256) {
         decode_attention_avx2(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
                               num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride,
-                              out_row_stride, scale, bf16);
+                              out_row_stride, scale, window, bf16);
         return;
     }
 #endif
 #ifdef __AVX512F__
-    if ((head_dim == 64 || head_dim == 128) && group <= 8) {
+    if (head_dim % 64 == 0 && head_dim <= 256 && group <= 8) {
         decode_attention_in_spans(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
                                   num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride,
-                                  q_head_stride, out_row_stride, scale, bf16);
+                                  q_head_stride, out_row_stride, scale, window, bf16);
         return;
     }
 #endif
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; b++) {
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
-            const int64_t ctx = context_lens[b];
+            /* the keys [first, ctx): scores[g * len + j - first] */
+            const int64_t ctx = context_lens[b], first = window_first(ctx, window), len = ctx - first;
             const int32_t *table = block_tables + b * max_blocks;
-            float *qf = (float *)malloc(sizeof(float) * (size_t)(group * head_dim * 2 + tile_elems + group * ctx));
+            float *qf = (float *)malloc(sizeof(float) * (size_t)(group * head_dim * 2 + tile_elems + group * len));
             float *acc = qf + group * head_dim;
             float *tile = acc + group * head_dim;
             float *scores = tile + tile_elems;
@@ -413,9 +462,12 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
             for (int64_t g = 0; g < group; g++)
                 load_row(qf + g * head_dim, q, qrow + (kvh * group + g) * q_head_stride, head_dim, bf16);
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-            for (int64_t start = 0; start < ctx; start += block_size) {
-                const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-                const int64_t base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile_elems;
+            for (int64_t start = first, end; start < ctx; start = end) {
+                const int64_t block = start / block_size;
+                end = (block + 1) * block_size < ctx ? (block + 1) * block_size : ctx;
+                const int64_t n = end - start;
+                const int64_t base = ((int64_t)table[block] * num_kv_heads + kvh) * tile_elems
+                                     + (start - block * block_size) * head_dim;
                 load_row(tile, k_cache, base, n * head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = qf + g * head_dim;
@@ -428,7 +480,7 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                         for (int64_t d = 0; d < head_dim; d++) {
                             s0 += qg[d] * r0[d]; s1 += qg[d] * r1[d]; s2 += qg[d] * r2[d]; s3 += qg[d] * r3[d];
                         }
-                        float *sg = scores + g * ctx + start + t;
+                        float *sg = scores + g * len + (start - first) + t;
                         sg[0] = s0 * scale; sg[1] = s1 * scale; sg[2] = s2 * scale; sg[3] = s3 * scale;
                     }
                     for (; t < n; t++) {
@@ -436,27 +488,30 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                         float s0 = 0.0f;
                         #pragma omp simd reduction(+:s0)
                         for (int64_t d = 0; d < head_dim; d++) s0 += qg[d] * r[d];
-                        scores[g * ctx + start + t] = s0 * scale;
+                        scores[g * len + (start - first) + t] = s0 * scale;
                     }
                 }
             }
             for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * ctx;
+                float *sg = scores + g * len;
                 float mx = -INFINITY, sum = 0.0f;
                 #pragma omp simd reduction(max:mx)
-                for (int64_t t = 0; t < ctx; t++) mx = sg[t] > mx ? sg[t] : mx;
+                for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
                 #pragma omp simd reduction(+:sum)
-                for (int64_t t = 0; t < ctx; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
+                for (int64_t t = 0; t < len; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
                 const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
+                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
             }
-            for (int64_t start = 0; start < ctx; start += block_size) {
-                const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-                const int64_t base = ((int64_t)table[start / block_size] * num_kv_heads + kvh) * tile_elems;
+            for (int64_t start = first, end; start < ctx; start = end) {
+                const int64_t block = start / block_size;
+                end = (block + 1) * block_size < ctx ? (block + 1) * block_size : ctx;
+                const int64_t n = end - start;
+                const int64_t base = ((int64_t)table[block] * num_kv_heads + kvh) * tile_elems
+                                     + (start - block * block_size) * head_dim;
                 load_row(tile, v_cache, base, n * head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     float *a = acc + g * head_dim;
-                    const float *p = scores + g * ctx + start;
+                    const float *p = scores + g * len + (start - first);
                     for (int64_t t = 0; t < n; t++) {
                         const float *r = tile + t * head_dim;
                         const float pt = p[t];

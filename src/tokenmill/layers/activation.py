@@ -20,3 +20,12 @@ class SiluAndMul(nn.Module):
             return self.kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU on a fused [gate | up] input: gelu_tanh(gate) * up (Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Split the last dimension in half and gate the second half with the first."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

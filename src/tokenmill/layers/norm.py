@@ -10,13 +10,24 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension.
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    `weight_offset` is added to the checkpoint's weight as it loads (Gemma stores weight - 1 and scales
+    by 1 + weight), so every path, native kernel included, multiplies by `weight` alone."""
+
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.weight_offset = weight_offset
         self.kernels: Any = None  # CpuKernels when the fused native kernel is used
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
+        """Store the checkpoint's weight (plus the offset, added in float32)."""
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, model expects "
+                             f"{tuple(param.shape)} for a norm")
+        param.data.copy_(loaded.float() + self.weight_offset if self.weight_offset else loaded)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -8,8 +8,10 @@ Scales and offsets are float16 when every one of them is exactly a float16 (GGUF
 scales are, and load-time quantisation rounds its scales to float16 first), else float32 (Q4_K's
 products of two scales). Rows are padded to a multiple of 64 columns with blocks of scale 0 and offset 0.
 
-- int8: u in 0..255, one per byte; offset = -128 * scale. GGUF Q8_0 converts exactly; float weights
-  quantise symmetrically (absmax / 127 per block).
+- int8: u in 0..255, one per byte; offset = -128 * scale. GGUF Q8_0, and the five-bit Q5_0, Q5_1 and Q5_K
+  (u = the five-bit value, per 32-weight sub-block), convert exactly; float weights quantise
+  symmetrically (absmax / 127 per block), and so does GGUF Q6_K, whose scales cover 16 weights
+  (`NEAR_GGUF_FORMATS`: one int8 step is at most an eighth of a Q6_K step).
 - int4: u in 0..15, two per byte: the 32 bytes of block pair p hold block 2p in their low nibbles and
   block 2p + 1 in their high nibbles. GGUF Q4_0 (offset = -8 * scale), Q4_1 and Q4_K (per 32-weight
   sub-block) convert exactly; float weights quantise asymmetrically (min/max per block, llama.cpp's Q4_1).
@@ -42,7 +44,10 @@ AMX_BELOW_ROWS = 768
 FORMATS = ("int8", "int4")
 T = GGMLQuantizationType
 # GGUF encodings that convert into this layout without loss, and the format they become
-EXACT_GGUF_FORMATS = {T.Q8_0: "int8", T.Q4_0: "int4", T.Q4_1: "int4", T.Q4_K: "int4"}
+EXACT_GGUF_FORMATS = {T.Q8_0: "int8", T.Q5_0: "int8", T.Q5_1: "int8", T.Q5_K: "int8",
+                      T.Q4_0: "int4", T.Q4_1: "int4", T.Q4_K: "int4"}
+# GGUF encodings kept quantised by requantising their decoded values into this format
+NEAR_GGUF_FORMATS = {T.Q6_K: "int8"}
 
 
 def padded_cols(cols: int) -> int:
@@ -200,6 +205,27 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
         nibbles = blocks[..., 16:].reshape(rows, -1, 4, 32)  # chunk c: sub-block 2c low, 2c + 1 high
         u = np.stack((nibbles & 0x0F, nibbles >> 4), axis=3)
         return _pad_and_pack("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+    if tensor_type in (T.Q5_0, T.Q5_1):
+        size = 22 if tensor_type == T.Q5_0 else 24
+        blocks = raw.reshape(rows, -1, size)
+        scale = half(blocks[..., 0:2]).reshape(rows, -1)
+        offset = -16 * scale if tensor_type == T.Q5_0 else half(blocks[..., 2:4]).reshape(rows, -1)
+        high_bits = np.unpackbits(blocks[..., size - 20:size - 16], axis=-1, bitorder="little")  # bit j: element j
+        nibbles = blocks[..., size - 16:]
+        u = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1) | (high_bits << 4)
+        return _pad_and_pack("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+    if tensor_type == T.Q5_K:
+        blocks = raw.reshape(rows, -1, 176)  # 256 weights: d, dmin, 12 bytes of scales/mins, 32 of high bits, 128 of nibbles
+        d, dmin = half(blocks[..., 0:2]), half(blocks[..., 2:4])
+        sc, mins = _q4_k_scales_and_mins(blocks[..., 4:16])
+        scale = (d * torch.from_numpy(sc).float()).reshape(rows, -1)
+        offset = -(dmin * torch.from_numpy(mins).float()).reshape(rows, -1)
+        high = blocks[..., 16:48]  # bit s of byte l: the fifth bit of element l of sub-block s
+        nibbles = blocks[..., 48:].reshape(rows, -1, 4, 32)  # chunk c: sub-block 2c low, 2c + 1 high
+        low = np.stack((nibbles & 0x0F, nibbles >> 4), axis=3).reshape(rows, -1, 8, 32)
+        fifth = (high[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+        u = low | (fifth << 4)
+        return _pad_and_pack("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
     raise ValueError(f"GGUF type {tensor_type.name} does not convert exactly; "
                      f"exact: {', '.join(t.name for t in EXACT_GGUF_FORMATS)}")
 

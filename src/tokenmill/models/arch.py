@@ -26,11 +26,59 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: `num_experts` SwiGLU experts of width `intermediate_size`, `top_k` of them per token.
+
+    Router: softmax over the experts' logits, the top k kept, renormalised to sum 1 when `norm_topk_prob`
+    (Mixtral, Qwen3-MoE) or used as they are (OLMoE, DeepSeek-V2), times `routed_scaling_factor`.
+    `shared_intermediate_size` > 0 adds an always-on SwiGLU expert of that width (DeepSeek's shared experts,
+    fused into one). `dense_layers` run a plain MLP of the model's `intermediate_size` instead.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+    dense_layers: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2): keys and values come from one compressed latent of
+    `kv_lora_rank` per token plus a shared RoPE key of `qk_rope_head_dim`, which is all the cache holds.
+    `q_lora_rank` None: queries are projected directly from the hidden state."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What differs from one decoder layer to the next: its attention kind, window and RoPE base, and
+    whether its MLP is sparse."""
+
+    attention: str  # FULL_ATTENTION | SLIDING_ATTENTION
+    sliding_window: Optional[int]  # tokens a query sees, itself included (None: all)
+    rope_theta: float
+    moe: bool
+
+
 @dataclass(frozen=True)
 class ArchConfig:
-    """Hyper-parameters of a decoder-only transformer in the Llama family.
+    """Hyper-parameters of a decoder-only transformer: the Llama family, Gemma 3, MoE and MLA models.
 
     `architecture` is the HF class name (e.g. "LlamaForCausalLM"); the registry maps it to a model.
+    What differs per layer comes from `layer_spec(i)`; the model-wide variations are the fields below.
     """
 
     architecture: str
@@ -46,16 +94,71 @@ class ArchConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q, k and v projections
+    attention_out_bias: bool = False  # bias on the output projection too (Llama/Qwen3/Gemma 3 attention_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qk_norm_per_head: bool = True  # False (OLMoE): the q/k norm spans the whole q and k projections
     rope_scaling: Optional[RopeScaling] = None
     sliding_window: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     checkpoint_dtype: str = "float32"  # the dtype the weights are stored in ("auto" resolves from it)
+    # per-layer attention kinds (FULL_ATTENTION / SLIDING_ATTENTION); empty: every layer is
+    # sliding when `sliding_window` is set, else full
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: Optional[float] = None  # RoPE base of sliding layers (Gemma 3), else rope_theta
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
+    sandwich_norms: bool = False  # Gemma 3: norms after attention and MLP as well as before
+    embedding_scale: Optional[float] = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    attention_scale: Optional[float] = None  # softmax scale (default head_dim ** -0.5)
+    final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+    moe: Optional[MoEConfig] = None
+    mla: Optional[MLAConfig] = None
 
     def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
+                             f"{self.num_hidden_layers}")
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {FULL_ATTENTION}, "
+                             f"{SLIDING_ATTENTION}")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.mla is not None and self.mla.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.mla.qk_rope_head_dim}) must be even: RoPE rotates pairs")
+
+    def layer_spec(self, index: int) -> LayerSpec:
+        """Layer `index`'s attention kind, window, RoPE base and MLP kind."""
+        if self.layer_types:
+            kind = self.layer_types[index]
+        else:
+            kind = SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION
+        sliding = kind == SLIDING_ATTENTION
+        theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
+        moe = self.moe is not None and index not in self.moe.dense_layers
+        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(self.layer_spec(i).attention == SLIDING_ATTENTION for i in range(self.num_hidden_layers))
+
+
+def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:
+    """(KV heads, head dim) of one rank's per-layer KV cache: the model's KV heads split over `tp_size`
+    ranks; for MLA one head of the latent plus the RoPE key (kv_lora_rank + qk_rope_head_dim), which
+    tensor parallelism does not split (ValueError above 1)."""
+    if arch.mla is not None:
+        if tp_size > 1:
+            raise ValueError(f"MLA models run at tensor_parallel_size 1 (asked for {tp_size}): "
+                             "attention heads are not sharded")
+        return 1, arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
+    return arch.num_key_value_heads // tp_size, arch.head_dim

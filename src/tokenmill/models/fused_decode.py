@@ -47,6 +47,14 @@ class _Step(ctypes.Structure):
                 ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p), ("amx_from_rows", c_int64)]
 
 
+def _llama_shaped(arch: Any) -> bool:
+    """Whether every layer is the one tm_decode_step runs: full attention at the default scale, SwiGLU,
+    pre-norms only, dense MLPs, no q/k norm."""
+    return (not arch.qk_norm and not arch.has_sliding_layers and not arch.sandwich_norms
+            and arch.hidden_act == "silu" and arch.attention_scale is None and arch.moe is None
+            and arch.mla is None and not arch.attention_out_bias)
+
+
 def _native_product(linear: Any) -> Union[QLinearOp, AmxPackedKernel, None]:
     kernel = getattr(linear, "kernel", None)
     if isinstance(kernel, AmxPackedKernel):
@@ -92,10 +100,10 @@ class FusedDecode:
 
     @staticmethod
     def build(model: Any) -> Optional["FusedDecode"]:
-        """A FusedDecode for `model` (a LlamaForCausalLM after `use_linear_kernels` and
+        """A FusedDecode for `model` (a DecoderForCausalLM after `use_linear_kernels` and
         `use_fused_kernels`), or None where the conditions in the module docstring do not hold."""
         kernels = model.kernels
-        if kernels is None or model.arch.qk_norm or not model.layers:
+        if kernels is None or not _llama_shaped(model.arch) or not model.layers:
             return None
         for layer in model.layers:
             if not isinstance(layer.self_attn.backend, CpuPagedBackend):
@@ -129,7 +137,7 @@ class FusedDecode:
                 struct.kv_cache = pointer
             self.cache_pointers = pointers
         _, num_blocks, _, block_size, _ = kv_caches[0].shape
-        rotary = self.model.rotary
+        (rotary,) = self.model.rotary.tables.values()
         step = _Step(num_tokens=hidden.shape[0], num_blocks=num_blocks, block_size=block_size, eps=self.eps,
                      scale=self.shape["head_dim"] ** -0.5, bf16=int(hidden.dtype == torch.bfloat16),
                      positions=positions.data_ptr(), slots=metadata.slots.data_ptr(),

@@ -6,14 +6,21 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.models.arch import ArchConfig
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
+# every architecture runs as the one decoder; what differs is data in its ArchConfig (hf_config.py and
+# gguf_file.py translate each architecture's settings)
 _MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "LlamaForCausalLM": DecoderForCausalLM,
+    "MistralForCausalLM": DecoderForCausalLM,
+    "Qwen2ForCausalLM": DecoderForCausalLM,
+    "Qwen3ForCausalLM": DecoderForCausalLM,
+    "Gemma3ForCausalLM": DecoderForCausalLM,
+    "DeepseekV2ForCausalLM": DecoderForCausalLM,  # multi-head latent attention (models/mla_attention.py)
+    "MixtralForCausalLM": DecoderForCausalLM,  # mixtures of experts (layers/moe.py)
+    "Qwen3MoeForCausalLM": DecoderForCausalLM,
+    "OlmoeForCausalLM": DecoderForCausalLM,
 }
 
 

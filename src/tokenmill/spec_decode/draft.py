@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.models.arch import kv_cache_geometry
 from tokenmill.request import Request
 from tokenmill.sampling.rejection import draw
 from tokenmill.sampling.sampler import adjust_logits, filtered_probs, row_argmax
@@ -43,8 +44,8 @@ class DraftProposer:
         self.kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
         # A seeded request's draft generator gets a scrambled seed: the draft's choices must be
         # independent of the acceptance draws the target makes with the request's own seed.
-        self.runner = ModelRunner(model, backend, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim,
-                                  dtype, device, eos_token_ids, seed + 1, request_seed=draft_seed)
+        self.runner = ModelRunner(model, backend, num_blocks, block_size, *kv_cache_geometry(arch), dtype, device,
+                                  eos_token_ids, seed + 1, request_seed=draft_seed)
         self.grammars = grammars
         self.cached: dict[str, int] = {}  # request id -> leading tokens whose draft KV is valid
 

@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.models.arch import ArchConfig
+from tokenmill.models.arch import ArchConfig, kv_cache_geometry
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.parallel.group import PipelineStage, TPGroup, init_parallel, stage_layers
 from tokenmill.worker.model_runner import ModelRunner
@@ -79,9 +79,9 @@ class Worker:
                                       self.device, spec.tp_exact, spec.timeout)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage)
-        self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size,
-                                  arch.num_key_value_heads // tp.size, arch.head_dim, dtype, self.device,
-                                  spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder)
+        kv_heads, head_dim = kv_cache_geometry(arch, tp.size)
+        self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size, kv_heads, head_dim, dtype,
+                                  self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder)
         self.description = (f"{dtype}, {type(backend).__name__} attention; {self.model.describe_weights()}")
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
@@ -90,9 +90,17 @@ class Worker:
 
 
 def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size: int = 1) -> None:
-    """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits, or the
-    model has fewer layers than pipeline stages."""
+    """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits, the
+    model has fewer layers than pipeline stages, or has layers tensor parallelism cannot split yet (MLA,
+    mixtures of experts, OLMoE's whole-projection q/k norm)."""
     stage_layers(arch.num_hidden_layers, pp_size, 0)
+    kv_cache_geometry(arch, tp_size)  # MLA refuses tensor parallelism
+    if tp_size > 1 and arch.moe is not None:
+        raise ValueError(f"tensor_parallel_size {tp_size}: mixture-of-experts models ({arch.architecture}) do not "
+                         "support tensor parallelism yet; use pipeline parallelism")
+    if tp_size > 1 and arch.qk_norm and not arch.qk_norm_per_head:
+        raise ValueError(f"tensor_parallel_size {tp_size}: {arch.architecture}'s q/k norm over the whole projections "
+                         "does not support tensor parallelism")
     parts = [("attention heads", arch.num_attention_heads), ("KV heads", arch.num_key_value_heads),
              ("intermediate size", arch.intermediate_size), ("vocabulary", arch.vocab_size)]
     if exact:

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.models.arch import ArchConfig
+from tokenmill.models.loader.chat_templates import built_in_chat_template
 from tokenmill.models.loader.gguf_file import GGUFCheckpoint
 from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf
 from tokenmill.models.loader.resolve import DEFAULT_MODEL, resolve_model_path
@@ -55,8 +56,8 @@ class ModelSource:
         """Yield `(hf_parameter_name, tensor)` pairs, with a progress bar on stderr.
 
         Float checkpoints keep their stored dtype; dequantized GGUF tensors are float32. With
-        `keep_quantized`, GGUF tensors whose encoding converts exactly (Q8_0, Q4_0, Q4_1, Q4_K) come
-        as `QuantizedWeight`s instead.
+        `keep_quantized`, GGUF matrices whose encoding converts exactly (Q8_0, Q5_0, Q5_1, Q5_K, Q4_0,
+        Q4_1, Q4_K) or nearly (Q6_K, requantised to int8) come as `QuantizedWeight`s instead.
         """
         progress = tqdm(
             self.weight_stream(keep_quantized),
@@ -104,7 +105,8 @@ def _gguf_source(path: str, with_tokenizer: bool) -> ModelSource:
         path=path,
         arch=checkpoint.arch,
         tokenizer=tokenizer,
-        chat_template=checkpoint.chat_template or (tokenizer.chat_template if tokenizer is not None else None),
+        chat_template=(checkpoint.chat_template or (tokenizer.chat_template if tokenizer is not None else None)
+                       or built_in_chat_template(checkpoint.gguf_architecture)),
         num_tensors=checkpoint.num_tensors,
         weight_stream=checkpoint.iter_weights,
     )

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
-from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, QuantizedWeight, from_gguf
-from tokenmill.models.arch import ArchConfig, RopeScaling
+from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, NEAR_GGUF_FORMATS, QuantizedWeight, from_gguf, quantize
+from tokenmill.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, ArchConfig, RopeScaling
 from tokenmill.models.loader.gguf_tensors import (
     FLOAT_TYPES,
     check_tensor_type,
@@ -23,7 +23,12 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# llama.cpp's Gemma 3 settings that the file does not store (src/llama-model.cpp): every sixth layer
+# is global, the local layers' RoPE base
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 _MISSING = object()
 
 
@@ -65,7 +70,7 @@ class GGUFCheckpoint:
             )
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
         for tensor in self.reader.tensors:
-            hf_name(tensor.name)
+            hf_name(tensor.name, self.gguf_architecture)
             check_tensor_type(tensor)
         self.arch = self._read_arch_config()
 
@@ -105,6 +110,10 @@ class GGUFCheckpoint:
     def _eos_token_ids(self) -> tuple[int, ...]:
         keys = ("eos_token_id", "eot_token_id", "eom_token_id")
         ids = [self.metadata(f"tokenizer.ggml.{key}", None) for key in keys]
+        if self.gguf_architecture == "gemma3" and ids[1] is None:
+            # Gemma's chat turns end with <end_of_turn>, which its GGUF files do not name as eot
+            tokens = self.metadata("tokenizer.ggml.tokens", [])
+            ids.append(tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None)
         return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
     def _checkpoint_dtype(self) -> str:
@@ -113,26 +122,43 @@ class GGUFCheckpoint:
             return str(FLOAT_TYPES[only]).removeprefix("torch.")
         return "float32"
 
+    def _gemma3_fields(self, num_layers: int, hidden_size: int, head_dim: int) -> dict[str, Any]:
+        """Gemma 3's ArchConfig fields beyond the Llama ones. The converter stores the norms' weights
+        with Gemma's + 1 already added, so no offset remains."""
+        if self._arch_metadata("attn_logit_softcapping", None) is not None:
+            raise ValueError("Gemma 3 with attention logit soft-capping is not supported")
+        layer_types = tuple(FULL_ATTENTION if (i + 1) % _GEMMA3_SLIDING_PATTERN == 0 else SLIDING_ATTENTION
+                            for i in range(num_layers))
+        cap = self._arch_metadata("final_logit_softcapping", None)
+        return dict(layer_types=layer_types, rope_local_theta=_GEMMA3_LOCAL_ROPE_BASE, hidden_act="gelu_tanh",
+                    sandwich_norms=True, embedding_scale=float(hidden_size) ** 0.5,
+                    attention_scale=float(head_dim) ** -0.5, final_logit_softcap=float(cap) if cap else None)
+
     def _read_arch_config(self) -> ArchConfig:
         hidden_size = int(self._arch_metadata("embedding_length"))
         num_heads = int(self._arch_metadata("attention.head_count"))
         head_dim = self._arch_metadata("attention.key_length", None)
+        head_dim = int(head_dim) if head_dim is not None else hidden_size // num_heads
+        num_layers = int(self._arch_metadata("block_count"))
         sliding_window = self._arch_metadata("attention.sliding_window", None)
         bos = self.metadata("tokenizer.ggml.bos_token_id", None)
+        gemma3 = self.gguf_architecture == "gemma3"
         return ArchConfig(
+            **(self._gemma3_fields(num_layers, hidden_size, head_dim) if gemma3 else {}),
             architecture=GGUF_ARCHITECTURES[self.gguf_architecture],
             vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
             hidden_size=hidden_size,
             intermediate_size=int(self._arch_metadata("feed_forward_length")),
-            num_hidden_layers=int(self._arch_metadata("block_count")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(self._arch_metadata("attention.head_count_kv", num_heads)),
-            head_dim=int(head_dim) if head_dim is not None else hidden_size // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(self._arch_metadata("attention.layer_norm_rms_epsilon")),
             rope_theta=float(self._arch_metadata("rope.freq_base", 10000.0)),
             max_position_embeddings=int(self._arch_metadata("context_length")),
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
+            attention_out_bias="blk.0.attn_output.bias" in self.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
             rope_scaling=self._rope_scaling(),
             sliding_window=int(sliding_window) if sliding_window is not None else None,
@@ -155,11 +181,14 @@ class GGUFCheckpoint:
         """Yield `(hf_name, tensor)` for every tensor in HF layout: decoded to float, or with
         `keep_quantized` converted into a `QuantizedWeight` where the encoding allows it exactly."""
         for tensor in self.reader.tensors:
-            if keep_quantized and tensor.tensor_type in EXACT_GGUF_FORMATS and len(tensor.shape) == 2:
+            matrix = len(tensor.shape) == 2
+            if keep_quantized and matrix and tensor.tensor_type in EXACT_GGUF_FORMATS:
                 weight = from_gguf(tensor.tensor_type, np.asarray(tensor.data), cols=int(tensor.shape[0]))
+            elif keep_quantized and matrix and tensor.tensor_type in NEAR_GGUF_FORMATS:
+                weight = quantize(to_torch(tensor), NEAR_GGUF_FORMATS[tensor.tensor_type])
             else:
                 weight = to_torch(tensor)
             num_heads = self._heads_of_permuted_rows(tensor.name)
             if num_heads is not None:
                 weight = undo_llama_rope_permute(weight, num_heads)
-            yield hf_name(tensor.name), weight
+            yield hf_name(tensor.name, self.gguf_architecture), weight

@@ -44,18 +44,28 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# where an architecture names a tensor differently (Gemma 3 has norms before and after each block)
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF parameter name of GGUF tensor `gguf_name` (e.g. `blk.3.attn_q.weight`)."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The HF parameter name of GGUF tensor `gguf_name` (e.g. `blk.3.attn_q.weight`) in a file of GGUF
+    `architecture`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(architecture, {})}
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the supported models")
+    if match is None or match.group(2) not in names:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the supported {architecture} models")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def check_tensor_type(tensor: ReaderTensor) -> None:

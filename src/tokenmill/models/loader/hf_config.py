@@ -6,16 +6,22 @@ Keys missing from `config.json` take the defaults of the matching transformers c
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from tokenmill.models.arch import ArchConfig, RopeScaling
+from tokenmill.models.arch import ArchConfig, MLAConfig, MoEConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -23,6 +29,11 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -36,7 +47,37 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "head_dim": 128},
+    "Gemma3ForCausalLM": {
+        "vocab_size": 262_208, "max_position_embeddings": 131_072, "head_dim": 256, "bos_token_id": 2,
+        "eos_token_id": 1, "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    },
+    "DeepseekV2ForCausalLM": {
+        "vocab_size": 102_400, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "mlp_bias": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 0, "n_routed_experts": 64,
+        "n_shared_experts": 2, "moe_intermediate_size": 1407, "num_experts_per_tok": None,
+        "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False,
+    },
+    "MixtralForCausalLM": {
+        "vocab_size": 32000, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+        "bos_token_id": 1, "eos_token_id": 2, "sliding_window": None, "num_experts_per_tok": 2,
+    },
+    "Qwen3MoeForCausalLM": {
+        "vocab_size": 151_936, "max_position_embeddings": 32768, "sliding_window": 4096, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "OlmoeForCausalLM": {
+        "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
+    },
 }
+_HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# see _moe_fields: each one's expert count, its config key first (transformers maps num_experts and
+# num_local_experts onto each other, and saves whichever the class stores)
+_MOE_ARCHITECTURES = {"MixtralForCausalLM": ("num_local_experts", "num_experts", 8),
+                      "Qwen3MoeForCausalLM": ("num_experts", "num_local_experts", 128),
+                      "OlmoeForCausalLM": ("num_experts", "num_local_experts", 64)}
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
@@ -95,12 +136,121 @@ def _token_ids(*values: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]:
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM"):
         return setting["sliding_window"]
-    qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if qwen and setting.get("use_sliding_window"):
         return setting["sliding_window"]
     return None
+
+
+def _global_rope(params: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of full-attention layers (Gemma 3 keeps one dict per layer type)."""
+    return params.get("full_attention", params)
+
+
+def _gemma3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's ArchConfig fields beyond the Llama ones (transformers' Gemma3TextConfig)."""
+    for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if setting.get(unsupported):
+            raise ValueError(f"Gemma3ForCausalLM with {unsupported}={setting[unsupported]!r} is not supported")
+    act = setting["hidden_activation"]
+    if act not in _HIDDEN_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_activation {act!r}; supported: {', '.join(_HIDDEN_ACTIVATIONS)}")
+    layers = setting["num_hidden_layers"]
+    pattern = setting.get("sliding_window_pattern", 6)
+    layer_types = setting.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    local = rope_params.get("sliding_attention", {}).get("rope_theta", setting["rope_local_base_freq"])
+    return dict(
+        layer_types=tuple(layer_types), rope_local_theta=float(local), hidden_act=_HIDDEN_ACTIVATIONS[act],
+        norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=float(setting["hidden_size"]) ** 0.5,
+        attention_scale=float(setting["query_pre_attn_scalar"]) ** -0.5,
+        final_logit_softcap=setting.get("final_logit_softcapping"),
+    )
+
+
+def _yarn_mscale_squared(params: dict[str, Any]) -> float:
+    """What transformers' DeepSeek-V2 multiplies its softmax scale by (yarn_apply_mscale): mscale(factor,
+    mscale_all_dim) squared for a scaled RoPE with `mscale_all_dim`, else 1."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    factor = float(params.get("factor", 1.0))
+    if kind == "default" or not mscale_all_dim or factor <= 1:
+        return 1.0
+    return (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+
+
+def _deepseek_v2_moe(setting: dict[str, Any]) -> Optional[MoEConfig]:
+    """DeepSeek-V2's sparse layers (those from first_k_dense_replace on), None when every layer is dense.
+    Routing as transformers' DeepseekV2TopkRouter: softmax, greedy top k, times routed_scaling_factor."""
+    layers, name = setting["num_hidden_layers"], "DeepseekV2ForCausalLM"
+    dense = min(int(setting["first_k_dense_replace"]), layers)
+    if setting["n_routed_experts"] is None or dense == layers:
+        return None
+    # norm_topk_prob: transformers ignores it, DeepSeek's own code renormalises (and then does not scale)
+    for key, supported in (("topk_method", "greedy"), ("scoring_func", "softmax"), ("moe_layer_freq", 1),
+                           ("norm_topk_prob", False)):
+        value = setting.get(key)
+        if value is not None and value != supported:
+            raise ValueError(f"{name} with {key}={value!r} is not supported; supported: {supported!r}")
+    if not setting["num_experts_per_tok"]:
+        raise ValueError(f"{name} with sparse layers needs num_experts_per_tok")
+    size = int(setting["moe_intermediate_size"])
+    return MoEConfig(num_experts=int(setting["n_routed_experts"]), top_k=int(setting["num_experts_per_tok"]),
+                     intermediate_size=size, norm_topk_prob=False,
+                     routed_scaling_factor=float(setting["routed_scaling_factor"]),
+                     shared_intermediate_size=int(setting["n_shared_experts"] or 0) * size,
+                     dense_layers=frozenset(range(dense)))
+
+
+def _deepseek_v2_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's ArchConfig fields beyond the Llama ones (transformers' DeepseekV2Config): multi-head
+    latent attention, its softmax scale (qk_nope + qk_rope) ** -0.5 (times yarn's mscale squared), the MoE."""
+    if setting.get("mlp_bias"):
+        raise ValueError("DeepseekV2ForCausalLM with mlp_bias=True is not supported")
+    act = setting["hidden_act"]
+    if act not in _HIDDEN_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_HIDDEN_ACTIVATIONS)}")
+    q_lora_rank = setting["q_lora_rank"]
+    mla = MLAConfig(kv_lora_rank=int(setting["kv_lora_rank"]), qk_nope_head_dim=int(setting["qk_nope_head_dim"]),
+                    qk_rope_head_dim=int(setting["qk_rope_head_dim"]), v_head_dim=int(setting["v_head_dim"]),
+                    q_lora_rank=None if q_lora_rank is None else int(q_lora_rank))
+    qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    return dict(mla=mla, moe=_deepseek_v2_moe(setting), hidden_act=_HIDDEN_ACTIVATIONS[act],
+                attention_scale=qk_head_dim ** -0.5 * _yarn_mscale_squared(_global_rope(rope_params)))
+
+
+def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
+    """The mixture of experts of Mixtral / Qwen3-MoE / OLMoE (transformers' MixtralSparseMoeBlock,
+    Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock), and OLMoE's q/k norm over the whole projections."""
+    act = setting.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{architecture} with hidden_act={act!r} is not supported; supported: 'silu' (SwiGLU experts)")
+    fields: dict[str, Any] = {}
+    key, alias, default = _MOE_ARCHITECTURES[architecture]
+    num_experts = next((setting[k] for k in (key, alias) if setting.get(k) is not None), default)
+    if architecture == "MixtralForCausalLM":  # every layer sparse; the top k always renormalised
+        width, normalize, dense = setting["intermediate_size"], True, ()
+    elif architecture == "Qwen3MoeForCausalLM":  # sparse every decoder_sparse_step-th layer, except mlp_only_layers
+        width = setting["moe_intermediate_size"]
+        normalize, step = bool(setting["norm_topk_prob"]), setting["decoder_sparse_step"]
+        if step < 1:
+            raise ValueError(f"{architecture} with decoder_sparse_step={step!r} is not supported")
+        only_dense = set(setting.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(setting["num_hidden_layers"]) if i in only_dense or (i + 1) % step)
+    else:  # OLMoE: every layer sparse
+        if setting.get("clip_qkv") is not None:
+            raise ValueError(f"{architecture} with clip_qkv={setting['clip_qkv']!r} is not supported")
+        width, normalize, dense = setting["intermediate_size"], bool(setting["norm_topk_prob"]), ()
+        fields["qk_norm_per_head"] = False
+    top_k = setting["num_experts_per_tok"]
+    if num_experts and not 0 < top_k <= num_experts:
+        raise ValueError(f"{architecture} with num_experts_per_tok={top_k} of {num_experts} experts is not supported")
+    if num_experts:  # (a Qwen3-MoE without experts is a dense model)
+        fields["moe"] = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=width,
+                                  norm_topk_prob=normalize, dense_layers=frozenset(dense))
+    return fields
 
 
 def arch_config_from_hf(
@@ -118,6 +268,8 @@ def arch_config_from_hf(
 
     architecture = _architecture(config)
     setting = {**_COMMON_DEFAULTS, **_DEFAULTS[architecture], **config}
+    if architecture == "DeepseekV2ForCausalLM":  # HF's head_dim is the RoPE part; ours, the q/k head width
+        setting["head_dim"] = setting["qk_nope_head_dim"] + setting["qk_rope_head_dim"]
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     num_heads = setting["num_attention_heads"]
     bos_token_id = setting["bos_token_id"]
@@ -125,6 +277,9 @@ def arch_config_from_hf(
         bos_token_id = generation.get("bos_token_id")
 
     return ArchConfig(
+        **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
+        **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
+        **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,
         vocab_size=setting["vocab_size"],
         hidden_size=setting["hidden_size"],
@@ -134,12 +289,13 @@ def arch_config_from_hf(
         num_key_value_heads=setting.get("num_key_value_heads") or num_heads,
         head_dim=setting.get("head_dim") or setting["hidden_size"] // num_heads,
         rms_norm_eps=float(setting["rms_norm_eps"]),
-        rope_theta=float(rope_params.get("rope_theta", setting["rope_theta"])),
+        rope_theta=float(_global_rope(rope_params).get("rope_theta", setting["rope_theta"])),
         max_position_embeddings=setting["max_position_embeddings"],
         tie_word_embeddings=bool(setting["tie_word_embeddings"]),
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(setting["attention_bias"]),
-        qk_norm=architecture == "Qwen3ForCausalLM",
-        rope_scaling=rope_scaling_from_hf(rope_params),
+        attention_out_bias=architecture != "Qwen2ForCausalLM" and bool(setting["attention_bias"]),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+        rope_scaling=rope_scaling_from_hf(_global_rope(rope_params)),
         sliding_window=_sliding_window(architecture, setting),
         bos_token_id=bos_token_id,
         eos_token_ids=_token_ids(setting["eos_token_id"], generation.get("eos_token_id")),

