@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.cpu_kernels import cpu_kernels
 
 WINDOW = 16  # the tiny config's sliding window: every prompt below but one is longer
 PROMPTS = [[1, 520, 9531, 42], list(range(100, 400, 7)), [7, 8, 9] * 30]
@@ -49,7 +50,9 @@ def test_greedy_ids_and_logprobs_equal_hf(llm, hf):
 
 
 def test_long_prompts_chunked_and_prefix_cached_agree_with_the_plain_run(path):
-    """Prompts several windows long: chunked prefill and prefix-cache hits see the same window."""
+    """Prompts several windows long: chunked prefill and prefix-cache hits see the same window. With the
+    native kernels the logprobs agree bit for bit (batch invariance); without them (PyTorch's products
+    change a row's arithmetic with the row count) the ids must still agree."""
     prompts = [list(range(200, 290)), list(range(200, 260)) + [5, 6, 7] * 10]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 
@@ -62,6 +65,8 @@ def test_long_prompts_chunked_and_prefix_cached_agree_with_the_plain_run(path):
 
     plain, _ = run(prefix_caching=False)
     chunked, llm = run(max_num_batched_tokens=24)
+    if cpu_kernels() is None:
+        plain, chunked = [ids for ids, _ in plain], [ids for ids, _ in chunked]
     assert chunked == plain
     assert llm.llm_engine.kv_cache.prefix_hits > 0
     assert plain[0] == plain[2] and plain[1] == plain[3]
