@@ -195,6 +195,9 @@ class ParallelConfig:
         "computes whole dot products for its share of the outputs, so every tensor-parallel size gives the "
         "single-rank tokens and logprobs bit for bit; --no-tensor-parallel-exact sums partial products with an "
         "all-reduce instead (Megatron's way: fewer bytes per layer, results differ across sizes)")
+    enable_expert_parallel: bool = _opt(
+        False, "shard each MoE layer's routed experts whole across the tensor-parallel ranks (router and shared "
+        "experts replicated, attention and dense MLPs tensor-parallel as usual); output identical to one rank")
     distributed_executor_backend: str = _opt(
         "auto", "where the model runs: uni = in the engine's process (no overhead; one rank only), mp = one "
         "worker process per rank started with spawn, each owning its shard and KV pool; auto = uni for one "
@@ -227,6 +230,9 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError(f"enable_expert_parallel shards the experts across the tensor-parallel ranks: it needs "
+                             f"tensor_parallel_size > 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")

@@ -17,12 +17,6 @@ class AttentionLayer:
     scale: float
     sliding_window: Optional[int] = None
 
-    def window_start(self, context_len: int) -> int:
-        """The first position a query at `context_len - 1` sees."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, context_len - self.sliding_window)
-
 
 @dataclass(frozen=True)
 class SequenceChunk:

@@ -94,11 +94,12 @@ class LLMEngine:
             tier_slots = self._blocks_for_budget(block_size, config.cache.secondary_kv_gb)
         parallel = config.parallel
         check_divisible(self.arch, parallel.tensor_parallel_size, parallel.tensor_parallel_exact,
-                        parallel.pipeline_parallel_size)  # before any worker starts
+                        parallel.pipeline_parallel_size, parallel.enable_expert_parallel)  # before any worker starts
         spec = WorkerSpec(config.model, source.path, str(self.device), str(self.dtype).removeprefix("torch."),
                           self.max_model_len, num_blocks, block_size, tier_slots, config.cache.secondary_kv_folder,
                           self.eos_token_ids, tp_size=parallel.tensor_parallel_size,
-                          pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact)
+                          pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
+                          expert_parallel=parallel.enable_expert_parallel)
         self.executor: Executor = make_executor(spec, config.parallel, source)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
                                        cache_salt=source.path, secondary_slots=tier_slots)

@@ -80,6 +80,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self.rank_descriptions = descriptions  # each rank's own (its shard: e.g. its experts)
         self.description = f"{descriptions[0]}; {world_size} worker process{'es' if world_size > 1 else ''}"
         if parallel.nnodes > 1:
             self.description += f" on {parallel.nnodes} nodes"

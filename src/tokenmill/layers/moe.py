@@ -5,7 +5,20 @@ The experts run grouped: the (token, choice) pairs are sorted by expert, each ex
 rows routed to it in one product, and the results are put back in (token, choice) order and summed with
 the routing weights. Python loops over the experts hit by the step, never over tokens. Experts are the
 decoder's gated MLPs, so their weights load, quantise (int8/int4, per expert) and pick kernels like any
-projection. Tensor parallelism is refused for now (worker.check_divisible, and MoEBlock itself).
+projection.
+
+Expert parallelism (`TPGroup.expert_parallel`, --enable-expert-parallel): under tensor parallelism the
+block's input is replicated on every rank. Rank r of N holds only the experts [r*E/N, (r+1)*E/N), whole
+(not split across ranks); the router and the shared experts are replicated. Each rank runs its experts
+on the (token, choice) slots routed to them and writes the outputs, as float32, into a [T, top_k, hidden]
+buffer filled with -0.0 elsewhere; a sum all-reduce over the group then combines the buffers (dispatch and
+combine as one all-reduce: gloo has no dependable all-to-all). It is exact: every element is written by
+exactly one rank; -0.0 is the additive identity of IEEE floats (x + -0.0 == x bit for bit, +0.0
+included, whatever order the ranks are added in); a bfloat16/float16 expert output converts to float32
+exactly. Every rank then takes the same weighted sum (`combine`) as one rank does, so the output
+is the one-rank output bit for bit. Traffic: T * top_k * hidden float32 values all-reduced per MoE layer.
+Tensor parallelism of the experts themselves (each expert's matrices split) is not supported: without
+expert parallelism a tensor-parallel group is refused (worker.check_divisible, and MoEBlock itself).
 
 Batch invariance (a token's output does not depend on what shares its step): an expert's row count
 depends on the batch, and PyTorch's float32 matmul gives a row other bits at other row counts (one row
@@ -84,55 +97,100 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, scale: float = 1.0
     return weights, ids
 
 
-class MoEBlock(nn.Module):
-    """Sparse MLP: `gate` (Router), `experts` (num_experts gated MLPs of the expert width) and, when
-    `shared_intermediate_size` > 0, `shared_experts`: one always-on gated MLP added to every token's
-    output (DeepSeek's shared experts, fused).
+def local_experts(num_experts: int, tp: TPGroup) -> range:
+    """The experts this rank holds: all of them, or under expert parallelism its contiguous share
+    [rank * E/N, (rank + 1) * E/N) (ValueError naming the numbers when N does not divide E)."""
+    if not tp.expert_parallel or tp.size == 1:
+        return range(num_experts)
+    if num_experts % tp.size:
+        raise ValueError(f"expert parallelism: tensor_parallel_size {tp.size} does not divide the model's "
+                         f"{num_experts} experts")
+    share = num_experts // tp.size
+    return range(tp.rank * share, (tp.rank + 1) * share)
 
-    `make_expert(width)` builds one gated MLP (the decoder's dense MLP class), so experts hold their
-    weights in the ordinary linear layers: they load, quantise (`quantize_to`, quantised checkpoints)
-    and pick kernels exactly like the dense projections.
+
+def combine(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routing-weighted sum of each token's choices: per_slot [T, top_k, hidden] (the experts'
+    outputs, in x's dtype or float32), weights float32 [T, top_k] -> float32 [T, hidden].
+
+    In float32, choices added in rank order: the same operations for a token in any batch, and the same
+    at one rank and under expert parallelism (whose float32 slots hold the very same values)."""
+    out = per_slot[:, 0].float() * weights[:, :1]
+    for j in range(1, per_slot.shape[1]):
+        out += per_slot[:, j].float() * weights[:, j:j + 1]
+    return out
+
+
+class MoEBlock(nn.Module):
+    """Sparse MLP: `gate` (Router), `experts` (this rank's gated MLPs of the expert width: all
+    num_experts, or under expert parallelism the `local` range, `experts[i]` being expert
+    `local.start + i`) and, when `shared_intermediate_size` > 0, `shared_experts`: one always-on gated MLP
+    added to every token's output (DeepSeek's shared experts, fused).
+
+    `make_expert(width)` builds one whole gated MLP (the decoder's dense MLP class, never split across
+    ranks), so experts hold their weights in the ordinary linear layers: they load, quantise
+    (`quantize_to`, quantised checkpoints) and pick kernels exactly like the dense projections.
     """
 
     def __init__(self, moe: MoEConfig, hidden_size: int, make_expert: Callable[[int], nn.Module],
                  tp: TPGroup) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"mixture-of-experts layers do not support tensor parallelism yet "
-                             f"(tensor_parallel_size {tp.size}); use pipeline parallelism")
+        if tp.size > 1 and not tp.expert_parallel:
+            raise ValueError(f"mixture-of-experts layers do not support tensor parallelism of their experts "
+                             f"(tensor_parallel_size {tp.size}); use --enable-expert-parallel or pipeline "
+                             "parallelism")
         if not 0 < moe.top_k <= moe.num_experts:
             raise ValueError(f"top_k ({moe.top_k}) must be between 1 and num_experts ({moe.num_experts})")
-        self.moe = moe
+        self.moe, self.tp = moe, tp
+        self.local = local_experts(moe.num_experts, tp)
+        self.expert_parallel = len(self.local) < moe.num_experts
         self.gate = Router(hidden_size, moe.num_experts)
-        self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in self.local)
         self.shared_experts = make_expert(moe.shared_intermediate_size) if moe.shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        num_tokens, top_k = x.shape[0], self.moe.top_k
-        weights, ids = route(self.gate(x), top_k, self.moe.norm_topk_prob, self.moe.routed_scaling_factor)
+        """x [T, hidden] (the same on every rank) -> [T, hidden]."""
+        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.norm_topk_prob, self.moe.routed_scaling_factor)
+        out = combine(self.expert_outputs(x, ids), weights).to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def expert_outputs(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, choice) slot's expert output, [T, top_k, hidden]: in x's dtype at one rank; under
+        expert parallelism float32, this rank's slots combined with the others' by one all-reduce."""
+        num_tokens, top_k, hidden = x.shape[0], self.moe.top_k, x.shape[-1]
         # slot s = t * top_k + j is token t's j-th choice; sorted by expert (stable: token order within one)
         slots = ids.reshape(-1)
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.moe.num_experts).tolist()
-        rows = x[order // top_k]  # [T * top_k, hidden], each expert's rows contiguous
+        # this rank's experts' slots are contiguous in `order`: [first, last)
+        first = sum(counts[:self.local.start])
+        last = first + sum(counts[self.local.start:self.local.stop])
+        mine = order[first:last]
+        rows = x[mine // top_k]  # each local expert's rows contiguous, in token order
         grouped = torch.empty_like(rows)
         start = 0
-        for expert, count in enumerate(counts):
+        for index, expert in enumerate(self.local):
+            count = counts[expert]
             if count:
-                grouped[start:start + count] = self.experts[expert](rows[start:start + count])
+                grouped[start:start + count] = self.experts[index](rows[start:start + count])
                 start += count
-        per_slot = torch.empty_like(grouped)
-        per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
-        per_slot = per_slot.view(num_tokens, top_k, x.shape[-1])
-        # weighted sum in float32, choices added in rank order: the same operations for a token in any batch
-        out = per_slot[:, 0].float() * weights[:, :1]
-        for j in range(1, top_k):
-            out += per_slot[:, j].float() * weights[:, j:j + 1]
-        out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if not self.expert_parallel:
+            per_slot = torch.empty_like(grouped)
+            per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
+            return per_slot.view(num_tokens, top_k, hidden)
+        # -0.0, not 0.0, elsewhere: x + -0.0 == x for every x (+0.0 too), so the sum is exact
+        per_slot = torch.full((num_tokens * top_k, hidden), -0.0, dtype=torch.float32, device=x.device)
+        per_slot[mine] = grouped.float()  # exact: every bfloat16/float16 value is a float32 value
+        # invariant: each slot's expert lives on exactly one rank, so each row is written by one rank
+        return self.tp.all_reduce(per_slot).view(num_tokens, top_k, hidden)
+
+    def describe(self) -> Optional[str]:
+        """'experts 4-7 of 8' under expert parallelism, else None."""
+        if not self.expert_parallel:
+            return None
+        return f"experts {self.local.start}-{self.local.stop - 1} of {self.moe.num_experts}"
 
 
 # Mixtral's expert projections: w1 = gate, w3 = up, w2 = down
@@ -140,12 +198,15 @@ _MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT_TENSOR = re.compile(r"\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.")
 
 
-def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig,
-                            hidden_size: int) -> Iterator[tuple[str, Any]]:
+def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig, hidden_size: int,
+                            local: Optional[range] = None) -> Iterator[tuple[str, Any]]:
     """HF checkpoint tensors with the MoE names made uniform: Mixtral's `block_sparse_moe.` becomes `mlp.`
     and its `experts.N.w1/w3/w2` become `experts.N.gate_proj/up_proj/down_proj` (the Qwen3-MoE / OLMoE
     names, which the decoder's loader fuses into each expert's gate_up_proj). An expert tensor the config
-    has no place for (an expert index past num_experts, another width) raises ValueError naming both."""
+    has no place for (an expert index past num_experts, another width) raises ValueError naming both.
+
+    `local` (expert parallelism: this rank's experts, see `local_experts`): other experts' tensors are
+    dropped (after the checks above) and N becomes the index in `MoEBlock.experts`, N - local.start."""
     for name, tensor in weights:
         name = name.replace(".block_sparse_moe.", ".mlp.")
         match = _EXPERT_TENSOR.search(name)
@@ -160,5 +221,9 @@ def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig,
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but the config's "
                                  f"experts have {expected} (expert width {width}, hidden_size {hidden_size})")
+            if local is not None:
+                if index not in local:
+                    continue  # another rank's expert
+                index -= local.start
             name = f"{name[:match.start()]}.mlp.experts.{index}.{projection}.{name[match.end():]}"
         yield name, tensor

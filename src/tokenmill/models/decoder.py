@@ -19,7 +19,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
-from tokenmill.layers.moe import MoEBlock, expert_checkpoint_names
+from tokenmill.layers.moe import MoEBlock, expert_checkpoint_names, local_experts
 from tokenmill.layers.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
@@ -44,8 +44,9 @@ class GatedMLP(nn.Module):
 
 def make_mlp(arch: ArchConfig, spec: LayerSpec, tp: TPGroup) -> nn.Module:
     """The layer's MLP: dense, or a mixture of experts (each expert a GatedMLP) where the layer's spec says so."""
-    if spec.moe:
-        expert = lambda width: GatedMLP(arch.hidden_size, width, arch.hidden_act, tp)  # noqa: E731
+    if spec.moe:  # experts are whole on the ranks that hold them (expert parallelism), never split
+        experts_tp = TPGroup.single() if tp.expert_parallel else tp
+        expert = lambda width: GatedMLP(arch.hidden_size, width, arch.hidden_act, experts_tp)  # noqa: E731
         return MoEBlock(arch.moe, arch.hidden_size, expert, tp)
     return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, tp)
 
@@ -91,7 +92,8 @@ class DecoderForCausalLM(nn.Module):
 
     Under tensor parallelism (`tp`) each rank holds its heads, its share of the MLP and its rows of the
     vocabulary (embedding and head): embeddings and row-parallel outputs are summed over the ranks, and
-    the logits are gathered on the driver rank (the others get None). Under pipeline parallelism
+    the logits are gathered on the driver rank (the others get None); with `tp.expert_parallel` a MoE
+    layer holds its share of the experts, whole (layers/moe.py). Under pipeline parallelism
     (`stage`) a rank holds only its stage's layers: it receives the previous stage's (hidden, residual)
     and passes its own on; only the last stage returns hidden states. Every stage keeps the embedding
     and head (small next to the layers for the models run here).
@@ -190,6 +192,9 @@ class DecoderForCausalLM(nn.Module):
         head = self.logits_kernel.format if isinstance(self.logits_kernel, QuantizedKernel) else None
         if self.lm_head is not None and (head or self.head_quantized):
             parts.append(f"{head or self.head_quantized.format} LM head")
+        experts = next((d for m in self.modules() if isinstance(m, MoEBlock) and (d := m.describe())), None)
+        if experts is not None:
+            parts.append(f"{experts} on this rank")
         if self.fused_decode is not None:
             parts.append("fused decode")
         return ", ".join(parts)
@@ -252,7 +257,8 @@ class DecoderForCausalLM(nn.Module):
             params.pop("lm_head.weight", None)
         loaded: set[str] = set()
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
-            weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size)
+            local = local_experts(self.arch.moe.num_experts, self.tp) if self.tp.expert_parallel else None
+            weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size, local)
         for name, tensor in weights:
             if name == "rope_freqs":
                 self.rotary.set_frequency_divisors(tensor)

@@ -26,6 +26,7 @@ class TPGroup:
     exact: bool = True  # row-parallel projections gather whole rows instead of summing partial products
     group: Optional[object] = None  # the torch.distributed process group; None = the default group
     root: int = 0  # the global rank of the group's rank 0 (where logits are gathered)
+    expert_parallel: bool = False  # MoE layers shard whole experts over the ranks (layers/moe.py)
 
     @staticmethod
     def single() -> "TPGroup":
@@ -84,7 +85,7 @@ class TPGroup:
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device, exact: bool = True,
-                         timeout_seconds: float = 120.0) -> TPGroup:
+                         timeout_seconds: float = 120.0, expert_parallel: bool = False) -> TPGroup:
     """Join the run's rendezvous (torch.distributed, `init_method` e.g. tcp://host:port) as `rank`; a rank
     that cannot reach it within `timeout_seconds` raises RuntimeError saying so, never hangs."""
     import torch.distributed as dist
@@ -96,7 +97,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
     except Exception as exc:
         raise RuntimeError(f"rank {rank} of {world_size} could not join the rendezvous at {init_method} "
                            f"within {timeout_seconds:.0f} s: {type(exc).__name__}: {exc}") from exc
-    return TPGroup(rank, world_size, exact)
+    return TPGroup(rank, world_size, exact, expert_parallel=expert_parallel)
 
 
 @dataclass(frozen=True)
@@ -147,10 +148,11 @@ def stage_layers(num_layers: int, num_stages: int, index: int) -> tuple[int, int
 
 
 def init_parallel(rank: int, tp_size: int, pp_size: int, num_layers: int, init_method: str,
-                  device: torch.device, exact: bool = True,
-                  timeout_seconds: float = 120.0) -> tuple[TPGroup, PipelineStage]:
+                  device: torch.device, exact: bool = True, timeout_seconds: float = 120.0,
+                  expert_parallel: bool = False) -> tuple[TPGroup, PipelineStage]:
     """Join the run's rendezvous as global `rank` of tp_size x pp_size (rank = stage * tp_size + tp rank) and
-    build this rank's tensor-parallel group and pipeline stage."""
+    build this rank's tensor-parallel group (which also shards the experts with `expert_parallel`) and
+    pipeline stage."""
     import torch.distributed as dist
 
     world = tp_size * pp_size
@@ -162,7 +164,7 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, num_layers: int, init_m
             created = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
             if s == stage_index:
                 group = created
-    tp = TPGroup(tp_rank, tp_size, exact, group, root=stage_index * tp_size)
+    tp = TPGroup(tp_rank, tp_size, exact, group, root=stage_index * tp_size, expert_parallel=expert_parallel)
     first, end = stage_layers(num_layers, pp_size, stage_index)
     stage = PipelineStage(stage_index, pp_size, first, end,
                           rank - tp_size if stage_index > 0 else None,

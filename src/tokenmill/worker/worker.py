@@ -42,6 +42,7 @@ class WorkerSpec:
     pp_size: int = 1
     init_method: Optional[str] = None  # the torch.distributed rendezvous of a parallel run (rank = stage x tp + tp rank)
     tp_exact: bool = True  # see ParallelConfig.tensor_parallel_exact
+    expert_parallel: bool = False  # see ParallelConfig.enable_expert_parallel
     nnodes: int = 1  # hosts the ranks are spread over (each runs world_size / nnodes of them)
     timeout: float = 120.0  # seconds the rendezvous waits for every rank
 
@@ -74,9 +75,10 @@ class Worker:
         arch = source.arch
         tp, stage = TPGroup.single(), PipelineStage()
         if spec.world_size > 1:
-            check_divisible(arch, spec.tp_size, spec.tp_exact, spec.pp_size)  # before the rendezvous: all fail alike
+            # before the rendezvous: all fail alike
+            check_divisible(arch, spec.tp_size, spec.tp_exact, spec.pp_size, spec.expert_parallel)
             tp, stage = init_parallel(spec.rank, spec.tp_size, spec.pp_size, arch.num_hidden_layers, spec.init_method,
-                                      self.device, spec.tp_exact, spec.timeout)
+                                      self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage)
         kv_heads, head_dim = kv_cache_geometry(arch, tp.size)
@@ -89,20 +91,31 @@ class Worker:
         return self.runner.execute(schedule)
 
 
-def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size: int = 1) -> None:
+def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size: int = 1,
+                    expert_parallel: bool = False) -> None:
     """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits, the
-    model has fewer layers than pipeline stages, or has layers tensor parallelism cannot split yet (MLA,
-    mixtures of experts, OLMoE's whole-projection q/k norm)."""
+    model has fewer layers than pipeline stages, or has layers tensor parallelism cannot split (MLA,
+    mixtures of experts without `expert_parallel`, OLMoE's whole-projection q/k norm); and when
+    `expert_parallel` is asked of a model without MoE layers or whose experts `tp_size` does not divide."""
     stage_layers(arch.num_hidden_layers, pp_size, 0)
+    if expert_parallel and arch.moe is None:
+        raise ValueError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers to shard")
     kv_cache_geometry(arch, tp_size)  # MLA refuses tensor parallelism
     if tp_size > 1 and arch.moe is not None:
-        raise ValueError(f"tensor_parallel_size {tp_size}: mixture-of-experts models ({arch.architecture}) do not "
-                         "support tensor parallelism yet; use pipeline parallelism")
+        if not expert_parallel:
+            raise ValueError(f"tensor_parallel_size {tp_size}: mixture-of-experts models ({arch.architecture}) do "
+                             "not support tensor parallelism of their experts; use --enable-expert-parallel "
+                             "(experts sharded whole across the ranks) or pipeline parallelism")
+        if arch.moe.num_experts % tp_size:
+            raise ValueError(f"expert parallelism: tensor_parallel_size {tp_size} does not divide the model's "
+                             f"{arch.moe.num_experts} experts")
     if tp_size > 1 and arch.qk_norm and not arch.qk_norm_per_head:
         raise ValueError(f"tensor_parallel_size {tp_size}: {arch.architecture}'s q/k norm over the whole projections "
                          "does not support tensor parallelism")
+    dense = arch.moe is None or any(not arch.layer_spec(i).moe for i in range(arch.num_hidden_layers))
     parts = [("attention heads", arch.num_attention_heads), ("KV heads", arch.num_key_value_heads),
-             ("intermediate size", arch.intermediate_size), ("vocabulary", arch.vocab_size)]
+             *([("intermediate size", arch.intermediate_size)] if dense else []),  # only dense MLPs split it
+             ("vocabulary", arch.vocab_size)]
     if exact:
         parts.append(("hidden size", arch.hidden_size))
     for what, total in parts:
