@@ -53,10 +53,4 @@ for config in packed bf16; do
   pairs 8034 gemma "$TM" "tm-$config" 8036 default "$VL" "vllm-vs-$config" single 421 "${SINGLE[@]}"
   kill "$TM"; wait "$TM" 2>/dev/null; sleep 3
 done
-for f in "$OUT"/*.json; do python - "$f" <<'PY'
-import json, os, sys
-d = json.load(open(sys.argv[1]))
-print(f"{os.path.basename(sys.argv[1])[:-5]:<28} total tok/s {d['total_tokens_per_s']:<8} output tok/s {d.get('output_tokens_per_s')} "
-      f"TTFT p50 {d['ttft_ms']['p50']:<9} TPOT p50 {d['tpot_ms']['p50']:<7} errors {d['errors']}")
-PY
-done
+summarise

@@ -49,10 +49,4 @@ for fmt in q4_1 q8_0; do
   kill "$TM" "$LL"; wait "$TM" "$LL" 2>/dev/null; sleep 3
 done
 
-for f in "$OUT"/*.json; do python - "$f" <<'PY'
-import json, os, sys
-d = json.load(open(sys.argv[1]))
-print(f"{os.path.basename(sys.argv[1])[:-5]:<20} total tok/s {d['total_tokens_per_s']:<8} TTFT p50 {d['ttft_ms']['p50']:<9} "
-      f"TPOT p50 {d['tpot_ms']['p50']:<7} errors {d['errors']}  peak RSS GiB {d.get('server_peak_rss_gib')}")
-PY
-done
+summarise

@@ -17,3 +17,14 @@ pairs() {  # A_port A_model A_pid A_name B_port B_model B_pid B_name row_name se
   run "$ap" "$am" "$apid" "$an-$row-1" "$seed" "$@"; run "$bp" "$bm" "$bpid" "$bn-$row-1" "$seed" "$@"
   run "$bp" "$bm" "$bpid" "$bn-$row-2" $((seed + 1)) "$@"; run "$ap" "$am" "$apid" "$an-$row-2" $((seed + 1)) "$@"
 }
+
+summarise() {  # one line per run in OUT
+  for f in "$OUT"/*.json; do python - "$f" <<'PY'
+import json, os, sys
+d = json.load(open(sys.argv[1]))
+print(f"{os.path.basename(sys.argv[1])[:-5]:<28} total tok/s {d['total_tokens_per_s']:<8} output tok/s "
+      f"{d.get('output_tokens_per_s')!s:<8} TTFT p50 {d['ttft_ms']['p50']:<9} TPOT p50 {d['tpot_ms']['p50']:<7} "
+      f"errors {d['errors']}  peak RSS GiB {d.get('server_peak_rss_gib')}")
+PY
+  done
+}
