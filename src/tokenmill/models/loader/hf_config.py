@@ -144,6 +144,14 @@ def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]
     return None
 
 
+def _hidden_act(setting: dict[str, Any], key: str) -> str:
+    """The gate activation named by config key `key`, as ArchConfig spells it (ValueError if unsupported)."""
+    act = setting[key]
+    if act not in _HIDDEN_ACTIVATIONS:
+        raise ValueError(f"unsupported {key} {act!r}; supported: {', '.join(_HIDDEN_ACTIVATIONS)}")
+    return _HIDDEN_ACTIVATIONS[act]
+
+
 def _global_rope(params: dict[str, Any]) -> dict[str, Any]:
     """The RoPE parameters of full-attention layers (Gemma 3 keeps one dict per layer type)."""
     return params.get("full_attention", params)
@@ -154,16 +162,14 @@ def _gemma3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict
     for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if setting.get(unsupported):
             raise ValueError(f"Gemma3ForCausalLM with {unsupported}={setting[unsupported]!r} is not supported")
-    act = setting["hidden_activation"]
-    if act not in _HIDDEN_ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_activation {act!r}; supported: {', '.join(_HIDDEN_ACTIVATIONS)}")
     layers = setting["num_hidden_layers"]
     pattern = setting.get("sliding_window_pattern", 6)
     layer_types = setting.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     local = rope_params.get("sliding_attention", {}).get("rope_theta", setting["rope_local_base_freq"])
     return dict(
-        layer_types=tuple(layer_types), rope_local_theta=float(local), hidden_act=_HIDDEN_ACTIVATIONS[act],
+        layer_types=tuple(layer_types), rope_local_theta=float(local),
+        hidden_act=_hidden_act(setting, "hidden_activation"),
         norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=float(setting["hidden_size"]) ** 0.5,
         attention_scale=float(setting["query_pre_attn_scalar"]) ** -0.5,
         final_logit_softcap=setting.get("final_logit_softcapping"),
@@ -209,15 +215,12 @@ def _deepseek_v2_fields(setting: dict[str, Any], rope_params: dict[str, Any]) ->
     latent attention, its softmax scale (qk_nope + qk_rope) ** -0.5 (times yarn's mscale squared), the MoE."""
     if setting.get("mlp_bias"):
         raise ValueError("DeepseekV2ForCausalLM with mlp_bias=True is not supported")
-    act = setting["hidden_act"]
-    if act not in _HIDDEN_ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(_HIDDEN_ACTIVATIONS)}")
     q_lora_rank = setting["q_lora_rank"]
     mla = MLAConfig(kv_lora_rank=int(setting["kv_lora_rank"]), qk_nope_head_dim=int(setting["qk_nope_head_dim"]),
                     qk_rope_head_dim=int(setting["qk_rope_head_dim"]), v_head_dim=int(setting["v_head_dim"]),
                     q_lora_rank=None if q_lora_rank is None else int(q_lora_rank))
     qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    return dict(mla=mla, moe=_deepseek_v2_moe(setting), hidden_act=_HIDDEN_ACTIVATIONS[act],
+    return dict(mla=mla, moe=_deepseek_v2_moe(setting), hidden_act=_hidden_act(setting, "hidden_act"),
                 attention_scale=qk_head_dim ** -0.5 * _yarn_mscale_squared(_global_rope(rope_params)))
 
 
