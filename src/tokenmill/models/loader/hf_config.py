@@ -64,7 +64,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1, "eos_token_id": 2, "sliding_window": None, "num_experts_per_tok": 2,
     },
     "Qwen3MoeForCausalLM": {
-        "vocab_size": 151_936, "max_position_embeddings": 32768, "sliding_window": 4096, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "vocab_size": 151_936, "max_position_embeddings": 32768, "sliding_window": 4096, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
     "OlmoeForCausalLM": {
