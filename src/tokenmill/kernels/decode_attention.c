@@ -28,6 +28,17 @@ static inline int64_t window_first(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
 }
 
+/* One step of a walk over keys [start, last) block by block, from any offset: sets *block (its index in
+ * the table) and *end (that block's end, or last if sooner) and returns where key `start`'s row of kv
+ * head kvh sits in the cache. */
+static inline int64_t block_run(const int32_t *table, int64_t start, int64_t last, int64_t block_size,
+                                int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t *block, int64_t *end) {
+    *block = start / block_size;
+    *end = (*block + 1) * block_size < last ? (*block + 1) * block_size : last;
+    return ((int64_t)table[*block] * num_kv_heads + kvh) * block_size * head_dim
+           + (start - *block * block_size) * head_dim;
+}
+
 #ifdef __AVX512F__
 /* Ask for the cache lines of `count` storage values from element `first` on. */
 static inline void prefetch_tile(const void *base, int64_t first, int64_t count, int bf16) {
@@ -108,12 +119,10 @@ static void decode_item_##NV(float *out_rows, float *top, float *total, const vo
         BF16_VECTORS(qh, NV, q, q_row + (kvh * group + g) * q_head_stride, bf16);                        \
         float *sg = scores + g * span;                                                                   \
         __m512 mx = _mm512_set1_ps(-INFINITY);                                                           \
-        for (int64_t start = key0, end; start < key1; start = end) {                                     \
-            const int64_t block = start / block_size;                                                    \
-            end = (block + 1) * block_size < key1 ? (block + 1) * block_size : key1;                     \
+        for (int64_t start = key0, block, end; start < key1; start = end) {                              \
+            const int64_t tile_base = block_run(table, start, key1, block_size, kvh, num_kv_heads,       \
+                                                head_dim, &block, &end);                                 \
             const int64_t n = end - start;                                                               \
-            const int64_t tile_base = ((int64_t)table[block] * num_kv_heads + kvh) * tile                \
-                                      + (start - block * block_size) * head_dim;                         \
             if (g == 0 && end < key1)  /* the next block is elsewhere: fetch it early */                 \
                 prefetch_tile(k_cache, ((int64_t)table[block + 1] * num_kv_heads + kvh) * tile, tile, bf16); \
             for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                     \
@@ -145,12 +154,10 @@ static void decode_item_##NV(float *out_rows, float *top, float *total, const vo
         __m512 acc[8][VC];                                                                               \
         for (int64_t g = 0; g < group; g++)                                                              \
             for (int v = 0; v < VC; v++) acc[g][v] = _mm512_setzero_ps();                               \
-        for (int64_t start = key0, end; start < key1; start = end) {                                     \
-            const int64_t block = start / block_size;                                                    \
-            end = (block + 1) * block_size < key1 ? (block + 1) * block_size : key1;                     \
+        for (int64_t start = key0, block, end; start < key1; start = end) {                              \
+            const int64_t tile_base = block_run(table, start, key1, block_size, kvh, num_kv_heads,       \
+                                                head_dim, &block, &end) + 16 * c;                        \
             const int64_t n = end - start;                                                               \
-            const int64_t tile_base = ((int64_t)table[block] * num_kv_heads + kvh) * tile                \
-                                      + (start - block * block_size) * head_dim + 16 * c;                \
             if (end < key1)                                                                              \
                 prefetch_tile(v_cache, ((int64_t)table[block + 1] * num_kv_heads + kvh) * tile, tile, bf16); \
             for (int64_t j = 0; j < n; j++) {                                                            \
@@ -462,12 +469,9 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
             for (int64_t g = 0; g < group; g++)
                 load_row(qf + g * head_dim, q, qrow + (kvh * group + g) * q_head_stride, head_dim, bf16);
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-            for (int64_t start = first, end; start < ctx; start = end) {
-                const int64_t block = start / block_size;
-                end = (block + 1) * block_size < ctx ? (block + 1) * block_size : ctx;
+            for (int64_t start = first, block, end; start < ctx; start = end) {
+                const int64_t base = block_run(table, start, ctx, block_size, kvh, num_kv_heads, head_dim, &block, &end);
                 const int64_t n = end - start;
-                const int64_t base = ((int64_t)table[block] * num_kv_heads + kvh) * tile_elems
-                                     + (start - block * block_size) * head_dim;
                 load_row(tile, k_cache, base, n * head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = qf + g * head_dim;
@@ -502,12 +506,9 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                 const float inv = 1.0f / sum;
                 for (int64_t t = 0; t < len; t++) sg[t] *= inv;
             }
-            for (int64_t start = first, end; start < ctx; start = end) {
-                const int64_t block = start / block_size;
-                end = (block + 1) * block_size < ctx ? (block + 1) * block_size : ctx;
+            for (int64_t start = first, block, end; start < ctx; start = end) {
+                const int64_t base = block_run(table, start, ctx, block_size, kvh, num_kv_heads, head_dim, &block, &end);
                 const int64_t n = end - start;
-                const int64_t base = ((int64_t)table[block] * num_kv_heads + kvh) * tile_elems
-                                     + (start - block * block_size) * head_dim;
                 load_row(tile, v_cache, base, n * head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     float *a = acc + g * head_dim;
