@@ -102,11 +102,17 @@ def local_experts(num_experts: int, tp: TPGroup) -> range:
     [rank * E/N, (rank + 1) * E/N) (ValueError naming the numbers when N does not divide E)."""
     if not tp.expert_parallel or tp.size == 1:
         return range(num_experts)
-    if num_experts % tp.size:
-        raise ValueError(f"expert parallelism: tensor_parallel_size {tp.size} does not divide the model's "
-                         f"{num_experts} experts")
-    share = num_experts // tp.size
+    share = experts_per_rank(num_experts, tp.size)
     return range(tp.rank * share, (tp.rank + 1) * share)
+
+
+def experts_per_rank(num_experts: int, tp_size: int) -> int:
+    """How many experts each of `tp_size` ranks holds under expert parallelism (ValueError naming the
+    numbers when they do not divide)."""
+    if num_experts % tp_size:
+        raise ValueError(f"expert parallelism: tensor_parallel_size {tp_size} does not divide the model's "
+                         f"{num_experts} experts")
+    return num_experts // tp_size
 
 
 def combine(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

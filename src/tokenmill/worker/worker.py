@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.layers.moe import experts_per_rank
 from tokenmill.models.arch import ArchConfig, kv_cache_geometry
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.parallel.group import PipelineStage, TPGroup, init_parallel, stage_layers
@@ -106,9 +107,7 @@ def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size:
             raise ValueError(f"tensor_parallel_size {tp_size}: mixture-of-experts models ({arch.architecture}) do "
                              "not support tensor parallelism of their experts; use --enable-expert-parallel "
                              "(experts sharded whole across the ranks) or pipeline parallelism")
-        if arch.moe.num_experts % tp_size:
-            raise ValueError(f"expert parallelism: tensor_parallel_size {tp_size} does not divide the model's "
-                             f"{arch.moe.num_experts} experts")
+        experts_per_rank(arch.moe.num_experts, tp_size)
     if tp_size > 1 and arch.qk_norm and not arch.qk_norm_per_head:
         raise ValueError(f"tensor_parallel_size {tp_size}: {arch.architecture}'s q/k norm over the whole projections "
                          "does not support tensor parallelism")
