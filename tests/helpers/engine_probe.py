@@ -7,26 +7,24 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention.base import SequenceChunk
 from tokenmill.core.kv_cache_manager import cdiv
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.request_state import BatchItem
 
 
 @torch.inference_mode()
 def model_logits(engine, ids: list[int]) -> torch.Tensor:
-    """float32 logits [len(ids), vocab] of one sequence, computed through the paged KV path."""
-    block_size = engine.kv_cache.block_size
-    blocks = engine.kv_cache.pool.allocate(cdiv(len(ids), block_size))
+    """float32 logits [len(ids), vocab] of one sequence, computed through the paged KV path (blocks of
+    its own in every KV cache group)."""
+    kv = engine.kv_cache
+    tables = [kv.pool.allocate(cdiv(len(ids), kv.block_size)) for _ in range(kv.num_groups)]
     try:
-        table = torch.tensor(blocks)
-        positions = torch.arange(len(ids))
-        slots = table[positions // block_size] * block_size + positions % block_size
-        backend = engine.runner.backend
-        metadata = backend.build_metadata([SequenceChunk(0, len(ids), len(ids), blocks)], slots,
-                                          block_size, engine.device)
-        hidden = engine.model(torch.tensor(ids), positions, engine.runner.kv_caches, metadata)
+        item = BatchItem("probe", list(ids), 0, tables, False, SamplingParams(), list(ids), [])
+        hidden, _ = engine.runner.forward([item])
         return engine.model.compute_logits(hidden)
     finally:
-        engine.kv_cache.pool.release(blocks)
+        for table in tables:
+            kv.pool.release(table)
 
 
 @torch.inference_mode()

@@ -248,3 +248,69 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+_MOE_GGUF_ARCHITECTURES = {"MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe",
+                           "OlmoeForCausalLM": "olmoe"}
+_EXPERT_STACKS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
+                  "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def write_moe_gguf_from_hf(folder: str | Path, path: str | Path) -> Path:
+    """Convert a tiny HF mixture-of-experts folder (Mixtral, Qwen3-MoE, OLMoE) to an F32 GGUF file as
+    llama.cpp's converter does: experts stacked per projection into [experts, rows, cols] tensors, the
+    router as `ffn_gate_inp`, Mixtral as a "llama" file with its q/k rows permuted."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder, path = Path(folder), Path(path)
+    config = json.loads((folder / "config.json").read_text())
+    architecture = _MOE_GGUF_ARCHITECTURES[config["architectures"][0]]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // heads
+    experts = config.get("num_local_experts") or config["num_experts"]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(dim)
+    writer.add_value_length(dim)
+    writer.add_rope_dimension_count(dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer)
+    weights = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(file))
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in weights.items():
+        array = tensor.float().numpy()
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        parts = name.split(".")
+        if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.PROJ.weight
+            stacks.setdefault(f"blk.{parts[2]}.{_EXPERT_STACKS[parts[6]]}.weight", {})[int(parts[5])] = array
+            continue
+        if name.endswith(".mlp.gate.weight"):
+            writer.add_tensor(f"blk.{parts[2]}.ffn_gate_inp.weight", array)
+            continue
+        if architecture == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, heads)
+        if architecture == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, kv_heads)
+        writer.add_tensor(gguf_name(name), array)
+    for name, by_expert in stacks.items():
+        writer.add_tensor(name, np.stack([by_expert[e] for e in range(experts)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

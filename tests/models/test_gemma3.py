@@ -56,8 +56,8 @@ def test_long_prompts_chunked_and_prefix_cached_agree_with_the_plain_run(path):
     prompts = [list(range(200, 290)), list(range(200, 260)) + [5, 6, 7] * 10]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 
-    def run(**options):
-        llm = LLM(str(path), dtype="bfloat16", block_size=8, num_kv_blocks=256, **options)
+    def run(num_kv_blocks=256, **options):
+        llm = LLM(str(path), dtype="bfloat16", block_size=8, num_kv_blocks=num_kv_blocks, **options)
         outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0] for p in prompts]
         outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                     use_tqdm=False)]  # the second time: prefix hits
@@ -65,8 +65,15 @@ def test_long_prompts_chunked_and_prefix_cached_agree_with_the_plain_run(path):
 
     plain, _ = run(prefix_caching=False)
     chunked, llm = run(max_num_batched_tokens=24)
+    # 50 blocks of 8 tokens over 6 groups of one layer: 114 tokens take 15 blocks in the full group and at
+    # most 6 (a chunk and the window before it) in each of the 5 windowed groups, so each prompt fits
+    # alone and the two together preempt each other
+    tight, tight_llm = run(max_num_batched_tokens=24, num_kv_blocks=50)
+    assert tight_llm.llm_engine.scheduler.num_preemptions_total > 0
+    with pytest.raises(ValueError, match="holds 50 blocks"):
+        tight_llm.generate({"prompt_token_ids": list(range(200, 600))}, params, use_tqdm=False)
     if cpu_kernels() is None:
-        plain, chunked = [ids for ids, _ in plain], [ids for ids, _ in chunked]
-    assert chunked == plain
+        plain, chunked, tight = ([ids for ids, _ in run_] for run_ in (plain, chunked, tight))
+    assert chunked == plain and tight == plain
     assert llm.llm_engine.kv_cache.prefix_hits > 0
     assert plain[0] == plain[2] and plain[1] == plain[3]

@@ -83,7 +83,8 @@ def test_cache_holds_only_the_latent(pair):
     assert len(runner.kv_caches) == 2
     assert all(tuple(cache.shape) == expected for cache in runner.kv_caches)
     # the memory budget is sized with the same geometry: 2 x layers x block_size x (r + rope) values a block
-    assert engine._blocks_for_budget(8, 1.0) == (1 << 30) // (2 * 2 * 8 * (LATENT + ROPE) * 4)
+    assert engine.kv_layout.block_bytes(8) == 2 * 2 * 8 * (LATENT + ROPE) * 4
+    assert engine.kv_layout.groups[0].spec.kind == "MLA latent" and len(engine.kv_layout.groups) == 1
 
 
 def test_chunked_prefill_and_prefix_cache_agree_with_a_plain_run(checkpoint):

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf, model_logits
+from helpers.tiny_gguf import write_moe_gguf_from_hf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_kernels import cpu_kernels
@@ -50,6 +51,19 @@ def test_logits_equal_hf(pair):
 
 def test_batched_greedy_and_logprobs_equal_hf(pair):
     llm, hf = pair
+    assert_greedy_matches_hf(llm, hf, count=32, logprob_tolerance=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_gguf_file_gives_hf_greedy_tokens_and_logprobs(tmp_path, folders, arch):
+    """The same weights converted as llama.cpp does (experts stacked, the router as ffn_gate_inp, Mixtral
+    as a "llama" file) load to the same mixture and give HF's output."""
+    path = write_moe_gguf_from_hf(folders[arch], tmp_path / f"{arch}.gguf")
+    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=256)
+    hf_source = load_model_source(str(folders[arch]), with_tokenizer=False)
+    assert llm.llm_engine.arch.moe == hf_source.arch.moe
+    assert llm.llm_engine.arch.architecture == hf_source.arch.architecture
+    hf = AutoModelForCausalLM.from_pretrained(folders[arch], dtype=torch.float32).eval()
     assert_greedy_matches_hf(llm, hf, count=32, logprob_tolerance=1e-4)
 
 

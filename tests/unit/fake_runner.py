@@ -36,22 +36,25 @@ class FakeRunner:
         self.tier_contents: dict[int, dict[int, int]] = {}  # second-tier slot -> saved block contents
 
     def _check_reads_and_write(self, item) -> None:
-        """What attention would read must be what was written: no stale or foreign KV, ever."""
+        """What attention would read must be what was written: no stale or foreign KV, ever. In each KV
+        cache group, a query at position p reads the keys its group's window leaves it, (p - W, p]."""
         bs = self.kv.block_size
         tokens = item.prompt_token_ids + item.output_token_ids
-        for position in range(item.start):
-            block = item.block_ids[position // bs]
-            written = self.block_contents.get(block, {}).get(position % bs)
-            assert written == tokens[position], f"{item.request_id} reads stale KV at position {position}"
-        for position, token in enumerate(item.token_ids, start=item.start):
-            self.block_contents.setdefault(item.block_ids[position // bs], {})[position % bs] = token
+        for group, (table, window) in enumerate(zip(item.block_ids, self.kv.windows)):
+            first_read = 0 if window is None else max(0, item.start - window + 1)
+            for position in range(first_read, item.start):
+                written = self.block_contents.get(table[position // bs], {}).get(position % bs)
+                assert written == tokens[position], \
+                    f"{item.request_id} reads stale KV at position {position} in group {group}"
+            for position, token in enumerate(item.token_ids, start=item.start):
+                self.block_contents.setdefault(table[position // bs], {})[position % bs] = token
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(schedule)
         schedule = pickle.loads(pickle.dumps(schedule))  # what a worker process would receive
         self.items = self.states.apply(schedule)
         for item in self.items:  # the runner's rebuilt state is the scheduler's
-            assert item.block_ids == self.kv.block_table(item.request_id), f"{item.request_id}: block table drifted"
+            assert item.block_ids == self.kv.block_tables(item.request_id), f"{item.request_id}: block table drifted"
             if self.requests is not None:
                 request = self.requests[item.request_id]
                 assert (item.prompt_token_ids, item.output_token_ids) == \
@@ -68,13 +71,25 @@ class FakeRunner:
             drafts = item.spec_token_ids
             assert item.token_ids == tokens[item.start:end - len(drafts)] + drafts, \
                 "a chunk computes the request's next tokens, then its proposals"
-            assert len(item.block_ids) * self.kv.block_size >= end, "blocks must cover every computed token"
+            assert all(len(t) * self.kv.block_size >= end for t in item.block_ids), \
+                "blocks must cover every computed token"
+            self._check_held(item, end)
             if item.sample:
                 assert end - len(drafts) == len(tokens)
                 out.sampled_token_ids[item.request_id] = verify(tokens, drafts)
             else:
                 assert not drafts, "proposals come only with the tokens a request lacks"
         return out
+
+
+    def _check_held(self, item, end: int) -> None:
+        """Every block a query of the chunk reads or writes is held by the request (not given back)."""
+        bs = self.kv.block_size
+        for table, window in zip(item.block_ids, self.kv.windows):
+            first = 0 if window is None else max(0, item.start - window + 1)
+            for index in range(first // bs, -(-end // bs)):
+                assert self.kv.pool.ref_counts[table[index]] > 0, \
+                    f"{item.request_id} uses block {table[index]}, which it gave back"
 
 
 def verify(tokens: list[int], drafts: list[int]) -> list[int]:
@@ -91,9 +106,11 @@ def verify(tokens: list[int], drafts: list[int]) -> list[int]:
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
                    max_model_len: int = 256, watermark: float = 0.0,
                    prefix_caching: bool = False, secondary_slots: int = 0,
-                   steps_in_flight: int = 1) -> tuple[Scheduler, FakeRunner]:
+                   steps_in_flight: int = 1, windows: tuple = (None,)) -> tuple[Scheduler, FakeRunner]:
+    """A scheduler over a KV cache manager of one group per entry of `windows` (None: full attention,
+    W: a sliding window of W tokens), and the fake runner it drives."""
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching,
-                        secondary_slots=secondary_slots)
+                        secondary_slots=secondary_slots, windows=windows)
     limits = SchedulingLimits(budget, max_seqs, max_model_len, max_steps_in_flight=steps_in_flight)
     scheduler, runner = Scheduler(limits, kv), FakeRunner(kv)
     runner.requests = scheduler.requests

@@ -38,11 +38,11 @@ def test_over_allocation_and_double_free_are_refused():
 def test_kv_manager_grows_tables_block_by_block():
     kv = KVCacheManager(num_blocks=4, block_size=4, watermark=0)
     assert kv.allocate_slots("a", 5)
-    assert len(kv.block_table("a")) == 2
-    assert kv.allocate_slots("a", 8) and len(kv.block_table("a")) == 2
-    assert kv.allocate_slots("a", 9) and len(kv.block_table("a")) == 3
+    assert len(kv.block_tables("a")[0]) == 2
+    assert kv.allocate_slots("a", 8) and len(kv.block_tables("a")[0]) == 2
+    assert kv.allocate_slots("a", 9) and len(kv.block_tables("a")[0]) == 3
     assert not kv.allocate_slots("b", 8), "only one block is left"
-    assert kv.block_table("b") == [], "a failed allocation changes nothing"
+    assert kv.block_tables("b")[0] == [], "a failed allocation changes nothing"
     kv.free("a")
     assert kv.pool.num_free_blocks == 4
 
@@ -52,8 +52,8 @@ def test_fork_shares_only_whole_blocks():
     kv.allocate_slots("p", 10)  # 3 blocks, the last one partly filled
     shared_tokens = kv.fork("p", "c", 9)
     assert shared_tokens == 8
-    assert kv.block_table("c") == kv.block_table("p")[:2]
-    assert [kv.pool.ref_counts[b] for b in kv.block_table("p")] == [2, 2, 1]
+    assert kv.block_tables("c")[0] == kv.block_tables("p")[0][:2]
+    assert [kv.pool.ref_counts[b] for b in kv.block_tables("p")[0]] == [2, 2, 1]
     kv.free("p")
     kv.free("c")
     assert kv.pool.num_free_blocks == 8

@@ -27,7 +27,7 @@ def test_a_later_request_starts_after_the_shared_prefix():
     run_to_completion(scheduler, runner)
     item = first_chunk(scheduler, runner, make_request("b", 0, prompt=SHARED + [9, 9], max_tokens=2))
     assert item.start == 16 and item.token_ids == [9, 9]
-    assert item.block_ids[:4] == first.block_ids[:4]
+    assert item.block_ids[0][:4] == first.block_ids[0][:4]
     assert scheduler.kv_cache.prefix_hits == 16
     run_to_completion(scheduler, runner)
     scheduler.kv_cache.pool.check_invariants()
@@ -97,14 +97,15 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops, st.sampled_from([0, 3, 16]))
-def test_random_interleavings_keep_the_pool_consistent(operations, secondary_slots):
+@given(ops, st.sampled_from([0, 3, 16]), st.sampled_from([(None,), (6, None, 6), (9,)]))
+def test_random_interleavings_keep_the_pool_consistent(operations, secondary_slots, windows):
     """add / step (finishing requests) / abort (and the evictions, second-tier saves and loads, and
     preemptions they cause) in any order: ref counts, the free list and the cache agree, cached keys
     match block contents in both tiers, and no request ever reads KV it did not (or a shared prefix
-    did not) write."""
-    scheduler, runner = make_scheduler(num_blocks=12, block_size=4, budget=12, max_model_len=64,
-                                       prefix_caching=True, secondary_slots=secondary_slots)
+    did not) write — with one full-attention group, with sliding-window groups beside a full one (a
+    window of 6 tokens, blocks of 4), and with sliding-window groups only."""
+    scheduler, runner = make_scheduler(num_blocks=12 * len(windows), block_size=4, budget=12, max_model_len=64,
+                                       prefix_caching=True, secondary_slots=secondary_slots, windows=windows)
     pool = scheduler.kv_cache.pool
     counter = 0
     for op, variant, length, max_tokens in operations:
@@ -122,7 +123,7 @@ def test_random_interleavings_keep_the_pool_consistent(operations, secondary_slo
                 scheduler.finish_requests([live[variant % len(live)].request_id], RequestStatus.FINISHED_ABORTED)
         pool.check_invariants()
         for key, block in pool.cached.items():
-            digest, tokens = key
+            _group, (_digest, tokens) = key
             written = runner.block_contents.get(block, {})
             assert [written.get(i) for i in range(len(tokens))] == list(tokens), "cached key disagrees with KV"
         tier = scheduler.kv_cache.tier
@@ -130,7 +131,8 @@ def test_random_interleavings_keep_the_pool_consistent(operations, secondary_slo
             tier.check_invariants()
             for key, slot in tier._slots.items():
                 saved = runner.tier_contents.get(slot, {})
-                assert [saved.get(i) for i in range(len(key[1]))] == list(key[1]), "tier slot disagrees with key"
+                _group, (_digest, tokens) = key
+                assert [saved.get(i) for i in range(len(tokens))] == list(tokens), "tier slot disagrees with key"
     run_to_completion(scheduler, runner)
     assert pool.num_free_blocks == pool.num_blocks
 

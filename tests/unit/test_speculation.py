@@ -43,7 +43,7 @@ def run_speculative(scheduler, runner, controller, max_steps=10_000):
             outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
         for request in scheduler.running:  # rollback: the cache never holds more than the sequence's tokens
             assert request.num_computed_tokens <= request.num_tokens
-            assert len(scheduler.kv_cache.block_table(request.request_id)) <= \
+            assert len(scheduler.kv_cache.block_tables(request.request_id)[0]) <= \
                 scheduler.kv_cache.blocks_for(request.num_computed_tokens + 1)
         scheduler.kv_cache.pool.check_invariants()
         controller.observe(updates)

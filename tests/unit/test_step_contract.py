@@ -22,11 +22,11 @@ def test_a_request_crosses_in_full_once_then_as_diffs():
     second = step(scheduler, runner)  # decode position 10: its block is already there
     assert not second.new_requests
     (diff,) = second.cached_requests
-    assert len(diff.new_token_ids) == 1 and diff.new_block_ids == [] and diff.block_ids_start == 3
+    assert len(diff.new_token_ids) == 1 and diff.new_block_ids == [[]] and diff.block_ids_start == [3]
     step(scheduler, runner)
     fourth = step(scheduler, runner)  # position 12 needs a fourth block
     (diff,) = fourth.cached_requests
-    assert len(diff.new_token_ids) == 1 and len(diff.new_block_ids) == 1 and diff.block_ids_start == 3
+    assert len(diff.new_token_ids) == 1 and len(diff.new_block_ids[0]) == 1 and diff.block_ids_start == [3]
 
 
 def test_a_decode_step_costs_the_same_whatever_the_prompt_length():
@@ -52,7 +52,7 @@ def test_a_resumed_request_replaces_its_block_table_without_crossing_again():
     resumed = next(s for s in steps[preempted + 1:] if any(c.request_id == "b" for c in s.scheduled))
     assert not any(n.request_id == "b" for n in resumed.new_requests)
     (diff,) = [d for d in resumed.cached_requests if d.request_id == "b"]
-    assert diff.block_ids_start == 0 and diff.new_block_ids
+    assert diff.block_ids_start == [0] and diff.new_block_ids[0]
 
 
 def test_finished_requests_are_named_once_and_their_ids_can_return():

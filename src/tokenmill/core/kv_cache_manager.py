@@ -31,24 +31,36 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Maps request ids to block tables and grows or frees them through the block pool.
+SKIPPED = -1  # in a group's cached blocks: a block before the group's window, which a hit does not need
+_MISSING = -2  # a block cached in neither tier (never returned)
+_PLACEHOLDER = 0  # the table entry of a skipped block: never read (no query's window reaches it), never released
 
-    Token i of a request lives in block `table[i // block_size]` at offset `i % block_size`, so its
-    cache slot is `table[i // block_size] * block_size + i % block_size`.
-    Invariant: a table always has exactly cdiv(tokens allocated, block_size) blocks.
+
+class KVCacheManager:
+    """Maps request ids to block tables, one per KV cache group, and grows or frees them through one pool.
+
+    Token i of a request lives, for the layers of group g, in block `tables[g][i // block_size]` at
+    offset `i % block_size` (see core/kv_spec.py). A sliding-window group of window W lets go of the
+    blocks no later query can see: a query at position p sees keys (p - W, p].
+    Invariants: every table of a request has exactly cdiv(tokens allocated, block_size) entries; the
+    first `released[g]` entries of group g's table are held no more (blocks given back or placeholders)
+    and no backend reads them; every later entry holds one reference to its block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False, cache_salt: str = "", secondary_slots: int = 0) -> None:
+                 enable_prefix_caching: bool = False, cache_salt: str = "", secondary_slots: int = 0,
+                 windows: Sequence[Optional[int]] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.windows = list(windows)  # each group's sliding window, None for full attention
         self.pool = BlockPool(num_blocks)
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}
+        self.released: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self._salt = cache_salt.encode()
-        # keys of each request's leading full blocks whose content is known (computed or cache hit)
+        # keys of each request's leading full blocks whose content is known (computed or cache hit);
+        # group g's block of content key k is cached in the pool (and the tier) under (g, k)
         self._keys: dict[str, list[BlockKey]] = {}
         self._lookup_memo: dict[str, tuple[int, list[BlockKey]]] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -70,48 +82,104 @@ class KVCacheManager:
         """Size of the pool."""
         return self.pool.num_blocks
 
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups (one block table each per request)."""
+        return len(self.windows)
+
     def blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold `num_tokens` tokens."""
+        """Blocks needed to hold `num_tokens` tokens (in one group's table)."""
         return cdiv(num_tokens, self.block_size)
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's block table (the live list; callers must not modify it)."""
-        return self.tables.get(request_id, [])
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most pool blocks a request of `num_tokens` tokens, computed in chunks of at most
+        `max_chunk`, holds at once over all groups (a windowed group holds the chunk and the window
+        before it)."""
+        total = 0
+        for window in self.windows:
+            held = self.blocks_for(num_tokens)
+            if window is not None:
+                held = min(held, self.blocks_for(window - 1 + max_chunk) + 1)
+            total += held
+        return total
 
-    def can_admit(self, request_id: str, num_tokens: int, cached_blocks: Sequence[Optional[int]] = ()) -> bool:
-        """Whether a waiting request can get blocks for `num_tokens` (the first of them being
-        `cached_blocks`, a prefix-cache match) and leave the watermark free."""
-        return self._num_free_after(request_id, num_tokens, cached_blocks) >= self.watermark_blocks
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table of each group (the live lists; callers must not modify them)."""
+        return self.tables.get(request_id) or [[] for _ in self.windows]
 
-    def _num_free_after(self, request_id: str, num_tokens: int, cached_blocks: Sequence[Optional[int]]) -> int:
-        in_pool = [b for b in cached_blocks if b is not None]  # None: a second-tier hit, needs a block
-        revived = sum(1 for b in in_pool if self.pool.ref_counts[b] == 0)  # they leave the free list
-        needed = max(0, self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())) - len(in_pool))
-        return self.pool.num_free_blocks - revived - needed
+    def _first_needed(self, group: int, num_tokens: int) -> int:
+        """Index of the first block of `group` a query at position `num_tokens` can see."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_tokens - window + 1) // self.block_size
 
-    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: Sequence[Optional[int]] = ()) -> bool:
-        """Grow the request's table to hold `num_tokens` tokens, starting with `cached_blocks` (from
-        `match_prefix`) when it has none yet; False (and no change) if the pool is short."""
-        if self._num_free_after(request_id, num_tokens, cached_blocks) < 0:
+    def can_admit(self, request_id: str, num_tokens: int, cached: Sequence[Sequence[Optional[int]]] = ()) -> bool:
+        """Whether a waiting request can get blocks for `num_tokens` (the first of them being `cached`,
+        a prefix-cache match) and leave the watermark free."""
+        return self._num_free_after(request_id, num_tokens, cached) >= self.watermark_blocks
+
+    def _num_free_after(self, request_id: str, num_tokens: int, cached: Sequence[Sequence[Optional[int]]]) -> int:
+        free = self.pool.num_free_blocks
+        tables = self.tables.get(request_id)
+        for group in range(self.num_groups):
+            hits = cached[group] if cached else ()
+            in_pool = [b for b in hits if b is not None and b != SKIPPED]  # None: a second-tier hit, needs a block
+            skipped = sum(1 for b in hits if b == SKIPPED)
+            free -= sum(1 for b in in_pool if self.pool.ref_counts[b] == 0)  # they leave the free list
+            have = len(tables[group]) if tables else 0
+            free -= max(0, self.blocks_for(num_tokens) - have - len(in_pool) - skipped)
+        return free
+
+    def allocate_slots(self, request_id: str, num_tokens: int,
+                       cached: Sequence[Sequence[Optional[int]]] = ()) -> bool:
+        """Grow the request's tables to hold `num_tokens` tokens, starting with `cached` (from
+        `match_prefix`, one list per group) when it has none yet; False (and no change) if the pool is short."""
+        if self._num_free_after(request_id, num_tokens, cached) < 0:
             return False
-        table = self.tables.setdefault(request_id, [])
-        if cached_blocks:
-            assert not table, "cached blocks can only start a table"
-            keys = self._keys[request_id]
-            # Claim every hit before allocating anything: an allocation may evict a pool block, and
-            # saving that to a full tier may push out the LRU tier entry — which must not be ours.
-            self.pool.share([b for b in cached_blocks if b is not None])
-            tier_slots = {i: self.tier.take(keys[i]) for i, b in enumerate(cached_blocks) if b is None}
-            for index, block in enumerate(cached_blocks):
-                if block is None:
-                    (block,) = self.pool.allocate(1)
-                    self.pool.register(block, keys[index])
-                    self._pending_loads.append((tier_slots[index], block))
-                table.append(block)
-        needed = self.blocks_for(num_tokens) - len(table)
-        if needed > 0:
-            table.extend(self.pool.allocate(needed))
+        if request_id not in self.tables:
+            self.tables[request_id] = [[] for _ in self.windows]
+            self.released[request_id] = [0] * self.num_groups
+        tables = self.tables[request_id]
+        if cached and any(cached):
+            assert not any(tables), "cached blocks can only start a table"
+            self._start_with_hits(request_id, cached)
+        needed = self.blocks_for(num_tokens)
+        for table in tables:
+            if needed > len(table):
+                table.extend(self.pool.allocate(needed - len(table)))
         return True
+
+    def _start_with_hits(self, request_id: str, cached: Sequence[Sequence[Optional[int]]]) -> None:
+        keys = self._keys[request_id]
+        # Claim every hit before allocating anything: an allocation may evict a pool block, and
+        # saving that to a full tier may push out the LRU tier entry — which must not be ours.
+        for hits in cached:
+            self.pool.share([b for b in hits if b is not None and b != SKIPPED])
+        tier_slots = {(g, i): self.tier.take((g, keys[i]))
+                      for g, hits in enumerate(cached) for i, b in enumerate(hits) if b is None}
+        for group, hits in enumerate(cached):
+            table = self.tables[request_id][group]
+            for index, block in enumerate(hits):
+                if block == SKIPPED:
+                    block = _PLACEHOLDER
+                    self.released[request_id][group] = index + 1
+                elif block is None:
+                    (block,) = self.pool.allocate(1)
+                    self.pool.register(block, (group, keys[index]))
+                    self._pending_loads.append((tier_slots[group, index], block))
+                table.append(block)
+
+    def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Give back the blocks of windowed groups that no query from position `num_computed_tokens` on can
+        see (cached ones stay findable until evicted)."""
+        tables = self.tables.get(request_id)
+        if tables is None:
+            return
+        released = self.released[request_id]
+        for group, table in enumerate(tables):
+            first = min(self._first_needed(group, num_computed_tokens), len(table))
+            if first > released[group]:
+                self.pool.release(table[released[group]:first])
+                released[group] = first
 
     def _save_to_tier(self, block: int, key: BlockKey) -> None:
         slot = self.tier.save(key)
@@ -156,16 +224,17 @@ class KVCacheManager:
         self._lookup_memo[request.request_id] = (num_tokens, keys)
         return keys
 
-    def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[Optional[int]], int]:
-        """The cached blocks holding the longest cached prefix of the request's first `num_tokens`
-        tokens, and how many tokens they cover.
+    def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[list[Optional[int]]], int]:
+        """Per group, the cached blocks of the longest cached prefix of the request's first `num_tokens`
+        tokens, and how many tokens that prefix covers.
 
-        Only whole blocks count, and never the last token: it must be recomputed to get logits.
+        Only whole blocks count, and never the last token: it must be recomputed to get logits. A
+        windowed group needs only the blocks the next query can see; those before are SKIPPED.
         """
-        blocks = self._cached_blocks(request, num_tokens)
-        if blocks:
-            self._keys[request.request_id] = self._prefix_keys(request, num_tokens)[:len(blocks)]
-        return blocks, len(blocks) * self.block_size
+        blocks, num_hit = self._cached_blocks(request, num_tokens)
+        if num_hit:
+            self._keys[request.request_id] = self._prefix_keys(request, num_tokens)[:num_hit]
+        return blocks, num_hit * self.block_size
 
     def prefix_keys_between(self, request: CachedSequence, start: int, end: int) -> list[BlockKey]:
         """Keys of a waiting request's full blocks lying in tokens [start, end) (none when caching is off)."""
@@ -176,19 +245,42 @@ class KVCacheManager:
 
     def num_cached_tokens(self, request: CachedSequence, num_tokens: int) -> int:
         """How many of the request's first `num_tokens` tokens a match would cover now (no side effects)."""
-        return len(self._cached_blocks(request, num_tokens)) * self.block_size
+        return self._cached_blocks(request, num_tokens)[1] * self.block_size
 
-    def _cached_blocks(self, request: CachedSequence, num_tokens: int) -> list[Optional[int]]:
-        """Pool blocks of the cached prefix, None where a block's content waits in the second tier."""
+    def _find(self, group: int, key: BlockKey) -> Optional[int]:
+        """Group `group`'s pool block of content `key`; None when it waits in the second tier, else _MISSING."""
+        block = self.pool.lookup((group, key))
+        if block is None and not (self.tier is not None and (group, key) in self.tier):
+            return _MISSING
+        return block
+
+    def _cached_blocks(self, request: CachedSequence, num_tokens: int) -> tuple[list[list[Optional[int]]], int]:
+        """(per group: pool blocks of the cached prefix, None where a block waits in the second tier,
+        SKIPPED before a window; the prefix's length in blocks). The prefix is the longest that every
+        full group holds whole and every windowed group holds from its next query's window on."""
         if not self.enable_prefix_caching:
-            return []
-        blocks: list[Optional[int]] = []
-        for key in self._prefix_keys(request, num_tokens):
-            block = self.pool.lookup(key)
-            if block is None and not (self.tier is not None and key in self.tier):
-                break
-            blocks.append(block)
-        return blocks
+            return [[] for _ in self.windows], 0
+        keys = self._prefix_keys(request, num_tokens)
+        found: list[list[Optional[int]]] = [[] for _ in self.windows]
+        longest = len(keys)
+        for group, window in enumerate(self.windows):  # full groups: the hit ends at the first miss
+            if window is None:
+                for key in keys[:longest]:
+                    block = self._find(group, key)
+                    if block == _MISSING:
+                        break
+                    found[group].append(block)
+                longest = len(found[group])
+        windowed = [g for g, w in enumerate(self.windows) if w is not None]
+        for group in windowed:
+            found[group] = [self._find(group, key) for key in keys[:longest]]
+        hit = next(h for h in range(longest, -1, -1)
+                   if all(_MISSING not in found[g][self._first_needed(g, h * self.block_size):h] for g in windowed))
+        blocks = []
+        for group, window in enumerate(self.windows):
+            first = self._first_needed(group, hit * self.block_size) if hit else 0
+            blocks.append([SKIPPED] * first + found[group][first:hit])
+        return blocks, hit
 
     def record_lookup(self, request_id: str, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's prefix-cache lookup (for the hit-rate metrics)."""
@@ -201,48 +293,64 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         keys = self._keys.setdefault(request.request_id, [])
-        table = self.tables.get(request.request_id, [])
-        full = min(request.num_computed_tokens // self.block_size, len(table))
+        tables = self.tables.get(request.request_id)
+        if tables is None:
+            return
+        released = self.released[request.request_id]
+        full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         while len(keys) < full:
             index = len(keys)
             start = index * self.block_size
             key = self.block_key(keys[-1] if keys else None,
                                  request.token_ids_range(start, start + self.block_size),
                                  request.sampling_params.cache_salt)
-            self.pool.register(table[index], key)
+            for group, table in enumerate(tables):
+                if index >= released[group]:
+                    self.pool.register(table[index], (group, key))
             keys.append(key)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Release the request's blocks past those holding its first `num_tokens` tokens (the slots of
         rejected speculative tokens). Those blocks were allocated for this request alone and never cached."""
-        table = self.tables.get(request_id)
+        tables = self.tables.get(request_id)
         keep = self.blocks_for(num_tokens)
-        if table is not None and len(table) > keep:
-            self.pool.release(table[keep:])
-            del table[keep:]
+        for group, table in enumerate(tables or ()):
+            if len(table) > keep:
+                released = self.released[request_id]
+                self.pool.release(table[max(keep, released[group]):])
+                released[group] = min(released[group], keep)
+                del table[keep:]
 
     def free(self, request_id: str) -> None:
         """Return every block of the request to the pool (shared blocks just lose one holder)."""
-        table = self.tables.pop(request_id, None)
+        tables = self.tables.pop(request_id, None)
+        released = self.released.pop(request_id, None)
         self._keys.pop(request_id, None)
         self._lookup_memo.pop(request_id, None)
-        if table:
-            self.pool.release(table)
+        for group, table in enumerate(tables or ()):
+            self.pool.release(table[released[group]:])
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
         """Give `child_id` shared references to the parent's blocks holding its first tokens.
 
         Only whole blocks are shared: returns the number of tokens shared, the largest multiple of
-        block_size <= num_tokens. The child writes everything after that into blocks of its own,
-        so no block is ever written by two requests.
+        block_size <= num_tokens (0 if a windowed group of the parent no longer holds what the child's
+        first query sees). The child writes everything after that into blocks of its own, so no block
+        is ever written by two requests.
         """
-        num_shared_blocks = min(num_tokens // self.block_size, len(self.tables.get(parent_id, ())))
-        shared = self.tables[parent_id][:num_shared_blocks] if num_shared_blocks else []
-        self.pool.share(shared)
-        self.tables[child_id] = list(shared)
-        parent_keys = self._keys.get(parent_id, [])
-        self._keys[child_id] = parent_keys[:num_shared_blocks]
-        return num_shared_blocks * self.block_size
+        tables = self.tables.get(parent_id) or [[] for _ in self.windows]
+        released = self.released.get(parent_id) or [0] * self.num_groups
+        shared = min(num_tokens // self.block_size, len(tables[0]))
+        if any(released[g] > self._first_needed(g, shared * self.block_size) for g in range(self.num_groups)):
+            shared = 0
+        self.tables[child_id], self.released[child_id] = [], []
+        for table, given_back in zip(tables, released):
+            start = min(given_back, shared)
+            self.pool.share(table[start:shared])
+            self.tables[child_id].append([_PLACEHOLDER] * start + table[start:shared])
+            self.released[child_id].append(start)
+        self._keys[child_id] = self._keys.get(parent_id, [])[:shared]
+        return shared * self.block_size
 
     @property
     def usage(self) -> float:

@@ -27,7 +27,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one block table per KV cache group (core/kv_spec.py)
 
 
 @dataclass(slots=True)
@@ -35,15 +35,16 @@ class CachedRequestData:
     """What changed for a request the runner knows since it last saw it.
 
     `new_token_ids` are output tokens appended since (the tokens the previous step kept).
-    The runner's block table becomes table[:block_ids_start] + new_block_ids: growth appends, a
-    rollback past rejected proposals truncates, and a request resumed after preemption replaces the
-    whole table (block_ids_start == 0).
+    The runner's block table of group g becomes table[:block_ids_start[g]] + new_block_ids[g]: growth
+    appends, a rollback past rejected proposals truncates, and a request resumed after preemption
+    replaces the whole table (block_ids_start[g] == 0). A windowed group's leading entries whose blocks
+    were given back stay as they were: no query reads them.
     """
 
     request_id: str
     new_token_ids: list[int]
-    new_block_ids: list[int]
-    block_ids_start: int
+    new_block_ids: list[list[int]]
+    block_ids_start: list[int]
 
 
 @dataclass(slots=True)

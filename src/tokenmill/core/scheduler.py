@@ -39,7 +39,14 @@ class _RunnerView:
     """What the runner has been told of a request: how many output tokens, and which block table."""
 
     num_output_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
+
+
+def _common_prefix(sent: list[int], table: list[int]) -> int:
+    """How many leading entries of `table` equal what the runner was sent."""
+    if len(table) >= len(sent) and table[:len(sent)] == sent:
+        return len(sent)
+    return next(i for i, (a, b) in enumerate(zip(sent, table + [None])) if a != b)
 
 
 @dataclass
@@ -103,12 +110,12 @@ class Scheduler:
                 f"This model's maximum context length is {max_len} tokens, but {max_total_tokens} "
                 f"were requested ({prompt_len} in the prompt + {max_total_tokens - prompt_len} for "
                 f"max_tokens).")
-        pool_tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
-        if max_total_tokens > pool_tokens:
+        needed = self.kv_cache.max_blocks_held(max_total_tokens, self.limits.max_num_batched_tokens)
+        if needed > self.kv_cache.num_blocks:
             raise ValueError(
                 f"The request needs up to {max_total_tokens} tokens of KV cache ({prompt_len} prompt + "
-                f"{max_total_tokens - prompt_len} max_tokens), but the whole KV cache holds "
-                f"{pool_tokens} tokens.")
+                f"{max_total_tokens - prompt_len} max_tokens): {needed} blocks of {self.kv_cache.block_size} "
+                f"tokens, and the whole KV cache holds {self.kv_cache.num_blocks} blocks.")
 
     def add_request(self, request: Request) -> None:
         """Queue a request (after checking it can ever fit)."""
@@ -161,6 +168,8 @@ class Scheduler:
             if request.request_id in self.in_flight:
                 index += 1
                 continue
+            if not request.num_samples_to_fork:  # a parent about to fork keeps what its samples will share
+                self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
             num_new = self._grant(request, budget)
             while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 if request.spec_token_ids:  # proposals are optional: drop them before preempting anyone
@@ -275,30 +284,31 @@ class Scheduler:
 
     def _describe_for_runner(self, output: SchedulerOutput) -> None:
         """Fill the step's request data: in full for a request the runner has not seen, else the diff
-        since it last saw it (new output tokens, block table change)."""
+        since it last saw it (new output tokens, block table changes)."""
         for request_id in output.finished_request_ids:
             self._runner_views.pop(request_id, None)
         for chunk in output.scheduled:
             request = self.requests[chunk.request_id]
-            table = self.kv_cache.block_table(chunk.request_id)
+            tables = self.kv_cache.block_tables(chunk.request_id)
             view = self._runner_views.get(chunk.request_id)
             if view is None:
-                self._runner_views[chunk.request_id] = _RunnerView(len(request.output_token_ids), list(table))
+                self._runner_views[chunk.request_id] = _RunnerView(len(request.output_token_ids),
+                                                                   [list(t) for t in tables])
                 output.new_requests.append(NewRequestData(chunk.request_id, request.prompt_token_ids,
                                                           list(request.output_token_ids),
-                                                          request.sampling_params, list(table)))
+                                                          request.sampling_params, [list(t) for t in tables]))
                 continue
-            sent = view.block_ids
-            if len(table) >= len(sent) and table[:len(sent)] == sent:
-                keep = len(sent)
-            else:
-                keep = next(i for i, (a, b) in enumerate(zip(sent, table + [None])) if a != b)
+            keeps = [_common_prefix(sent, table) for sent, table in zip(view.block_ids, tables)]
             new_tokens = request.output_token_ids[view.num_output_tokens:]
-            if new_tokens or keep < len(sent) or len(table) > keep:
-                output.cached_requests.append(CachedRequestData(chunk.request_id, new_tokens, table[keep:], keep))
+            changed = any(keep < len(sent) or len(table) > keep
+                          for keep, sent, table in zip(keeps, view.block_ids, tables))
+            if new_tokens or changed:
+                output.cached_requests.append(CachedRequestData(
+                    chunk.request_id, new_tokens, [table[keep:] for keep, table in zip(keeps, tables)], keeps))
                 view.num_output_tokens = len(request.output_token_ids)
-                del sent[keep:]
-                sent.extend(table[keep:])
+                for keep, sent, table in zip(keeps, view.block_ids, tables):
+                    del sent[keep:]
+                    sent.extend(table[keep:])
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)

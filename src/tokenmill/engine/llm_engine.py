@@ -18,7 +18,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kernels.isa import native_bf16
-from tokenmill.models.arch import kv_cache_geometry
+from tokenmill.models.arch import kv_cache_layout
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -88,10 +88,13 @@ class LLMEngine:
         self.eos_token_ids = self.arch.eos_token_ids
 
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_kv_blocks or self._blocks_for_budget(block_size, config.cache.kv_cache_memory_gb)
+        # every rank's heads together: the budget is the whole run's
+        self.kv_layout = kv_cache_layout(self.arch, self.dtype.itemsize)
+        block_bytes = self.kv_layout.block_bytes(block_size)
+        num_blocks = config.cache.num_kv_blocks or max(1, int(config.cache.kv_cache_memory_gb * _GIB) // block_bytes)
         tier_slots = 0
         if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
-            tier_slots = self._blocks_for_budget(block_size, config.cache.secondary_kv_gb)
+            tier_slots = max(1, int(config.cache.secondary_kv_gb * _GIB) // block_bytes)
         parallel = config.parallel
         check_divisible(self.arch, parallel.tensor_parallel_size, parallel.tensor_parallel_exact,
                         parallel.pipeline_parallel_size, parallel.enable_expert_parallel)  # before any worker starts
@@ -102,7 +105,8 @@ class LLMEngine:
                           expert_parallel=parallel.enable_expert_parallel)
         self.executor: Executor = make_executor(spec, config.parallel, source)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
-                                       cache_salt=source.path, secondary_slots=tier_slots)
+                                       cache_salt=source.path, secondary_slots=tier_slots,
+                                       windows=self.kv_layout.windows)
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, config.scheduler.schedule_policy,
                                   self.executor.max_steps_in_flight)
@@ -123,6 +127,8 @@ class LLMEngine:
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
                     num_blocks, block_size, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f MiB each); %s", num_blocks, block_size,
+                    self.kv_layout.layers_per_group, block_bytes / 2**20, self.kv_layout.describe())
 
     @property
     def runner(self):
@@ -159,12 +165,6 @@ class LLMEngine:
         if asked > limit:
             raise ValueError(f"max_model_len {asked} is larger than {reason}, {limit}")
         return asked
-
-    def _blocks_for_budget(self, block_size: int, gib: float) -> int:
-        kv_heads, head_dim = kv_cache_geometry(self.arch)  # every rank's heads together
-        bytes_per_block = (2 * self.arch.num_hidden_layers * block_size * kv_heads * head_dim
-                           * torch.tensor([], dtype=self.dtype).element_size())
-        return max(1, int(gib * _GIB) // bytes_per_block)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

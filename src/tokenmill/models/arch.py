@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tokenmill.core.kv_spec import KVCacheLayout, KVCacheSpec, group_layers
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -162,3 +164,13 @@ def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:
                              "attention heads are not sharded")
         return 1, arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
     return arch.num_key_value_heads // tp_size, arch.head_dim
+
+
+def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1) -> KVCacheLayout:
+    """One rank's KV cache groups: layers grouped by what they cache per token (full attention, a sliding
+    window, an MLA latent), see core/kv_spec.py."""
+    kv_heads, head_dim = kv_cache_geometry(arch, tp_size)
+    mla = None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim)
+    specs = [KVCacheSpec(kv_heads, head_dim, dtype_bytes, arch.layer_spec(i).sliding_window, mla)
+             for i in range(arch.num_hidden_layers)]
+    return group_layers(specs)

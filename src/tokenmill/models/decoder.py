@@ -132,21 +132,23 @@ class DecoderForCausalLM(nn.Module):
         self.fused_decode: Any = None  # see use_fused_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: Any) -> Optional[torch.Tensor]:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (None on a stage before the last)."""
+                attn_metadata: list[Any]) -> Optional[torch.Tensor]:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (None on a stage before the last).
+        `kv_caches` and `attn_metadata` have one entry per layer of this stage (its KV cache group's)."""
         residual = None
         if self.stage.is_first:
             hidden = self.embed(input_ids)
-            if self.fused_decode is not None and self.fused_decode.applies(attn_metadata, hidden.shape[0]):
-                fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata)
+            # the fused step runs only models of one KV cache group (_llama_shaped): one metadata for all
+            if self.fused_decode is not None and self.fused_decode.applies(attn_metadata[0], hidden.shape[0]):
+                fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata[0])
                 if fused is not None:
                     return fused
         else:
             hidden, residual = self.stage.recv(input_ids.shape[0], self.arch.hidden_size, self.norm.weight.dtype,
                                                input_ids.device)
         rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         if not self.stage.is_last:
             self.stage.send(hidden, residual)
             return None

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_spec import KVCacheSpec, single_group
 from tokenmill.models.arch import kv_cache_geometry
 from tokenmill.request import Request
 from tokenmill.sampling.rejection import draw
@@ -44,7 +45,8 @@ class DraftProposer:
         self.kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
         # A seeded request's draft generator gets a scrambled seed: the draft's choices must be
         # independent of the acceptance draws the target makes with the request's own seed.
-        self.runner = ModelRunner(model, backend, num_blocks, block_size, *kv_cache_geometry(arch), dtype, device,
+        layout = single_group(arch.num_hidden_layers, KVCacheSpec(*kv_cache_geometry(arch), dtype.itemsize))
+        self.runner = ModelRunner(model, backend, num_blocks, block_size, layout, dtype, device,
                                   eos_token_ids, seed + 1, request_seed=draft_seed)
         self.grammars = grammars
         self.cached: dict[str, int] = {}  # request id -> leading tokens whose draft KV is valid
@@ -113,7 +115,7 @@ class DraftProposer:
             self.forget(rid)
             return None
         self.cached[rid] = end + room - 1  # once all proposals but the last are fed
-        return BatchItem(rid, request.token_ids_range(cached, end), cached, self.kv.block_table(rid), True,
+        return BatchItem(rid, request.token_ids_range(cached, end), cached, self.kv.block_tables(rid), True,
                                 request.sampling_params, request.prompt_token_ids,
                                 list(request.output_token_ids))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.spec_decode.controller import SpeculationController
@@ -41,6 +41,13 @@ def _draft_proposer(config: EngineConfig, engine: "LLMEngine"):
     draft_config = dataclasses.replace(config.model, quantization=spec.draft_quantization)
     model, backend = load_model(source, draft_config, engine.device, engine.dtype, engine.max_model_len,
                                 spec.draft_num_layers)
-    return DraftProposer(model, backend, engine.kv_cache.num_blocks, engine.kv_cache.block_size, engine.dtype,
+    return DraftProposer(model, backend, draft_blocks(engine.kv_cache), engine.kv_cache.block_size, engine.dtype,
                          engine.device, engine.eos_token_ids, config.model.seed,
                          lambda: engine.step_grammars.matchers if engine.step_grammars is not None else None)
+
+
+def draft_blocks(target: Any) -> int:
+    """The draft's pool size: as many tokens as the target's pool holds for requests that every KV cache
+    group keeps whole (each of the draft's blocks holds all its layers; each token of the target takes a
+    block in each of its groups)."""
+    return max(1, target.num_blocks // target.num_groups)

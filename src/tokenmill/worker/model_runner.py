@@ -8,6 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from tokenmill.attention.base import AttentionBackend, SequenceChunk
+from tokenmill.core.kv_spec import KVCacheLayout
 from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
@@ -23,26 +24,34 @@ class ModelRunner:
     """Owns the KV cache tensors, its own state of every live request (from the step contract) and
     the per-request generators; turns a step's schedule into tokens.
 
-    KV cache: one tensor per layer, in the layout the attention backend chooses; slot s (block
-    s // block_size, offset s % block_size) holds the K/V of the token the scheduler mapped to s.
+    KV cache: `layout.layers_per_group` page tensors, in the layout the attention backend chooses; the
+    layer at position j of its KV cache group g uses page tensor j, and group g's slot s (block
+    s // block_size, offset s % block_size) holds that layer's K/V of the token the scheduler mapped to s
+    in group g's table (core/kv_spec.py).
     """
 
     def __init__(self, model: Any, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 layout: KVCacheLayout, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: tuple[int, ...], seed: int = 0, tier_slots: int = 0,
                  tier_folder: Optional[str] = None, request_seed: Callable[[int], int] = lambda seed: seed) -> None:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = [
-            torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
-                        dtype=dtype, device=device)
-            for _ in range(len(model.layers))  # this pipeline stage's layers
-        ]
+        spec = layout.groups[0].spec
+        first_layer = model.stage.first_layer
+        # this pipeline stage's layers: (group, position) of each
+        places = [layout.place(first_layer + i) for i in range(len(model.layers))]
+        positions = sorted({position for _, position in places})
+        pages = {position: torch.zeros(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
+                                                              spec.head_dim), dtype=dtype, device=device)
+                 for position in positions}
+        self.kv_pages = [pages[position] for position in positions]
+        self.kv_caches = [pages[position] for _, position in places]  # one per layer (layers share pages)
+        self.layer_groups = [group for group, _ in places]
         self.tier = None
         if tier_slots:
-            self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, num_kv_heads, head_dim),
-                                    len(self.kv_caches), dtype, device, tier_folder)
+            self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, spec.num_kv_heads, spec.head_dim),
+                                    len(self.kv_pages), dtype, device, tier_folder)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
@@ -56,8 +65,8 @@ class ModelRunner:
         batch = self.requests.apply(schedule)
         if schedule.kv_saves or schedule.kv_loads:
             assert self.tier is not None, "second-tier copies scheduled without a second tier"
-            self.tier.save(self.kv_caches, schedule.kv_saves)  # saves before loads: see SecondaryTier
-            self.tier.load(self.kv_caches, schedule.kv_loads)
+            self.tier.save(self.kv_pages, schedule.kv_saves)  # saves before loads: see SecondaryTier
+            self.tier.load(self.kv_pages, schedule.kv_loads)
         result = ModelRunnerOutput()
         if schedule.is_empty:
             return result
@@ -75,26 +84,39 @@ class ModelRunner:
         return result
 
     def forward(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[SequenceChunk]]:
-        """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden]."""
-        input_ids, positions, slots, chunks = self._flatten(batch)
-        metadata = self.backend.build_metadata(chunks, slots, self.block_size, self.device)
-        return self.model(input_ids, positions, self.kv_caches, metadata), chunks
+        """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden],
+        and the chunks (with the tables of the first group this stage uses)."""
+        input_ids, positions = self._flatten(batch)
+        metadata, chunks = {}, None
+        for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
+            group_chunks, slots = self._group_chunks(batch, group)
+            metadata[group] = self.backend.build_metadata(group_chunks, slots, self.block_size, self.device)
+            chunks = chunks or group_chunks
+        per_layer = [metadata[group] for group in self.layer_groups]
+        return self.model(input_ids, positions, self.kv_caches, per_layer), chunks
 
-    def _flatten(self, batch: list[BatchItem]):
+    def _flatten(self, batch: list[BatchItem]) -> tuple[torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
-        chunks = []
-        bs = self.block_size
+        for item in batch:
+            ids.extend(item.token_ids)
+            pos.extend(range(item.start, item.start + item.num_tokens))
+        return self._tensor(ids), self._tensor(pos)
+
+    def _group_chunks(self, batch: list[BatchItem], group: int) -> tuple[list[SequenceChunk], torch.Tensor]:
+        """The batch's chunks over group `group`'s block tables, and the slots their new tokens write."""
+        chunks, slots = [], []
+        query_start, bs = 0, self.block_size
         for item in batch:
             start, end = item.start, item.start + item.num_tokens
-            chunks.append(SequenceChunk(len(ids), item.num_tokens, end, item.block_ids, bool(item.spec_token_ids)))
-            ids.extend(item.token_ids)
-            pos.extend(range(start, end))
-            table = item.block_ids
+            table = item.block_ids[group]
+            chunks.append(SequenceChunk(query_start, item.num_tokens, end, table, bool(item.spec_token_ids)))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(pos), as_tensor(slots), chunks
+            query_start += item.num_tokens
+        return chunks, self._tensor(slots)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @staticmethod
     def _logit_rows(batch: list[BatchItem], chunks: list[SequenceChunk]):

@@ -22,7 +22,7 @@ class RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) of prompt + output."""
@@ -41,7 +41,7 @@ class BatchItem:
     request_id: str
     token_ids: list[int]
     start: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     sample: bool
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
@@ -74,15 +74,16 @@ class RequestStates:
         for new in schedule.new_requests:
             self.states[new.request_id] = RequestState(new.request_id, list(new.prompt_token_ids),
                                                        list(new.output_token_ids), new.sampling_params,
-                                                       list(new.block_ids))
+                                                       [list(t) for t in new.block_ids])
         for diff in schedule.cached_requests:
             state = self.states.get(diff.request_id)
             if state is None:
                 raise RuntimeError(f"step contract broken: request {diff.request_id!r} changed but the runner "
                                    f"never saw it")
             state.output_token_ids.extend(diff.new_token_ids)
-            del state.block_ids[diff.block_ids_start:]
-            state.block_ids.extend(diff.new_block_ids)
+            for table, start, new_blocks in zip(state.block_ids, diff.block_ids_start, diff.new_block_ids):
+                del table[start:]
+                table.extend(new_blocks)
         items = []
         for chunk in schedule.scheduled:
             state = self.states[chunk.request_id]

@@ -11,7 +11,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.moe import experts_per_rank
-from tokenmill.models.arch import ArchConfig, kv_cache_geometry
+from tokenmill.models.arch import ArchConfig, kv_cache_geometry, kv_cache_layout
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.parallel.group import PipelineStage, TPGroup, init_parallel, stage_layers
 from tokenmill.worker.model_runner import ModelRunner
@@ -82,8 +82,8 @@ class Worker:
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage)
-        kv_heads, head_dim = kv_cache_geometry(arch, tp.size)
-        self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size, kv_heads, head_dim, dtype,
+        layout = kv_cache_layout(arch, dtype.itemsize, tp.size)
+        self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder)
         self.description = (f"{dtype}, {type(backend).__name__} attention; {self.model.describe_weights()}")
 

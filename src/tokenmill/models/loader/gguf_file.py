@@ -10,12 +10,14 @@ import torch
 from gguf import GGUFReader
 
 from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, NEAR_GGUF_FORMATS, QuantizedWeight, from_gguf, quantize
-from tokenmill.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, ArchConfig, RopeScaling
+from tokenmill.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, ArchConfig, MoEConfig, RopeScaling
 from tokenmill.models.loader.gguf_tensors import (
     FLOAT_TYPES,
     check_tensor_type,
     hf_name,
+    is_expert_stack,
     to_torch,
+    to_torch_data,
     undo_llama_rope_permute,
 )
 
@@ -24,7 +26,12 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# llama.cpp's routing per architecture (its build_moe_ffn's norm_w): whether the top k weights are
+# renormalised. A "llama" file with experts is Mixtral.
+_TOPK_RENORMALISED = {"llama": True, "qwen3moe": True, "olmoe": False}
 # llama.cpp's Gemma 3 settings that the file does not store (src/llama-model.cpp): every sixth layer
 # is global, the local layers' RoPE base
 _GEMMA3_SLIDING_PATTERN = 6
@@ -93,8 +100,8 @@ class GGUFCheckpoint:
 
     @property
     def num_tensors(self) -> int:
-        """How many tensors `iter_weights` yields."""
-        return len(self.tensors)
+        """How many tensors `iter_weights` yields (a stack of experts' matrices yields one per expert)."""
+        return sum(int(t.shape[-1]) if is_expert_stack(t.name) else 1 for t in self.reader.tensors)
 
     def _rope_scaling(self) -> Optional[RopeScaling]:
         if "rope_freqs.weight" in self.tensors:
@@ -134,6 +141,28 @@ class GGUFCheckpoint:
                     sandwich_norms=True, embedding_scale=float(hidden_size) ** 0.5,
                     attention_scale=float(head_dim) ** -0.5, final_logit_softcap=float(cap) if cap else None)
 
+    def _moe_fields(self, num_layers: int) -> dict[str, Any]:
+        """The mixture of experts (Mixtral, Qwen3-MoE, OLMoE): experts in the layers that have a router."""
+        num_experts = self._arch_metadata("expert_count", 0)
+        if not num_experts:
+            return {}
+        if self.gguf_architecture not in _TOPK_RENORMALISED:
+            raise ValueError(f"GGUF {self.gguf_architecture} with experts is not supported; supported: "
+                             f"{', '.join(_TOPK_RENORMALISED)}")
+        if self._arch_metadata("expert_shared_count", 0) or self._arch_metadata("expert_shared_feed_forward_length", 0):
+            raise ValueError(f"GGUF {self.gguf_architecture} with shared experts is not supported")
+        width = self._arch_metadata("expert_feed_forward_length", None) or self._arch_metadata("feed_forward_length")
+        normalise = self._arch_metadata("expert_weights_norm", _TOPK_RENORMALISED[self.gguf_architecture])
+        dense = frozenset(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors)
+        fields: dict[str, Any] = dict(moe=MoEConfig(
+            num_experts=int(num_experts), top_k=int(self._arch_metadata("expert_used_count")),
+            intermediate_size=int(width), norm_topk_prob=bool(normalise), dense_layers=dense))
+        if self.gguf_architecture == "llama":
+            fields["architecture"] = "MixtralForCausalLM"
+        if self.gguf_architecture == "olmoe":
+            fields["qk_norm_per_head"] = False  # its q/k norms span the whole projections
+        return fields
+
     def _read_arch_config(self) -> ArchConfig:
         hidden_size = int(self._arch_metadata("embedding_length"))
         num_heads = int(self._arch_metadata("attention.head_count"))
@@ -143,9 +172,10 @@ class GGUFCheckpoint:
         sliding_window = self._arch_metadata("attention.sliding_window", None)
         bos = self.metadata("tokenizer.ggml.bos_token_id", None)
         gemma3 = self.gguf_architecture == "gemma3"
+        fields = {"architecture": GGUF_ARCHITECTURES[self.gguf_architecture], **self._moe_fields(num_layers)}
         return ArchConfig(
             **(self._gemma3_fields(num_layers, hidden_size, head_dim) if gemma3 else {}),
-            architecture=GGUF_ARCHITECTURES[self.gguf_architecture],
+            **fields,
             vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
             hidden_size=hidden_size,
             intermediate_size=int(self._arch_metadata("feed_forward_length")),
@@ -181,14 +211,25 @@ class GGUFCheckpoint:
         """Yield `(hf_name, tensor)` for every tensor in HF layout: decoded to float, or with
         `keep_quantized` converted into a `QuantizedWeight` where the encoding allows it exactly."""
         for tensor in self.reader.tensors:
-            matrix = len(tensor.shape) == 2
-            if keep_quantized and matrix and tensor.tensor_type in EXACT_GGUF_FORMATS:
-                weight = from_gguf(tensor.tensor_type, np.asarray(tensor.data), cols=int(tensor.shape[0]))
-            elif keep_quantized and matrix and tensor.tensor_type in NEAR_GGUF_FORMATS:
-                weight = quantize(to_torch(tensor), NEAR_GGUF_FORMATS[tensor.tensor_type])
-            else:
-                weight = to_torch(tensor)
+            name = hf_name(tensor.name, self.gguf_architecture)
+            if is_expert_stack(tensor.name):  # [experts, rows, cols]: one matrix per expert
+                for expert in range(int(tensor.shape[-1])):
+                    yield name.format(expert), self._matrix(tensor, keep_quantized, expert)
+                continue
+            weight = self._matrix(tensor, keep_quantized) if len(tensor.shape) == 2 else to_torch(tensor)
             num_heads = self._heads_of_permuted_rows(tensor.name)
             if num_heads is not None:
                 weight = undo_llama_rope_permute(weight, num_heads)
-            yield hf_name(tensor.name, self.gguf_architecture), weight
+            yield name, weight
+
+    @staticmethod
+    def _matrix(tensor: Any, keep_quantized: bool, expert: Optional[int] = None) -> "torch.Tensor | QuantizedWeight":
+        """A matrix (expert `expert`'s of a stack) decoded to float, or kept as a `QuantizedWeight` where
+        the encoding allows."""
+        data = np.asarray(tensor.data) if expert is None else np.asarray(tensor.data)[expert]
+        if keep_quantized and tensor.tensor_type in EXACT_GGUF_FORMATS:
+            return from_gguf(tensor.tensor_type, data, cols=int(tensor.shape[0]))
+        weight = to_torch_data(data, tensor.tensor_type)
+        if keep_quantized and tensor.tensor_type in NEAR_GGUF_FORMATS:
+            return quantize(weight, NEAR_GGUF_FORMATS[tensor.tensor_type])
+        return weight

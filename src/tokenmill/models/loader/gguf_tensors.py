@@ -43,7 +43,10 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# a mixture of experts' stacked expert matrices ([experts, rows, cols]): one HF matrix per expert
+EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # where an architecture names a tensor differently (Gemma 3 has norms before and after each block)
 _ARCH_BLOCK_NAMES = {
     "gemma3": {
@@ -62,10 +65,18 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str:
         return _GLOBAL_NAMES[gguf_name]
     names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(architecture, {})}
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in names:
+    if match is None or match.group(2) not in {**names, **EXPERT_PARTS}:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the supported {architecture} models")
     layer, part, kind = match.groups()
+    if part in EXPERT_PARTS:  # one name per expert: expert_name(..., expert)
+        return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_PARTS[part]}.{kind}"
     return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def is_expert_stack(gguf_name: str) -> bool:
+    """Whether `gguf_name` holds every expert's matrix of one projection, stacked."""
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    return match is not None and match.group(2) in EXPERT_PARTS
 
 
 def check_tensor_type(tensor: ReaderTensor) -> None:
@@ -80,11 +91,16 @@ def check_tensor_type(tensor: ReaderTensor) -> None:
 
 def to_torch(tensor: ReaderTensor) -> torch.Tensor:
     """Decode `tensor` in HF layout ([out, in]); float types keep their dtype, others -> float32."""
-    if tensor.tensor_type == T.BF16:
-        return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
-    if tensor.tensor_type in FLOAT_TYPES:
-        return torch.from_numpy(np.array(tensor.data))
-    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
+    return to_torch_data(tensor.data, tensor.tensor_type)
+
+
+def to_torch_data(data: np.ndarray, tensor_type: GGMLQuantizationType) -> torch.Tensor:
+    """Decode a tensor's raw `data` of `tensor_type` (or a slice of it along its leading dimensions)."""
+    if tensor_type == T.BF16:
+        return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+    if tensor_type in FLOAT_TYPES:
+        return torch.from_numpy(np.array(data))
+    return torch.from_numpy(dequantize(data, tensor_type))
 
 
 def undo_llama_rope_permute(weight: Union[torch.Tensor, QuantizedWeight], num_heads: int):

@@ -56,6 +56,15 @@ def load_gguf_tokenizer(gguf_path: str | Path) -> "PreTrainedTokenizerBase":
     if cached.is_dir():
         return AutoTokenizer.from_pretrained(str(cached))
     path = Path(gguf_path).resolve()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as exc:
+        if "is not supported" not in str(exc):
+            raise
+        # transformers reads GGUF configs of some architectures only (not OLMoE's), but converts any
+        # file's tokenizer metadata: build the tokenizer without the config
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     _save_atomically(tokenizer, cached)
     return tokenizer
