@@ -127,8 +127,8 @@ class LLMEngine:
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
                     num_blocks, block_size, self.max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f MiB each); %s", num_blocks, block_size,
-                    self.kv_layout.layers_per_group, block_bytes / 2**20, self.kv_layout.describe())
+        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each); %s", num_blocks, block_size,
+                    self.kv_layout.layers_per_group, block_bytes / 1024, self.kv_layout.describe())
 
     @property
     def runner(self):
