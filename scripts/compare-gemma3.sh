@@ -7,7 +7,7 @@
 # and tokenmill on PATH. The peers' llama.cpp snapshot (b4747, 2025-02) predates Gemma 3, so llama-server
 # is built (once, into PEERS_DIR/llama.cpp-pypi) from the llama.cpp that the llama-cpp-python sdist on
 # PyPI vendors, with the flags of ../shared/peers/start-llama-server.sh.
-# Usage: scripts/compare-gemma3.sh [OUT_DIR]
+# Usage: [CONFIGS=packed] scripts/compare-gemma3.sh [OUT_DIR]   (CONFIGS: the tokenmill rows, default packed bf16)
 set -uo pipefail
 OUT=${1:-bench-gemma3}
 ROOT=${PEERS_DIR:-$HOME/.cache/tokenmill-peers}/vllm
@@ -56,7 +56,7 @@ env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 LD_PRELOAD="$PRELOAD"
   TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL" --served-model-name default --host 127.0.0.1 --port 8036 --dtype bfloat16 --max-model-len 4096 \
   >"$OUT/vllm.log" 2>&1 & VL=$!
-for config in packed bf16; do
+for config in ${CONFIGS:-packed bf16}; do
   extra=(); [ $config = bf16 ] && extra=(--quantization none)
   tokenmill serve gemma3-270m "${extra[@]}" --port 8034 --host 127.0.0.1 --kv-cache-memory-gb 4 \
     --served-model-name gemma >"$OUT/tm-$config.log" 2>&1 & TM=$!
