@@ -277,8 +277,8 @@ class KVCacheManager:
         hit = next(h for h in range(longest, -1, -1)
                    if all(_MISSING not in found[g][self._first_needed(g, h * self.block_size):h] for g in windowed))
         blocks = []
-        for group, window in enumerate(self.windows):
-            first = self._first_needed(group, hit * self.block_size) if hit else 0
+        for group in range(self.num_groups):
+            first = self._first_needed(group, hit * self.block_size)
             blocks.append([SKIPPED] * first + found[group][first:hit])
         return blocks, hit
 
