@@ -55,6 +55,30 @@ def test_decode_attention_and_cache_writes_match_the_reference_backend(kernels, 
     assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_key_only_cache_attends_as_a_two_plane_cache_holding_the_keys_twice(kernels, dtype):
+    # MLA's latent: the values are the keys, stored once (one plane); decode and the prefill chunk agree
+    # with the reference over a two-plane cache whose value plane repeats the keys
+    heads, head_dim, block_size = 4, 40, 8
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.randn(1, 32, 1, block_size, head_dim, generator=gen).to(dtype)
+    chunks = [SequenceChunk(0, 1, 30, [3, 9, 4, 20]), SequenceChunk(1, 5, 21, [7, 1, 30])]
+    slots = torch.tensor([20 * 8 + 5] + [30 * 8 + i for i in range(0, 5)])
+    q = torch.randn(6, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(6, 1, head_dim, generator=gen).to(dtype)
+    layer, cpu = AttentionLayer(head_dim ** -0.5), torch.device("cpu")
+    ref, fast = TorchReferenceBackend(), CpuPagedBackend(kernels)
+    two_planes = torch.cat((keys, keys)).clone()
+    expected = ref.forward(q, k, k, two_planes, ref.build_metadata(chunks, slots, block_size, cpu), layer)
+    for backend in (ref, fast):
+        one_plane = keys.clone()
+        got = backend.forward(q, k, k, one_plane, backend.build_metadata(chunks, slots, block_size, cpu), layer)
+        assert torch.equal(one_plane[0], two_planes[0])
+        assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        with pytest.raises(ValueError, match="v must be k"):
+            backend.forward(q, k, k.clone(), one_plane, backend.build_metadata(chunks, slots, block_size, cpu), layer)
+
+
 def test_a_decode_result_does_not_depend_on_the_rest_of_the_batch(kernels):
     lengths = [300, 5, 77, 140]
     cache, chunks, slots, q, k, v = random_batch(5, torch.bfloat16, 9, 3, 64, 16, lengths, num_blocks=64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.attention.base import SequenceChunk
+from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
@@ -36,13 +36,23 @@ def mixed_batch(seed, heads, kv_heads, head_dim, block_size, spec):
     return cache, chunks, torch.tensor(slots), q, k, v
 
 
+def prefill_backend(amx_kernels):
+    """The paged backend with prefill chunks attending as chunks (not query by query as decodes, the
+    batch-invariant default), so that they go to the AMX kernel."""
+    return CpuPagedBackend(amx_kernels, batch_invariant=False)
+
+
+def layer_for(q):
+    return AttentionLayer(q.shape[-1] ** -0.5)
+
+
 def both_backends(amx_kernels, batch, block_size):
     cache, chunks, slots, q, k, v = batch
-    ref, fast = TorchReferenceBackend(), CpuPagedBackend(amx_kernels)
+    ref, fast = TorchReferenceBackend(), prefill_backend(amx_kernels)
     ref_cache, fast_cache = cache.clone(), cache.clone()
-    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, CPU))
+    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, CPU), layer_for(q))
     meta = fast.build_metadata(chunks, slots, block_size, CPU)
-    got = fast.forward(q, k, v, fast_cache, meta)
+    got = fast.forward(q, k, v, fast_cache, meta, layer_for(q))
     assert torch.equal(fast_cache, ref_cache)
     return got, expected, meta, fast_cache
 
@@ -76,9 +86,9 @@ def test_a_prefill_row_does_not_depend_on_the_rest_of_the_batch(amx_kernels):
     chunk = chunks[5]  # 130 new tokens after 170 cached ones
     rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
     alone_chunk = SequenceChunk(0, chunk.query_len, chunk.context_len, chunk.block_ids)
-    backend = CpuPagedBackend(amx_kernels)
+    backend = prefill_backend(amx_kernels)
     alone = backend.forward(q[rows], k[rows], v[rows], cache.clone(),
-                            backend.build_metadata([alone_chunk], slots[rows], 16, CPU))
+                            backend.build_metadata([alone_chunk], slots[rows], 16, CPU), layer_for(q))
     assert torch.equal(alone, together[rows])
 
 
@@ -99,9 +109,22 @@ def test_shapes_the_kernel_does_not_take_fall_back_to_sdpa(amx_kernels, head_dim
 
 def test_the_wrapper_refuses_what_the_kernel_cannot_read(amx_kernels):
     cache, chunks, slots, q, k, v = mixed_batch(14, 9, 3, 64, 16, MIXED[:2])
-    meta = CpuPagedBackend(amx_kernels).build_metadata(chunks, slots, 16, CPU)
+    meta = prefill_backend(amx_kernels).build_metadata(chunks, slots, 16, CPU)
     with pytest.raises(ValueError, match="bfloat16"):
         amx_kernels.prefill_attention(torch.empty(q.shape), q.float(), cache, meta.prefill_chunks, meta.prefill_tables, 0.125)
     with pytest.raises(ValueError, match="int64 chunks"):
         amx_kernels.prefill_attention(torch.empty_like(q.contiguous()), q, cache, meta.prefill_chunks.int(),
                                   meta.prefill_tables, 0.125)
+
+
+def test_a_key_only_cache_gives_what_its_keys_repeated_as_values_give(amx_kernels):
+    # MLA's latent cache: one plane, read as both keys and values
+    cache, chunks, slots, q, k, _ = mixed_batch(15, 8, 1, 64, 16, MIXED)
+    backend = prefill_backend(amx_kernels)
+    one_plane, two_planes = cache[:1].clone(), torch.cat((cache[:1], cache[:1]))
+    meta = backend.build_metadata(chunks, slots, 16, CPU)
+    got = backend.forward(q, k, k, one_plane, meta, layer_for(q))
+    expected = backend.forward(q, k, k, two_planes, backend.build_metadata(chunks, slots, 16, CPU), layer_for(q))
+    assert torch.equal(got, expected)
+    direct = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    assert amx_kernels.prefill_attention(direct, q, one_plane, meta.prefill_chunks, meta.prefill_tables, 64 ** -0.5)

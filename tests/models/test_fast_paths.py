@@ -66,7 +66,9 @@ def test_fused_step_takes_prefill_chunks_in_bfloat16_and_gives_the_layer_by_laye
     if kernels is None or not kernels.amx:
         pytest.skip("prefill chunks join the fused step only on the AMX prefill attention, which this CPU lacks")
     path = str(make_tiny_hf_model(tmp_path, arch="llama", hidden_size=128))  # head_dim 32, as the kernel needs
-    engine = {**SMALL_ENGINE, "block_size": 16}  # a block size the kernel takes
+    # a block size the kernel takes; prefill chunks attend as chunks (batch-invariant, every query attends
+    # as a decode query and no prefill reaches the kernel)
+    engine = {**SMALL_ENGINE, "block_size": 16, "batch_invariant": False}
     llm = LLM(path, dtype="bfloat16", **engine)
     fused, taken = llm.llm_engine.model.fused_decode, []
 

@@ -78,12 +78,11 @@ def test_cache_holds_only_the_latent(pair):
     engine = llm.llm_engine
     runner = engine.runner
     assert kv_cache_geometry(engine.arch) == (1, LATENT + ROPE)
-    expected = runner.backend.kv_cache_shape(128, 8, 1, LATENT + ROPE)
-    assert expected == (2, 128, 1, 8, LATENT + ROPE)  # [k/v, blocks, one head, block_size, c_kv + k_pe]
     assert len(runner.kv_caches) == 2
-    assert all(tuple(cache.shape) == expected for cache in runner.kv_caches)
-    # the memory budget is sized with the same geometry: 2 x layers x block_size x (r + rope) values a block
-    assert engine.kv_layout.block_bytes(8) == 2 * 2 * 8 * (LATENT + ROPE) * 4
+    # one plane (the latent is both key and value), one head, c_kv + k_pe per token: nothing stored twice
+    assert all(tuple(cache.shape) == (1, 128, 1, 8, LATENT + ROPE) for cache in runner.kv_caches)
+    # the memory budget is sized with the same geometry: layers x block_size x (r + rope) values a block
+    assert engine.kv_layout.block_bytes(8) == 2 * 8 * (LATENT + ROPE) * 4
     assert engine.kv_layout.groups[0].spec.kind == "MLA latent" and len(engine.kv_layout.groups) == 1
 
 
@@ -128,7 +127,7 @@ def test_an_mla_draft_keeps_greedy_tokens(checkpoint):
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
     assert llm.llm_engine.stats().spec.draft_tokens > 0
     draft_cache = llm.llm_engine.speculation.proposer.runner.kv_caches[0]
-    assert draft_cache.shape[2] == 1 and draft_cache.shape[-1] == LATENT + ROPE
+    assert draft_cache.shape[0] == 1 and draft_cache.shape[2] == 1 and draft_cache.shape[-1] == LATENT + ROPE
 
 
 def test_config_contradicting_the_weights_is_refused(tmp_path):

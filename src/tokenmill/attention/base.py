@@ -38,13 +38,25 @@ class SequenceChunk:
     query_by_query: bool = False
 
 
+def key_only(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `kv_cache` is key-only (one plane). ValueError if it is and v is not k: only a layer whose
+    values are its keys (MLA's latent) can use such a cache."""
+    if kv_cache.shape[0] != 1:
+        return False
+    if v is not k:
+        raise ValueError("a key-only KV cache stores layers whose values are their keys: v must be k")
+    return True
+
+
 class AttentionBackend(ABC):
     """Computes causal attention over a paged KV cache for a flattened, unpadded token batch."""
 
     @abstractmethod
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       planes: int = 2) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor (the backend chooses the layout, but dimension 1 is
-        always the block dimension: the second KV tier copies whole blocks along it)."""
+        always the block dimension: the second KV tier copies whole blocks along it). `planes` 1 is a
+        key-only cache (an MLA latent): the keys are the values, and `forward` must get v = k."""
 
     @abstractmethod
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.attention.base import AttentionLayer, SequenceChunk
+from tokenmill.attention.base import AttentionLayer, SequenceChunk, key_only
 from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, prefill_entries,
                                           split_decodes)
 from tokenmill.kernels.cpu_kernels import CpuKernels, prefill_attention_fits
@@ -58,7 +58,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         return meta
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
-        self.kernels.cache_write(kv_cache, k, v, m.slots)
+        self.kernels.cache_write(kv_cache, k, None if key_only(kv_cache, k, v) else v, m.slots)
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,
                      layer: AttentionLayer) -> None:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk
+from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk, key_only
 
 
 @dataclass
@@ -125,9 +125,13 @@ def prefill_entries(prefills: list[SequenceChunk], block_size: int, device: torc
 class TorchReferenceBackend(AttentionBackend):
     """Exact, simple, and the test oracle."""
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor."""
-        return (2, num_blocks, num_kv_heads, block_size, head_dim)
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       planes: int = 2) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor: [planes, blocks, kv heads, block_size, head_dim], keys in
+        plane 0 and values in the last plane (the same plane when the cache is key-only)."""
+        if planes not in (1, 2):
+            raise ValueError(f"a KV cache has 1 (key-only) or 2 planes, not {planes}")
+        return (planes, num_blocks, num_kv_heads, block_size, head_dim)
 
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> TorchRefMetadata:
@@ -169,7 +173,7 @@ class TorchReferenceBackend(AttentionBackend):
                 vp = v[rows].transpose(0, 1).unsqueeze(0)
             else:
                 kp = _tiles(kv_cache[0], p.block_table)[:, :p.context_len].unsqueeze(0)
-                vp = _tiles(kv_cache[1], p.block_table)[:, :p.context_len].unsqueeze(0)
+                vp = _tiles(kv_cache[-1], p.block_table)[:, :p.context_len].unsqueeze(0)
             mask = p.mask(layer.sliding_window)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                                 scale=layer.scale, enable_gqa=True)
@@ -178,7 +182,8 @@ class TorchReferenceBackend(AttentionBackend):
     @staticmethod
     def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
         kv_cache[0][m.block_ids, :, m.offsets] = k
-        kv_cache[1][m.block_ids, :, m.offsets] = v
+        if not key_only(kv_cache, k, v):
+            kv_cache[1][m.block_ids, :, m.offsets] = v
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,
                      layer: AttentionLayer) -> None:
@@ -191,7 +196,7 @@ class TorchReferenceBackend(AttentionBackend):
         batch, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[2]
         k = _tiles(kv_cache[0], m.decode_tables)  # [B, KVH, L, D]
-        v = _tiles(kv_cache[1], m.decode_tables)
+        v = k if kv_cache.shape[0] == 1 else _tiles(kv_cache[1], m.decode_tables)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=m.decode_mask_for(layer.sliding_window),
                                              scale=layer.scale)

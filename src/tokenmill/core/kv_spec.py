@@ -21,8 +21,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one layer caches per token: K and V of `num_kv_heads` x `head_dim` (for MLA, one head of
-    the latent plus the RoPE key, stored as K and V), and, for a sliding-window layer, its window
-    (a query sees the `sliding_window` latest keys, itself included)."""
+    the latent plus the RoPE key, stored once: it is the key and its first values are the value), and,
+    for a sliding-window layer, its window (a query sees the `sliding_window` latest keys, itself
+    included)."""
 
     num_kv_heads: int
     head_dim: int
@@ -38,9 +39,15 @@ class KVCacheSpec:
         return "full attention" if self.sliding_window is None else "sliding window"
 
     @property
+    def planes(self) -> int:
+        """Planes of one layer's cache tensor: 2 (keys, values), or 1 for an MLA latent, whose keys are
+        also its values (the attention backends read values from the last plane)."""
+        return 1 if self.mla_latent is not None else 2
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes one layer of this spec keeps per cached token."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.planes * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     def describe(self) -> str:
         """The spec in words, e.g. "sliding window of 512 tokens"."""
@@ -116,9 +123,9 @@ def group_layers(specs: list[KVCacheSpec]) -> KVCacheLayout:
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer)
-    shapes = {(spec.num_kv_heads, spec.head_dim, spec.dtype_bytes) for spec in by_spec}
+    shapes = {(spec.planes, spec.num_kv_heads, spec.head_dim, spec.dtype_bytes) for spec in by_spec}
     if len(shapes) > 1:
-        raise ValueError(f"layers cache K/V of different shapes (kv heads, head dim, bytes: {sorted(shapes)}): "
+        raise ValueError(f"layers cache K/V of different shapes (planes, kv heads, head dim, bytes: {sorted(shapes)}): "
                          "one KV block pool cannot hold them")
     size = 0
     for layers in by_spec.values():

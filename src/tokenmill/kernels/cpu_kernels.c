@@ -56,21 +56,22 @@ static inline void round_row(float *v, int64_t n, int bf16) {
 }
 
 /* Write token t's K and V (rows of k/v at k_row_stride/v_row_stride, kv heads contiguous) into slot
- * slots[t] of one layer's cache [2, num_blocks, kv_heads, block_size, head_dim]. */
-void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *slots, int64_t num_tokens,
-                    int64_t num_blocks, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+ * slots[t] of one layer's key and value planes [num_blocks, kv_heads, block_size, head_dim]. v NULL: a
+ * key-only cache, whose keys are its values; only K is written. */
+void tm_cache_write(void *k_cache, void *v_cache, const void *k, const void *v, const int64_t *slots,
+                    int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
                     int64_t k_row_stride, int64_t v_row_stride, int bf16) {
     const int64_t elem = bf16 ? 2 : 4;
-    const int64_t half = num_blocks * num_kv_heads * block_size * head_dim;
     #pragma omp parallel for if (num_tokens > 64)
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * head_dim;
-            memcpy((char *)cache + dst * elem, (const char *)k + (t * k_row_stride + h * head_dim) * elem,
+            memcpy((char *)k_cache + dst * elem, (const char *)k + (t * k_row_stride + h * head_dim) * elem,
                    (size_t)(head_dim * elem));
-            memcpy((char *)cache + (half + dst) * elem, (const char *)v + (t * v_row_stride + h * head_dim) * elem,
-                   (size_t)(head_dim * elem));
+            if (v)
+                memcpy((char *)v_cache + dst * elem, (const char *)v + (t * v_row_stride + h * head_dim) * elem,
+                       (size_t)(head_dim * elem));
         }
     }
 }

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT],
-    "tm_cache_write": [_P] * 4 + [_I64] * 7 + [_INT],
+    "tm_cache_write": [_P] * 5 + [_I64] * 6 + [_INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
     "tm_rope": [_P] * 4 + [_I64] * 4 + [_INT],
@@ -42,7 +42,7 @@ _SIGNATURES = {
     "tm_amx_pack": [_P, _P, _I64, _I64],
     "tm_amx_linear": [_P] * 4 + [_I64] * 5,
     "tm_amx_qlinear": [_P] * 4 + [_I64] * 5 + [_INT, _INT],
-    "tm_prefill_attention": [_P] * 7 + [_I64] * 8 + [_F],
+    "tm_prefill_attention": [_P] * 8 + [_I64] * 7 + [_F],
     "tm_dense_pack": [_P, _P, _I64, _I64, _INT],
     "tm_dense_linear": [_P] * 4 + [_I64] * 5 + [_INT, _INT],
 }
@@ -116,6 +116,12 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _planes(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """Addresses of a [planes, blocks, kv_heads, block_size, head_dim] cache's keys and values: the first
+    and the last plane (one plane: the keys are the values)."""
+    return _ptr(kv_cache), _ptr(kv_cache[-1])
+
+
 def _storage_flag(*tensors: torch.Tensor) -> int:
     dtype = tensors[0].dtype
     if dtype not in (torch.float32, torch.bfloat16):
@@ -152,29 +158,33 @@ class CpuKernels:
                          scale: float, window: int = 0) -> None:
         """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
         cached tokens, or with window > 0 over the last `window` of them only (the blocks before those are
-        not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [2, blocks, kv_heads,
-        block_size, head_dim] contiguous; block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
+        not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [planes, blocks, kv_heads,
+        block_size, head_dim] contiguous (values in the last plane); block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
         bf16 = _storage_flag(out, q, kv_cache)
-        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+        _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
         if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != head_dim or not kv_cache.is_contiguous():
             raise ValueError("decode_attention needs contiguous head rows, a contiguous out row and cache")
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
             raise ValueError("decode_attention takes int32 block tables and lengths, int64 token indices")
-        half = num_blocks * num_kv_heads * block_size * head_dim * kv_cache.element_size()
         self.lib.tm_decode_attention(
-            _ptr(out), _ptr(q), _ptr(kv_cache), _ptr(kv_cache) + half, _ptr(token_index), _ptr(block_tables),
+            _ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
             _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
             block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
 
-    def cache_write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store k, v [T, kv_heads, head_dim] (rows may be strided, heads contiguous) at `slots` (int64)."""
-        bf16 = _storage_flag(kv_cache, k, v)
-        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
-        if not kv_cache.is_contiguous() or k.stride(1) != head_dim or k.stride(2) != 1 \
-                or v.stride(1) != head_dim or v.stride(2) != 1 or slots.dtype != torch.int64:
+    def cache_write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
+                    slots: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] (rows may be strided, heads contiguous) at `slots` (int64);
+        v is None for a key-only (one-plane) cache, and only then."""
+        _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        bf16 = _storage_flag(kv_cache, k, *([] if v is None else [v]))
+        if (v is None) != (kv_cache.shape[0] == 1):
+            raise ValueError("cache_write takes values for a two-plane cache and none for a key-only one")
+        if not kv_cache.is_contiguous() or k.stride(1) != head_dim or k.stride(2) != 1 or slots.dtype != torch.int64 \
+                or (v is not None and (v.stride(1) != head_dim or v.stride(2) != 1)):
             raise ValueError("cache_write needs a contiguous cache, contiguous heads and int64 slots")
-        self.lib.tm_cache_write(_ptr(kv_cache), _ptr(k), _ptr(v), _ptr(slots), k.shape[0], num_blocks,
-                                num_kv_heads, block_size, head_dim, k.stride(0), v.stride(0), bf16)
+        self.lib.tm_cache_write(*_planes(kv_cache), _ptr(k), None if v is None else _ptr(v), _ptr(slots),
+                                k.shape[0], num_kv_heads, block_size, head_dim, k.stride(0),
+                                k.stride(0) if v is None else v.stride(0), bf16)
 
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -212,14 +222,14 @@ class CpuKernels:
                           chunks: torch.Tensor, block_tables: torch.Tensor, scale: float) -> bool:
         """Causal attention of prefill chunks on AMX tiles into rows of out [T, heads, head_dim]
         (kernels/prefill_attention.c). q [T, heads, head_dim] (heads contiguous, rows strided) and
-        kv_cache [2, blocks, kv_heads, block_size, head_dim], bfloat16, the chunks' K/V already
+        kv_cache [planes, blocks, kv_heads, block_size, head_dim], bfloat16, the chunks' K/V already
         written; chunks int64 [3, P]: query starts, query lengths, context lengths; block_tables
         int32 [P, max_blocks]. False (nothing written) where the kernel does not apply: no AMX,
         head_dim not a multiple of 32 up to 256, block_size not a multiple of 16."""
         if q.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
             raise ValueError("prefill_attention takes bfloat16 q, out and cache")
         _, heads, head_dim = q.shape
-        _, num_blocks, kv_heads, block_size, cache_dim = kv_cache.shape
+        _, _, kv_heads, block_size, cache_dim = kv_cache.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or out.shape != q.shape \
                 or not kv_cache.is_contiguous() or cache_dim != head_dim:
             raise ValueError("prefill_attention needs contiguous heads, a contiguous output and cache")
@@ -230,8 +240,8 @@ class CpuKernels:
         if not self.amx:
             return False
         done = self.lib.tm_prefill_attention(
-            _ptr(out), _ptr(q), _ptr(kv_cache), _ptr(chunks[0]), _ptr(chunks[1]), _ptr(chunks[2]), _ptr(block_tables),
-            block_tables.shape[1], chunks.shape[1], num_blocks, heads, kv_heads, block_size, head_dim, q.stride(0),
+            _ptr(out), _ptr(q), *_planes(kv_cache), _ptr(chunks[0]), _ptr(chunks[1]), _ptr(chunks[2]),
+            _ptr(block_tables), block_tables.shape[1], chunks.shape[1], heads, kv_heads, block_size, head_dim, q.stride(0),
             scale)
         return done == 0
 

@@ -16,12 +16,12 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
                          int64_t out_row_stride, float scale, int64_t window, int bf16);
-int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache, const int64_t *query_starts,
-                         const int64_t *query_lens, const int64_t *context_lens, const int32_t *block_tables,
-                         int64_t max_blocks, int64_t num_chunks, int64_t num_blocks, int64_t num_heads,
+int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *query_starts, const int64_t *query_lens, const int64_t *context_lens,
+                         const int32_t *block_tables, int64_t max_blocks, int64_t num_chunks, int64_t num_heads,
                          int64_t num_kv_heads, int64_t block_size, int64_t head_dim, int64_t q_stride, float scale);
-void tm_cache_write(void *cache, const void *k, const void *v, const int64_t *slots, int64_t num_tokens,
-                    int64_t num_blocks, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+void tm_cache_write(void *k_cache, void *v_cache, const void *k, const void *v, const int64_t *slots,
+                    int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
                     int64_t k_row_stride, int64_t v_row_stride, int bf16);
 void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weight, int64_t num_tokens,
                      int64_t hidden, float eps, int bf16);
@@ -114,18 +114,20 @@ int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, con
         tm_rope(qkv, s->positions, s->cos, s->sin, t, s->num_heads + s->num_kv_heads, s->head_dim, qkv_width,
                 s->bf16);
         const char *k = qkv + q_size * elem, *v = qkv + (q_size + kv_size) * elem;
-        tm_cache_write(layer->kv_cache, k, v, s->slots, t, s->num_blocks, s->num_kv_heads, s->block_size,
-                       s->head_dim, qkv_width, qkv_width, s->bf16);
+        char *v_cache = (char *)layer->kv_cache + cache_half;
+        tm_cache_write(layer->kv_cache, v_cache, k, v, s->slots, t, s->num_kv_heads, s->block_size, s->head_dim,
+                       qkv_width, qkv_width, s->bf16);
         if (s->num_decodes)  /* window 0: models with sliding layers do not take this step (fused_decode.py) */
-            tm_decode_attention(attn, qkv, layer->kv_cache, (char *)layer->kv_cache + cache_half, s->token_index,
+            tm_decode_attention(attn, qkv, layer->kv_cache, v_cache, s->token_index,
                                 s->block_tables, s->context_lens, s->num_decodes, s->num_heads, s->num_kv_heads,
                                 s->head_dim, s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size, s->scale,
                                 0, s->bf16);
         const int64_t p = s->num_prefills;
-        if (p && tm_prefill_attention((uint16_t *)attn, (const uint16_t *)qkv, layer->kv_cache, s->prefill_chunks,
-                                      s->prefill_chunks + p, s->prefill_chunks + 2 * p, s->prefill_tables,
-                                      s->prefill_max_blocks, p, s->num_blocks, s->num_heads, s->num_kv_heads,
-                                      s->block_size, s->head_dim, qkv_width, s->scale)) {
+        if (p && tm_prefill_attention((uint16_t *)attn, (const uint16_t *)qkv, layer->kv_cache,
+                                      (const uint16_t *)v_cache, s->prefill_chunks, s->prefill_chunks + p,
+                                      s->prefill_chunks + 2 * p, s->prefill_tables, s->prefill_max_blocks, p,
+                                      s->num_heads, s->num_kv_heads, s->block_size, s->head_dim, qkv_width,
+                                      s->scale)) {
             failed = 1;
             break;
         }

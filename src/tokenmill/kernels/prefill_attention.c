@@ -38,7 +38,7 @@
 
 typedef struct {
     const uint16_t *cache;
-    int64_t values_offset;  /* elements from K's half of the cache to V's */
+    int64_t values_offset;  /* elements from the key plane to the value plane (0: a key-only cache) */
     int64_t num_kv_heads, block_size, head_dim;
 } paged_kv;
 
@@ -267,14 +267,14 @@ static void attend(scratch *ws, const work_item *w, int64_t group, int64_t head_
  * (row stride q_stride, heads contiguous) over each chunk's context in the cache; chunk c: rows
  * [query_starts[c], + query_lens[c]), context_lens[c] positions, block table row c of block_tables
  * [num_chunks, max_blocks]. Returns 0, or -1 (nothing done) where unsupported; see the top comment. */
-int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache, const int64_t *query_starts,
-                         const int64_t *query_lens, const int64_t *context_lens, const int32_t *block_tables,
-                         int64_t max_blocks, int64_t num_chunks, int64_t num_blocks, int64_t num_heads,
+int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *query_starts, const int64_t *query_lens, const int64_t *context_lens,
+                         const int32_t *block_tables, int64_t max_blocks, int64_t num_chunks, int64_t num_heads,
                          int64_t num_kv_heads, int64_t block_size, int64_t head_dim, int64_t q_stride, float scale) {
 #ifdef TM_AMX
     if (head_dim % 32 || head_dim > MAX_HEAD_DIM || block_size % 16 || num_heads % num_kv_heads)
         return -1;
-    const paged_kv kv = {cache, num_blocks * num_kv_heads * block_size * head_dim, num_kv_heads, block_size, head_dim};
+    const paged_kv kv = {k_cache, v_cache - k_cache, num_kv_heads, block_size, head_dim};
     const int64_t group = num_heads / num_kv_heads, steps = head_dim / 32, dim_tiles = head_dim / 16;
     int64_t *first_tile = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
     int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
@@ -343,8 +343,8 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *cache
     free(first_item);
     return failed ? -1 : 0;
 #else
-    (void)out; (void)q; (void)cache; (void)query_starts; (void)query_lens; (void)context_lens; (void)block_tables;
-    (void)max_blocks; (void)num_chunks; (void)num_blocks; (void)num_heads; (void)num_kv_heads; (void)block_size;
+    (void)out; (void)q; (void)k_cache; (void)v_cache; (void)query_starts; (void)query_lens; (void)context_lens;
+    (void)block_tables; (void)max_blocks; (void)num_chunks; (void)num_heads; (void)num_kv_heads; (void)block_size;
     (void)head_dim; (void)q_stride; (void)scale;
     return -1;
 #endif

@@ -9,14 +9,18 @@ projection.
 
 Expert parallelism (`TPGroup.expert_parallel`, --enable-expert-parallel): under tensor parallelism the
 block's input is replicated on every rank. Rank r of N holds only the experts [r*E/N, (r+1)*E/N), whole
-(not split across ranks); the router and the shared experts are replicated. Each rank runs its experts
-on the (token, choice) slots routed to them and writes the outputs, as float32, into a [T, top_k, hidden]
-buffer filled with -0.0 elsewhere; a sum all-reduce over the group then combines the buffers (dispatch and
-combine as one all-reduce: gloo has no dependable all-to-all). It is exact: every element is written by
-exactly one rank; -0.0 is the additive identity of IEEE floats (x + -0.0 == x bit for bit, +0.0
-included, whatever order the ranks are added in); a bfloat16/float16 expert output converts to float32
-exactly. Every rank then takes the same weighted sum (`combine`) as one rank does, so the output
-is the one-rank output bit for bit. Traffic: T * top_k * hidden float32 values all-reduced per MoE layer.
+(not split across ranks); the router and the shared experts are replicated.
+- Dispatch: every rank routes every token (the same routing on every rank: same input, same router) and
+  runs its experts on the (token, choice) slots routed to them. The rows are already there (the input is
+  replicated), so dispatching costs no traffic.
+- Combine, one all-to-all: the tokens are split into N contiguous shares, rank r owning share r. Each
+  rank sends each slot's expert output (in x's dtype, as computed) to the owner of the slot's token. Each
+  owner then takes the weighted sum of its tokens (`combine`) exactly as one rank does.
+- The owners' sums are all-gathered, so every rank holds the whole [T, hidden] output again.
+It is the one-rank output bit for bit: every slot's output is computed by exactly one rank (the holder of
+its expert) and arrives unchanged at its token's owner, and `combine` is row-wise.
+Traffic per MoE layer: each slot's output crosses at most once (T * top_k * hidden values in all, fewer
+where a token's owner holds its expert), then T * hidden values are gathered.
 Tensor parallelism of the experts themselves (each expert's matrices split) is not supported: without
 expert parallelism a tensor-parallel group is refused (worker.check_divisible, and MoEBlock itself).
 
@@ -117,10 +121,10 @@ def experts_per_rank(num_experts: int, tp_size: int) -> int:
 
 def combine(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The routing-weighted sum of each token's choices: per_slot [T, top_k, hidden] (the experts'
-    outputs, in x's dtype or float32), weights float32 [T, top_k] -> float32 [T, hidden].
+    outputs), weights float32 [T, top_k] -> float32 [T, hidden].
 
-    In float32, choices added in rank order: the same operations for a token in any batch, and the same
-    at one rank and under expert parallelism (whose float32 slots hold the very same values)."""
+    In float32, choices added in rank order, row by row: the same operations for a token in any batch,
+    and the same at one rank and at its owner under expert parallelism."""
     out = per_slot[:, 0].float() * weights[:, :1]
     for j in range(1, per_slot.shape[1]):
         out += per_slot[:, j].float() * weights[:, j:j + 1]
@@ -157,16 +161,23 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the same on every rank) -> [T, hidden]."""
         weights, ids = route(self.gate(x), self.moe.top_k, self.moe.norm_topk_prob, self.moe.routed_scaling_factor)
-        out = combine(self.expert_outputs(x, ids), weights).to(x.dtype)
+        order, mine, grouped = self.local_expert_outputs(x, ids)
+        if self.expert_parallel:
+            out = self.combined_across_ranks(x, weights, ids, order, mine, grouped)
+        else:
+            per_slot = torch.empty_like(grouped)
+            per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
+            out = combine(per_slot.view(x.shape[0], self.moe.top_k, x.shape[-1]), weights).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
-    def expert_outputs(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every (token, choice) slot's expert output, [T, top_k, hidden]: in x's dtype at one rank; under
-        expert parallelism float32, this rank's slots combined with the others' by one all-reduce."""
-        num_tokens, top_k, hidden = x.shape[0], self.moe.top_k, x.shape[-1]
-        # slot s = t * top_k + j is token t's j-th choice; sorted by expert (stable: token order within one)
+    def local_expert_outputs(self, x: torch.Tensor, ids: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order, mine, grouped): `order` every (token, choice) slot s = t * top_k + j sorted by expert
+        (stable: token order within one); `mine` the run of `order` routed to this rank's experts; `grouped`
+        their outputs [len(mine), hidden] in x's dtype, in that order."""
+        top_k = self.moe.top_k
         slots = ids.reshape(-1)
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.moe.num_experts).tolist()
@@ -182,15 +193,32 @@ class MoEBlock(nn.Module):
             if count:
                 grouped[start:start + count] = self.experts[index](rows[start:start + count])
                 start += count
-        if not self.expert_parallel:
-            per_slot = torch.empty_like(grouped)
-            per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
-            return per_slot.view(num_tokens, top_k, hidden)
-        # -0.0, not 0.0, elsewhere: x + -0.0 == x for every x (+0.0 too), so the sum is exact
-        per_slot = torch.full((num_tokens * top_k, hidden), -0.0, dtype=torch.float32, device=x.device)
-        per_slot[mine] = grouped.float()  # exact: every bfloat16/float16 value is a float32 value
-        # invariant: each slot's expert lives on exactly one rank, so each row is written by one rank
-        return self.tp.all_reduce(per_slot).view(num_tokens, top_k, hidden)
+        return order, mine, grouped
+
+    def combined_across_ranks(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                              order: torch.Tensor, mine: torch.Tensor, grouped: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism's combine (module docstring): this rank's slot outputs go to their tokens'
+        owners by one all-to-all, each owner sums its tokens, and the sums are all-gathered. -> [T, hidden]."""
+        tp, top_k = self.tp, self.moe.top_k
+        num_tokens = x.shape[0]
+        bounds = [r * num_tokens // tp.size for r in range(tp.size + 1)]  # rank r owns tokens [bounds[r], bounds[r+1])
+        owner = torch.searchsorted(torch.tensor(bounds[1:], device=x.device), torch.arange(num_tokens, device=x.device),
+                                   right=True)
+        sent_to = owner[mine // top_k]
+        send_counts = torch.bincount(sent_to, minlength=tp.size).tolist()
+        outgoing = grouped[torch.argsort(sent_to, stable=True)]  # by owner, `order` kept within one
+        # what this rank receives: its tokens' slots in `order`, which lists rank 0's experts first, then
+        # rank 1's...: rank q's rows arrive in the order rank q sends them
+        owned = order[owner[order // top_k] == tp.rank]
+        from_rank = ids.reshape(-1)[owned] // len(self.local)
+        recv_counts = torch.bincount(from_rank, minlength=tp.size).tolist()
+        received = tp.all_to_all(outgoing, send_counts, recv_counts)
+        first, end = bounds[tp.rank], bounds[tp.rank + 1]
+        per_slot = torch.empty((end - first) * top_k, x.shape[-1], dtype=grouped.dtype, device=x.device)
+        # invariant: each slot's expert lives on exactly one rank, which sent its output here once
+        per_slot[owned - first * top_k] = received
+        sums = combine(per_slot.view(end - first, top_k, x.shape[-1]), weights[first:end]).to(x.dtype)
+        return tp.all_gather_rows(sums, [bounds[r + 1] - bounds[r] for r in range(tp.size)])
 
     def describe(self) -> Optional[str]:
         """'experts 4-7 of 8' under expert parallelism, else None."""

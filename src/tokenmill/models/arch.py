@@ -166,11 +166,16 @@ def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:
     return arch.num_key_value_heads // tp_size, arch.head_dim
 
 
+def kv_cache_spec(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1,
+                  sliding_window: Optional[int] = None) -> KVCacheSpec:
+    """What one rank's layer caches per token, for a layer of the given window (None: full attention)."""
+    kv_heads, head_dim = kv_cache_geometry(arch, tp_size)
+    mla = None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim)
+    return KVCacheSpec(kv_heads, head_dim, dtype_bytes, sliding_window, mla)
+
+
 def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1) -> KVCacheLayout:
     """One rank's KV cache groups: layers grouped by what they cache per token (full attention, a sliding
     window, an MLA latent), see core/kv_spec.py."""
-    kv_heads, head_dim = kv_cache_geometry(arch, tp_size)
-    mla = None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim)
-    specs = [KVCacheSpec(kv_heads, head_dim, dtype_bytes, arch.layer_spec(i).sliding_window, mla)
-             for i in range(arch.num_hidden_layers)]
-    return group_layers(specs)
+    return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window)
+                         for i in range(arch.num_hidden_layers)])

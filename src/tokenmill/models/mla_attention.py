@@ -13,10 +13,9 @@ over the one key [c_t, k_pe_t] of width r + rope with that same vector as its va
 values of its output are the attended latent. The paged backends run this unchanged as multi-query
 attention (1 KV head, head_dim r + rope); no per-head K or V is ever materialised.
 
-Cache (per layer, the backends' layout): [2, blocks, 1, block_size, r + rope], the k and v halves holding
-the same [c, k_pe]. Known gap: that is twice the ideal latent cache (the backends keep separate k and v
-halves); it is still heads * (nope + rope + v) / (2 * (r + rope)) times smaller than full K/V: 4.4x for
-DeepSeek-V2-Lite (16 heads), 36x for DeepSeek-V2 (128 heads), where one latent copy would give 8.9x and 71x.
+Cache (per layer): a key-only cache [1, blocks, 1, block_size, r + rope] holding [c, k_pe] once; the
+backends read the values from that same plane (KVCacheSpec.planes). That is heads * (nope + rope + v) /
+(r + rope) times smaller than full K/V: 8.9x for DeepSeek-V2-Lite (16 heads), 71x for DeepSeek-V2 (128).
 
 RoPE: Hugging Face rotates interleaved pairs (x[2i], x[2i+1]) of q_pe and k_pe; the projections' RoPE
 rows are de-interleaved as they load (evens then odds), which turns that rotation into the rotate-half

@@ -58,6 +58,27 @@ class TPGroup:
             total += part
         return total
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Send x's rows in rank order, the first send_counts[0] to rank 0 and so on; return the rows
+        received, recv_counts[q] from rank q, in rank order (each rank's `recv_counts` must be what the
+        others send it)."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group)
+        return out
+
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's rows (counts[q] of them from rank q, this rank's being x), concatenated in rank
+        order, on every rank."""
+        if self.size == 1:
+            return x
+        padded = x.new_zeros((max(counts),) + tuple(x.shape[1:]))  # all_gather takes equal shapes
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along the last dimension, in rank order, on every rank."""
         if self.size == 1:

@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.kv_spec import KVCacheSpec, single_group
-from tokenmill.models.arch import kv_cache_geometry
+from tokenmill.core.kv_spec import single_group
+from tokenmill.models.arch import kv_cache_spec
 from tokenmill.request import Request
 from tokenmill.sampling.rejection import draw
 from tokenmill.sampling.sampler import adjust_logits, filtered_probs, row_argmax
@@ -45,7 +45,7 @@ class DraftProposer:
         self.kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
         # A seeded request's draft generator gets a scrambled seed: the draft's choices must be
         # independent of the acceptance draws the target makes with the request's own seed.
-        layout = single_group(arch.num_hidden_layers, KVCacheSpec(*kv_cache_geometry(arch), dtype.itemsize))
+        layout = single_group(arch.num_hidden_layers, kv_cache_spec(arch, dtype.itemsize))
         self.runner = ModelRunner(model, backend, num_blocks, block_size, layout, dtype, device,
                                   eos_token_ids, seed + 1, request_seed=draft_seed)
         self.grammars = grammars

@@ -43,14 +43,15 @@ class ModelRunner:
         places = [layout.place(first_layer + i) for i in range(len(model.layers))]
         positions = sorted({position for _, position in places})
         pages = {position: torch.zeros(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
-                                                              spec.head_dim), dtype=dtype, device=device)
+                                                              spec.head_dim, spec.planes), dtype=dtype, device=device)
                  for position in positions}
         self.kv_pages = [pages[position] for position in positions]
         self.kv_caches = [pages[position] for _, position in places]  # one per layer (layers share pages)
         self.layer_groups = [group for group, _ in places]
         self.tier = None
         if tier_slots:
-            self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, spec.num_kv_heads, spec.head_dim),
+            self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, spec.num_kv_heads, spec.head_dim,
+                                                           spec.planes),
                                     len(self.kv_pages), dtype, device, tier_folder)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
