@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -196,9 +197,21 @@ def test_hf_config_legacy_keys_and_defaults(tmp_path):
 
 
 def test_hf_config_rejects_unknown_rope_scaling(tmp_path):
-    config = {**MINIMAL_CONFIG, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="yarn"):
+    config = {**MINIMAL_CONFIG, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}}
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'longrope'; supported: .*yarn"):
         arch_config_from_hf(write_config(tmp_path, config))
+
+
+def test_hf_config_reads_yarn_as_transformers_does(tmp_path):
+    # no factor: max_position_embeddings over the original context; mscale and mscale_all_dim give the
+    # attention factor mscale(8, 1.0) / mscale(8, 0.5)
+    config = {**MINIMAL_CONFIG, "max_position_embeddings": 4096,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 512,
+                                  "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16}}
+    scaling = arch_config_from_hf(write_config(tmp_path, config)).rope_scaling
+    assert (scaling.kind, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 8.0, 512)
+    assert (scaling.beta_fast, scaling.beta_slow, scaling.truncate) == (16.0, 1.0, True)
+    assert scaling.attention_factor == pytest.approx((0.1 * math.log(8) + 1) / (0.05 * math.log(8) + 1))
 
 
 # --- GGUF files ---------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ VARIANTS = {
     "llama3-rope-scaling": dict(arch="llama", rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE_SCALING}),
     "mistral": dict(arch="mistral"),
     "qwen2": dict(arch="qwen2"),
+    # YaRN past 32 original positions: interpolated low frequencies, cos/sin times mscale(4) = 1.139
+    "qwen2-yarn": dict(arch="qwen2", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 32}),
     "qwen3": dict(arch="qwen3"),
 }
 PROMPTS = [[1, 520, 9531, 42], list(range(100, 400, 7)), [7, 8, 9] * 30]

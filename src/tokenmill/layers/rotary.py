@@ -12,7 +12,7 @@ from tokenmill.models.arch import RopeScaling
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
-    """Inverse frequencies 1 / base^(2i/d), with linear or Llama-3 scaling applied (float32)."""
+    """Inverse frequencies 1 / base^(2i/d), with linear, Llama-3 or YaRN scaling applied (float32)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None or scaling.kind == "factors":
         return inv_freq
@@ -20,7 +20,27 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Optional[RopeScaling]) ->
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported RoPE scaling {scaling.kind!r} (supported: linear, llama3)")
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, base, scaling)
+    raise ValueError(f"unsupported RoPE scaling {scaling.kind!r} (supported: linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): frequency i is interpolated (divided by the factor)
+    where it turns fewer than `beta_slow` times over the original context, kept where it turns more than
+    `beta_fast` times, and blended linearly by dimension in between."""
+    def dimension_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(s.beta_fast), dimension_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return inv_freq / s.factor * (1 - kept) + inv_freq * kept
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -43,12 +63,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.inv_freq = rope_inv_freq(head_dim, base, scaling)
+        self.magnitude = scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
         self._build_table()
 
     def _build_table(self) -> None:
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
+        if self.magnitude != 1.0:  # YaRN's attention factor scales q and k alike
+            self.cos, self.sin = self.cos * self.magnitude, self.sin * self.magnitude
 
     def set_frequency_divisors(self, divisors: torch.Tensor) -> None:
         """Divide the inverse frequencies by per-frequency factors (GGUF's rope_freqs) and rebuild."""

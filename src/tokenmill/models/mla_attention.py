@@ -24,7 +24,8 @@ only place they meet, is unchanged. The softmax scale is (qk_nope + qk_rope) ** 
 mscale squared), given by the loader as `ArchConfig.attention_scale`.
 
 Tensor parallelism is refused (heads are not sharded); pipeline parallelism needs nothing of its own
-but is untested. Yarn RoPE (the released DeepSeek-V2 checkpoints') is refused by the config loader.
+but is untested. The released DeepSeek-V2 checkpoints' YaRN RoPE comes through the shared rotary tables
+(layers/rotary.py).
 """
 
 from __future__ import annotations

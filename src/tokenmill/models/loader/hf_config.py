@@ -106,7 +106,8 @@ def _architecture(config: dict[str, Any]) -> str:
     )
 
 
-def rope_scaling_from_hf(params: Optional[dict[str, Any]]) -> Optional[RopeScaling]:
+def rope_scaling_from_hf(params: Optional[dict[str, Any]], max_position_embeddings: int = 0
+                         ) -> Optional[RopeScaling]:
     """Translate HF `rope_scaling` / `rope_parameters` into a `RopeScaling` (None when unscaled)."""
     if not params:
         return None
@@ -123,7 +124,32 @@ def rope_scaling_from_hf(params: Optional[dict[str, Any]]) -> Optional[RopeScali
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_scaling(params, max_position_embeddings)
+    raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when the factor does not stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_scaling(params: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """YaRN as transformers reads it: a missing factor is max_position_embeddings over the original
+    context; a missing attention_factor is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are given, else mscale(factor)."""
+    original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+    if original <= 0:
+        raise ValueError("yarn RoPE scaling needs original_max_position_embeddings")
+    factor = float(params.get("factor") or max_position_embeddings / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    return RopeScaling(kind="yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                       attention_factor=float(attention_factor), truncate=bool(params.get("truncate", True)))
 
 
 def _token_ids(*values: Any) -> tuple[int, ...]:
@@ -182,10 +208,9 @@ def _yarn_mscale_squared(params: dict[str, Any]) -> float:
     mscale_all_dim) squared for a scaled RoPE with `mscale_all_dim`, else 1."""
     kind = params.get("rope_type", params.get("type", "default"))
     mscale_all_dim = params.get("mscale_all_dim", 0)
-    factor = float(params.get("factor", 1.0))
-    if kind == "default" or not mscale_all_dim or factor <= 1:
+    if kind == "default" or not mscale_all_dim:
         return 1.0
-    return (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+    return _yarn_mscale(float(params.get("factor", 1.0)), mscale_all_dim) ** 2
 
 
 def _deepseek_v2_moe(setting: dict[str, Any]) -> Optional[MoEConfig]:
@@ -299,7 +324,7 @@ def arch_config_from_hf(
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(setting["attention_bias"]),
         attention_out_bias=architecture != "Qwen2ForCausalLM" and bool(setting["attention_bias"]),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
-        rope_scaling=rope_scaling_from_hf(_global_rope(rope_params)),
+        rope_scaling=rope_scaling_from_hf(_global_rope(rope_params), setting["max_position_embeddings"]),
         sliding_window=_sliding_window(architecture, setting),
         bos_token_id=bos_token_id,
         eos_token_ids=_token_ids(setting["eos_token_id"], generation.get("eos_token_id")),
