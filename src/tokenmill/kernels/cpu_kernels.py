@@ -159,7 +159,8 @@ class CpuKernels:
         """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
         cached tokens, or with window > 0 over the last `window` of them only (the blocks before those are
         not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [planes, blocks, kv_heads,
-        block_size, head_dim] contiguous (values in the last plane); block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
+        block_size, head_dim] contiguous (values in the last plane); block_tables int32 [B, max_blocks];
+        context_lens int32 [B]."""
         bf16 = _storage_flag(out, q, kv_cache)
         _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
         if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != head_dim or not kv_cache.is_contiguous():
@@ -241,8 +242,8 @@ class CpuKernels:
             return False
         done = self.lib.tm_prefill_attention(
             _ptr(out), _ptr(q), *_planes(kv_cache), _ptr(chunks[0]), _ptr(chunks[1]), _ptr(chunks[2]),
-            _ptr(block_tables), block_tables.shape[1], chunks.shape[1], heads, kv_heads, block_size, head_dim, q.stride(0),
-            scale)
+            _ptr(block_tables), block_tables.shape[1], chunks.shape[1], heads, kv_heads, block_size, head_dim,
+            q.stride(0), scale)
         return done == 0
 
     def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:

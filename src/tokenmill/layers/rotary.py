@@ -30,7 +30,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, base: float, s: RopeSc
     where it turns fewer than `beta_slow` times over the original context, kept where it turns more than
     `beta_fast` times, and blended linearly by dimension in between."""
     def dimension_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
-        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        original = s.original_max_position_embeddings
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = dimension_of(s.beta_fast), dimension_of(s.beta_slow)
     if s.truncate:
