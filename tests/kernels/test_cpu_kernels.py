@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
-from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.attention.torch_ref import TorchReferenceBackend, padded_block_tables, split_decodes
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -77,6 +77,18 @@ def test_a_key_only_cache_attends_as_a_two_plane_cache_holding_the_keys_twice(ke
         assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
         with pytest.raises(ValueError, match="v must be k"):
             backend.forward(q, k, k.clone(), one_plane, backend.build_metadata(chunks, slots, block_size, cpu), layer)
+
+
+def test_block_tables_of_a_chunk_split_query_by_query_are_each_querys_own():
+    # a 7-query chunk at positions 3..9 with 4-token blocks, a decode, then a 2-query chunk from position 0
+    long, other, short = [11, 4, 8, 2], [5, 6], [9]
+    chunks = [SequenceChunk(0, 7, 10, long), SequenceChunk(7, 1, 6, other), SequenceChunk(8, 2, 2, short)]
+    decodes, prefills = split_decodes(chunks, every_query=True)
+    assert prefills == [] and [c.context_len for c in decodes] == [4, 5, 6, 7, 8, 9, 10, 6, 1, 2]
+    tables = padded_block_tables(decodes, 4, torch.int32)
+    expected = [[11, 0, 0], [11, 4, 0], [11, 4, 0], [11, 4, 0], [11, 4, 0], [11, 4, 8], [11, 4, 8],
+                [5, 6, 0], [9, 0, 0], [9, 0, 0]]
+    assert tables.dtype == torch.int32 and tables.tolist() == expected
 
 
 def test_a_decode_result_does_not_depend_on_the_rest_of_the_batch(kernels):

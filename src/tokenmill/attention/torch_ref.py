@@ -93,12 +93,22 @@ def split_decodes(chunks: list[SequenceChunk], every_query: bool = False) -> tup
 
 
 def padded_block_tables(chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, max_blocks] block tables of the chunks' sequences, each row padded with block 0 past its context."""
-    max_blocks = max(-(-c.context_len // block_size) for c in chunks)
-    tables = torch.zeros(len(chunks), max_blocks, dtype=dtype)
-    for row, c in enumerate(chunks):
-        used = -(-c.context_len // block_size)
-        tables[row, :used] = torch.tensor(c.block_ids[:used], dtype=dtype)
+    """[B, max_blocks] block tables of the chunks' sequences, each row padded with block 0 past its context.
+    Consecutive rows that share one block list (the queries of one chunk, `split_decodes`) are filled by
+    one masked copy: a batch-invariant prefill makes a row of every query."""
+    used = [-(-c.context_len // block_size) for c in chunks]
+    tables = torch.zeros(len(chunks), max(used), dtype=dtype)
+    columns = torch.arange(max(used))
+    row = 0
+    while row < len(chunks):
+        block_ids, end = chunks[row].block_ids, row + 1
+        while end < len(chunks) and chunks[end].block_ids is block_ids:
+            end += 1
+        widest = max(used[row:end])
+        table = torch.tensor(block_ids[:widest], dtype=dtype)
+        inside = columns[:widest] < torch.tensor(used[row:end])[:, None]
+        tables[row:end, :widest] = torch.where(inside, table, torch.zeros((), dtype=dtype))
+        row = end
     return tables
 
 
