@@ -254,12 +254,17 @@ def test_fused_add_rms_norm_matches_add_then_norm(kernels, dtype, rows, hidden):
 # head_dim 64: every level's vector path; 48: AVX2's (half a multiple of 8), not AVX-512's; 36: scalar
 @pytest.mark.parametrize("head_dim,inner", [(64, 96), (48, 100), (36, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_and_rope_match_the_pytorch_ops(kernels, dtype, head_dim, inner):
+def test_gated_activations_and_rope_match_the_pytorch_ops(kernels, dtype, head_dim, inner):
     gen = torch.Generator().manual_seed(2)
     gate_up = torch.randn(9, 2 * inner, generator=gen).to(dtype) * 4
     expected = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
     assert torch.allclose(kernels.silu_mul(gate_up).float(), expected.float(), atol=TOLERANCE[dtype] * 2,
                           rtol=TOLERANCE[dtype])
+    gate_up[0, :4] = torch.tensor([-30.0, -9.0, 12.0, 0.0])  # GELU's tails: e^-2z overflows, or vanishes
+    expected = F.gelu(gate_up[:, :inner], approximate="tanh") * gate_up[:, inner:]
+    got = kernels.gelu_tanh_mul(gate_up)
+    assert torch.allclose(got.float(), expected.float(), atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
+    assert torch.isfinite(got).all()
 
     rotary = RotaryEmbedding(head_dim, 300, 10000.0)
     qkv = torch.randn(6, 15, head_dim, generator=gen).to(dtype)

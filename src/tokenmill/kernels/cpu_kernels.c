@@ -179,10 +179,14 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
     }
 }
 
-/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inner + i], each factor rounded to the storage dtype
- * first, as the unfused PyTorch ops would. The vector lanes take e^-g as a power of 2 (exp2_16) and
- * divide by a refined reciprocal (reciprocal16): within a few float32 units of the last place. */
-void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16) {
+/* out[t, i] = act(gate_up[t, i]) * gate_up[t, inner + i], each factor rounded to the storage dtype
+ * first, as the unfused PyTorch ops would. act is SiLU, g / (1 + e^-g), or with `gelu` GELU's tanh
+ * form 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), taken as the equal g / (1 + e^-2z).
+ * The vector lanes take the exponential as a power of 2 (exp2_16) and divide by a refined reciprocal
+ * (reciprocal16): within a few float32 units of the last place. */
+static inline void gated_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int gelu, int bf16) {
+    const float k = 0.7978845608028654f, cube = 0.044715f;  /* sqrt(2 / pi), GELU's cubic coefficient */
+    const float log2e = 1.44269504088896341f;
     #pragma omp parallel for if (num_tokens > 4)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t in_row = t * 2 * inner, out_row = t * inner;
@@ -190,7 +194,12 @@ void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inn
 #ifdef __AVX512F__
         for (; i + 16 <= inner; i += 16) {
             const __m512 g = load16(gate_up, in_row + i, bf16), u = load16(gate_up, in_row + inner + i, bf16);
-            const __m512 e = exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)));  /* e^-g */
+            __m512 arg = g;  /* the exponent's argument x of e^-x */
+            if (gelu) {
+                const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+                arg = _mm512_mul_ps(_mm512_set1_ps(2.0f * k), _mm512_fmadd_ps(_mm512_set1_ps(cube), g3, g));
+            }
+            const __m512 e = exp2_16(_mm512_mul_ps(arg, _mm512_set1_ps(-log2e)));
             __m512 a = _mm512_mul_ps(g, reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.0f), e)));
             if (bf16) a = round16_bf16(a);
             store16(out, out_row + i, _mm512_mul_ps(a, u), bf16);
@@ -198,7 +207,12 @@ void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inn
 #elif defined(TM_AVX2)
         for (; i + 8 <= inner; i += 8) {
             const __m256 g = load8(gate_up, in_row + i, bf16), u = load8(gate_up, in_row + inner + i, bf16);
-            const __m256 e = exp2_8(_mm256_mul_ps(g, _mm256_set1_ps(-1.44269504088896341f)));  /* e^-g */
+            __m256 arg = g;
+            if (gelu) {
+                const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+                arg = _mm256_mul_ps(_mm256_set1_ps(2.0f * k), _mm256_fmadd_ps(_mm256_set1_ps(cube), g3, g));
+            }
+            const __m256 e = exp2_8(_mm256_mul_ps(arg, _mm256_set1_ps(-log2e)));
             __m256 a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
             if (bf16) a = round8_bf16(a);
             store8(out, out_row + i, _mm256_mul_ps(a, u), bf16);
@@ -206,10 +220,19 @@ void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inn
 #endif
         for (; i < inner; i++) {
             const float g = load_value(gate_up, in_row + i, bf16), u = load_value(gate_up, in_row + inner + i, bf16);
-            const float a = rounded_to_storage(g / (1.0f + fast_exp(-g)), bf16);
+            const float arg = gelu ? 2.0f * k * fmaf(cube, g * g * g, g) : g;
+            const float a = rounded_to_storage(g / (1.0f + fast_exp(-arg)), bf16);
             store_value(out, out_row + i, a * u, bf16);
         }
     }
+}
+
+void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16) {
+    gated_mul(out, gate_up, num_tokens, inner, 0, bf16);
+}
+
+void tm_gelu_tanh_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16) {
+    gated_mul(out, gate_up, num_tokens, inner, 1, bf16);
 }
 
 /* Rotate heads [0, num_heads) of each token's row in place (the "rotate half" layout):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ _SIGNATURES = {
     "tm_cache_write": [_P] * 5 + [_I64] * 6 + [_INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
+    "tm_gelu_tanh_mul": [_P, _P, _I64, _I64, _INT],
     "tm_rope": [_P] * 4 + [_I64] * 4 + [_INT],
     "tm_qcells_pack": [_P] * 4 + [_I64] * 2 + [_INT] * 2,
     "tm_qlinear": [_P] * 4 + [_I64] * 5 + [_INT] * 3,
@@ -200,12 +201,20 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a contiguous [T, 2 * inner] input."""
+        return self._gated_mul(self.lib.tm_silu_mul, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up (GeGLU) of a contiguous [T, 2 * inner] input."""
+        return self._gated_mul(self.lib.tm_gelu_tanh_mul, gate_up)
+
+    @staticmethod
+    def _gated_mul(kernel: Any, gate_up: torch.Tensor) -> torch.Tensor:
         bf16 = _storage_flag(gate_up)
         if not gate_up.is_contiguous():
-            raise ValueError("silu_mul needs a contiguous input")
+            raise ValueError("a gated activation needs a contiguous input")
         inner = gate_up.shape[1] // 2
         out = gate_up.new_empty(gate_up.shape[0], inner)
-        self.lib.tm_silu_mul(_ptr(out), _ptr(gate_up), gate_up.shape[0], inner, bf16)
+        kernel(_ptr(out), _ptr(gate_up), gate_up.shape[0], inner, bf16)
         return out
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

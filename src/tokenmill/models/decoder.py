@@ -173,10 +173,10 @@ class DecoderForCausalLM(nn.Module):
         return hidden
 
     def use_fused_kernels(self, kernels: Any) -> None:
-        """Route RMSNorm (+ residual add), SiLU-and-mul and RoPE through native kernels (CpuKernels)."""
+        """Route RMSNorm (+ residual add), SiLU- and GELU-and-mul and RoPE through native kernels (CpuKernels)."""
         self.kernels = kernels
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SiluAndMul)):
+            if isinstance(module, (RMSNorm, SiluAndMul, GeluTanhAndMul)):
                 module.kernels = kernels
 
     def has_quantized_weights(self) -> bool:
