@@ -1,5 +1,7 @@
-# Functions shared by compare-peers.sh and compare-levels.sh (sourced; OUT must be set): wait for a
-# server, run one `tokenmill bench serve`, and run a row as the pairs A B B A.
+# Functions shared by compare-peers.sh, compare-levels.sh and compare-gemma3.sh (sourced; OUT must be
+# set): wait for a server, run one `tokenmill bench serve`, and run a row as the pairs A B B A.
+# Sourcing marks the start of the run, so `summarise` leaves out results of earlier runs in OUT.
+touch "$OUT/.started"
 
 wait_up() {  # port
   for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done
@@ -18,8 +20,8 @@ pairs() {  # A_port A_model A_pid A_name B_port B_model B_pid B_name row_name se
   run "$bp" "$bm" "$bpid" "$bn-$row-2" $((seed + 1)) "$@"; run "$ap" "$am" "$apid" "$an-$row-2" $((seed + 1)) "$@"
 }
 
-summarise() {  # one line per run in OUT
-  for f in "$OUT"/*.json; do python - "$f" <<'PY'
+summarise() {  # one line per run of this invocation in OUT
+  for f in "$OUT"/*.json; do [ "$f" -ot "$OUT/.started" ] && continue; python - "$f" <<'PY'
 import json, os, sys
 d = json.load(open(sys.argv[1]))
 print(f"{os.path.basename(sys.argv[1])[:-5]:<28} total tok/s {d['total_tokens_per_s']:<8} output tok/s "
