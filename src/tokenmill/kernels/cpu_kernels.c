@@ -186,7 +186,6 @@ void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weigh
  * (reciprocal16): within a few float32 units of the last place. */
 static inline void gated_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int gelu, int bf16) {
     const float k = 0.7978845608028654f, cube = 0.044715f;  /* sqrt(2 / pi), GELU's cubic coefficient */
-    const float log2e = 1.44269504088896341f;
     #pragma omp parallel for if (num_tokens > 4)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t in_row = t * 2 * inner, out_row = t * inner;
@@ -199,7 +198,7 @@ static inline void gated_mul(void *out, const void *gate_up, int64_t num_tokens,
                 const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
                 arg = _mm512_mul_ps(_mm512_set1_ps(2.0f * k), _mm512_fmadd_ps(_mm512_set1_ps(cube), g3, g));
             }
-            const __m512 e = exp2_16(_mm512_mul_ps(arg, _mm512_set1_ps(-log2e)));
+            const __m512 e = exp2_16(_mm512_mul_ps(arg, _mm512_set1_ps(-1.44269504088896341f)));  /* e^-arg */
             __m512 a = _mm512_mul_ps(g, reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.0f), e)));
             if (bf16) a = round16_bf16(a);
             store16(out, out_row + i, _mm512_mul_ps(a, u), bf16);
@@ -212,7 +211,7 @@ static inline void gated_mul(void *out, const void *gate_up, int64_t num_tokens,
                 const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
                 arg = _mm256_mul_ps(_mm256_set1_ps(2.0f * k), _mm256_fmadd_ps(_mm256_set1_ps(cube), g3, g));
             }
-            const __m256 e = exp2_8(_mm256_mul_ps(arg, _mm256_set1_ps(-log2e)));
+            const __m256 e = exp2_8(_mm256_mul_ps(arg, _mm256_set1_ps(-1.44269504088896341f)));  /* e^-arg */
             __m256 a = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
             if (bf16) a = round8_bf16(a);
             store8(out, out_row + i, _mm256_mul_ps(a, u), bf16);
