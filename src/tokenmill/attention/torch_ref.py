@@ -94,22 +94,25 @@ def split_decodes(chunks: list[SequenceChunk], every_query: bool = False) -> tup
 
 def padded_block_tables(chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, max_blocks] block tables of the chunks' sequences, each row padded with block 0 past its context.
-    Consecutive rows that share one block list (the queries of one chunk, `split_decodes`) are filled by
-    one masked copy: a batch-invariant prefill makes a row of every query."""
+    Each distinct block list is converted once, however many rows share it (a batch-invariant prefill
+    makes a row of every query of a chunk, `split_decodes`); the rows are then gathered from it in one go."""
     used = [-(-c.context_len // block_size) for c in chunks]
-    tables = torch.zeros(len(chunks), max(used), dtype=dtype)
-    columns = torch.arange(max(used))
-    row = 0
-    while row < len(chunks):
-        block_ids, end = chunks[row].block_ids, row + 1
-        while end < len(chunks) and chunks[end].block_ids is block_ids:
-            end += 1
-        widest = max(used[row:end])
-        table = torch.tensor(block_ids[:widest], dtype=dtype)
-        inside = columns[:widest] < torch.tensor(used[row:end])[:, None]
-        tables[row:end, :widest] = torch.where(inside, table, torch.zeros((), dtype=dtype))
-        row = end
-    return tables
+    width = max(used)
+    flat: list[int] = []
+    starts: list[int] = []
+    last = None
+    for c in chunks:
+        if c.block_ids is not last:
+            last = c.block_ids
+            start = len(flat)
+            flat.extend(c.block_ids[:width])
+        starts.append(start)
+    # a row reads `width` entries from its start: past its own list's end they are masked (and the next
+    # list's, or the zero tail's, so always in bounds)
+    values = torch.tensor(flat + [0] * width, dtype=dtype)
+    columns = torch.arange(width)
+    rows = values[torch.tensor(starts)[:, None] + columns]
+    return torch.where(columns < torch.tensor(used)[:, None], rows, torch.zeros((), dtype=dtype))
 
 
 def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
