@@ -52,9 +52,9 @@ class ModelConfig:
                                  "quantised products take int8 dot products at every row count, every query "
                                  "attends as a decode query; --no-batch-invariant lets many-row products "
                                  "dequantise and prefill use SDPA/AMX attention (gain: docs/benchmarks.md)")
-    quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K "
-                             "(as int8), Q4_0/Q4_1/Q4_K (as int4) weights packed exactly and Q6_K requantised to "
-                             "int8 (other encodings are dequantised), none = dequantise everything "
+    quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K, "
+                             "Q6_K (as int8, Q6_K with its 16-weight scales) and Q4_0/Q4_1/Q4_K (as int4) weights "
+                             "packed exactly (other encodings are dequantised), none = dequantise everything "
                              "to --dtype (the float reference), int8/int4 = also quantise float weights per "
                              "32-weight block at load time (the embedding and LM head to int8)",
                              choices=QUANTIZATIONS)

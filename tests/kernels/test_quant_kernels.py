@@ -12,8 +12,8 @@ from helpers.tiny_gguf import encode
 from tokenmill.kernels.isa import runnable_levels
 from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, load_kernels
 from tokenmill.layers import quantized
-from tokenmill.layers.quantized import (DEQUANTIZE_FROM_ROWS, EXACT_GGUF_FORMATS, cat_rows, from_gguf,
-                                        quantize, quantize_activations, reference_linear)
+from tokenmill.layers.quantized import (DEQUANTIZE_FROM_ROWS, EXACT_GGUF_FORMATS, QuantizedWeight, cat_rows,
+                                        from_gguf, quantize, quantize_activations, reference_linear)
 from tokenmill.models.loader.gguf_tensors import undo_llama_rope_permute
 
 T = gguf.GGMLQuantizationType
@@ -22,6 +22,19 @@ T = gguf.GGMLQuantizationType
 def gguf_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     weight = np.random.default_rng(seed).normal(0, 0.05, size=(rows, cols)).astype(np.float32)
     return encode(weight, qtype, seed)
+
+
+def packed_weight(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """`quantize(weight, fmt)`; fmt "int8+sub": int8 with a signed sub-scale per 16 columns (GGUF Q6_K's
+    form), random over the whole int8 range, the block scales shrunk to keep the values' size."""
+    if fmt != "int8+sub":
+        return quantize(weight, fmt)
+    plain = quantize(weight, "int8")
+    rows, blocks = plain.scale.shape
+    sub = torch.randint(-128, 128, (rows, 2 * blocks), dtype=torch.int8,
+                        generator=torch.Generator().manual_seed(weight.numel()))
+    return QuantizedWeight("int8", plain.cols, plain.data, (plain.scale.float() / 64).half(),
+                           (plain.offset.float() / 64).half(), sub)
 
 
 @pytest.mark.parametrize("qtype", list(EXACT_GGUF_FORMATS))
@@ -34,18 +47,22 @@ def test_gguf_blocks_convert_exactly(qtype):
     assert torch.equal(packed.dequantize(), expected)
     # GGUF's own scales are half precision and stay so; the K-quants' products of two scales need float32
     assert packed.scale.dtype == (torch.float32 if qtype in (T.Q4_K, T.Q5_K) else torch.float16)
+    # Q6_K's 16-weight scales stay as sub-scales, one per 16 columns
+    assert (packed.sub_scale is not None) == (qtype == T.Q6_K)
 
 
-def test_q6_k_is_requantised_to_int8_within_an_eighth_of_its_own_step():
-    rows, cols = 8, 512
-    raw = gguf_blocks(T.Q6_K, rows, cols)
-    weight = torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K))
-    packed = quantize(weight, quantized.NEAR_GGUF_FORMATS[T.Q6_K])
-    assert packed.format == "int8"
-    blocks = weight.view(rows, -1, 32)
-    # one int8 step is absmax / 127 per 32 weights: the rounding error is at most half of it
-    bound = blocks.abs().amax(-1, keepdim=True) / 254 * (1 + 1e-3)
-    assert ((packed.dequantize().view(rows, -1, 32) - blocks).abs() <= bound).all()
+def test_q6_k_columns_and_mixed_fusions_keep_values_exactly():
+    """Tensor-parallel input shards of a Q6_K weight, and fusing it with Q4_K (int4, taken to int8
+    exactly) and Q8_0 rows (no sub-scales: ones), all dequantise to the GGUF values."""
+    q6 = from_gguf(T.Q6_K, gguf_blocks(T.Q6_K, 8, 512), 512)
+    full = q6.dequantize()
+    for start, length in ((0, 32), (224, 64), (256, 256)):
+        assert torch.equal(q6.narrow(1, start, length).dequantize(), full[:, start:start + length])
+    q4 = from_gguf(T.Q4_K, gguf_blocks(T.Q4_K, 4, 512, seed=1), 512)
+    q8 = from_gguf(T.Q8_0, gguf_blocks(T.Q8_0, 4, 512, seed=2), 512)
+    fused = cat_rows([q4.to_format("int8"), q6, q8])
+    assert fused.format == "int8" and fused.sub_scale is not None and fused.scale.dtype == torch.float32
+    assert torch.equal(fused.dequantize(), torch.cat([q4.dequantize(), full, q8.dequantize()]))
 
 
 def test_padded_width_and_row_operations_keep_values():
@@ -87,13 +104,13 @@ def test_native_activation_quantisation_equals_the_reference(kernels):
     assert torch.equal(q.float(), q_ref) and torch.equal(dx, dx_ref)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8+sub"])
 @pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, DEQUANTIZE_FROM_ROWS, 767, 768, 2049])
 @pytest.mark.parametrize("cols", [96, 576])
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_native_product_equals_the_reference_in_float32(kernels, fmt, rows, cols, batch_invariant):
     torch.manual_seed(rows * cols)
-    packed = quantize(torch.randn(45, cols) * 0.1, fmt)  # 45 outputs: a partial tile of 4
+    packed = packed_weight(torch.randn(45, cols) * 0.1, fmt)  # 45 outputs: a partial tile of 4
     bias = torch.randn(45)
     x = torch.randn(rows, cols)
     op = kernels.qlinear_op(packed, bias, batch_invariant)
@@ -103,9 +120,13 @@ def test_native_product_equals_the_reference_in_float32(kernels, fmt, rows, cols
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q6_K, "Q4_K+Q6_K"])
 def test_native_product_with_gguf_weights_in_bfloat16(kernels, qtype):
-    packed = from_gguf(qtype, gguf_blocks(qtype, 40, 512, seed=3), 512)
+    if qtype == "Q4_K+Q6_K":  # a fused projection of both: float32 scales with sub-scales
+        packed = cat_rows([from_gguf(T.Q4_K, gguf_blocks(T.Q4_K, 24, 512, seed=4), 512).to_format("int8"),
+                           from_gguf(T.Q6_K, gguf_blocks(T.Q6_K, 16, 512, seed=3), 512)])
+    else:
+        packed = from_gguf(qtype, gguf_blocks(qtype, 40, 512, seed=3), 512)
     for rows in (2, DEQUANTIZE_FROM_ROWS + 3):
         x = torch.randn(rows, 512).bfloat16()
         op = kernels.qlinear_op(packed, None)
@@ -133,10 +154,10 @@ def test_native_product_checks_its_input(kernels):
         op(torch.randn(2, 64).half())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8+sub"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_lookups_equal_the_packed_table(kernels, fmt, dtype):
-    packed = quantize(torch.randn(45, 96), fmt)  # 45 rows: a partial group of 16 in the cell layout
+    packed = packed_weight(torch.randn(45, 96), fmt)  # 45 rows: a partial group of 16 in the cell layout
     op = kernels.qlinear_op(packed, None)
     ids = torch.tensor([44, 0, 17, 3, 3, 31])
     assert torch.equal(op.embedding(ids, dtype), packed.embedding(ids, dtype))
@@ -156,12 +177,12 @@ def forced_int8(monkeypatch) -> int:
     return ALWAYS_INT8
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8+sub"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_products_at_every_row_count_equal_the_reference(kernels, monkeypatch, fmt, dtype):
     below = forced_int8(monkeypatch)
     torch.manual_seed(5)
-    packed = quantize(torch.randn(45, 576) * 0.1, fmt)
+    packed = packed_weight(torch.randn(45, 576) * 0.1, fmt)
     bias = torch.randn(45)
     op = kernels.qlinear_op(packed, bias)
     for rows in (1, 15, 16, 17, 767, 2049):
@@ -175,7 +196,7 @@ def test_int8_products_at_every_row_count_equal_the_reference(kernels, monkeypat
 # dequantise at 40 rows on levels with native bfloat16 and stay int8 below them (int8_rows_below)
 @pytest.mark.parametrize("dtype, force_int8", [(torch.float32, False), (torch.float32, True),
                                                (torch.bfloat16, True)])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8+sub"])
 def test_quantised_products_give_the_same_numbers_at_every_level(monkeypatch, fmt, dtype, force_int8):
     """The integer dot products are exact and the float steps are the same operations on every level, so
     the portable C, AVX2 and AVX512-VNNI paths agree to the bit (the AMX tiles are left out)."""
@@ -185,7 +206,7 @@ def test_quantised_products_give_the_same_numbers_at_every_level(monkeypatch, fm
     if force_int8:
         forced_int8(monkeypatch)
     torch.manual_seed(6)
-    packed = quantize(torch.randn(45, 576) * 0.1, fmt)
+    packed = packed_weight(torch.randn(45, 576) * 0.1, fmt)
     bias = torch.randn(45)
     x = torch.randn(40, 576).to(dtype)
     results = {level.name: load_kernels(level).qlinear_op(packed, bias)(x) for level in levels}

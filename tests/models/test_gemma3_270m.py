@@ -44,7 +44,7 @@ def test_float32_greedy_ids_and_logprobs_equal_hf(gemma_float, hf_gemma):
 def test_packed_default_perplexity(gemma_path, gemma_float):
     ids = gemma_float.get_tokenizer()(TEXT).input_ids
     reference = perplexity(gemma_float, ids)
-    packed = LLM(gemma_path, block_size=16, num_kv_blocks=512)  # default: Q4_K/Q5_0/Q8_0 packed, Q6_K as int8
+    packed = LLM(gemma_path, block_size=16, num_kv_blocks=512)  # default: Q4_K/Q5_0/Q6_K/Q8_0 packed
     assert "int4+int8 projections, int8 embedding" in packed.llm_engine.model.describe_weights()
     # measured: 29.78 float32 (dequantised), 29.60 packed default in bfloat16 (AVX-512 machine)
     assert perplexity(packed, ids) == pytest.approx(reference, rel=0.03)

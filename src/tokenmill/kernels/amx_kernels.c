@@ -5,8 +5,8 @@
  * Either it was packed once in that layout (tm_amx_pack, bfloat16 weights), or it is dequantised
  * into it 32 columns (two cell groups) at a time from the cell layout of quant_cells.h, in a buffer that
  * stays in L1/L2 while every input row of a chunk passes over it (no dequantised copy in memory).
- * Dequantised values are those tm_dequantize writes (scale * u, + offset, each rounded in float32,
- * then to bfloat16), so a product equals the reference's dequantise-then-matmul up to the order of
+ * Dequantised values are those tm_dequantize writes (scale * u, + offset, times a sub-scale where the
+ * cells have them, each rounded in float32, then to bfloat16), so a product equals the reference's dequantise-then-matmul up to the order of
  * the float32 sums.
  *
  * The input rows are copied, a chunk at a time, into "A" tiles (16 rows x 32 features, 1 KB each,
@@ -47,13 +47,12 @@
 typedef struct {
     const uint8_t *cells;
     int64_t blocks, groups;  /* cells per group; groups of 16 rows */
-    int bits, half;
+    int bits, scales;  /* scales: QS_ flags */
 } quantized_weight;
 
-/* The 16 lanes' scales (or offsets) of a cell, each repeated 4 times per lane quarter: spread[p] holds
- * rows 4p .. 4p + 3, 4 lanes each, matching 16 data bytes of a chunk. */
-static inline void spread_scales(__m512 spread[4], const uint8_t *p, int half) {
-    const __m512 v = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+/* The 16 lanes of v (one per row), each repeated 4 times per lane quarter: spread[p] holds rows
+ * 4p .. 4p + 3, 4 lanes each, matching 16 data bytes of a chunk. */
+static inline void spread_lanes(__m512 spread[4], __m512 v) {
     for (int q = 0; q < 4; q++) {
         const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(4 * q),
                                               _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
@@ -61,9 +60,16 @@ static inline void spread_scales(__m512 spread[4], const uint8_t *p, int half) {
     }
 }
 
+/* The 16 rows' scales (or offsets) of a cell, spread as spread_lanes does. */
+static inline void spread_scales(__m512 spread[4], const uint8_t *p, int scales) {
+    spread_lanes(spread, (scales & QS_HALF) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p));
+}
+
 /* One chunk's 64 unsigned values (byte 4j + e: row j, feature 4c + e) -> B tile rows 2c and 2c + 1,
- * each value scale * u, + offset, rounded in float32 then to bfloat16 (as tm_dequantize). */
-static inline void chunk_to_tile_rows(uint16_t *tile, int c, __m512i u, const __m512 scale[4], const __m512 offset[4]) {
+ * each value scale * u, + offset, times sub (NULL: none), rounded in float32 then to bfloat16 (as
+ * tm_dequantize). */
+static inline void chunk_to_tile_rows(uint16_t *tile, int c, __m512i u, const __m512 scale[4], const __m512 offset[4],
+                                      const __m512 *sub) {
     __m512i halves[2];
     for (int h = 0; h < 2; h++) {
         __m512 v[2];
@@ -71,6 +77,8 @@ static inline void chunk_to_tile_rows(uint16_t *tile, int c, __m512i u, const __
             const int q = 2 * h + e;
             const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u, q)));
             v[e] = _mm512_add_ps(_mm512_mul_ps(values, scale[q]), offset[q]);  /* rounded twice */
+            if (sub)
+                v[e] = _mm512_mul_ps(v[e], sub[q]);
         }
         halves[h] = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);  /* rows 8h .. 8h + 7, 4 features each */
     }
@@ -85,7 +93,7 @@ static inline void chunk_to_tile_rows(uint16_t *tile, int c, __m512i u, const __
  * feature blocks: tiles[kb * 512 ...]. */
 static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t g, int64_t k) {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-    const int64_t cell_bytes = qcell_bytes(w->bits, w->half), data_bytes = qcell_data_bytes(w->bits);
+    const int64_t cell_bytes = qcell_bytes(w->bits, w->scales), data_bytes = qcell_data_bytes(w->bits);
     for (int64_t kb = 0; kb < k / KTILE; kb++) {
         uint16_t *tile = tiles + kb * 512;
         if (g >= w->groups) {
@@ -93,16 +101,23 @@ static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t
             continue;
         }
         const uint8_t *cell = w->cells + (g * w->blocks + kb) * cell_bytes;
-        __m512 scale[4], offset[4];
-        spread_scales(scale, cell + data_bytes, w->half);
-        spread_scales(offset, cell + data_bytes + QGROUP * qcell_scale_bytes(w->half), w->half);
+        __m512 scale[4], offset[4], sub[2][4];
+        spread_scales(scale, cell + data_bytes, w->scales);
+        spread_scales(offset, cell + data_bytes + QGROUP * qcell_scale_bytes(w->scales), w->scales);
+        if (w->scales & QS_SUB) {  /* chunks 0-3 hold features 0-15, 4-7 features 16-31 */
+            const int8_t *subs = qcell_subs(cell, w->bits, w->scales);
+            for (int f = 0; f < 2; f++)
+                spread_lanes(sub[f], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(subs + QGROUP * f)))));
+        }
         if (w->bits == 8) {
-            for (int c = 0; c < 8; c++) chunk_to_tile_rows(tile, c, _mm512_loadu_si512(cell + c * 64), scale, offset);
+            for (int c = 0; c < 8; c++)
+                chunk_to_tile_rows(tile, c, _mm512_loadu_si512(cell + c * 64), scale, offset,
+                                   (w->scales & QS_SUB) ? sub[c / 4] : NULL);
         } else {  /* chunk c's low nibbles are features 4c.., its high nibbles 16 + 4c.. (chunk c + 4) */
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(cell + c * 64);
-                chunk_to_tile_rows(tile, c, _mm512_and_si512(v, low_nibbles), scale, offset);
-                chunk_to_tile_rows(tile, c + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles), scale, offset);
+                chunk_to_tile_rows(tile, c, _mm512_and_si512(v, low_nibbles), scale, offset, NULL);
+                chunk_to_tile_rows(tile, c + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles), scale, offset, NULL);
             }
         }
     }
@@ -275,12 +290,12 @@ void tm_amx_linear(uint16_t *y, const uint16_t *x, const uint16_t *packed, const
 #endif
 }
 
-/* The same product with W in the cell layout of quant_cells.h (bits 8 or 4; float16 scales and offsets
- * when `half`, else float32); k % 32 == 0. */
+/* The same product with W in the cell layout of quant_cells.h (bits 8 or 4; `scales` its QS_ flags);
+ * k % 32 == 0. */
 void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k,
-                    int64_t n, int64_t ldx, int64_t ldy, int bits, int half) {
+                    int64_t n, int64_t ldx, int64_t ldy, int bits, int scales) {
 #ifdef TM_AMX
-    const quantized_weight qw = {cells, qpadded_k(k) / QBLOCK, qgroups(n), bits, half};
+    const quantized_weight qw = {cells, qpadded_k(k) / QBLOCK, qgroups(n), bits, scales};
     amx_product(y, x, NULL, &qw, bias, m, k, n, ldx, ldy);
 #endif
 }

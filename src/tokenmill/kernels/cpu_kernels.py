@@ -35,7 +35,7 @@ _SIGNATURES = {
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
     "tm_gelu_tanh_mul": [_P, _P, _I64, _I64, _INT],
     "tm_rope": [_P] * 4 + [_I64] * 4 + [_INT],
-    "tm_qcells_pack": [_P] * 4 + [_I64] * 2 + [_INT] * 2,
+    "tm_qcells_pack": [_P] * 5 + [_I64] * 2 + [_INT] * 2,
     "tm_qlinear": [_P] * 4 + [_I64] * 5 + [_INT] * 3,
     "tm_quantize_activations": [_P] * 4 + [_I64] * 3 + [_INT],
     "tm_dequantize": [_P, _P, _I64, _P] + [_I64] * 3 + [_INT] * 3,
@@ -350,10 +350,14 @@ class QLinearOp:
         self.amx = amx and not batch_invariant
         self.format = weight.format
         self.bits = 8 if weight.format == "int8" else 4
-        self.half = int(weight.scale.dtype == torch.float16)
-        self.cells = torch.empty(lib.tm_qcells_bytes(self.rows, self.cols, self.bits, self.half), dtype=torch.uint8)
+        sub = weight.sub_scale
+        if sub is not None and (self.bits != 8 or sub.dtype != torch.int8 or not sub.is_contiguous()):
+            raise ValueError("qlinear takes contiguous int8 sub-scales with int8 weights only")
+        # the cells' QS_ flags (kernels/quant_cells.h): 1 float16 scales and offsets, 2 sub-scales
+        self.scales = int(weight.scale.dtype == torch.float16) | (2 if sub is not None else 0)
+        self.cells = torch.empty(lib.tm_qcells_bytes(self.rows, self.cols, self.bits, self.scales), dtype=torch.uint8)
         lib.tm_qcells_pack(_ptr(self.cells), _ptr(weight.data), _ptr(weight.scale), _ptr(weight.offset),
-                           self.rows, self.cols, self.bits, self.half)
+                           None if sub is None else _ptr(sub), self.rows, self.cols, self.bits, self.scales)
         self.cells_pointer = _ptr(self.cells)
         self.bias_pointer = None if bias is None else _ptr(bias)
         self.bias_by_dtype = {} if bias is None else {torch.float32: bias, torch.bfloat16: bias.bfloat16()}
@@ -374,7 +378,7 @@ class QLinearOp:
         if out is None:
             out = torch.empty(count, self.cols, dtype=dtype)
         self.lib.tm_dequantize(_ptr(out), self.cells_pointer, first, None, count, self.rows, self.cols, self.bits,
-                               self.half, _storage_flag(out))
+                               self.scales, _storage_flag(out))
         return out
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -387,7 +391,7 @@ class QLinearOp:
             return self.embedding(ids, torch.float32).to(dtype)
         out = torch.empty(*ids.shape, self.cols, dtype=dtype)
         outside = self.lib.tm_dequantize(_ptr(out), self.cells_pointer, 0, _ptr(ids), ids.numel(), self.rows,
-                                         self.cols, self.bits, self.half, _storage_flag(out))
+                                         self.cols, self.bits, self.scales, _storage_flag(out))
         if outside:
             raise ValueError(f"{outside} embedding ids are outside [0, {self.rows})")
         return out
@@ -405,7 +409,7 @@ class QLinearOp:
                 flat = flat.contiguous()
             out = torch.empty((m, rows), dtype=x.dtype)
             self.lib.tm_amx_qlinear(_ptr(out), _ptr(flat), self.cells_pointer, self.amx_bias_pointer, m, cols, rows,
-                                    flat.stride(0), rows, self.bits, self.half)
+                                    flat.stride(0), rows, self.bits, self.scales)
         elif m >= self.int8_below(x.dtype):
             tile = max(1, _DEQUANTIZED_TILE_BYTES // (cols * x.element_size()))
             bias = self.bias_by_dtype.get(x.dtype)
@@ -421,7 +425,7 @@ class QLinearOp:
                 flat = flat.contiguous()
             out = torch.empty((m, rows), dtype=x.dtype)
             self.lib.tm_qlinear(_ptr(out), _ptr(flat), self.cells_pointer, self.bias_pointer, m, cols, rows,
-                                flat.stride(0), rows, self.bits, self.half, bf16)
+                                flat.stride(0), rows, self.bits, self.scales, bf16)
         return out.view(*x.shape[:-1], rows)
 
 

@@ -29,11 +29,11 @@ void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inn
 void tm_rope(void *x, const int64_t *positions, const float *cos_table, const float *sin_table,
              int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t row_stride, int bf16);
 void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k, int64_t n,
-                int64_t x_stride, int64_t y_stride, int bits, int half, int bf16);
+                int64_t x_stride, int64_t y_stride, int bits, int scales, int bf16);
 void tm_amx_linear(uint16_t *y, const uint16_t *x, const uint16_t *packed, const float *bias,
                    int64_t m, int64_t k, int64_t n, int64_t ldx, int64_t ldy);
 void tm_amx_qlinear(uint16_t *y, const uint16_t *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k,
-                    int64_t n, int64_t ldx, int64_t ldy, int bits, int half);
+                    int64_t n, int64_t ldx, int64_t ldy, int bits, int scales);
 
 /* One projection: bfloat16 in AMX tiles (`amx_packed`, see amx_kernels.c), else block-quantised
  * in cells (see quant_cells.h for the layout). */
@@ -42,7 +42,7 @@ typedef struct {
     const uint8_t *cells;
     const float *bias, *amx_bias;  /* NULL: none; amx_bias: bias rounded as the AMX product adds it */
     int64_t rows, cols;
-    int32_t bits, half, amx;  /* amx: the AMX product suits this projection's width */
+    int32_t bits, scales, amx;  /* scales: the cells' QS_ flags; amx: the AMX product suits this projection's width */
 } tm_projection;
 
 /* One decoder layer's weights and KV cache ([2, num_blocks, kv_heads, block_size, head_dim]). */
@@ -78,9 +78,9 @@ static void project(void *y, const void *x, const tm_projection *p, int64_t m, c
     if (p->amx_packed)
         tm_amx_linear(y, x, p->amx_packed, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows);
     else if (s->bf16 && p->amx && s->amx_from_rows && m >= s->amx_from_rows)
-        tm_amx_qlinear(y, x, p->cells, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows, p->bits, p->half);
+        tm_amx_qlinear(y, x, p->cells, p->amx_bias, m, p->cols, p->rows, p->cols, p->rows, p->bits, p->scales);
     else
-        tm_qlinear(y, x, p->cells, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits, p->half, s->bf16);
+        tm_qlinear(y, x, p->cells, p->bias, m, p->cols, p->rows, p->cols, p->rows, p->bits, p->scales, s->bf16);
 }
 
 /* hidden [T, hidden] holds the embeddings on entry and the final-normed hidden states on return: 0. Or -1,

@@ -4,8 +4,10 @@
  * byte value; layers/quantized.py's row layout, which tm_qcells_pack converts from) is held in cells
  * of 16 weight rows ("a group") x 32 input features (one block), ordered [group][block]. Rows are
  * padded to whole groups with zero cells, features to padded_k (a multiple of 64) as in the row layout.
- * A cell holds its data, then the 16 rows' scales, then their offsets (float16 when `half`, else
- * float32):
+ * A cell holds its data, then the 16 rows' scales, then their offsets (float16 when `scales` has
+ * QS_HALF, else float32), then, when `scales` has QS_SUB (int8 data only), 32 signed bytes: the
+ * sub-scale of features [16 f, 16 f + 16) of row r at byte 16 f + r, which multiplies the row's value
+ * there, w = sub * (scale * u + offset):
  *   int8 (512 data bytes): 8 chunks of 64 bytes; byte 4r + e of chunk c is u[r][4c + e];
  *   int4 (256 data bytes): 4 chunks of 64 bytes; byte 4r + e of chunk c holds u[r][4c + e] in its low
  *        nibble and u[r][16 + 4c + e] in its high nibble.
@@ -25,13 +27,22 @@
 #define QBLOCK 32
 #define QPAIR 64
 #define QGROUP 16
+#define QSUB 16  /* features per sub-scale */
+/* flags of a cell's `scales` */
+#define QS_HALF 1  /* scales and offsets are float16, else float32 */
+#define QS_SUB 2   /* int8 sub-scales follow the offsets */
 
 static inline int64_t qcell_data_bytes(int bits) { return QGROUP * QBLOCK * bits / 8; }
 
-static inline int64_t qcell_scale_bytes(int half) { return half ? 2 : 4; }
+static inline int64_t qcell_scale_bytes(int scales) { return (scales & QS_HALF) ? 2 : 4; }
 
-static inline int64_t qcell_bytes(int bits, int half) {
-    return qcell_data_bytes(bits) + 2 * QGROUP * qcell_scale_bytes(half);
+static inline int64_t qcell_bytes(int bits, int scales) {
+    return qcell_data_bytes(bits) + 2 * QGROUP * qcell_scale_bytes(scales) + ((scales & QS_SUB) ? 2 * QGROUP : 0);
+}
+
+/* The cell's sub-scales: byte 16 f + r for row r, features [16 f, 16 f + 16). */
+static inline const int8_t *qcell_subs(const uint8_t *cell, int bits, int scales) {
+    return (const int8_t *)(cell + qcell_data_bytes(bits) + 2 * QGROUP * qcell_scale_bytes(scales));
 }
 
 static inline int64_t qpadded_k(int64_t k) { return (k + QPAIR - 1) / QPAIR * QPAIR; }
@@ -39,8 +50,8 @@ static inline int64_t qpadded_k(int64_t k) { return (k + QPAIR - 1) / QPAIR * QP
 static inline int64_t qgroups(int64_t n) { return (n + QGROUP - 1) / QGROUP; }
 
 /* The cell of weight rows [16 g, 16 g + 16) and features [32 b, 32 b + 32). */
-static inline const uint8_t *qcell(const uint8_t *cells, int64_t g, int64_t b, int64_t blocks, int bits, int half) {
-    return cells + (g * blocks + b) * qcell_bytes(bits, half);
+static inline const uint8_t *qcell(const uint8_t *cells, int64_t g, int64_t b, int64_t blocks, int bits, int scales) {
+    return cells + (g * blocks + b) * qcell_bytes(bits, scales);
 }
 
 /* The byte of a cell that holds u[r][i], i < 32 (for int4, in its low nibble when i < 16, else in its
@@ -56,12 +67,12 @@ static inline int qcell_value(const uint8_t *cell, int bits, int r, int i) {
 }
 
 /* Row r's scale (`which` 0) or offset (1) in a cell, as float32. */
-static inline float qcell_scale(const uint8_t *cell, int bits, int half, int which, int r) {
-    const uint8_t *base = cell + qcell_data_bytes(bits) + which * QGROUP * qcell_scale_bytes(half);
+static inline float qcell_scale(const uint8_t *cell, int bits, int scales, int which, int r) {
+    const uint8_t *base = cell + qcell_data_bytes(bits) + which * QGROUP * qcell_scale_bytes(scales);
 #ifdef __F16C__
-    return half ? _cvtsh_ss(((const uint16_t *)base)[r]) : ((const float *)base)[r];
+    return (scales & QS_HALF) ? _cvtsh_ss(((const uint16_t *)base)[r]) : ((const float *)base)[r];
 #else
-    return half ? f16_to_f32(((const uint16_t *)base)[r]) : ((const float *)base)[r];
+    return (scales & QS_HALF) ? f16_to_f32(((const uint16_t *)base)[r]) : ((const float *)base)[r];
 #endif
 }
 

@@ -10,8 +10,10 @@ products of two scales). Rows are padded to a multiple of 64 columns with blocks
 
 - int8: u in 0..255, one per byte; offset = -128 * scale. GGUF Q8_0, and the five-bit Q5_0, Q5_1 and Q5_K
   (u = the five-bit value, per 32-weight sub-block), convert exactly; float weights quantise
-  symmetrically (absmax / 127 per block), and so does GGUF Q6_K, whose scales cover 16 weights
-  (`NEAR_GGUF_FORMATS`: one int8 step is at most an eighth of a Q6_K step).
+  symmetrically (absmax / 127 per block). An int8 weight may also carry a signed 8-bit sub-scale per
+  16 columns (`sub_scale`), which multiplies the block's value: w = sub * (scale * u + offset). GGUF
+  Q6_K converts exactly so (u = the six-bit value, scale = the super-block's d, offset = -32 d, sub =
+  the 16-weight scale), as llama.cpp's Q6_K dot product computes it.
 - int4: u in 0..15, two per byte: the 32 bytes of block pair p hold block 2p in their low nibbles and
   block 2p + 1 in their high nibbles. GGUF Q4_0 (offset = -8 * scale), Q4_1 and Q4_K (per 32-weight
   sub-block) convert exactly; float weights quantise asymmetrically (min/max per block, llama.cpp's Q4_1).
@@ -44,10 +46,9 @@ AMX_BELOW_ROWS = 768
 FORMATS = ("int8", "int4")
 T = GGMLQuantizationType
 # GGUF encodings that convert into this layout without loss, and the format they become
-EXACT_GGUF_FORMATS = {T.Q8_0: "int8", T.Q5_0: "int8", T.Q5_1: "int8", T.Q5_K: "int8",
+EXACT_GGUF_FORMATS = {T.Q8_0: "int8", T.Q5_0: "int8", T.Q5_1: "int8", T.Q5_K: "int8", T.Q6_K: "int8",
                       T.Q4_0: "int4", T.Q4_1: "int4", T.Q4_K: "int4"}
-# GGUF encodings kept quantised by requantising their decoded values into this format
-NEAR_GGUF_FORMATS = {T.Q6_K: "int8"}
+SUB_BLOCK = 16  # columns per sub-scale
 
 
 def padded_cols(cols: int) -> int:
@@ -65,6 +66,7 @@ class QuantizedWeight:
     data: torch.Tensor  # uint8 [rows, padded_cols] (int8) or [rows, padded_cols / 2] (int4)
     scale: torch.Tensor  # float16 or float32 [rows, padded_cols / 32]
     offset: torch.Tensor  # same dtype and shape as scale
+    sub_scale: Optional[torch.Tensor] = None  # int8 [rows, padded_cols / 16], int8 format only; None: all 1
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,12 +85,14 @@ class QuantizedWeight:
             raise ValueError(f"a quantised weight splits by input features only at multiples of {BLOCK} "
                              f"columns; asked for columns {start}..{start + length} of {self.cols}")
         first, count = start // BLOCK, length // BLOCK
+        sub = None if self.sub_scale is None else self.sub_scale[:, start // SUB_BLOCK:(start + length) // SUB_BLOCK]
         return _pad_and_pack(self.format, length, self.unsigned_values()[:, start:start + length],
-                             self.scale[:, first:first + count], self.offset[:, first:first + count])
+                             self.scale[:, first:first + count], self.offset[:, first:first + count], sub)
 
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """The rows picked by `index` (a permutation or a selection)."""
-        return QuantizedWeight(self.format, self.cols, self.data[index], self.scale[index], self.offset[index])
+        return QuantizedWeight(self.format, self.cols, self.data[index], self.scale[index], self.offset[index],
+                               None if self.sub_scale is None else self.sub_scale[index])
 
     def unsigned_values(self) -> torch.Tensor:
         """u as uint8 [rows, padded_cols]."""
@@ -103,43 +107,66 @@ class QuantizedWeight:
         rows = self.data.shape[0]
         u = self.unsigned_values().view(rows, -1, BLOCK).float()
         w = u * self.scale.float().unsqueeze(-1) + self.offset.float().unsqueeze(-1)
+        if self.sub_scale is not None:
+            w = (w.view(rows, -1, SUB_BLOCK) * self.sub_scale.float().unsqueeze(-1))
         return w.reshape(rows, -1)[:, :self.cols].to(dtype)
 
     def to(self, device: torch.device) -> "QuantizedWeight":
         """The same weight on `device`."""
         return QuantizedWeight(self.format, self.cols, self.data.to(device), self.scale.to(device),
-                               self.offset.to(device))
+                               self.offset.to(device), None if self.sub_scale is None else self.sub_scale.to(device))
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantised: an embedding lookup that keeps the table packed."""
         return self.index_rows(ids).dequantize(dtype)
 
     def to_format(self, fmt: str) -> "QuantizedWeight":
-        """Self when already in `fmt`, else requantised through float32."""
-        return self if fmt == self.format else quantize(self.dequantize(), fmt)
+        """Self when already in `fmt`; int4 as int8 exactly (the same u, scales and offsets); else
+        requantised through float32."""
+        if fmt == self.format:
+            return self
+        if (self.format, fmt) == ("int4", "int8"):
+            return QuantizedWeight(fmt, self.cols, self.unsigned_values().contiguous(), self.scale, self.offset)
+        return quantize(self.dequantize(), fmt)
+
+    def sub_scales(self) -> torch.Tensor:
+        """The sub-scales, ones where the weight has none: int8 [rows, padded_cols / 16]."""
+        if self.sub_scale is not None:
+            return self.sub_scale
+        return torch.ones(self.data.shape[0], self.scale.shape[1] * (BLOCK // SUB_BLOCK), dtype=torch.int8)
 
 
 def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
-    """Stack weights of one format and width by rows (fusing q/k/v or gate/up)."""
+    """Stack weights of one format and width by rows (fusing q/k/v or gate/up); parts without sub-scales
+    get ones when another part has them."""
     first = parts[0]
     if any(p.format != first.format or p.cols != first.cols for p in parts):
         raise ValueError("only weights of one format and width can be fused")
     scale_dtype = torch.float16 if all(p.scale.dtype == torch.float16 for p in parts) else torch.float32
+    sub = None
+    if any(p.sub_scale is not None for p in parts):
+        sub = torch.cat([p.sub_scales() for p in parts])
     return QuantizedWeight(first.format, first.cols, torch.cat([p.data for p in parts]),
                            torch.cat([p.scale.to(scale_dtype) for p in parts]),
-                           torch.cat([p.offset.to(scale_dtype) for p in parts]))
+                           torch.cat([p.offset.to(scale_dtype) for p in parts]), sub)
 
 
-def _pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> QuantizedWeight:
-    """From u [rows, padded_cols] (uint8) and per-block scale/offset [rows, padded_cols / 32]."""
+def _pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+          sub_scale: Optional[torch.Tensor] = None) -> QuantizedWeight:
+    """From u [rows, padded_cols] (uint8), per-block scale/offset [rows, padded_cols / 32] and, for int8,
+    optional sub-scales [rows, padded_cols / 16]."""
     rows = u.shape[0]
     if fmt == "int4":
+        if sub_scale is not None:
+            raise ValueError("sub-scales go with int8 weights only")
         pairs = u.view(rows, -1, 2, BLOCK)
         u = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(rows, -1)
     scale, offset = scale.float(), offset.float()
     if _exact_in_half(scale) and _exact_in_half(offset):
         scale, offset = scale.half(), offset.half()
-    return QuantizedWeight(fmt, cols, u.contiguous(), scale.contiguous(), offset.contiguous())
+    if sub_scale is not None:
+        sub_scale = sub_scale.to(torch.int8).contiguous()
+    return QuantizedWeight(fmt, cols, u.contiguous(), scale.contiguous(), offset.contiguous(), sub_scale)
 
 
 def _exact_in_half(values: torch.Tensor) -> bool:
@@ -179,26 +206,27 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
 
 
 def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> QuantizedWeight:
-    """Convert GGUF blocks (raw uint8 [rows, bytes per row]) of an `EXACT_GGUF_FORMATS` type, exactly."""
+    """Convert GGUF blocks (raw uint8 [rows, bytes per row]) of an `EXACT_GGUF_FORMATS` type, exactly
+    (up to float32 rounding of the decoded value: Q6_K's sub * (d u - 32 d) where gguf computes
+    (d sub) (u - 32))."""
     _check_cols(cols)
     rows = raw.shape[0]
-    half = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.float16).astype(np.float32))  # noqa: E731
     if tensor_type == T.Q8_0:
         blocks = raw.reshape(rows, -1, 34)
-        scale = half(blocks[..., 0:2]).reshape(rows, -1)
+        scale = _half_fields(blocks[..., 0:2]).reshape(rows, -1)
         u = torch.from_numpy((blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
         return _pad_and_pack("int8", cols, u.reshape(rows, -1), scale, -128 * scale)
     if tensor_type in (T.Q4_0, T.Q4_1):
         size = 18 if tensor_type == T.Q4_0 else 20
         blocks = raw.reshape(rows, -1, size)
-        scale = half(blocks[..., 0:2]).reshape(rows, -1)
-        offset = -8 * scale if tensor_type == T.Q4_0 else half(blocks[..., 2:4]).reshape(rows, -1)
+        scale = _half_fields(blocks[..., 0:2]).reshape(rows, -1)
+        offset = -8 * scale if tensor_type == T.Q4_0 else _half_fields(blocks[..., 2:4]).reshape(rows, -1)
         nibbles = blocks[..., size - 16:]  # byte i: element i (low nibble) and i + 16 (high)
         u = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)
         return _pad_and_pack("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
     if tensor_type == T.Q4_K:
         blocks = raw.reshape(rows, -1, 144)  # 256 weights: d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
-        d, dmin = half(blocks[..., 0:2]), half(blocks[..., 2:4])
+        d, dmin = _half_fields(blocks[..., 0:2]), _half_fields(blocks[..., 2:4])
         sc, mins = _q4_k_scales_and_mins(blocks[..., 4:16])
         scale = (d * torch.from_numpy(sc).float()).reshape(rows, -1)
         offset = -(dmin * torch.from_numpy(mins).float()).reshape(rows, -1)
@@ -208,15 +236,15 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
     if tensor_type in (T.Q5_0, T.Q5_1):
         size = 22 if tensor_type == T.Q5_0 else 24
         blocks = raw.reshape(rows, -1, size)
-        scale = half(blocks[..., 0:2]).reshape(rows, -1)
-        offset = -16 * scale if tensor_type == T.Q5_0 else half(blocks[..., 2:4]).reshape(rows, -1)
+        scale = _half_fields(blocks[..., 0:2]).reshape(rows, -1)
+        offset = -16 * scale if tensor_type == T.Q5_0 else _half_fields(blocks[..., 2:4]).reshape(rows, -1)
         high_bits = np.unpackbits(blocks[..., size - 20:size - 16], axis=-1, bitorder="little")  # bit j: element j
         nibbles = blocks[..., size - 16:]
         u = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1) | (high_bits << 4)
         return _pad_and_pack("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
     if tensor_type == T.Q5_K:
         blocks = raw.reshape(rows, -1, 176)  # 256 weights: d, dmin, 12 bytes of scales/mins, 32 of high bits, 128 of nibbles
-        d, dmin = half(blocks[..., 0:2]), half(blocks[..., 2:4])
+        d, dmin = _half_fields(blocks[..., 0:2]), _half_fields(blocks[..., 2:4])
         sc, mins = _q4_k_scales_and_mins(blocks[..., 4:16])
         scale = (d * torch.from_numpy(sc).float()).reshape(rows, -1)
         offset = -(dmin * torch.from_numpy(mins).float()).reshape(rows, -1)
@@ -226,8 +254,34 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
         fifth = (high[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
         u = low | (fifth << 4)
         return _pad_and_pack("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+    if tensor_type == T.Q6_K:
+        return _q6_k(raw, cols)
     raise ValueError(f"GGUF type {tensor_type.name} does not convert exactly; "
                      f"exact: {', '.join(t.name for t in EXACT_GGUF_FORMATS)}")
+
+
+def _half_fields(fields: np.ndarray) -> torch.Tensor:
+    """float16 fields stored as byte pairs (uint8 [..., 2]) -> float32 [..., 1]."""
+    return torch.from_numpy(np.ascontiguousarray(fields).view(np.float16).astype(np.float32))
+
+
+def _q6_k(raw: np.ndarray, cols: int) -> QuantizedWeight:
+    """Q6_K super-blocks of 256 weights: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales
+    (one per 16 weights, in order), then d. Each half of 128 weights reads 64 nibble bytes and 32 bit-pair
+    bytes: weights 32j + l (j < 4, l < 32) take nibble byte l (j even) or 32 + l (j odd), low nibble for
+    j < 2, and bits 2j, 2j + 1 of bit-pair byte l (llama.cpp's dequantize_row_q6_K)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 210)
+    d = _half_fields(blocks[..., 208:210])  # [rows, super-blocks, 1]
+    nibbles = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # half, byte run (l or 32 + l), l
+    pairs = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = np.stack((nibbles[:, :, :, 0] & 0x0F, nibbles[:, :, :, 1] & 0x0F,
+                    nibbles[:, :, :, 0] >> 4, nibbles[:, :, :, 1] >> 4), axis=3)  # [rows, sb, half, j, l]
+    high = (pairs >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
+    u = torch.from_numpy((low | (high << 4)).reshape(rows, -1))
+    sub = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1))
+    scale = d.expand(rows, d.shape[1], 256 // BLOCK).reshape(rows, -1)
+    return _pad_and_pack("int8", cols, u, scale, -32 * scale, sub)
 
 
 def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -238,12 +292,15 @@ def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def _pad_and_pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> QuantizedWeight:
+def _pad_and_pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                  sub_scale: Optional[torch.Tensor] = None) -> QuantizedWeight:
     extra = padded_cols(cols) - cols
     if extra:
         u = F.pad(u, (0, extra))
         scale, offset = F.pad(scale, (0, extra // BLOCK)), F.pad(offset, (0, extra // BLOCK))
-    return _pack(fmt, cols, u, scale, offset)
+        if sub_scale is not None:
+            sub_scale = F.pad(sub_scale, (0, extra // SUB_BLOCK))
+    return _pack(fmt, cols, u, scale, offset, sub_scale)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

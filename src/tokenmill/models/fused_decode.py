@@ -29,7 +29,7 @@ from tokenmill.layers.linear_kernels import AmxPackedKernel, QuantizedKernel
 
 class _Projection(ctypes.Structure):
     _fields_ = [("amx_packed", c_void_p), ("cells", c_void_p), ("bias", c_void_p), ("amx_bias", c_void_p),
-                ("rows", c_int64), ("cols", c_int64), ("bits", c_int32), ("half", c_int32), ("amx", c_int32)]
+                ("rows", c_int64), ("cols", c_int64), ("bits", c_int32), ("scales", c_int32), ("amx", c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -67,7 +67,7 @@ def _projection(op: Union[QLinearOp, AmxPackedKernel]) -> _Projection:
         return _Projection(amx_packed=op.amx_weight.data_ptr(), amx_bias=op.amx_bias_pointer, rows=op.out_features,
                            cols=op.in_features, amx=1)
     return _Projection(None, op.cells_pointer, op.bias_pointer, op.amx_bias_pointer, op.rows, op.cols, op.bits,
-                       op.half, int(op.amx))
+                       op.scales, int(op.amx))
 
 
 class FusedDecode:

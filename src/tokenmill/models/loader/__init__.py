@@ -56,8 +56,8 @@ class ModelSource:
         """Yield `(hf_parameter_name, tensor)` pairs, with a progress bar on stderr.
 
         Float checkpoints keep their stored dtype; dequantized GGUF tensors are float32. With
-        `keep_quantized`, GGUF matrices whose encoding converts exactly (Q8_0, Q5_0, Q5_1, Q5_K, Q4_0,
-        Q4_1, Q4_K) or nearly (Q6_K, requantised to int8) come as `QuantizedWeight`s instead.
+        `keep_quantized`, GGUF matrices whose encoding converts exactly (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K,
+        Q4_0, Q4_1, Q4_K) come as `QuantizedWeight`s instead.
         """
         progress = tqdm(
             self.weight_stream(keep_quantized),

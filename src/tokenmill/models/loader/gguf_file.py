@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
-from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, NEAR_GGUF_FORMATS, QuantizedWeight, from_gguf, quantize
+from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, QuantizedWeight, from_gguf
 from tokenmill.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, ArchConfig, MoEConfig, RopeScaling
 from tokenmill.models.loader.gguf_tensors import (
     FLOAT_TYPES,
@@ -229,7 +229,4 @@ class GGUFCheckpoint:
         data = np.asarray(tensor.data) if expert is None else np.asarray(tensor.data)[expert]
         if keep_quantized and tensor.tensor_type in EXACT_GGUF_FORMATS:
             return from_gguf(tensor.tensor_type, data, cols=int(tensor.shape[0]))
-        weight = to_torch_data(data, tensor.tensor_type)
-        if keep_quantized and tensor.tensor_type in NEAR_GGUF_FORMATS:
-            return quantize(weight, NEAR_GGUF_FORMATS[tensor.tensor_type])
-        return weight
+        return to_torch_data(data, tensor.tensor_type)
