@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Callable, Optional
 
 import gguf
 import numpy as np
@@ -198,11 +199,13 @@ def write_tiny_gguf(
     architecture: str = "llama",
     tie_word_embeddings: bool = True,
     rope_freqs: bool = False,
+    extra_metadata: Optional[Callable[[gguf.GGUFWriter], None]] = None,
 ) -> Path:
     """Write the tiny model to `path` with its matrices stored as `tensor_type` (e.g. "Q4_K").
 
     `architecture` is llama, qwen2 or qwen3 (any other name writes llama tensors under that
-    architecture name). `rope_freqs` adds a Llama-3 style `rope_freqs.weight` tensor.
+    architecture name). `rope_freqs` adds a Llama-3 style `rope_freqs.weight` tensor;
+    `extra_metadata` adds to the header.
     """
     path = Path(path)
     qtype = GGMLQuantizationType[tensor_type]
@@ -222,6 +225,8 @@ def write_tiny_gguf(
         writer.add_value_length(dim)
     writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
     writer.add_rope_freq_base(ROPE_THETA)
+    if extra_metadata is not None:
+        extra_metadata(writer)
     writer.add_file_type(_file_type(qtype))
     _add_tokenizer(writer)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -307,6 +312,101 @@ def write_moe_gguf_from_hf(folder: str | Path, path: str | Path) -> Path:
         if architecture == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, kv_heads)
         writer.add_tensor(gguf_name(name), array)
+    for name, by_expert in stacks.items():
+        writer.add_tensor(name, np.stack([by_expert[e] for e in range(experts)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+_DEEPSEEK2_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b", "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}  # fmt: skip
+
+
+def write_deepseek2_gguf_from_hf(folder: str | Path, path: str | Path, split_kv_b: bool = True,
+                                 extra_metadata: Optional[Callable[[gguf.GGUFWriter], None]] = None) -> Path:
+    """Convert a tiny HF DeepSeek-V2 folder to an F32 GGUF file as llama.cpp's converter does (its
+    DeepseekV2Model): experts stacked, `split_kv_b` as newer converters write the attention (one KV head
+    of kv_lora_rank + rope, per-head widths in the *_mla keys, kv_b_proj split into attn_k_b, transposed,
+    and attn_v_b), else as older ones (per-head widths as key/value lengths, attn_kv_b whole); YaRN as
+    rope.scaling.* with yarn_log_multiplier = 0.1 * mscale_all_dim. `extra_metadata` adds to the header."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder, path = Path(folder), Path(path)
+    config = json.loads((folder / "config.json").read_text())
+    heads, rank, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+    experts = config["n_routed_experts"]
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(rope)
+    writer.add_kv_lora_rank(rank)
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    if split_kv_b:
+        writer.add_head_count_kv(1)
+        writer.add_key_length(rank + rope)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(nope + rope)
+        writer.add_value_length_mla(v)
+    else:
+        writer.add_head_count_kv(heads)
+        writer.add_key_length(nope + rope)
+        writer.add_value_length(v)
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    rope_parameters = config["rope_parameters"]
+    writer.add_rope_freq_base(rope_parameters["rope_theta"])
+    if rope_parameters.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope_parameters["mscale_all_dim"])
+    if extra_metadata is not None:
+        extra_metadata(writer)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer)
+    weights = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(file))
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in weights.items():
+        array = tensor.float().numpy()
+        if name in _GGUF_GLOBAL_NAMES:
+            writer.add_tensor(_GGUF_GLOBAL_NAMES[name], array)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        if module.startswith("mlp.experts."):  # mlp.experts.E.PROJ
+            _, _, expert, projection = module.split(".")
+            stacks.setdefault(f"blk.{layer}.{_EXPERT_STACKS[projection]}.weight", {})[int(expert)] = array
+            continue
+        if module == "self_attn.kv_b_proj" and split_kv_b:
+            kv_b = array.reshape(heads, nope + v, rank)
+            writer.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)))
+            writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))
+            continue
+        writer.add_tensor(f"blk.{layer}.{_DEEPSEEK2_NAMES[module]}.{kind}", array)
     for name, by_expert in stacks.items():
         writer.add_tensor(name, np.stack([by_expert[e] for e in range(experts)]))
     writer.write_header_to_file()

@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -272,6 +273,31 @@ def test_gguf_rope_freqs_become_factor_scaling(tmp_path, isolated_cache):
     assert source.arch.rope_scaling == RopeScaling(kind="factors")
     expected = torch.from_numpy(np.linspace(1.0, 8.0, 32, dtype=np.float32))
     assert torch.equal(loaded_weights(source)["rope_freqs"], expected)
+
+
+def yarn_metadata(factor: float, original: int, attn_factor: float = 1.0):
+    def add(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if attn_factor != 1.0:
+            writer.add_rope_scaling_attn_factors(attn_factor)
+    return add
+
+
+def test_gguf_yarn_is_read_as_llama_cpp_runs_it(tmp_path, isolated_cache):
+    """llama.cpp's YaRN leaves cos and sin at mscale(factor) = 1 + 0.1 ln(factor) (transformers' default),
+    times rope.scaling.attn_factor; an HF config of the same settings reads alike."""
+    qwen2 = load_tiny_gguf(tmp_path, "F32", architecture="qwen2", extra_metadata=yarn_metadata(4.0, 64)).arch
+    assert qwen2.rope_scaling == RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=64,
+                                             attention_factor=1 + 0.1 * math.log(4.0))
+    path = make_tiny_hf_model(tmp_path / "hf", arch="qwen2", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64})
+    assert arch_config_from_hf(path).rope_scaling == qwen2.rope_scaling
+    (tmp_path / "attn").mkdir()
+    halved = load_tiny_gguf(tmp_path / "attn", "F32", architecture="qwen2",
+                            extra_metadata=yarn_metadata(4.0, 64, attn_factor=0.5)).arch
+    assert halved.rope_scaling.attention_factor == pytest.approx(0.5 * (1 + 0.1 * math.log(4.0)))
 
 
 @pytest.mark.slow

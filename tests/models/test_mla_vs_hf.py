@@ -1,17 +1,20 @@
 """Multi-head latent attention (DeepSeek-V2) on tiny random checkpoints: logits, greedy tokens and logprobs
-equal HF transformers' (float32); the KV cache holds only the latent; chunked prefill and prefix caching
-change nothing; contradicting or unsupported configs are refused."""
+equal HF transformers' (float32), also from the same weights converted to GGUF as llama.cpp does; the KV
+cache holds only the latent; chunked prefill and prefix caching change nothing; contradicting or
+unsupported configs are refused."""
 
 from __future__ import annotations
 
 import json
 import random
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.engine_probe import assert_logits_equal_hf, hf_greedy_logprobs, model_logits
+from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf, hf_greedy_logprobs, model_logits
+from helpers.tiny_gguf import write_deepseek2_gguf_from_hf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_kernels import cpu_kernels
@@ -75,6 +78,50 @@ def test_batched_greedy_tokens_and_logprobs_equal_hf(pair):
         hf_tokens, hf_logprobs = hf_greedy_logprobs(hf, ids, TOKENS)
         assert tokens == hf_tokens
         assert logprobs == pytest.approx(hf_logprobs, abs=1e-4)
+
+
+# llama.cpp's GGUF keeps only mscale_all_dim and takes mscale as equal to it (the released configs' 0.707
+# both ways), so the yarn checkpoint converted here has them equal
+GGUF_VARIANTS = {
+    "split-kv-b": (dict(q_lora_rank=24, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 32, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707}), True),
+    "whole-kv-b": (dict(first_k_dense_replace=1), False),
+}
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_a_gguf_file_gives_hf_greedy_tokens_and_logprobs(tmp_path, variant):
+    """A DeepSeek-V2 GGUF as llama.cpp writes it (newer converters split kv_b_proj into attn_k_b and
+    attn_v_b; older ones keep attn_kv_b) loads to the HF folder's configuration and gives HF's output."""
+    overrides, split = GGUF_VARIANTS[variant]
+    folder = make_tiny_hf_model(tmp_path / "hf", arch="deepseek_v2", **overrides)
+    path = write_deepseek2_gguf_from_hf(folder, tmp_path / "deepseek2.gguf", split_kv_b=split)
+    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=256)
+    ours, theirs = llm.llm_engine.arch, arch_config_from_hf(folder)
+    assert (ours.architecture, ours.mla, ours.moe, ours.head_dim) == \
+        (theirs.architecture, theirs.mla, theirs.moe, theirs.head_dim)
+    # yarn's mscale_all_dim is stored as a float32 0.1 * mscale_all_dim
+    assert ours.attention_scale == pytest.approx(theirs.attention_scale, rel=1e-6)
+    assert (ours.rope_scaling is None) == (theirs.rope_scaling is None)
+    if ours.rope_scaling is not None:
+        assert ours.rope_scaling.attention_factor == pytest.approx(theirs.rope_scaling.attention_factor, rel=1e-6)
+        assert ours.rope_scaling.factor == theirs.rope_scaling.factor
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = GREEDY_PROMPTS if split else GREEDY_PROMPTS[:3]
+    assert_greedy_matches_hf(llm, hf, prompts, count=TOKENS, logprob_tolerance=1e-4)
+
+
+@pytest.mark.parametrize("metadata, message", [
+    (lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID), "expert_gating_func=2"),
+    (lambda w: (w.add_expert_group_count(2), w.add_expert_group_used_count(1)), "expert_group_count=2"),
+], ids=["sigmoid-gating", "group-limited"])
+def test_a_gguf_file_with_unsupported_routing_is_refused_by_name(tmp_path, metadata, message):
+    folder = make_tiny_hf_model(tmp_path / "hf", arch="deepseek_v2", first_k_dense_replace=1)
+    path = write_deepseek2_gguf_from_hf(folder, tmp_path / "deepseek2.gguf", extra_metadata=metadata)
+    with pytest.raises(ValueError, match=f"deepseek2 with {message} is not supported"):
+        LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=64)
 
 
 def test_cache_holds_only_the_latent(pair):

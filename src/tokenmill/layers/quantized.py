@@ -108,7 +108,7 @@ class QuantizedWeight:
         u = self.unsigned_values().view(rows, -1, BLOCK).float()
         w = u * self.scale.float().unsqueeze(-1) + self.offset.float().unsqueeze(-1)
         if self.sub_scale is not None:
-            w = (w.view(rows, -1, SUB_BLOCK) * self.sub_scale.float().unsqueeze(-1))
+            w = w.view(rows, -1, SUB_BLOCK) * self.sub_scale.float().unsqueeze(-1)
         return w.reshape(rows, -1)[:, :self.cols].to(dtype)
 
     def to(self, device: torch.device) -> "QuantizedWeight":
@@ -206,9 +206,9 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
 
 
 def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> QuantizedWeight:
-    """Convert GGUF blocks (raw uint8 [rows, bytes per row]) of an `EXACT_GGUF_FORMATS` type, exactly
-    (up to float32 rounding of the decoded value: Q6_K's sub * (d u - 32 d) where gguf computes
-    (d sub) (u - 32))."""
+    """Convert GGUF blocks (raw uint8 [rows, bytes per row]) of an `EXACT_GGUF_FORMATS` type, exactly:
+    every value dequantises to gguf's (for Q6_K, sub * (d u - 32 d) is exact until its one rounding,
+    as gguf's (d sub) (u - 32) is)."""
     _check_cols(cols)
     rows = raw.shape[0]
     if tensor_type == T.Q8_0:

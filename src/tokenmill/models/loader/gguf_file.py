@@ -10,7 +10,8 @@ import torch
 from gguf import GGUFReader
 
 from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, QuantizedWeight, from_gguf
-from tokenmill.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, ArchConfig, MoEConfig, RopeScaling
+from tokenmill.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, ArchConfig, MLAConfig, MoEConfig, RopeScaling
+from tokenmill.models.loader.hf_config import yarn_mscale
 from tokenmill.models.loader.gguf_tensors import (
     FLOAT_TYPES,
     check_tensor_type,
@@ -28,10 +29,12 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
 # llama.cpp's routing per architecture (its build_moe_ffn's norm_w): whether the top k weights are
 # renormalised. A "llama" file with experts is Mixtral.
-_TOPK_RENORMALISED = {"llama": True, "qwen3moe": True, "olmoe": False}
+_TOPK_RENORMALISED = {"llama": True, "qwen3moe": True, "olmoe": False, "deepseek2": False}
+_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 # llama.cpp's Gemma 3 settings that the file does not store (src/llama-model.cpp): every sixth layer
 # is global, the local layers' RoPE base
 _GEMMA3_SLIDING_PATTERN = 6
@@ -101,7 +104,8 @@ class GGUFCheckpoint:
     @property
     def num_tensors(self) -> int:
         """How many tensors `iter_weights` yields (a stack of experts' matrices yields one per expert)."""
-        return sum(int(t.shape[-1]) if is_expert_stack(t.name) else 1 for t in self.reader.tensors)
+        joined = sum(1 for t in self.reader.tensors if ".attn_v_b." in t.name)  # attn_k_b + attn_v_b: one kv_b_proj
+        return sum(int(t.shape[-1]) if is_expert_stack(t.name) else 1 for t in self.reader.tensors) - joined
 
     def _rope_scaling(self) -> Optional[RopeScaling]:
         if "rope_freqs.weight" in self.tensors:
@@ -112,7 +116,30 @@ class GGUFCheckpoint:
         if kind == "linear":
             factor = float(self._arch_metadata("rope.scaling.factor"))
             return RopeScaling(kind="linear", factor=factor)
-        raise ValueError(f"unsupported GGUF RoPE scaling type {kind!r}; supported: none, linear")
+        if kind == "yarn":
+            factor = float(self._arch_metadata("rope.scaling.factor"))
+            return RopeScaling(kind="yarn", factor=factor,
+                               original_max_position_embeddings=int(self._arch_metadata("rope.scaling.original_context_length")),
+                               beta_fast=float(self._arch_metadata("rope.scaling.yarn_beta_fast", 32.0)),
+                               beta_slow=float(self._arch_metadata("rope.scaling.yarn_beta_slow", 1.0)),
+                               attention_factor=self._yarn_attention_factor(factor))
+        raise ValueError(f"unsupported GGUF RoPE scaling type {kind!r}; supported: none, linear, yarn")
+
+    def _yarn_log_multiplier(self) -> float:
+        """YaRN's mscale_all_dim, which llama.cpp's converter stores times 0.1 (0: not given)."""
+        return float(self._arch_metadata("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+
+    def _yarn_attention_factor(self, factor: float) -> float:
+        """The magnitude of cos and sin as llama.cpp's YaRN leaves it (llama_context's yarn_attn_factor
+        times ggml's own 1 + 0.1 ln(factor)): mscale(factor, m) / mscale(factor, mscale_all_dim) with m = 1,
+        or m = mscale_all_dim for DeepSeek-V2, else mscale(factor); times rope.scaling.attn_factor."""
+        all_dim = self._yarn_log_multiplier()
+        if all_dim:
+            mscale = all_dim if self.gguf_architecture == "deepseek2" and all_dim != 1.0 else 1.0
+            magnitude = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+        else:
+            magnitude = yarn_mscale(factor)
+        return magnitude * float(self._arch_metadata("rope.scaling.attn_factor", 1.0))
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         keys = ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -149,19 +176,50 @@ class GGUFCheckpoint:
         if self.gguf_architecture not in _TOPK_RENORMALISED:
             raise ValueError(f"GGUF {self.gguf_architecture} with experts is not supported; supported: "
                              f"{', '.join(_TOPK_RENORMALISED)}")
-        if self._arch_metadata("expert_shared_count", 0) or self._arch_metadata("expert_shared_feed_forward_length", 0):
+        deepseek = self.gguf_architecture == "deepseek2"
+        shared = int(self._arch_metadata("expert_shared_count", 0))
+        if not deepseek and (shared or self._arch_metadata("expert_shared_feed_forward_length", 0)):
             raise ValueError(f"GGUF {self.gguf_architecture} with shared experts is not supported")
+        for key, supported in (("expert_gating_func", _SOFTMAX_GATING), ("expert_group_count", 1)):
+            value = self._arch_metadata(key, supported)
+            if value != supported and (key != "expert_group_count" or value > 1 and self._arch_metadata(
+                    "expert_group_used_count", value) < value):
+                raise ValueError(f"GGUF {self.gguf_architecture} with {key}={value} is not supported; "
+                                 f"supported: {supported} (softmax routing over all experts)")
         width = self._arch_metadata("expert_feed_forward_length", None) or self._arch_metadata("feed_forward_length")
         normalise = self._arch_metadata("expert_weights_norm", _TOPK_RENORMALISED[self.gguf_architecture])
         dense = frozenset(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors)
         fields: dict[str, Any] = dict(moe=MoEConfig(
             num_experts=int(num_experts), top_k=int(self._arch_metadata("expert_used_count")),
-            intermediate_size=int(width), norm_topk_prob=bool(normalise), dense_layers=dense))
+            intermediate_size=int(width), norm_topk_prob=bool(normalise), dense_layers=dense,
+            routed_scaling_factor=float(self._arch_metadata("expert_weights_scale", 1.0)),
+            shared_intermediate_size=shared * int(width)))
         if self.gguf_architecture == "llama":
             fields["architecture"] = "MixtralForCausalLM"
         if self.gguf_architecture == "olmoe":
             fields["qk_norm_per_head"] = False  # its q/k norms span the whole projections
         return fields
+
+    def _deepseek2_fields(self, num_heads: int) -> dict[str, Any]:
+        """DeepSeek-V2's latent attention. Newer converters store the attention as llama.cpp runs it, one
+        KV head of key_length = kv_lora_rank + rope and value_length = kv_lora_rank, with the per-head
+        widths in key_length_mla / value_length_mla; older ones store the per-head widths as key_length /
+        value_length. The softmax scale is (nope + rope) ** -0.5 times yarn's mscale(factor,
+        mscale_all_dim) squared, as llama.cpp's kq_scale."""
+        rank, rope = int(self._arch_metadata("attention.kv_lora_rank")), int(self._arch_metadata("rope.dimension_count"))
+        qk = int(self._arch_metadata("attention.key_length_mla", None) or self._arch_metadata("attention.key_length"))
+        v = int(self._arch_metadata("attention.value_length_mla", None) or self._arch_metadata("attention.value_length"))
+        q_rank = int(self._arch_metadata("attention.q_lora_rank", 0))
+        if qk <= rope:
+            raise ValueError(f"GGUF deepseek2 key length {qk} must exceed its RoPE dimension {rope}")
+        scale = qk ** -0.5
+        if self._arch_metadata("rope.scaling.type", "none") == "yarn":
+            factor = float(self._arch_metadata("rope.scaling.factor"))
+            attention_factor = self._yarn_attention_factor(factor)
+            scale *= (attention_factor * yarn_mscale(factor, self._yarn_log_multiplier())) ** 2
+        mla = MLAConfig(kv_lora_rank=rank, qk_nope_head_dim=qk - rope, qk_rope_head_dim=rope, v_head_dim=v,
+                        q_lora_rank=q_rank or None)
+        return dict(mla=mla, head_dim=qk, num_key_value_heads=num_heads, attention_scale=scale)
 
     def _read_arch_config(self) -> ArchConfig:
         hidden_size = int(self._arch_metadata("embedding_length"))
@@ -172,7 +230,11 @@ class GGUFCheckpoint:
         sliding_window = self._arch_metadata("attention.sliding_window", None)
         bos = self.metadata("tokenizer.ggml.bos_token_id", None)
         gemma3 = self.gguf_architecture == "gemma3"
-        fields = {"architecture": GGUF_ARCHITECTURES[self.gguf_architecture], **self._moe_fields(num_layers)}
+        fields = {"architecture": GGUF_ARCHITECTURES[self.gguf_architecture], **self._moe_fields(num_layers),
+                  "num_key_value_heads": int(self._arch_metadata("attention.head_count_kv", num_heads)),
+                  "head_dim": head_dim}
+        if self.gguf_architecture == "deepseek2":
+            fields.update(self._deepseek2_fields(num_heads))
         return ArchConfig(
             **(self._gemma3_fields(num_layers, hidden_size, head_dim) if gemma3 else {}),
             **fields,
@@ -181,8 +243,6 @@ class GGUFCheckpoint:
             intermediate_size=int(self._arch_metadata("feed_forward_length")),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
-            num_key_value_heads=int(self._arch_metadata("attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
             rms_norm_eps=float(self._arch_metadata("attention.layer_norm_rms_epsilon")),
             rope_theta=float(self._arch_metadata("rope.freq_base", 10000.0)),
             max_position_embeddings=int(self._arch_metadata("context_length")),
@@ -210,17 +270,37 @@ class GGUFCheckpoint:
     def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
         """Yield `(hf_name, tensor)` for every tensor in HF layout: decoded to float, or with
         `keep_quantized` converted into a `QuantizedWeight` where the encoding allows it exactly."""
+        kv_b_parts: dict[str, torch.Tensor] = {}  # one layer's attn_k_b / attn_v_b until both are read
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name, self.gguf_architecture)
             if is_expert_stack(tensor.name):  # [experts, rows, cols]: one matrix per expert
                 for expert in range(int(tensor.shape[-1])):
                     yield name.format(expert), self._matrix(tensor, keep_quantized, expert)
                 continue
+            if ".kv_b_proj.keys." in name or ".kv_b_proj.values." in name:
+                kv_b_parts[name] = to_torch(tensor).float()
+                joined = self._joined_kv_b(name.split(".kv_b_proj.")[0] + ".kv_b_proj", kv_b_parts)
+                if joined is not None:
+                    yield joined
+                continue
             weight = self._matrix(tensor, keep_quantized) if len(tensor.shape) == 2 else to_torch(tensor)
             num_heads = self._heads_of_permuted_rows(tensor.name)
             if num_heads is not None:
                 weight = undo_llama_rope_permute(weight, num_heads)
             yield name, weight
+
+    @staticmethod
+    def _joined_kv_b(name: str, parts: dict[str, torch.Tensor]) -> Optional[tuple[str, torch.Tensor]]:
+        """`name`.weight ([heads * (nope + v), rank], HF's kv_b_proj) from its key part ([heads, rank,
+        nope]) and value part ([heads, v, rank]) once both are in `parts` (which gives them up)."""
+        keys, values = parts.get(f"{name}.keys.weight"), parts.get(f"{name}.values.weight")
+        if keys is None or values is None:
+            return None
+        del parts[f"{name}.keys.weight"], parts[f"{name}.values.weight"]
+        if keys.dim() != 3 or values.dim() != 3 or keys.shape[:2] != (values.shape[0], values.shape[2]):
+            raise ValueError(f"GGUF {name} parts do not fit together: keys {tuple(keys.shape)}, "
+                             f"values {tuple(values.shape)}")
+        return f"{name}.weight", torch.cat((keys.transpose(1, 2), values), dim=1).reshape(-1, keys.shape[1])
 
     @staticmethod
     def _matrix(tensor: Any, keep_quantized: bool, expert: Optional[int] = None) -> "torch.Tensor | QuantizedWeight":

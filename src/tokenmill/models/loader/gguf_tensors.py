@@ -47,12 +47,28 @@ _BLOCK_NAMES = {
 }
 # a mixture of experts' stacked expert matrices ([experts, rows, cols]): one HF matrix per expert
 EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# where an architecture names a tensor differently (Gemma 3 has norms before and after each block)
+# DeepSeek-V2's kv_b_proj as newer llama.cpp converters split it: per head, the key part transposed
+# ([heads, rank, nope]) and the value part ([heads, v, rank]); `GGUFCheckpoint` joins them again
+KV_B_PARTS = {"attn_k_b": "self_attn.kv_b_proj.keys", "attn_v_b": "self_attn.kv_b_proj.values"}
+# where an architecture names a tensor differently (Gemma 3 has norms before and after each block) or
+# has tensors of its own (DeepSeek-V2's latent attention and shared experts)
 _ARCH_BLOCK_NAMES = {
     "gemma3": {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "deepseek2": {
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        **KV_B_PARTS,
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
     },
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

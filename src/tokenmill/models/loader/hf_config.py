@@ -129,7 +129,7 @@ def rope_scaling_from_hf(params: Optional[dict[str, Any]], max_position_embeddin
     raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn")
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when the factor does not stretch)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -145,8 +145,8 @@ def _yarn_scaling(params: dict[str, Any], max_position_embeddings: int) -> RopeS
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
     return RopeScaling(kind="yarn", factor=factor, original_max_position_embeddings=original,
                        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                        attention_factor=float(attention_factor), truncate=bool(params.get("truncate", True)))
@@ -210,7 +210,7 @@ def _yarn_mscale_squared(params: dict[str, Any]) -> float:
     mscale_all_dim = params.get("mscale_all_dim", 0)
     if kind == "default" or not mscale_all_dim:
         return 1.0
-    return _yarn_mscale(float(params.get("factor", 1.0)), mscale_all_dim) ** 2
+    return yarn_mscale(float(params.get("factor", 1.0)), mscale_all_dim) ** 2
 
 
 def _deepseek_v2_moe(setting: dict[str, Any]) -> Optional[MoEConfig]:
