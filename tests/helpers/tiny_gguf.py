@@ -261,13 +261,33 @@ _EXPERT_STACKS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_ex
                   "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
+def _float_tensors_of(folder: Path, writer: gguf.GGUFWriter):
+    """Mark `writer` as an F32 file with the test tokenizer, then yield (HF name, float32 array) of every
+    tensor of `folder`'s safetensors."""
+    from safetensors.torch import load_file
+
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer)
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            yield name, tensor.float().numpy()
+
+
+def _finish(writer: gguf.GGUFWriter, stacks: dict[str, dict[int, np.ndarray]], experts: int) -> None:
+    """Add the expert stacks ([experts, rows, cols] each) and write the file out."""
+    for name, by_expert in stacks.items():
+        writer.add_tensor(name, np.stack([by_expert[e] for e in range(experts)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_moe_gguf_from_hf(folder: str | Path, path: str | Path) -> Path:
     """Convert a tiny HF mixture-of-experts folder (Mixtral, Qwen3-MoE, OLMoE) to an F32 GGUF file as
     llama.cpp's converter does: experts stacked per projection into [experts, rows, cols] tensors, the
     router as `ffn_gate_inp`, Mixtral as a "llama" file with its q/k rows permuted."""
     import json
-
-    from safetensors.torch import load_file
 
     folder, path = Path(folder), Path(path)
     config = json.loads((folder / "config.json").read_text())
@@ -291,14 +311,8 @@ def write_moe_gguf_from_hf(folder: str | Path, path: str | Path) -> Path:
     writer.add_expert_used_count(config["num_experts_per_tok"])
     if config.get("moe_intermediate_size"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(writer)
-    weights = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        weights.update(load_file(file))
     stacks: dict[str, dict[int, np.ndarray]] = {}
-    for name, tensor in weights.items():
-        array = tensor.float().numpy()
+    for name, array in _float_tensors_of(folder, writer):
         name = name.replace(".block_sparse_moe.", ".mlp.")
         parts = name.split(".")
         if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.PROJ.weight
@@ -312,12 +326,7 @@ def write_moe_gguf_from_hf(folder: str | Path, path: str | Path) -> Path:
         if architecture == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, kv_heads)
         writer.add_tensor(gguf_name(name), array)
-    for name, by_expert in stacks.items():
-        writer.add_tensor(name, np.stack([by_expert[e] for e in range(experts)]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, stacks, experts)
     return path
 
 
@@ -340,8 +349,6 @@ def write_deepseek2_gguf_from_hf(folder: str | Path, path: str | Path, split_kv_
     and attn_v_b), else as older ones (per-head widths as key/value lengths, attn_kv_b whole); YaRN as
     rope.scaling.* with yarn_log_multiplier = 0.1 * mscale_all_dim. `extra_metadata` adds to the header."""
     import json
-
-    from safetensors.torch import load_file
 
     folder, path = Path(folder), Path(path)
     config = json.loads((folder / "config.json").read_text())
@@ -384,14 +391,8 @@ def write_deepseek2_gguf_from_hf(folder: str | Path, path: str | Path, split_kv_
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope_parameters["mscale_all_dim"])
     if extra_metadata is not None:
         extra_metadata(writer)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(writer)
-    weights = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        weights.update(load_file(file))
     stacks: dict[str, dict[int, np.ndarray]] = {}
-    for name, tensor in weights.items():
-        array = tensor.float().numpy()
+    for name, array in _float_tensors_of(folder, writer):
         if name in _GGUF_GLOBAL_NAMES:
             writer.add_tensor(_GGUF_GLOBAL_NAMES[name], array)
             continue
@@ -407,10 +408,5 @@ def write_deepseek2_gguf_from_hf(folder: str | Path, path: str | Path, split_kv_
             writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))
             continue
         writer.add_tensor(f"blk.{layer}.{_DEEPSEEK2_NAMES[module]}.{kind}", array)
-    for name, by_expert in stacks.items():
-        writer.add_tensor(name, np.stack([by_expert[e] for e in range(experts)]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, stacks, experts)
     return path
