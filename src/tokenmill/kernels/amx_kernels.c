@@ -6,8 +6,8 @@
  * into it 32 columns (two cell groups) at a time from the cell layout of quant_cells.h, in a buffer that
  * stays in L1/L2 while every input row of a chunk passes over it (no dequantised copy in memory).
  * Dequantised values are those tm_dequantize writes (scale * u, + offset, times a sub-scale where the
- * cells have them, each rounded in float32, then to bfloat16), so a product equals the reference's dequantise-then-matmul up to the order of
- * the float32 sums.
+ * cells have them, each rounded in float32, then to bfloat16), so a product equals the reference's
+ * dequantise-then-matmul up to the order of the float32 sums.
  *
  * The input rows are copied, a chunk at a time, into "A" tiles (16 rows x 32 features, 1 KB each,
  * zero past the last row). Each thread owns a contiguous range of 32-column panels and runs every
@@ -62,7 +62,8 @@ static inline void spread_lanes(__m512 spread[4], __m512 v) {
 
 /* The 16 rows' scales (or offsets) of a cell, spread as spread_lanes does. */
 static inline void spread_scales(__m512 spread[4], const uint8_t *p, int scales) {
-    spread_lanes(spread, (scales & QS_HALF) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p));
+    spread_lanes(spread, (scales & QS_HALF) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p))
+                                            : _mm512_loadu_ps((const float *)p));
 }
 
 /* One chunk's 64 unsigned values (byte 4j + e: row j, feature 4c + e) -> B tile rows 2c and 2c + 1,
@@ -106,8 +107,10 @@ static void dequantize_tiles(uint16_t *tiles, const quantized_weight *w, int64_t
         spread_scales(offset, cell + data_bytes + QGROUP * qcell_scale_bytes(w->scales), w->scales);
         if (w->scales & QS_SUB) {  /* chunks 0-3 hold features 0-15, 4-7 features 16-31 */
             const int8_t *subs = qcell_subs(cell, w->bits, w->scales);
-            for (int f = 0; f < 2; f++)
-                spread_lanes(sub[f], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(subs + QGROUP * f)))));
+            for (int f = 0; f < 2; f++) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(subs + QGROUP * f));
+                spread_lanes(sub[f], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+            }
         }
         if (w->bits == 8) {
             for (int c = 0; c < 8; c++)
