@@ -27,6 +27,11 @@ class SecondaryTier:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._slots
 
+    @property
+    def num_used(self) -> int:
+        """Slots holding a block's content."""
+        return len(self._slots)
+
     def save(self, key: Hashable) -> Optional[int]:
         """The slot to copy an evicted block with content `key` into, or None when no copy is needed
         (the tier already holds it, or has no room that is not in use this step)."""

@@ -24,6 +24,7 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from tokenmill.engine.admission import AdmissionLimits, Ticket
+from tokenmill.engine.live_sample import build_sample
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.executor import ExecutorDiedError
@@ -196,6 +197,8 @@ class AsyncEngine:
                 self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
                                         priority=priority, arrival_time=arrival)
                 self._streams[request_id] = stream
+                if params.structured_output is not None:
+                    self.metrics.record_structured()
                 admitted.set_result(None)
             except BaseException as exc:  # handed to the caller, never kills the loop
                 admitted.set_exception(exc)
@@ -219,6 +222,30 @@ class AsyncEngine:
             # Commands run in order, so an abort sent while the add is still queued finds it added.
             if submitted and not finished:
                 self.abort(request_id)
+
+    async def live_sample(self, after_step: int) -> dict:
+        """A sample of the live engine stream (engine/live_sample.py), taken on the engine thread between
+        steps, with the steps logged after `after_step`."""
+        sampled: concurrent.futures.Future = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                sampled.set_result(build_sample(self.engine, self.metrics.registry, self.model_name, after_step))
+            except BaseException as exc:
+                sampled.set_exception(exc)
+        self._submit(take)
+        return await asyncio.wrap_future(sampled)
+
+    def watch(self, change: int) -> None:
+        """One more (+1) or one fewer (-1) watcher of the live stream: while there are any, the engine
+        records each request's timeline (engine/telemetry.py)."""
+        def apply() -> None:
+            telemetry = self.engine.telemetry
+            telemetry.watchers += change
+            if telemetry.watchers <= 0:
+                telemetry.watchers = 0
+                telemetry.stop_tracing()
+        self._submit(apply)
 
     def _check_open(self) -> None:
         if self.dead:
@@ -334,7 +361,8 @@ class AsyncEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        self.metrics.observe_step(outputs, self.engine.stats())
+        new_steps = self.engine.telemetry.steps_after(self.metrics.last_step)
+        self.metrics.observe_step(outputs, self.engine.stats(), new_steps)
         # one wake-up per event loop and step, however many streams: each wake-up is a socket write,
         # after which the loop takes the GIL to stream what it was handed
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}

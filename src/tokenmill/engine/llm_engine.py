@@ -16,6 +16,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.models.arch import kv_cache_layout
@@ -117,7 +118,9 @@ class LLMEngine:
         self._draft_probs: dict = {}  # request id -> distributions of its drafted proposals, for the next step
         # Steps submitted and not yet finished, oldest first, each with its grammar-mask failures.
         # Invariant: the executor returns outputs in this order; at most executor.max_steps_in_flight.
-        self._in_flight: deque[tuple[SchedulerOutput, dict]] = deque()
+        # Each entry: the step, its grammar mask failures, when it was submitted and its chunks' telemetry.
+        self._in_flight: deque[tuple[SchedulerOutput, dict, float, list[ChunkInfo]]] = deque()
+        self.telemetry = Telemetry()
         try:
             self.speculation = make_speculation(config, self) if config.speculative.enabled else None
         except BaseException:
@@ -228,6 +231,7 @@ class LLMEngine:
             self.scheduler.finish_requests(internal, RequestStatus.FINISHED_ABORTED)
             for rid in internal:
                 self.scheduler.pop_finished(rid)
+                self.telemetry.record_finished(rid, "abort")
             if self.speculation is not None:
                 self.speculation.forget(internal)
             self.output_processor.drop(request_id)
@@ -278,20 +282,40 @@ class LLMEngine:
                                    is not None}
         grammars = self.step_grammars
         mask_failures = grammars.prepare(schedule, self.scheduler.requests) if grammars is not None else {}
+        chunks = self._chunk_infos(schedule)
         self.executor.submit(schedule)
-        self._in_flight.append((schedule, mask_failures))
+        self._in_flight.append((schedule, mask_failures, time.monotonic(), chunks))
         return True
 
+    def _chunk_infos(self, schedule: SchedulerOutput) -> list[ChunkInfo]:
+        """The telemetry of each scheduled chunk: decode when it computes one new token (plus its
+        proposals) past the prompt, else prefill (a prompt chunk, or tokens recomputed after preemption)."""
+        infos = []
+        for chunk in schedule.scheduled:
+            request = self.scheduler.requests[chunk.request_id]
+            decode = (chunk.sample and chunk.num_tokens == 1 + len(chunk.spec_token_ids)
+                      and chunk.start >= len(request.prompt_token_ids))
+            infos.append(ChunkInfo(chunk.request_id, chunk.num_tokens, DECODE if decode else PREFILL,
+                                   request.num_preemptions, request.arrival_time))
+        return infos
+
     def _finish_oldest(self) -> list[RequestOutput]:
-        schedule, mask_failures = self._in_flight.popleft()
+        schedule, mask_failures, started, chunks = self._in_flight.popleft()
         result = self.executor.collect()
         grammars = self.step_grammars
         if grammars is not None:
             grammars.finish(schedule, result, mask_failures)
         updates = self.scheduler.update_from_output(schedule, result)
         outputs, stopped, failed = self.output_processor.process(updates)
+        self.telemetry.record_step(started, chunks)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        ended = set(stopped)
+        for update in updates:
+            if update.finish_reason is not None or update.request_id in ended:
+                self.telemetry.record_finished(update.request_id, update.finish_reason or "stop")
+        for request_id in failed:
+            self.telemetry.record_finished(request_id, "error")
         for request_id in [u.request_id for u in updates] + failed:
             self.scheduler.pop_finished(request_id)
         if self.speculation is not None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.telemetry import StepRecord
 from tokenmill.outputs import RequestOutput
 
 logger = logging.getLogger("tokenmill.requests")
@@ -68,15 +69,32 @@ class EngineMetrics:
         self.spec_mean_length = gauge("spec_decode_mean_acceptance_length", "Tokens gained per verification round "
                                       "since start: 1 + accepted / rounds (vLLM's definition).")
         self._last_totals = (0,) * 10
+        self.structured = counter("structured_output_requests", "Requests admitted with an output constraint "
+                                  "(JSON schema, regex, choice, grammar).")
+        self.prefill_tokens = counter("iteration_prefill_tokens", "Tokens computed by engine steps as prefill "
+                                      "(prompt chunks, and tokens recomputed after preemption).")
+        self.decode_tokens = counter("iteration_decode_tokens", "Tokens computed by engine steps as decode (one "
+                                     "new token per request and step, plus its speculative proposals).")
+        self.step_time = histogram("engine_step_seconds", "Engine step time, from submission to results.",
+                                   _ITL_BUCKETS)
+        self._last_step = 0
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
         self._seen_tokens: dict[str, list[int]] = {}
         self._last_token_time: dict[str, float] = {}
 
-    def observe_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
-        """Record one engine step: its outputs, queue sizes, cache use and counters."""
+    def observe_step(self, outputs: list[RequestOutput], stats: EngineStats,
+                     steps: Sequence[StepRecord] = ()) -> None:
+        """Record one engine step: its outputs, queue sizes, cache use and counters, and the steps the
+        engine logged since the last call (`Telemetry.steps_after`)."""
         now = time.monotonic()
+        for step in steps:
+            if step.seq > self._last_step:
+                self.prefill_tokens.inc(step.prefill_tokens)
+                self.decode_tokens.inc(step.decode_tokens)
+                self.step_time.observe(step.duration)
+                self._last_step = step.seq
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
@@ -146,6 +164,15 @@ class EngineMetrics:
         self._last_token_time.pop(request_id, None)
         self._success.labels(self.model_name, "abort").inc()
         logger.info(json.dumps({"event": "request_aborted", "request_id": request_id}))
+
+    def record_structured(self) -> None:
+        """Count a request admitted with an output constraint."""
+        self.structured.inc()
+
+    @property
+    def last_step(self) -> int:
+        """The sequence number of the last engine step counted."""
+        return self._last_step
 
     def record_rejection(self) -> None:
         """Count a request refused for lack of room."""

@@ -19,6 +19,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
+from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_common import APIError, ClientDisconnected, error_response, unless_disconnected
@@ -110,6 +111,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     completions = CompletionHandler(engine, model_name, limits)
     chat = ChatHandler(engine, model_name, chat_template, limits)
     started = int(time.time())
+    live = EngineStream(engine)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * (1 << 20)))
     if api_key:  # added last, so it runs first: no body of an unauthenticated request is read
@@ -175,6 +177,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/engine/stream")
+    async def engine_stream(interval_ms: int = DEFAULT_INTERVAL_MS) -> Response:
+        return live.open(interval_ms)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
