@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean cross-compiler asan reliability soak
+.PHONY: serve test install clean cross-compiler browser asan reliability soak
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ serve: $(STAMP)
 
 # The whole suite at the best level this CPU runs, then the engine-level tests (marked every_level)
 # again without the native kernels and at the lowest x86 level, so both fallbacks are tested products.
-test: $(STAMP) cross-compiler
+test: $(STAMP) cross-compiler browser
 	$(PY) -m pytest -q
 	TOKENMILL_KERNELS=off $(PY) -m pytest -q -m every_level
 	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q -m every_level
@@ -48,6 +48,13 @@ cross-compiler:
 	  echo "installing gcc-aarch64-linux-gnu (the aarch64 cross-compiler the build test uses)"; \
 	  (apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu >/dev/null) || \
 	  echo "could not install gcc-aarch64-linux-gnu: install it as root, or the cross-compile test fails"; }
+
+# tests/e2e/test_web_ui.py drives the playground and dashboard in Debian's Chromium (through Playwright).
+browser:
+	@command -v chromium >/dev/null || { \
+	  echo "installing chromium (the browser the web UI tests drive)"; \
+	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+	  echo "could not install chromium: run 'apt-get install chromium' as root, or the web UI tests fail"; }
 
 # The kernel tests once with the kernels built under AddressSanitizer (loaded into python by LD_PRELOAD).
 asan: $(STAMP)

@@ -47,8 +47,9 @@ class ServerProcess:
         return [sys.executable, "-m", "tokenmill.cli.main", "serve", *model, "--host", HOST,
                 "--port", str(self.port), *self.args]
 
-    def start(self) -> "ServerProcess":
-        self.port = free_port()
+    def start(self, port: Optional[int] = None) -> "ServerProcess":
+        """Launch on `port` (a restart on the same address), else on a free one."""
+        self.port = port or free_port()
         self._log = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,

@@ -20,6 +20,7 @@ from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFul
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
+from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_common import APIError, ClientDisconnected, error_response, unless_disconnected
@@ -32,15 +33,17 @@ _error = error_response
 
 class ApiKeyMiddleware:
     """Answers 401 to requests without `Authorization: Bearer <api_key>`, on every path but the open
-    ones (/health, and /metrics unless it requires the key). Plain ASGI, so streamed responses pass
-    through untouched: Starlette's BaseHTTPMiddleware relays every chunk through a memory stream and a
-    task switch (measured here at batch 1: TPOT 12.5 -> 11.7 ms, two alternating pairs)."""
+    ones (/health, the web pages and their static files, and /metrics unless it requires the key).
+    Plain ASGI, so streamed responses pass through untouched: Starlette's BaseHTTPMiddleware relays
+    every chunk through a memory stream and a task switch (measured here at batch 1: TPOT 12.5 -> 11.7
+    ms, two alternating pairs)."""
 
     def __init__(self, app: Any, api_key: str, open_paths: frozenset[str]) -> None:
         self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in self.open_paths and not path.startswith(STATIC_PREFIX):
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 response = _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -115,7 +118,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * (1 << 20)))
     if api_key:  # added last, so it runs first: no body of an unauthenticated request is read
-        open_paths = {"/health"} if config.metrics_require_key else {"/health", "/metrics"}
+        open_paths = {"/health", *PAGES} | (set() if config.metrics_require_key else {"/metrics"})
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
 
     @app.exception_handler(RequestValidationError)
@@ -177,6 +180,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    mount_pages(app)
 
     @app.get("/v1/engine/stream")
     async def engine_stream(interval_ms: int = DEFAULT_INTERVAL_MS) -> Response:

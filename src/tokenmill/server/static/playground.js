@@ -1,0 +1,274 @@
+// The playground: chat and completions over the public OpenAI API, streamed token by token.
+import { ApiError, askForKey, call, el, events } from "/static/api.js";
+
+const STORE = "tokenmill.playground";
+const MAX_KEPT_MESSAGES = 100;
+const $ = (id) => document.getElementById(id);
+const FIELDS = ["mode", "system", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
+  "logprobs", "constraint", "constraint-value", "tools", "tool_choice"];
+
+let state = { messages: [], settings: {} };
+let running = null; // {controller, message} while an answer streams
+let lastRequest = null; // what Retry sends again
+
+function save() {
+  state.messages = state.messages.slice(-MAX_KEPT_MESSAGES);
+  localStorage.setItem(STORE, JSON.stringify(state));
+}
+
+function load() {
+  try {
+    state = { messages: [], settings: {}, ...JSON.parse(localStorage.getItem(STORE) || "{}") };
+  } catch (_) { /* a broken store starts afresh */ }
+  for (const name of FIELDS) {
+    const input = $(name);
+    if (!(name in state.settings)) continue;
+    if (input.type === "checkbox") input.checked = state.settings[name];
+    else input.value = state.settings[name];
+  }
+}
+
+function readSettings() {
+  for (const name of FIELDS) {
+    const input = $(name);
+    state.settings[name] = input.type === "checkbox" ? input.checked : input.value;
+  }
+  save();
+  return state.settings;
+}
+
+function showError(message, retryable) {
+  $("error-text").textContent = message;
+  $("retry").hidden = !retryable;
+  $("error").hidden = false;
+}
+
+function clearError() {
+  $("error").hidden = true;
+}
+
+function number(value) {
+  return value === "" || value === undefined ? undefined : Number(value);
+}
+
+// The request body for the current settings; throws Error with a message for bad settings.
+function buildBody(settings, prompt) {
+  const body = { stream: true, stream_options: { include_usage: true } };
+  for (const name of ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"]) {
+    const value = number(settings[name]);
+    if (value !== undefined) body[name] = value;
+  }
+  const stop = settings.stop.split("\n").filter((s) => s.length);
+  if (stop.length) body.stop = stop;
+  const constraint = settings["constraint-value"];
+  if (settings.constraint === "json_schema") {
+    let schema;
+    try { schema = JSON.parse(constraint); } catch (err) { throw new Error(`the JSON schema is not valid JSON: ${err.message}`); }
+    body.response_format = { type: "json_schema", json_schema: { name: "playground", schema } };
+  } else if (settings.constraint === "regex") {
+    body.guided_regex = constraint;
+  } else if (settings.constraint === "choice") {
+    body.guided_choice = constraint.split("\n").filter((s) => s.length);
+  }
+  if (settings.mode === "chat") {
+    const messages = [];
+    if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
+    for (const m of state.messages) {
+      if (m.kind === "chat") messages.push({ role: m.role, content: m.content || "" });
+    }
+    messages.push({ role: "user", content: prompt });
+    body.messages = messages;
+    if (settings.logprobs) { body.logprobs = true; body.top_logprobs = 5; }
+    if (settings.tools.trim()) {
+      try { body.tools = JSON.parse(settings.tools); } catch (err) { throw new Error(`the tools are not valid JSON: ${err.message}`); }
+      body.tool_choice = settings.tool_choice;
+    }
+  } else {
+    body.prompt = prompt;
+    if (settings.logprobs) body.logprobs = 5;
+  }
+  return body;
+}
+
+function tokenSpan(token) {
+  const span = el("span", { class: "token", text: token.text });
+  if (token.logprob !== undefined && token.logprob !== null) {
+    const alternatives = (token.top || []).map((t) => `${JSON.stringify(t.token)}: ${t.logprob.toFixed(3)}`);
+    span.title = `logprob ${token.logprob.toFixed(4)} (p = ${Math.exp(token.logprob).toFixed(3)})` +
+      (alternatives.length ? `\n${alternatives.join("\n")}` : "");
+    span.tabIndex = 0;
+  }
+  return span;
+}
+
+function statsText(stats) {
+  if (!stats) return "";
+  const parts = [];
+  if (stats.ttft_ms !== undefined) parts.push(`TTFT ${Math.round(stats.ttft_ms)} ms`);
+  if (stats.tokens_per_s !== undefined) parts.push(`${stats.tokens_per_s.toFixed(1)} tokens/s`);
+  if (stats.tokens !== undefined) parts.push(`${stats.tokens} tokens`);
+  if (stats.finish_reason) parts.push(`finish: ${stats.finish_reason}`);
+  return parts.join(" · ");
+}
+
+function render() {
+  const list = $("messages");
+  list.replaceChildren();
+  for (const message of state.messages) list.append(renderMessage(message));
+}
+
+function renderMessage(message) {
+  const body = el("div", { class: "content" });
+  if (message.tokens && message.tokens.length) {
+    for (const token of message.tokens) body.append(tokenSpan(token));
+  } else {
+    body.textContent = message.content || "";
+  }
+  const item = el("li", { class: `message ${message.role}`, "data-role": message.role },
+    el("div", { class: "role", text: message.kind === "completion" && message.role === "user" ? "prompt" : message.role }),
+    body);
+  if (message.tool_calls && message.tool_calls.length) {
+    item.append(el("pre", { class: "tool-calls", text: JSON.stringify(message.tool_calls, null, 2) }));
+  }
+  item.append(el("div", { class: "stats muted", text: statsText(message.stats) }));
+  return item;
+}
+
+async function send(prompt) {
+  clearError();
+  const settings = readSettings();
+  let body;
+  try {
+    body = buildBody(settings, prompt);
+  } catch (err) {
+    showError(err.message, false);
+    return;
+  }
+  const kind = settings.mode;
+  const user = { kind, role: "user", content: prompt };
+  const answer = { kind, role: "assistant", content: "", tokens: [], tool_calls: [], stats: {} };
+  state.messages.push(user, answer);
+  render();
+  let node = $("messages").lastElementChild;
+  lastRequest = prompt;
+  const controller = new AbortController();
+  running = { controller, answer };
+  $("stop-button").disabled = false;
+  $("send").disabled = true;
+  const started = performance.now();
+  let firstToken = null;
+  try {
+    const path = kind === "chat" ? "/v1/chat/completions" : "/v1/completions";
+    const response = await call(path, {
+      method: "POST", body: JSON.stringify(body), signal: controller.signal,
+      headers: { "Content-Type": "application/json" },
+    });
+    for await (const { event, data } of events(response)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (event === "error" || chunk.error) throw new ApiError(500, chunk.error ? chunk.error.message : data);
+      if (chunk.usage) answer.stats.tokens = chunk.usage.completion_tokens;
+      for (const choice of chunk.choices || []) {
+        const pieces = appendChoice(answer, choice, kind);
+        if (pieces && firstToken === null) {
+          firstToken = performance.now();
+          answer.stats.ttft_ms = firstToken - started;
+        }
+        if (choice.finish_reason) answer.stats.finish_reason = choice.finish_reason;
+      }
+      const fresh = renderMessage(answer);
+      node.replaceWith(fresh);
+      node = fresh;
+      node.scrollIntoView({ block: "end" });
+    }
+  } catch (err) {
+    if (err.name === "AbortError") {
+      answer.stats.finish_reason = "stopped";
+    } else {
+      answer.stats.finish_reason = "error";
+      showError(err.message, err.status === 0);
+    }
+  } finally {
+    const ended = performance.now();
+    if (firstToken !== null && answer.stats.tokens > 1 && ended > firstToken) {
+      answer.stats.tokens_per_s = (answer.stats.tokens - 1) / ((ended - firstToken) / 1000);
+    }
+    running = null;
+    $("stop-button").disabled = true;
+    $("send").disabled = false;
+    save();
+    render();
+  }
+}
+
+// Adds a streamed choice's text, tokens and tool calls to the answer; returns how many tokens came.
+function appendChoice(answer, choice, kind) {
+  let text = "";
+  let tokens = [];
+  if (kind === "chat") {
+    const delta = choice.delta || {};
+    text = delta.content || "";
+    for (const call of delta.tool_calls || []) mergeToolCall(answer.tool_calls, call);
+    const content = choice.logprobs && choice.logprobs.content;
+    if (content) tokens = content.map((t) => ({ text: t.token, logprob: t.logprob, top: t.top_logprobs }));
+  } else {
+    text = choice.text || "";
+    const lp = choice.logprobs;
+    if (lp && lp.tokens) {
+      tokens = lp.tokens.map((t, i) => ({
+        text: t, logprob: lp.token_logprobs[i],
+        top: lp.top_logprobs && lp.top_logprobs[i]
+          ? Object.entries(lp.top_logprobs[i]).map(([token, logprob]) => ({ token, logprob })) : [],
+      }));
+    }
+  }
+  answer.content += text;
+  if (tokens.length) answer.tokens.push(...tokens);
+  else if (text) answer.tokens.push({ text });
+  return tokens.length || (text ? 1 : 0) || (choice.delta && choice.delta.tool_calls ? 1 : 0);
+}
+
+function mergeToolCall(calls, delta) {
+  const index = delta.index || 0;
+  calls[index] = calls[index] || { id: delta.id, type: "function", function: { name: "", arguments: "" } };
+  const fn = delta.function || {};
+  if (fn.name) calls[index].function.name += fn.name;
+  if (fn.arguments) calls[index].function.arguments += fn.arguments;
+}
+
+async function showModel() {
+  try {
+    const response = await call("/v1/models");
+    const models = (await response.json()).data || [];
+    $("model").textContent = models.length ? `model: ${models[0].id}` : "";
+  } catch (err) {
+    showError(err.message, err.status === 0);
+  }
+}
+
+function setup() {
+  load();
+  render();
+  $("composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const prompt = $("prompt").value;
+    if (!prompt.trim() || running) return;
+    $("prompt").value = "";
+    send(prompt);
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("composer").requestSubmit();
+  });
+  $("stop-button").addEventListener("click", () => running && running.controller.abort());
+  $("clear").addEventListener("click", () => { state.messages = []; save(); render(); clearError(); });
+  $("retry").addEventListener("click", () => {
+    if (lastRequest === null || running) return;
+    state.messages.splice(-2, 2); // the failed exchange
+    send(lastRequest);
+  });
+  $("key-button").addEventListener("click", async () => { if (await askForKey("")) showModel(); });
+  $("settings").addEventListener("change", readSettings);
+  showModel();
+}
+
+setup();

@@ -1,0 +1,255 @@
+"""The playground (`/`) and the live dashboard (`/dashboard`) in a real headless Chromium (Playwright, driving
+the system's Chromium: `make test` installs Debian's `chromium`) against a live `tokenmill serve` on a tiny
+model. Screenshots go to test-artifacts/web/ at the repository's root."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers.tiny_models import make_tiny_hf_model
+from server_harness import ServerProcess, metric, metric_samples, wait_for_metrics
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "web"
+API_KEY = "browser-secret"
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["unit"],
+               "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}}
+TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}}}]
+
+
+def chromium_path() -> str:
+    for name in (os.environ.get("TOKENMILL_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if name and (path := shutil.which(name)):
+            return path
+    pytest.fail("no Chromium found for the browser tests: install Debian's `chromium` (`make test` does, as root) "
+                "or point TOKENMILL_CHROMIUM at one")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=4096))
+
+
+@pytest.fixture(scope="module")
+def servers(model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    common = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", "16")
+    open_server = ServerProcess(model, *common, log_path=logs / "open.log").start()
+    guarded = ServerProcess(model, *common, "--api-key", API_KEY, log_path=logs / "guarded.log").start()
+    try:
+        yield {"open": open_server.wait_ready(), "guarded": guarded.wait_ready()}
+    finally:
+        open_server.stop()
+        guarded.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, request):
+    context = browser.new_context(viewport={"width": 1300, "height": 1000})
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    yield page
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^\w.-]+", "_", request.node.name).strip("_")
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    context.close()
+    assert not page.errors, f"the page raised: {page.errors}"
+
+
+def settings(page, **values) -> None:
+    for name, value in values.items():
+        field = page.locator(f"#{name}")
+        if field.evaluate("node => node.tagName") == "SELECT":
+            field.select_option(str(value))
+        elif field.get_attribute("type") == "checkbox":
+            field.set_checked(bool(value))
+        else:
+            field.fill(str(value))
+
+
+def send(page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.click("#send")
+
+
+def wait_answered(page, timeout: float = 60_000) -> str:
+    """The last answer's text once its request is over."""
+    page.wait_for_function("!document.querySelector('#send').disabled && "
+                           "document.querySelector('.message.assistant:last-child .stats').textContent.length > 0",
+                           timeout=timeout)
+    return page.locator(".message.assistant").last.locator(".content").inner_text()
+
+
+def test_a_chat_answer_streams_in_token_by_token_with_its_figures(servers, page):
+    page.goto(servers["open"].url + "/")
+    settings(page, max_tokens=120, temperature=0.8, seed=3)
+    page.evaluate("""() => {
+        window.lengths = [];
+        new MutationObserver(() => {
+            const answer = document.querySelector('.message.assistant:last-child .content');
+            if (answer) window.lengths.push(answer.textContent.length);
+        }).observe(document.querySelector('#messages'), {childList: true, subtree: true});
+    }""")
+    send(page, "Tell me a story about a lighthouse.")
+    text = wait_answered(page)
+    lengths = page.evaluate("window.lengths")
+    assert len(set(lengths)) >= 5, f"the answer arrived in {len(set(lengths))} pieces, not streamed"
+    assert text and max(lengths) == len(text)
+    stats = page.locator(".message.assistant .stats").last.inner_text()
+    assert "TTFT" in stats and "tokens/s" in stats and "120 tokens" in stats and "finish: length" in stats
+    token = page.locator(".message.assistant .token[title]").first  # logprobs on hover
+    assert token.get_attribute("title").startswith("logprob ")
+    page.reload()  # the conversation is kept in the browser's storage
+    assert page.locator(".message.assistant .content").last.inner_text() == text
+
+
+def test_stop_aborts_the_request_on_the_server(servers, page):
+    url = servers["open"].url
+    aborted = metric(metric_samples(url), "tokenmill:request_success_total", finish_reason="abort")
+    page.goto(url + "/")
+    page.click("#clear")
+    settings(page, max_tokens=900, mode="completion")
+    send(page, "Once upon a time")
+    page.wait_for_function("document.querySelectorAll('.message.assistant .token').length > 5", timeout=30_000)
+    page.click("#stop-button")
+    wait_answered(page)
+    assert "finish: stopped" in page.locator(".message.assistant .stats").last.inner_text()
+    wait_for_metrics(url, lambda s: metric(s, "tokenmill:request_success_total", finish_reason="abort") > aborted)
+    assert page.locator("#error").is_hidden()
+
+
+def test_structured_answers_parse_and_forced_tools_show_their_calls(servers, page):
+    page.goto(servers["open"].url + "/")
+    page.click("#clear")
+    settings(page, mode="chat", temperature=1.0, max_tokens=60, constraint="json_schema")
+    page.fill("#constraint-value", json.dumps(JSON_SCHEMA))
+    parsed = []
+    for seed in range(6):
+        settings(page, seed=seed)
+        send(page, "Which unit?")
+        text = wait_answered(page)
+        if "finish: stop" in page.locator(".message.assistant .stats").last.inner_text():
+            parsed.append(json.loads(text))
+    assert parsed and all(answer["unit"] in ("celsius", "fahrenheit") for answer in parsed)
+    settings(page, constraint="none", tool_choice="required", seed=1, max_tokens=80)
+    page.fill("#tools", json.dumps(TOOL))
+    send(page, "What is the weather in Paris?")
+    wait_answered(page)
+    calls = json.loads(page.locator(".message.assistant .tool-calls").last.inner_text())
+    assert calls[0]["function"]["name"] == "get_weather" and "city" in json.loads(calls[0]["function"]["arguments"])
+
+
+def test_the_servers_4xx_message_is_shown_verbatim_and_a_dropped_connection_can_be_retried(servers, page):
+    url = servers["open"].url
+    expected = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "top_p": 5}).json()["error"]["message"]
+    page.goto(url + "/")
+    page.click("#clear")
+    settings(page, mode="chat", top_p=5, max_tokens=8, tools="", tool_choice="auto")
+    send(page, "hi")
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.inner_text("#error-text") == expected
+    assert page.locator("#retry").is_hidden()  # the server answered: sending it again would not help
+    settings(page, top_p=1)
+    page.route("**/v1/chat/completions", lambda route: route.abort())
+    send(page, "hello again")
+    page.wait_for_selector("#retry:not([hidden])")
+    assert "connection" in page.inner_text("#error-text")
+    page.unroute("**/v1/chat/completions")
+    page.click("#retry")
+    assert wait_answered(page)
+    assert page.locator("#error").is_hidden()
+
+
+def test_with_an_api_key_the_pages_load_and_ask_for_it(servers, page):
+    url = servers["guarded"].url
+    assert httpx.get(f"{url}/").status_code == 200 and httpx.get(f"{url}/static/playground.js").status_code == 200
+    assert httpx.get(f"{url}/v1/engine/stream").status_code == 401
+    page.goto(url + "/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", API_KEY)
+    page.click("#key-dialog button[value=save]")
+    page.wait_for_function("document.querySelector('#model').textContent.startsWith('model:')")
+    settings(page, max_tokens=8)
+    send(page, "hi")
+    assert wait_answered(page)
+    page.goto(url + "/dashboard")  # the key is kept: the stream opens with it
+    page.wait_for_function("window.tokenmillDashboard.samples > 1", timeout=20_000)
+
+
+def test_the_dashboard_moves_under_load_and_shows_cached_blocks(servers, page):
+    url = servers["open"].url
+    page.goto(url + "/dashboard")
+    page.wait_for_function("window.tokenmillDashboard.samples > 0", timeout=20_000)
+    prompt = "the quick brown fox jumps over the lazy dog " * 10
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    load = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": body, "timeout": 60})
+            for _ in range(3)]
+    for thread in load:
+        thread.start()
+    page.wait_for_function("Number(document.querySelector('#fig-running').textContent.split(' ')[0]) > 0",
+                           timeout=30_000)
+    for thread in load:
+        thread.join()
+    page.wait_for_function("window.tokenmillDashboard.steps > 10 && "
+                           "Number(document.querySelector('#timeline').dataset.requests) >= 3", timeout=30_000)
+    page.wait_for_function("JSON.parse(document.querySelector('#kv-map').dataset.counts || '{}').evictable > 0",
+                           timeout=10_000)
+    assert float(page.inner_text("#fig-hits").rstrip("%")) > 0  # the repeated prompt hit the prefix cache
+    assert "evictable" in page.get_attribute("#kv-map", "aria-label")
+
+
+def test_the_dashboard_reconnects_after_a_server_restart(model, browser, tmp_path):
+    server = ServerProcess(model, "--max-model-len", "1024", "--num-kv-blocks", "64",
+                           log_path=tmp_path / "restart.log").start()
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(server.wait_ready().url + "/dashboard")
+        page.wait_for_function("window.tokenmillDashboard.samples > 1", timeout=20_000)
+        port = server.port
+        server.stop()
+        page.wait_for_function("document.querySelector('#connection').dataset.state === 'reconnecting'",
+                               timeout=20_000)
+        seen = page.evaluate("window.tokenmillDashboard.samples")
+        server.start(port=port).wait_ready()
+        page.wait_for_function(f"window.tokenmillDashboard.samples > {seen + 1} && "
+                               "document.querySelector('#connection').dataset.state === 'connected'", timeout=30_000)
+    finally:
+        context.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("path", ["/", "/dashboard"])
+def test_the_pages_pass_an_accessibility_check(servers, page, path):
+    from axe_playwright_python.sync_playwright import Axe
+
+    page.goto(servers["open"].url + path)
+    if path == "/dashboard":
+        page.wait_for_function("window.tokenmillDashboard.samples > 0", timeout=20_000)
+    results = Axe().run(page)
+    serious = [(v["id"], v["impact"], v["help"]) for v in results.response["violations"]
+               if v["impact"] in ("serious", "critical")]
+    assert not serious, serious
+    page.keyboard.press("Tab")  # keyboard navigation reaches the controls
+    assert page.evaluate("document.activeElement.tagName") in ("A", "BUTTON", "SELECT", "INPUT", "TEXTAREA")
