@@ -183,7 +183,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
 
     mount_pages(app)
 
-    @app.get("/v1/engine/stream")
+    @app.get("/v1/engine/stream", include_in_schema=False)  # an endless stream: docs/dashboard.md describes it
     async def engine_stream(interval_ms: int = DEFAULT_INTERVAL_MS) -> Response:
         return live.open(interval_ms)
 
