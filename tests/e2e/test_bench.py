@@ -44,7 +44,7 @@ def test_bench_serve_reports_exact_token_counts_latencies_memory_and_plots(serve
                        "--dataset", "shared-prefix", "--prefix-len", "32", "--input-len", "8", "--output-len", "5",
                        "--num-prompts", "6", "--max-concurrency", "2", "--request-rate", "50", "--seed", "7",
                        "--server-pid", str(server.proc.pid), "--plot-dir", str(tmp_path / "plots"),
-                       "--output-json", str(out))
+                       "--goodput", "ttft:600000", "e2el:600000", "--output-json", str(out))
     assert result.returncode == 0, result.stderr
     summary = json.loads(out.read_text())
     assert summary == json.loads(result.stdout)
@@ -61,6 +61,17 @@ def test_bench_serve_reports_exact_token_counts_latencies_memory_and_plots(serve
     for path in summary["plots"]:
         assert open(path, "rb").read(8) == PNG_MAGIC
     assert "requests" in result.stderr  # the progress bar
+    # SLOs of ten minutes: every request met them
+    assert summary["goodput"] == {"slos_ms": {"ttft": 600000.0, "e2el": 600000.0}, "good_requests": 6,
+                                  "request_goodput": pytest.approx(6 / summary["elapsed_s"], rel=0.01),
+                                  "slo_attainment": 1.0}
+
+
+def test_goodput_counts_only_the_requests_that_met_every_slo(server):
+    result = tokenmill("bench", "serve", "--base-url", server.url, "--model", "bench-test", "--num-prompts", "4",
+                       "--input-len", "8", "--output-len", "4", "--goodput", "ttft:0.001", "tpot:600000")
+    summary = json.loads(result.stdout)
+    assert (summary["completed"], summary["goodput"]["good_requests"], summary["goodput"]["slo_attainment"]) == (4, 0, 0)
 
 
 def test_bench_serve_counts_errors_instead_of_stopping(server):
@@ -93,6 +104,10 @@ def test_bench_rejects_bad_flags_clearly():
                        "--max-concurrency", "0")
     assert result.returncode == 2
     assert "--max-concurrency must be at least 1" in result.stderr and "Traceback" not in result.stderr
+    for bad in ("ttft", "latency:100", "ttft:-5", "ttft:abc"):
+        result = tokenmill("bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--goodput", bad)
+        assert result.returncode == 2, bad
+        assert "--goodput takes NAME:MILLISECONDS" in result.stderr and repr(bad) in result.stderr
 
 
 def test_bench_linears_prints_one_line_per_row_count():

@@ -217,6 +217,13 @@ def test_the_dashboard_moves_under_load_and_shows_cached_blocks(servers, page):
                            timeout=10_000)
     assert float(page.inner_text("#fig-hits").rstrip("%")) > 0  # the repeated prompt hit the prefix cache
     assert "evictable" in page.get_attribute("#kv-map", "aria-label")
+    page.fill("#slo-e2el", "600000")  # ten minutes: every finished request meets it
+    page.wait_for_function("Number(document.querySelector('#slo-result').dataset.done) >= 3")
+    result = page.locator("#slo-result")
+    assert result.get_attribute("data-good") == result.get_attribute("data-done")
+    page.fill("#slo-ttft", "1")  # no first token within a millisecond of arrival
+    page.wait_for_function("document.querySelector('#slo-result').dataset.good === '0'")
+    assert "(0.0%)" in result.inner_text()
 
 
 def test_the_dashboard_reconnects_after_a_server_restart(model, browser, tmp_path):

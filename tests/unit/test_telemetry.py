@@ -5,8 +5,8 @@ from __future__ import annotations
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 
 
-def chunk(request_id: str, kind: str, tokens: int = 1, preemptions: int = 0) -> ChunkInfo:
-    return ChunkInfo(request_id, tokens, kind, preemptions, arrival=0.0)
+def chunk(request_id: str, kind: str, tokens: int = 1, preemptions: int = 0, samples: bool = False) -> ChunkInfo:
+    return ChunkInfo(request_id, tokens, kind, preemptions, arrival=0.0, samples=samples or kind == DECODE)
 
 
 def test_steps_are_always_logged_and_split_into_prefill_and_decode():
@@ -25,17 +25,18 @@ def test_a_watched_request_gets_prefill_chunks_merged_decode_runs_and_preemption
     telemetry = Telemetry()
     telemetry.watchers = 1
     telemetry.record_step(1.0, [chunk("a", PREFILL, 32)], ended=1.5)
-    telemetry.record_step(2.0, [chunk("a", PREFILL, 8)], ended=2.5)
+    telemetry.record_step(2.0, [chunk("a", PREFILL, 8, samples=True)], ended=2.5)  # the prompt's end: a token
     for t in (3.0, 4.0, 5.0):
         telemetry.record_step(t, [chunk("a", DECODE)], ended=t + 0.5)
-    telemetry.record_step(7.0, [chunk("a", PREFILL, 43, preemptions=1)], ended=7.5)  # recomputed after preemption
+    telemetry.record_step(7.0, [chunk("a", PREFILL, 43, preemptions=1, samples=True)], ended=7.5)  # recomputed
     telemetry.record_step(8.0, [chunk("a", DECODE, preemptions=1)], ended=8.5)
     trace = telemetry.active["a"]
-    assert trace.first_scheduled == 1.0 and trace.preemptions == [7.0]
+    assert trace.first_scheduled == 1.0 and trace.first_token == 2.5 and trace.preemptions == [7.0]
     assert trace.spans == [[PREFILL, 1.0, 1.5, 32], [PREFILL, 2.0, 2.5, 8], [DECODE, 3.0, 5.5, 3],
                            [PREFILL, 7.0, 7.5, 43], [DECODE, 8.0, 8.5, 1]]
-    telemetry.record_finished("a", "length")
-    assert not telemetry.active and telemetry.traces()[0].finish_reason == "length"
+    telemetry.record_finished("a", "length", output_tokens=6)
+    assert not telemetry.active
+    assert (telemetry.traces()[0].finish_reason, telemetry.traces()[0].output_tokens) == ("length", 6)
 
 
 def test_the_timeline_is_bounded_and_stops_with_the_last_watcher():

@@ -4,6 +4,7 @@ PNG plots, and peak resident memory."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -43,6 +44,41 @@ def tpot(r: RequestResult) -> Optional[float]:
     if r.ttft is None or r.output_tokens < 2:
         return None
     return (r.e2e - r.ttft) / (r.output_tokens - 1)
+
+
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(specs: list[str]) -> dict[str, float]:
+    """`--goodput` values NAME:MILLISECONDS (NAME in GOODPUT_METRICS, vLLM's flag) -> {NAME: seconds}."""
+    slos: dict[str, float] = {}
+    for spec in specs:
+        name, sep, value = spec.partition(":")
+        try:
+            milliseconds = float(value)
+        except ValueError:
+            milliseconds = math.nan
+        if not sep or name not in GOODPUT_METRICS or not 0 < milliseconds < math.inf:
+            raise ValueError(f"--goodput takes NAME:MILLISECONDS with NAME one of {', '.join(GOODPUT_METRICS)} "
+                             f"and a positive number of milliseconds; got {spec!r}")
+        if name in slos:
+            raise ValueError(f"--goodput names {name} twice")
+        slos[name] = milliseconds / 1000
+    return slos
+
+
+def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
+    """Whether a completed request met every SLO (a request of one output token has a TPOT of 0)."""
+    observed = {"ttft": r.ttft, "tpot": tpot(r) if r.output_tokens >= 2 else 0.0, "e2el": r.e2e}
+    return r.ok and all(observed[name] is not None and observed[name] <= limit for name, limit in slos.items())
+
+
+def goodput(results: list[RequestResult], elapsed: float, slos: dict[str, float]) -> dict[str, Any]:
+    """Requests per second that met every SLO, and the share of all requests that did."""
+    good = sum(1 for r in results if meets_slos(r, slos))
+    return {"slos_ms": {name: round(limit * 1000, 3) for name, limit in slos.items()}, "good_requests": good,
+            "request_goodput": round(good / elapsed, 3) if elapsed > 0 else None,
+            "slo_attainment": round(good / len(results), 4) if results else None}
 
 
 def summarise(results: list[RequestResult], elapsed: float) -> dict[str, Any]:

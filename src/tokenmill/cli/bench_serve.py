@@ -17,7 +17,8 @@ import time
 from typing import Any, Optional
 
 from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
-from tokenmill.bench.report import RequestResult, TreeRssSampler, emit, summarise, write_plots
+from tokenmill.bench.report import (RequestResult, TreeRssSampler, emit, goodput, parse_goodput, summarise,
+                                    write_plots)
 
 
 def add_bench_serve_parser(kinds: argparse._SubParsersAction) -> None:
@@ -38,6 +39,9 @@ def add_bench_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--output-json", default=None, help="also write the results to this JSON file")
     p.add_argument("--plot-dir", default=None,
                    help="write latency_cdf.png and tokens_over_time.png here (needs matplotlib)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="service-level objectives, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds; NAME is ttft, "
+                        "tpot or e2el): also report the requests per second that met all of them (vLLM's goodput)")
     p.set_defaults(func=run_bench_serve)
 
 
@@ -121,6 +125,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-concurrency must be at least 1")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be positive (inf sends everything at once)")
+    slos = parse_goodput(args.goodput) if args.goodput else None
     prompts = build_prompts(args, args.vocab_size)
     sampler: Optional[TreeRssSampler] = TreeRssSampler(args.server_pid) if args.server_pid else None
     with sampler or contextlib.nullcontext():
@@ -131,6 +136,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         **summarise(results, elapsed),
     }
+    if slos:
+        summary["goodput"] = goodput(results, elapsed, slos)
     if sampler:
         summary["server_peak_rss_gib"] = round(sampler.peak_gib, 3)
     if args.plot_dir:

@@ -83,7 +83,8 @@ def _step(step: StepRecord, wall: Any) -> dict[str, Any]:
 
 def _trace(trace: RequestTrace, wall: Any) -> dict[str, Any]:
     return {"id": trace.request_id, "arrival": wall(trace.arrival), "first_scheduled": wall(trace.first_scheduled),
-            "finished": wall(trace.finished), "finish_reason": trace.finish_reason,
+            "first_token": wall(trace.first_token), "finished": wall(trace.finished),
+            "finish_reason": trace.finish_reason, "output_tokens": trace.output_tokens,
             "spans": [[kind, wall(start), wall(end), tokens] for kind, start, end, tokens in trace.spans],
             "preemptions": [wall(t) for t in trace.preemptions]}
 

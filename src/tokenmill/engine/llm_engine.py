@@ -230,8 +230,10 @@ class LLMEngine:
             internal = self.output_processor.internal_ids(request_id)
             self.scheduler.finish_requests(internal, RequestStatus.FINISHED_ABORTED)
             for rid in internal:
+                request = self.scheduler.requests.get(rid)
+                if request is not None:
+                    self.telemetry.record_finished(rid, "abort", len(request.output_token_ids), request.arrival_time)
                 self.scheduler.pop_finished(rid)
-                self.telemetry.record_finished(rid, "abort")
             if self.speculation is not None:
                 self.speculation.forget(internal)
             self.output_processor.drop(request_id)
@@ -296,7 +298,7 @@ class LLMEngine:
             decode = (chunk.sample and chunk.num_tokens == 1 + len(chunk.spec_token_ids)
                       and chunk.start >= len(request.prompt_token_ids))
             infos.append(ChunkInfo(chunk.request_id, chunk.num_tokens, DECODE if decode else PREFILL,
-                                   request.num_preemptions, request.arrival_time))
+                                   request.num_preemptions, request.arrival_time, chunk.sample))
         return infos
 
     def _finish_oldest(self) -> list[RequestOutput]:
@@ -313,9 +315,9 @@ class LLMEngine:
         ended = set(stopped)
         for update in updates:
             if update.finish_reason is not None or update.request_id in ended:
-                self.telemetry.record_finished(update.request_id, update.finish_reason or "stop")
+                self._record_finished(update.request_id, update.finish_reason or "stop")
         for request_id in failed:
-            self.telemetry.record_finished(request_id, "error")
+            self._record_finished(request_id, "error")
         for request_id in [u.request_id for u in updates] + failed:
             self.scheduler.pop_finished(request_id)
         if self.speculation is not None:
@@ -324,6 +326,10 @@ class LLMEngine:
             self.scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
             self._draft_probs = {rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None}
         return outputs
+
+    def _record_finished(self, request_id: str, reason: str) -> None:
+        request = self.scheduler.requests.get(request_id)
+        self.telemetry.record_finished(request_id, reason, None if request is None else len(request.output_token_ids))
 
     def _abandon_in_flight(self) -> None:
         """After a failed step: wait out the steps still in flight and drop their results, so that the next

@@ -42,6 +42,7 @@ class ChunkInfo:
     kind: str  # PREFILL | DECODE
     num_preemptions: int  # the request's preemptions so far
     arrival: float
+    samples: bool = False  # the chunk reaches the sequence's end: a token is sampled after it
 
 
 @dataclass
@@ -54,8 +55,10 @@ class RequestTrace:
     first_scheduled: Optional[float] = None
     spans: list[list] = field(default_factory=list)
     preemptions: list[float] = field(default_factory=list)
+    first_token: Optional[float] = None  # the end of the first step that sampled a token
     finished: Optional[float] = None
     finish_reason: Optional[str] = None
+    output_tokens: Optional[int] = None  # set when it finishes
     num_preemptions: int = 0
 
 
@@ -98,6 +101,8 @@ class Telemetry:
                                                                  num_preemptions=chunk.num_preemptions)
         if trace.first_scheduled is None:
             trace.first_scheduled = started
+        if chunk.samples and trace.first_token is None:
+            trace.first_token = end
         if chunk.num_preemptions > trace.num_preemptions:
             trace.preemptions.append(started)
             trace.num_preemptions = chunk.num_preemptions
@@ -110,15 +115,17 @@ class Telemetry:
         if len(trace.spans) > self.max_spans:
             del trace.spans[0]
 
-    def record_finished(self, request_id: str, reason: Optional[str], arrival: Optional[float] = None) -> None:
-        """A request ended (`reason`: its finish reason, or "abort"). Kept only when it was traced, or
-        when `arrival` is given while someone watches (a request that ended before it was scheduled)."""
+    def record_finished(self, request_id: str, reason: Optional[str], output_tokens: Optional[int] = None,
+                        arrival: Optional[float] = None) -> None:
+        """A request ended (`reason`: its finish reason, or "abort") with `output_tokens` generated. Kept
+        only when it was traced, or when `arrival` is given while someone watches (a request that ended
+        before it was scheduled)."""
         trace = self.active.pop(request_id, None)
         if trace is None:
             if self.watchers <= 0 or arrival is None:
                 return
             trace = RequestTrace(request_id, arrival)
-        trace.finished, trace.finish_reason = time.monotonic(), reason
+        trace.finished, trace.finish_reason, trace.output_tokens = time.monotonic(), reason, output_tokens
         self.finished.append(trace)
 
     def steps_after(self, seq: int) -> list[StepRecord]:

@@ -106,6 +106,62 @@ function onSample(sample) {
   drawKvMap(sample.kv);
   drawLatency(sample.latency);
   drawTimeline(sample.timeline, sample.time);
+  showSlos(sample.timeline);
+}
+
+const SLO_STORE = "tokenmill.dashboard.slos";
+const SLO_NAMES = ["ttft", "tpot", "e2el"];
+
+function sloLimits() {
+  const limits = {};
+  for (const name of SLO_NAMES) {
+    const value = Number($(`slo-${name}`).value);
+    if ($(`slo-${name}`).value !== "" && value > 0) limits[name] = value / 1000;
+  }
+  return limits;
+}
+
+// A finished trace's TTFT, TPOT and end-to-end latency in seconds (TPOT 0 with one output token).
+function observed(trace) {
+  const ttft = trace.first_token === null ? null : trace.first_token - trace.arrival;
+  const tokens = trace.output_tokens || 0;
+  const tpot = tokens >= 2 && trace.first_token !== null ? (trace.finished - trace.first_token) / (tokens - 1) : 0;
+  return { ttft, tpot, e2el: trace.finished - trace.arrival };
+}
+
+function showSlos(timeline) {
+  const limits = sloLimits();
+  const names = Object.keys(limits);
+  const result = $("slo-result");
+  if (!names.length) {
+    result.textContent = "Set an objective to see how many requests meet it.";
+    return;
+  }
+  const done = timeline.filter((t) => t.finished !== null && t.finish_reason !== "abort");
+  const good = done.filter((t) => {
+    const o = observed(t);
+    return t.finish_reason !== "error" && names.every((n) => o[n] !== null && o[n] <= limits[n]);
+  });
+  const first = Math.min(...done.map((t) => t.arrival)), last = Math.max(...done.map((t) => t.finished));
+  const rate = done.length && last > first ? ` · goodput ${(good.length / (last - first)).toFixed(2)} requests/s` : "";
+  result.textContent = done.length
+    ? `${good.length} of ${done.length} finished requests met every objective (${percent(good.length / done.length)})${rate}`
+    : "No finished request on the timeline yet.";
+  result.dataset.good = String(good.length);
+  result.dataset.done = String(done.length);
+}
+
+function setupSlos() {
+  const saved = JSON.parse(localStorage.getItem(SLO_STORE) || "{}");
+  for (const name of SLO_NAMES) {
+    const input = $(`slo-${name}`);
+    if (saved[name]) input.value = saved[name];
+    input.addEventListener("input", () => {
+      const values = Object.fromEntries(SLO_NAMES.map((n) => [n, $(`slo-${n}`).value]));
+      localStorage.setItem(SLO_STORE, JSON.stringify(values));
+      if (previous) showSlos(previous.timeline);
+    });
+  }
 }
 
 function drawKvMap(kv) {
@@ -245,4 +301,5 @@ async function follow() {
 
 $("key-button").addEventListener("click", () => askForKey(""));
 setupCharts();
+setupSlos();
 follow();
