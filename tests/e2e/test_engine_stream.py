@@ -5,8 +5,10 @@ runs, agree with /metrics, and the stream's own limits answer in the OpenAI erro
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -160,3 +162,12 @@ def test_bad_intervals_and_too_many_streams_are_refused(server):
         reader.wait_for(lambda s: True, timeout=15)
     finally:
         reader.close()
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(server):
+    complete(server, "one finished request, so that every labelled family has a sample")
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana" / "tokenmill.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queried = {name for expr in exprs for name in re.findall(r"tokenmill:[a-z0-9_]+", expr)}
+    exported = {name for name, _ in metric_samples(server)}
+    assert len(queried) >= 15 and queried <= exported, sorted(queried - exported)
