@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean cross-compiler browser asan reliability soak
+.PHONY: serve test install clean cross-compiler browser asan reliability soak readme-plots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ browser:
 	  echo "installing chromium (the browser the web UI tests drive)"; \
 	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 	  echo "could not install chromium: run 'apt-get install chromium' as root, or the web UI tests fail"; }
+
+# The README's benchmark plots (docs/images/bench-serve/), from a bench serve run against the default model.
+readme-plots: $(STAMP)
+	scripts/readme-plots.sh
 
 # The kernel tests once with the kernels built under AddressSanitizer (loaded into python by LD_PRELOAD).
 asan: $(STAMP)
