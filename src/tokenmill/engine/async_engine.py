@@ -15,7 +15,6 @@ non-zero and a supervisor restarts it).
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import queue
@@ -27,16 +26,14 @@ from tokenmill.engine.admission import AdmissionLimits, Ticket
 from tokenmill.engine.live_sample import build_sample
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
+from tokenmill.engine.output_stream import OutputStream, deliver
 from tokenmill.executor import ExecutorDiedError
-from tokenmill.outputs import RequestOutput, merge_outputs
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
-# Outputs a stream holds for a slow reader; past it the newest output is merged into the last queued
-# one (`merge_outputs`: nothing is lost, and a slow reader costs at most its request's output in memory).
-MAX_PENDING_OUTPUTS = 8
 _PROBE_MAX_STEPS = 64
 
 
@@ -50,43 +47,6 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request's own work failed inside an engine step; other requests were not affected."""
-
-
-class OutputStream:
-    """One request's outputs on their way to the event loop: at most MAX_PENDING_OUTPUTS queued.
-
-    Only the event loop's thread calls `put` and `get`.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: collections.deque = collections.deque()
-        self._ready = asyncio.Event()
-
-    def put(self, item: "RequestOutput | BaseException") -> None:
-        """Queue an output (replacing the newest queued one when full) or an error that ends the stream."""
-        if (isinstance(item, RequestOutput) and len(self._items) >= MAX_PENDING_OUTPUTS
-                and isinstance(self._items[-1], RequestOutput)):
-            self._items[-1] = merge_outputs(self._items[-1], item)
-        else:
-            self._items.append(item)
-        self._ready.set()
-
-    async def get(self) -> "RequestOutput | BaseException":
-        """The next item, waiting for one."""
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-def _deliver(items: list[tuple[OutputStream, "RequestOutput | BaseException"]]) -> None:
-    """On the event loop: hand each item to its stream, in the order the step produced them."""
-    for stream, item in items:
-        stream.put(item)
 
 
 class AsyncEngine:
@@ -376,7 +336,7 @@ class AsyncEngine:
                 f"generation failed for this request: {output.error}")
             deliveries.setdefault(stream.loop, []).append((stream, item))
         for loop, items in deliveries.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
 
     def _refresh_gauges(self) -> None:
         self.metrics.observe_step([], self.engine.stats())

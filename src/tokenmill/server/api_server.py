@@ -18,7 +18,7 @@ from tokenmill import __version__
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
 from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
 from tokenmill.server.request_limits import RequestLimits
