@@ -19,6 +19,7 @@ def test_steps_are_always_logged_and_split_into_prefill_and_decode():
     assert (telemetry.prefill_tokens_total, telemetry.decode_tokens_total) == (80, 15)
     assert [s.seq for s in telemetry.steps_after(3)] == [4, 5] and telemetry.steps_after(5) == []
     assert not telemetry.active, "nobody watches: no timeline"
+    assert telemetry.record_step(9.0, [], ended=9.5) is None and telemetry.steps[-1].seq == 5  # computed nothing
 
 
 def test_a_watched_request_gets_prefill_chunks_merged_decode_runs_and_preemptions():

@@ -75,8 +75,10 @@ class Telemetry:
         self.active: dict[str, RequestTrace] = {}
         self.finished: collections.deque[RequestTrace] = collections.deque(maxlen=max_requests)
 
-    def record_step(self, started: float, chunks: Iterable[ChunkInfo], ended: Optional[float] = None) -> StepRecord:
-        """Log a finished step whose chunks were submitted at `started`."""
+    def record_step(self, started: float, chunks: Iterable[ChunkInfo],
+                    ended: Optional[float] = None) -> Optional[StepRecord]:
+        """Log a finished step whose chunks were submitted at `started`; a step that computed nothing
+        (it only released finished requests' blocks) is not logged."""
         end = time.monotonic() if ended is None else ended
         prefill = decode = count = 0
         watched = self.watchers > 0
@@ -88,6 +90,8 @@ class Telemetry:
                 prefill += chunk.num_tokens
             if watched:
                 self._trace(chunk, started, end)
+        if not count:
+            return None
         self.prefill_tokens_total += prefill
         self.decode_tokens_total += decode
         record = StepRecord(next(self._seq), end, end - started, prefill, decode, count)
