@@ -16,9 +16,26 @@ export function apiKey() {
   return localStorage.getItem(KEY_STORE) || "";
 }
 
-// Ask for the API key in the page's key dialog; resolves false when the user cancels.
+// The key dialog, added to the page the first time it is needed.
+function keyDialog() {
+  let dialog = document.getElementById("key-dialog");
+  if (dialog) return dialog;
+  dialog = el("dialog", { id: "key-dialog", "aria-labelledby": "key-title" },
+    el("form", { method: "dialog" },
+      el("h2", { id: "key-title", text: "API key" }),
+      el("p", { id: "key-reason" }),
+      el("label", { for: "key-input" }, "Key sent as ", el("code", { text: "Authorization: Bearer" })),
+      el("input", { id: "key-input", type: "password", autocomplete: "off" }),
+      el("div", { class: "actions" },
+        el("button", { value: "save", text: "Save" }),
+        el("button", { value: "cancel", formnovalidate: "", text: "Cancel" }))));
+  document.body.append(dialog);
+  return dialog;
+}
+
+// Ask for the API key in the key dialog; resolves false when the user cancels.
 export function askForKey(reason) {
-  const dialog = document.getElementById("key-dialog");
+  const dialog = keyDialog();
   const input = document.getElementById("key-input");
   document.getElementById("key-reason").textContent = reason || "";
   input.value = apiKey();
