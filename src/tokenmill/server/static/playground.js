@@ -190,6 +190,7 @@ async function send(prompt) {
     }
   } finally {
     const ended = performance.now();
+    if (answer.stats.tokens === undefined && answer.tokens.length) answer.stats.tokens = answer.tokens.length;  // stopped early: no usage came
     if (firstToken !== null && answer.stats.tokens > 1 && ended > firstToken) {
       answer.stats.tokens_per_s = (answer.stats.tokens - 1) / ((ended - firstToken) / 1000);
     }
