@@ -549,6 +549,22 @@ def test_metrics_families_and_counters(main_url, client):
     assert metric(after, "tokenmill:num_preemptions_total") >= 0
 
 
+def test_vllm_metric_names_are_published_as_aliases_for_the_routers(main_url, client):
+    """Routers built for vLLM read its names (and its `finished_reason` label): the same values."""
+    client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=3, extra_body=IGNORE_EOS)
+    samples = metric_samples(main_url)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_sum",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_count"):
+        ours = {labels: value for (sample, labels), value in samples.items() if sample == f"tokenmill:{name}"}
+        theirs = {labels: value for (sample, labels), value in samples.items() if sample == f"vllm:{name}"}
+        assert ours and ours == theirs, name
+    assert metric(samples, "vllm:gpu_cache_usage_perc") == metric(samples, "tokenmill:kv_cache_usage_perc")
+    assert metric(samples, "vllm:request_success_total", finished_reason="length") == \
+        metric(samples, "tokenmill:request_success_total", finish_reason="length") > 0
+
+
 # ---------------------------------------------------------------------------------------- concurrency
 def test_fifty_concurrent_streams(main_url):
     max_tokens = 6

@@ -1,16 +1,18 @@
-"""Prometheus metrics, named like vLLM's with a `tokenmill:` prefix so dashboards port."""
+"""Prometheus metrics, named like vLLM's with a `tokenmill:` prefix so dashboards port; the ones vLLM has
+are also published under vLLM's own names (engine/vllm_metrics.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engine.telemetry import StepRecord
+from tokenmill.engine.vllm_metrics import VllmAliases
 from tokenmill.outputs import RequestOutput
 
 logger = logging.getLogger("tokenmill.requests")
@@ -28,15 +30,20 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         label = ["model_name"]
         r = self.registry
+        families: list = []  # every tokenmill family, which VllmAliases may also publish under vLLM's name
+
+        def family(metric: Any) -> Any:
+            families.append(metric)
+            return metric
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"tokenmill:{name}", doc, label, buckets=buckets, registry=r).labels(model_name)
+            return family(Histogram(f"tokenmill:{name}", doc, label, buckets=buckets, registry=r)).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tokenmill:{name}", doc, label, registry=r).labels(model_name)
+            return family(Counter(f"tokenmill:{name}", doc, label, registry=r)).labels(model_name)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tokenmill:{name}", doc, label, registry=r).labels(model_name)
+            return family(Gauge(f"tokenmill:{name}", doc, label, registry=r)).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
@@ -49,8 +56,8 @@ class EngineMetrics:
         self.rejections = counter("num_requests_rejected", "Requests refused with 429 (admission limits).")
         self.faults = counter("engine_faults", "Engine steps that failed as a whole (the requests in flight "
                               "failed with them).")
-        self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finish_reason"], registry=r)
+        self._success = family(Counter("tokenmill:request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finish_reason"], registry=r))
         self.model_name = model_name
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -83,6 +90,7 @@ class EngineMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
         self._seen_tokens: dict[str, list[int]] = {}
         self._last_token_time: dict[str, float] = {}
+        r.register(VllmAliases(families))
 
     def observe_step(self, outputs: list[RequestOutput], stats: EngineStats,
                      steps: Sequence[StepRecord] = ()) -> None:
