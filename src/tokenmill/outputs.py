@@ -46,6 +46,7 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: Optional[float] = None
+    num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first scheduled
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None

@@ -78,6 +78,7 @@ class Request:
         self.stop_reason: Union[None, int, str] = None
         self.num_preemptions = 0
         self.first_scheduled_time: Optional[float] = None
+        self.num_cached_tokens: Optional[int] = None  # prefix-cache hit at first scheduling (not after preemption)
         self.num_times_passed_over = 0  # by the lpm policy, which must not starve anyone
         # n>1: samples 1..n-1 are forked from this request once its prompt is computed.
         self.num_samples_to_fork = num_samples_to_fork

@@ -15,6 +15,7 @@ import json
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -206,8 +207,10 @@ def test_raw_sse_ends_with_done_and_usage_chunk(main_url, kind, path):
     payloads = [json.loads(e) for e in events[:-1]]
     usage_chunk = payloads[-1]
     assert usage_chunk["choices"] == []
+    details = usage_chunk["usage"].pop("prompt_tokens_details")
     assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5,
                                     "total_tokens": prompt_tokens + 5}
+    assert 0 <= details["cached_tokens"] < prompt_tokens and details["cached_tokens"] % 16 == 0  # whole blocks
     content = payloads[:-1]
     assert content and all(p["choices"] and p.get("usage") is None for p in content)
     reasons = [c["finish_reason"] for p in content for c in p["choices"]]
@@ -349,6 +352,24 @@ def test_stop_string_spanning_tokens(main_url, kind, path):
 
 
 # ---------------------------------------------------------------------------------------- usage, prompts
+def test_cached_tokens_report_what_the_prefix_cache_supplied(main_url, client):
+    prompt = f"{uuid.uuid4().hex} " + "a fresh prompt that fills several whole blocks of the cache " * 4
+    count = token_count(main_url, prompt=prompt)
+    first = client.completions.create(model=SERVED, prompt=prompt, max_tokens=3, extra_body=IGNORE_EOS)
+    again = client.completions.create(model=SERVED, prompt=prompt, max_tokens=3, extra_body=IGNORE_EOS)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every whole block but the one holding the last prompt token, which is always computed
+    assert again.usage.prompt_tokens_details.cached_tokens == (count - 1) // 16 * 16 > 0
+    streamed = client.completions.create(model=SERVED, prompt=prompt, max_tokens=3, stream=True,
+                                         stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
+    usage = [chunk.usage for chunk in streamed if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens == (count - 1) // 16 * 16
+    messages = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=SERVED, messages=messages, max_tokens=2, extra_body=IGNORE_EOS)
+    chat = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=2, extra_body=IGNORE_EOS)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 16
+
+
 def test_usage_counts_match_tokenize(main_url, client):
     count = token_count(main_url, prompt=PROMPT)
     response = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=7, extra_body=IGNORE_EOS)

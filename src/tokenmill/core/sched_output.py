@@ -157,5 +157,6 @@ class RequestUpdate:
     stop_reason: Optional[int] = None
     error: Optional[str] = None  # why the request failed (finish_reason "error")
     first_scheduled_time: Optional[float] = None
+    num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at first scheduling
     num_draft_tokens: int = 0  # speculative tokens verified this step
     num_accepted_tokens: int = 0  # of those, the ones the target accepted

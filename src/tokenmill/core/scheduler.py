@@ -253,6 +253,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached
             self._insert(self.running, request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -328,7 +329,8 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status.finished:
                 continue  # finished (e.g. aborted) while the step ran
-            update = RequestUpdate(item.request_id, first_scheduled_time=request.first_scheduled_time)
+            update = RequestUpdate(item.request_id, first_scheduled_time=request.first_scheduled_time,
+                                   num_cached_tokens=request.num_cached_tokens)
             error = result.failed.get(item.request_id)
             if error is not None:  # its blocks return to the pool; the rest of the batch is unaffected
                 self.finish_requests([item.request_id], RequestStatus.FINISHED_ERROR)

@@ -105,6 +105,8 @@ class OutputProcessor:
             metrics = state.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = update.first_scheduled_time
+            if metrics.num_cached_tokens is None:
+                metrics.num_cached_tokens = update.num_cached_tokens
             if update.new_token_ids:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now

@@ -14,7 +14,7 @@ from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_common import (
     SSE_DONE, STREAM_ERRORS, APIError, ChoiceTracker, bad_request, new_id, now, primed, sse_error, stream_chunk,
-    top_entries, usage)
+    top_entries, usage, cached_tokens)
 from tokenmill.server.tool_calls import (
     ToolCallStream, ToolMode, forced_call, parse_tool_calls, render_messages, tool_mode)
 
@@ -98,7 +98,7 @@ class ChatHandler:
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"id": response_id, "object": "chat.completion", "created": now(), "model": self.model_name,
-                "choices": choices, "usage": usage(len(token_ids), completion_tokens)}
+                "choices": choices, "usage": usage(len(token_ids), completion_tokens, cached_tokens([final]))}
 
     def _logprobs(self, token_ids: list[int], entries: Optional[list[LogprobsDict]],
                   body: ChatCompletionRequest) -> Optional[dict[str, Any]]:
@@ -130,14 +130,16 @@ class ChatHandler:
         tracker = ChoiceTracker()
         tool_streams = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
         completion_tokens = 0
+        last: Optional[RequestOutput] = None
 
-        def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, int]] = None) -> str:
+        def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, Any]] = None) -> str:
             return stream_chunk(response_id, "chat.completion.chunk", created, self.model_name, choices, usage_)
 
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(body.n)])
             async for output in outputs:
+                last = output
                 choices = []
                 for completion in output.outputs:
                     choice = self._delta_choice(body, tracker, completion, tool_streams.get(completion.index))
@@ -147,7 +149,7 @@ class ChatHandler:
                 if choices:
                     yield chunk(choices)
             if body.include_usage:
-                yield chunk([], usage(prompt_tokens, completion_tokens))
+                yield chunk([], usage(prompt_tokens, completion_tokens, cached_tokens([last])))
         except STREAM_ERRORS as exc:
             yield sse_error(exc)
         finally:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Iterable, Optional, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -103,7 +103,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def stream_chunk(response_id: str, object_: str, created: int, model: str, choices: list[dict[str, Any]],
-                 usage_: Optional[dict[str, int]] = None) -> str:
+                 usage_: Optional[dict[str, Any]] = None) -> str:
     """One SSE event of a streamed response; the usage chunk has no choices and carries `usage_`."""
     payload: dict[str, Any] = {"id": response_id, "object": object_, "created": created, "model": model,
                                "choices": choices}
@@ -206,7 +206,13 @@ def top_entries(entry: LogprobsDict, count: int) -> list[tuple[int, Logprob]]:
     return sorted(ranked, key=lambda item: item[1].rank)[:count]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The OpenAI usage object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI usage object; `cached_tokens`: prompt tokens the prefix cache supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(outputs: Iterable[Optional[RequestOutput]]) -> int:
+    """Prompt tokens the prefix cache supplied, over the outputs of a response's prompts."""
+    return sum(o.metrics.num_cached_tokens or 0 for o in outputs if o is not None and o.metrics is not None)

@@ -12,7 +12,7 @@ from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_common import (
     SSE_DONE, STREAM_ERRORS, APIError, ChoiceTracker, bad_request, merge, new_id, now, primed, sse_error,
-    stream_chunk, top_entries, usage)
+    stream_chunk, top_entries, usage, cached_tokens)
 
 _FIELDS = set(CompletionRequest.model_fields)
 
@@ -101,7 +101,7 @@ class CompletionHandler:
                 choices.append(self._choice(body, prompt, output, completion, index * body.n + completion.index))
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return {"id": response_id, "object": "text_completion", "created": now(), "model": self.model_name,
-                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens(final.values()))}
 
     def _choice(self, body: CompletionRequest, prompt: CompletionPrompt, output: RequestOutput,
                 completion: CompletionOutput, index: int) -> dict[str, Any]:
@@ -159,12 +159,14 @@ class CompletionHandler:
         completion_tokens = 0
         echoed: set[int] = set()
         text_offsets: dict[int, int] = {}  # where each choice's next token starts in its whole text
+        last: dict[int, RequestOutput] = {}  # each prompt's latest output
 
-        def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, int]] = None) -> str:
+        def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, Any]] = None) -> str:
             return stream_chunk(response_id, "text_completion", created, self.model_name, choices, usage_)
 
         try:
             async for prompt_index, output in outputs:
+                last[prompt_index] = output
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * body.n + completion.index
@@ -190,7 +192,7 @@ class CompletionHandler:
                     yield chunk(choices)
             if body.include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
-                yield chunk([], usage(prompt_tokens, completion_tokens))
+                yield chunk([], usage(prompt_tokens, completion_tokens, cached_tokens(last.values())))
         except STREAM_ERRORS as exc:
             yield sse_error(exc)
         finally:
