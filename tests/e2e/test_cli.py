@@ -37,3 +37,17 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     result = tokenmill("generate", "hi", "--model", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert "nope" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_takes_the_model_as_vllm_does_positional_or_flag(tmp_path):
+    from tokenmill.cli.main import build_parser, serve_model
+
+    parser = build_parser()
+    assert serve_model(parser.parse_args(["serve", "gemma3-270m"])) == "gemma3-270m"
+    assert serve_model(parser.parse_args(["serve", "--model", "gemma3-270m"])) == "gemma3-270m"
+    assert serve_model(parser.parse_args(["serve"])) is None  # the default model
+    result = tokenmill("serve", "one", "--model", "two")
+    assert result.returncode == 2
+    assert "serve was given two models: 'one' and --model 'two'" in result.stderr and "Traceback" not in result.stderr
+    result = tokenmill("serve", "--model", str(tmp_path / "nope"), "--port", "0")
+    assert result.returncode == 2 and "nope" in result.stderr  # the flag reaches the loader

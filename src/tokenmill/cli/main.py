@@ -67,6 +67,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                                    "(/v1/completions, /v1/chat/completions, /v1/models, /metrics, ...).")
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder, .gguf file or alias (default: smollm2-135m-instruct)")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the same as MODEL, for those who spell it as vLLM's --model")
     add_dataclass_args(p, ServerConfig, "server options")
     add_engine_args(p, skip=("model",))
     p.set_defaults(func=_run_serve, log_level_default="INFO")
@@ -78,6 +80,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tokenmill.config import EngineConfig, ServerConfig
     from tokenmill.server.launch import run_server
 
+    args.model = serve_model(args)
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}
     server = ServerConfig(**{k: v for k, v in vars(args).items() if k in server_fields})
     engine_config = EngineConfig.from_kwargs(**engine_kwargs(args))
@@ -86,6 +89,13 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         return run_worker_node(engine_config)
     return run_server(engine_config, server)
+
+
+def serve_model(args: argparse.Namespace) -> Optional[str]:
+    """The model `serve` was given, as MODEL or as --model (ValueError when both, differing)."""
+    if args.model_option is not None and args.model is not None and args.model_option != args.model:
+        raise ValueError(f"serve was given two models: {args.model!r} and --model {args.model_option!r}")
+    return args.model_option if args.model_option is not None else args.model
 
 
 def _env_parser(sub: argparse._SubParsersAction) -> None:
