@@ -190,7 +190,7 @@ class AsyncEngine:
 
         def take() -> None:
             try:
-                sampled.set_result(build_sample(self.engine, self.metrics.registry, self.model_name, after_step))
+                sampled.set_result(build_sample(self.engine, self.metrics.families, self.model_name, after_step))
             except BaseException as exc:
                 sampled.set_exception(exc)
         self._submit(take)

@@ -1,16 +1,14 @@
 """One sample of the live engine stream (`/v1/engine/stream`; schema in docs/dashboard.md).
 
 Built on the engine thread, which alone touches the scheduler and the KV pool, so a sample is one
-consistent moment. Counters and histograms are read back from the Prometheus registry that /metrics
-renders, so the stream and /metrics never disagree.
+consistent moment. Counters and histograms are read back, in one pass, from the Prometheus collectors
+that /metrics renders, so the stream and /metrics never disagree.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
-
-from prometheus_client import CollectorRegistry
+from typing import Any, Iterable, Optional
 
 from tokenmill.engine.telemetry import RequestTrace, StepRecord
 
@@ -20,18 +18,19 @@ _HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latenc
                "e2e": "e2e_request_latency_seconds", "queue": "request_queue_time_seconds"}
 
 
-def build_sample(engine: Any, registry: CollectorRegistry, model_name: str, after_step: int) -> dict[str, Any]:
-    """The stream sample now: the steps logged after step `after_step` and everything else as it stands."""
+def build_sample(engine: Any, families: Iterable[Any], model_name: str, after_step: int) -> dict[str, Any]:
+    """The stream sample now: the steps logged after step `after_step` and everything else as it stands;
+    `families` are the metric collectors /metrics renders (`EngineMetrics.families`)."""
     now_wall, now = time.time(), time.monotonic()
 
     def wall(t: Optional[float]) -> Optional[float]:
         return None if t is None else round(now_wall - (now - t), 4)
 
-    labels = {"model_name": model_name}
+    collected = [family for collector in families for family in collector.collect()]
+    values = {(s.name, frozenset(s.labels.items())): s.value for family in collected for s in family.samples}
 
     def total(name: str, **extra: str) -> float:
-        value = registry.get_sample_value(f"tokenmill:{name}", {**labels, **extra})
-        return 0.0 if value is None else value
+        return values.get((f"tokenmill:{name}", frozenset({"model_name": model_name, **extra}.items())), 0.0)
 
     scheduler, kv, telemetry = engine.scheduler, engine.kv_cache, engine.telemetry
     queries, hits = total("prefix_cache_queries_total"), total("prefix_cache_hits_total")
@@ -62,7 +61,7 @@ def build_sample(engine: Any, registry: CollectorRegistry, model_name: str, afte
             "prefill_total": total("iteration_prefill_tokens_total"),
             "decode_total": total("iteration_decode_tokens_total"),
         },
-        "latency": {key: _histogram(registry, f"tokenmill:{name}", model_name) for key, name in _HISTOGRAMS.items()},
+        "latency": {key: _histogram(collected, f"tokenmill:{name}", model_name) for key, name in _HISTOGRAMS.items()},
         "requests": {
             "finished": {reason: total("request_success_total", finish_reason=reason) for reason in reasons},
             "rejected": total("num_requests_rejected_total"),
@@ -101,10 +100,10 @@ def _block_map(pool: Any) -> dict[str, Any]:
             "counts": counts}
 
 
-def _histogram(registry: CollectorRegistry, name: str, model_name: str) -> dict[str, Any]:
+def _histogram(collected: list[Any], name: str, model_name: str) -> dict[str, Any]:
     """A histogram's upper bounds and per-bucket (not cumulative) counts, with its count and sum."""
     bounds, cumulative, count, total = [], [], 0.0, 0.0
-    for family in registry.collect():
+    for family in collected:
         if family.name != name:
             continue
         for sample in family.samples:

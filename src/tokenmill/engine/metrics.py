@@ -90,6 +90,7 @@ class EngineMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).")
         self._seen_tokens: dict[str, list[int]] = {}
         self._last_token_time: dict[str, float] = {}
+        self.families = families
         r.register(VllmAliases(families))
 
     def observe_step(self, outputs: list[RequestOutput], stats: EngineStats,
