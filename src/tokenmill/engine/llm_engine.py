@@ -230,9 +230,7 @@ class LLMEngine:
             internal = self.output_processor.internal_ids(request_id)
             self.scheduler.finish_requests(internal, RequestStatus.FINISHED_ABORTED)
             for rid in internal:
-                request = self.scheduler.requests.get(rid)
-                if request is not None:
-                    self.telemetry.record_finished(rid, "abort", len(request.output_token_ids), request.arrival_time)
+                self._record_finished(rid, "abort")
                 self.scheduler.pop_finished(rid)
             if self.speculation is not None:
                 self.speculation.forget(internal)
@@ -328,8 +326,13 @@ class LLMEngine:
         return outputs
 
     def _record_finished(self, request_id: str, reason: str) -> None:
+        """Tell the telemetry a request ended, with its output tokens (and its arrival, so that one that
+        ended before it was ever scheduled still shows while someone watches)."""
         request = self.scheduler.requests.get(request_id)
-        self.telemetry.record_finished(request_id, reason, None if request is None else len(request.output_token_ids))
+        if request is None:
+            self.telemetry.record_finished(request_id, reason)
+        else:
+            self.telemetry.record_finished(request_id, reason, len(request.output_token_ids), request.arrival_time)
 
     def _abandon_in_flight(self) -> None:
         """After a failed step: wait out the steps still in flight and drop their results, so that the next
