@@ -87,9 +87,19 @@ class CacheConfig:
     secondary_kv_gb: float = _opt(0.0, "size in GiB of the second KV tier, where evicted prefix blocks wait "
                                   "(a memory-mapped file on CPU, pinned host memory on GPU); 0 = off")
     secondary_kv_folder: Optional[str] = _opt(None, "folder for the second tier's file (default: the temp folder)")
+    prefix_caching_hash_seed: Optional[str] = _opt(
+        None, "seed of the prefix cache's block hashes, which are vLLM's sha256_cbor hashes (the same in every "
+        "process and restart given the same seed; docs/scale-out.md); default: $PYTHONHASHSEED if set, else "
+        "vLLM's default 'vllm-none-hash'")
+    kv_events_config: Optional[str] = _opt(
+        None, "publish KV-cache events (blocks stored and removed) for prefix-aware routers, as vLLM does: JSON "
+        "with vLLM's keys, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}' (docs/scale-out.md)")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
+        from tokenmill.kv_events_config import KVEventsConfig
+        KVEventsConfig.parse(self.kv_events_config)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_gb <= 0:
@@ -212,6 +222,9 @@ class ParallelConfig:
                             "the steps to the other nodes' workers (with nnodes > 1)")
     distributed_timeout: float = _opt(120.0, "seconds a rank waits for the others (rendezvous, workers of "
                                       "other nodes connecting) before it fails saying which did not come")
+    data_parallel_rank: int = _opt(0, "this engine's index among data-parallel replicas (`serve "
+                                   "--data-parallel-size` sets it): its KV events say it, and their tcp ports "
+                                   "are offset by it as vLLM does")
 
     @property
     def world_size(self) -> int:
@@ -251,6 +264,8 @@ class ParallelConfig:
             if not 0 < self.master_port < 65535:
                 raise ValueError(f"master_port must be in [1, 65534] (master_port + 1 is used too), "
                                  f"got {self.master_port}")
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
 

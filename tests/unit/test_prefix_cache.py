@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from fake_runner import make_request, make_scheduler, run_to_completion
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_events import BlocksRemoved, BlocksStored
 from tokenmill.request import RequestStatus
 
 SHARED = list(range(100, 116))  # four 4-token blocks
@@ -88,7 +89,7 @@ def test_keys_verify_tokens_and_chain_parents():
     a = kv.block_key(None, [1, 2])
     assert kv.block_key(None, [1, 2]) == a and kv.block_key(None, [2, 1]) != a
     assert kv.block_key(a, [3, 4]) != kv.block_key(kv.block_key(None, [9, 9]), [3, 4])
-    salted = KVCacheManager(num_blocks=2, block_size=2, enable_prefix_caching=True, cache_salt="other model")
+    salted = KVCacheManager(num_blocks=2, block_size=2, enable_prefix_caching=True, hash_seed="another seed")
     assert salted.block_key(None, [1, 2]) != a
 
 
@@ -103,10 +104,13 @@ def test_random_interleavings_keep_the_pool_consistent(operations, secondary_slo
     preemptions they cause) in any order: ref counts, the free list and the cache agree, cached keys
     match block contents in both tiers, and no request ever reads KV it did not (or a shared prefix
     did not) write — with one full-attention group, with sliding-window groups beside a full one (a
-    window of 6 tokens, blocks of 4), and with sliding-window groups only."""
+    window of 6 tokens, blocks of 4), and with sliding-window groups only. The KV event log, replayed
+    by a subscriber, always names exactly the blocks the pool can hit."""
     scheduler, runner = make_scheduler(num_blocks=12 * len(windows), block_size=4, budget=12, max_model_len=64,
-                                       prefix_caching=True, secondary_slots=secondary_slots, windows=windows)
+                                       prefix_caching=True, secondary_slots=secondary_slots, windows=windows,
+                                       record_events=True)
     pool = scheduler.kv_cache.pool
+    subscriber_view: set = set()
     counter = 0
     for op, variant, length, max_tokens in operations:
         if op == "add":
@@ -122,6 +126,14 @@ def test_random_interleavings_keep_the_pool_consistent(operations, secondary_slo
             if live:
                 scheduler.finish_requests([live[variant % len(live)].request_id], RequestStatus.FINISHED_ABORTED)
         pool.check_invariants()
+        for event in scheduler.kv_cache.events.drain():
+            if isinstance(event, BlocksStored):
+                assert not subscriber_view & {(event.group, h) for h in event.hashes}, "stored twice"
+                subscriber_view |= {(event.group, h) for h in event.hashes}
+            elif isinstance(event, BlocksRemoved):
+                assert {(event.group, h) for h in event.hashes} <= subscriber_view, "removed unknown block"
+                subscriber_view -= {(event.group, h) for h in event.hashes}
+        assert subscriber_view == {(group, digest) for group, (digest, _) in pool.cached}
         for key, block in pool.cached.items():
             _group, (_digest, tokens) = key
             written = runner.block_contents.get(block, {})

@@ -92,13 +92,15 @@ class BlockPool:
         """The block holding content `key`, if cached."""
         return self.cached.get(key)
 
-    def register(self, block: int, key: BlockKey) -> None:
-        """Make a full, held block findable under `key` (no-op if another block already has that key)."""
+    def register(self, block: int, key: BlockKey) -> bool:
+        """Make a full, held block findable under `key`; False (and no change) if another block already
+        has that key or this block has one."""
         assert self.ref_counts[block] > 0, f"only a held block can be registered, not {block}"
         if key in self.cached or self.keys[block] is not None:
-            return
+            return False
         self.cached[key] = block
         self.keys[block] = key
+        return True
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the free list, ref counts and cache disagree."""

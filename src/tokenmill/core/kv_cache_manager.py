@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
+from tokenmill.core.block_hash import hash_block, none_hash, resolve_seed, salt_keys
 from tokenmill.core.block_pool import BlockKey, BlockPool
+from tokenmill.core.kv_events import KVEventLog
 from tokenmill.core.secondary_tier import SecondaryTier
 
 if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
-
-_ROOT = b"tokenmill-prefix-root"
 
 
 class CachedSequence(Protocol):
@@ -48,8 +46,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False, cache_salt: str = "", secondary_slots: int = 0,
-                 windows: Sequence[Optional[int]] = (None,)) -> None:
+                 enable_prefix_caching: bool = False, hash_seed: Optional[str] = None, secondary_slots: int = 0,
+                 windows: Sequence[Optional[int]] = (None,), record_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -58,7 +56,7 @@ class KVCacheManager:
         self.tables: dict[str, list[list[int]]] = {}
         self.released: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
-        self._salt = cache_salt.encode()
+        self._none_hash = none_hash(resolve_seed(hash_seed))  # see core/block_hash.py
         # keys of each request's leading full blocks whose content is known (computed or cache hit);
         # group g's block of content key k is cached in the pool (and the tier) under (g, k)
         self._keys: dict[str, list[BlockKey]] = {}
@@ -71,8 +69,11 @@ class KVCacheManager:
         self.tier = SecondaryTier(secondary_slots) if enable_prefix_caching and secondary_slots > 0 else None
         self._pending_saves: list[tuple[int, int]] = []
         self._pending_loads: list[tuple[int, int]] = []
-        if self.tier is not None:
-            self.pool.on_evict = self._save_to_tier
+        # blocks made findable and evicted, for KV-cache events (drained by the engine every step)
+        self.events = KVEventLog() if record_events and enable_prefix_caching else None
+        self._salts: dict[str, Optional[str]] = {}  # the cache salt of requests that start with hits
+        if self.tier is not None or self.events is not None:
+            self.pool.on_evict = self._on_evict
         # New requests are admitted only while this many blocks stay free, so requests already
         # running can grow a little before anyone has to be preempted.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -158,6 +159,7 @@ class KVCacheManager:
                       for g, hits in enumerate(cached) for i, b in enumerate(hits) if b is None}
         for group, hits in enumerate(cached):
             table = self.tables[request_id][group]
+            loaded = []
             for index, block in enumerate(hits):
                 if block == SKIPPED:
                     block = _PLACEHOLDER
@@ -166,7 +168,26 @@ class KVCacheManager:
                     (block,) = self.pool.allocate(1)
                     self.pool.register(block, (group, keys[index]))
                     self._pending_loads.append((tier_slots[group, index], block))
+                    loaded.append(index)
                 table.append(block)
+            self._record_stored(request_id, group, keys, loaded)
+
+    def _record_stored(self, request_id: str, group: int, keys: Sequence[BlockKey], indices: Sequence[int]) -> None:
+        """Record that group `group`'s blocks of the request at `indices` (ascending) became findable:
+        one event per run of consecutive blocks."""
+        if self.events is None:
+            return
+        salt = self._salts.get(request_id)
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first = run[0]
+            self.events.stored(group, [keys[i] for i in run], keys[first - 1][0] if first else None,
+                               [salt_keys(salt) if i == 0 else None for i in run])
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks of windowed groups that no query from position `num_computed_tokens` on can
@@ -181,10 +202,14 @@ class KVCacheManager:
                 self.pool.release(table[released[group]:first])
                 released[group] = first
 
-    def _save_to_tier(self, block: int, key: BlockKey) -> None:
-        slot = self.tier.save(key)
-        if slot is not None:
-            self._pending_saves.append((block, slot))
+    def _on_evict(self, block: int, key: BlockKey) -> None:
+        group, content = key
+        if self.events is not None:
+            self.events.removed(group, content[0])
+        if self.tier is not None:
+            slot = self.tier.save(key)
+            if slot is not None:
+                self._pending_saves.append((block, slot))
 
     def take_pending_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The second-tier copies this step needs: ((block, slot) saves, (slot, block) loads)."""
@@ -199,16 +224,15 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix cache
     def block_key(self, parent: BlockKey, token_ids: Sequence[int], request_salt: Optional[str] = None) -> BlockKey:
-        """The content key of a full block: a SHA-256 chained over every earlier block (and the
-        cache salt, then the request's own salt, if any, for the first block), paired with the block's
-        own token ids so a hit is verified token by token. Requests with different salts never share."""
+        """The content key of a full block: its hash, chained over every earlier block from the seed's
+        root (and the request's cache salt, for the first block) as vLLM computes it (core/block_hash.py),
+        paired with the block's own token ids so a hit is verified token by token. Requests with
+        different salts never share."""
         if parent is not None:
-            parent_digest = parent[0]
+            digest = hash_block(parent[0], token_ids)
         else:
-            parent_digest = _ROOT + self._salt + (b"\0request-salt\0" + request_salt.encode() if request_salt else b"")
-        tokens = tuple(token_ids)
-        digest = hashlib.sha256(parent_digest + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
-        return (digest, tokens)
+            digest = hash_block(self._none_hash, token_ids, salt_keys(request_salt))
+        return (digest, tuple(token_ids))
 
     def _prefix_keys(self, request: CachedSequence, num_tokens: int) -> list[BlockKey]:
         """Keys of the request's full blocks before its last token (memoised while it waits)."""
@@ -234,6 +258,7 @@ class KVCacheManager:
         blocks, num_hit = self._cached_blocks(request, num_tokens)
         if num_hit:
             self._keys[request.request_id] = self._prefix_keys(request, num_tokens)[:num_hit]
+            self._salts[request.request_id] = request.sampling_params.cache_salt
         return blocks, num_hit * self.block_size
 
     def prefix_keys_between(self, request: CachedSequence, start: int, end: int) -> list[BlockKey]:
@@ -298,6 +323,8 @@ class KVCacheManager:
             return
         released = self.released[request.request_id]
         full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
+        first_new = len(keys)
+        registered: list[list[int]] = [[] for _ in tables]
         while len(keys) < full:
             index = len(keys)
             start = index * self.block_size
@@ -305,9 +332,13 @@ class KVCacheManager:
                                  request.token_ids_range(start, start + self.block_size),
                                  request.sampling_params.cache_salt)
             for group, table in enumerate(tables):
-                if index >= released[group]:
-                    self.pool.register(table[index], (group, key))
+                if index >= released[group] and self.pool.register(table[index], (group, key)):
+                    registered[group].append(index)
             keys.append(key)
+        if self.events is not None and len(keys) > first_new:
+            self._salts[request.request_id] = request.sampling_params.cache_salt
+            for group, indices in enumerate(registered):
+                self._record_stored(request.request_id, group, keys, indices)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Release the request's blocks past those holding its first `num_tokens` tokens (the slots of
@@ -326,6 +357,7 @@ class KVCacheManager:
         tables = self.tables.pop(request_id, None)
         released = self.released.pop(request_id, None)
         self._keys.pop(request_id, None)
+        self._salts.pop(request_id, None)
         self._lookup_memo.pop(request_id, None)
         for group, table in enumerate(tables or ()):
             self.pool.release(table[released[group]:])

@@ -15,10 +15,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
+from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, to_wire
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kernels.isa import native_bf16
+from tokenmill.kv_events_config import KVEventsConfig
 from tokenmill.models.arch import kv_cache_layout
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.outputs import RequestOutput
@@ -105,9 +107,22 @@ class LLMEngine:
                           pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
                           expert_parallel=parallel.enable_expert_parallel)
         self.executor: Executor = make_executor(spec, config.parallel, source)
+        events_config = KVEventsConfig.parse(config.cache.kv_events_config).for_rank(parallel.data_parallel_rank)
+        if events_config.active and not config.cache.prefix_caching:
+            self.executor.shutdown()
+            raise ValueError("kv_events_config: KV events describe the prefix cache's blocks; they need "
+                             "prefix_caching on")
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
-                                       cache_salt=source.path, secondary_slots=tier_slots,
-                                       windows=self.kv_layout.windows)
+                                       hash_seed=config.cache.prefix_caching_hash_seed, secondary_slots=tier_slots,
+                                       windows=self.kv_layout.windows, record_events=events_config.active)
+        self.kv_events: Optional[ZmqEventPublisher] = None
+        if events_config.active:
+            try:
+                self.kv_events = ZmqEventPublisher(events_config, parallel.data_parallel_rank)
+            except BaseException:
+                self.executor.shutdown()
+                raise
+            self._publish_kv_events()
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, config.scheduler.schedule_policy,
                                   self.executor.max_steps_in_flight)
@@ -124,7 +139,7 @@ class LLMEngine:
         try:
             self.speculation = make_speculation(config, self) if config.speculative.enabled else None
         except BaseException:
-            self.executor.shutdown()
+            self.shutdown()
             raise
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
@@ -157,8 +172,17 @@ class LLMEngine:
             return self._grammar_cache
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (a no-op for the in-process executor)."""
+        """Stop the executor's workers (a no-op for the in-process executor) and the KV event publisher."""
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
+    def _publish_kv_events(self) -> None:
+        """Send the prefix cache's events since the last call as one batch (none when nothing happened)."""
+        events = self.kv_cache.events.drain()
+        if events:
+            medium = "GPU" if self.device.type == "cuda" else "CPU"
+            self.kv_events.publish(to_wire(events, self.kv_cache.block_size, medium, self.kv_cache.num_groups > 1))
 
     def _max_model_len(self) -> int:
         limit, reason = self.arch.max_position_embeddings, "the model's context length"
@@ -269,6 +293,9 @@ class LLMEngine:
         except BaseException:
             self._abandon_in_flight()
             raise
+        finally:
+            if self.kv_events is not None:
+                self._publish_kv_events()
 
     def _submit_next(self) -> bool:
         """Schedule a step and submit it; False when there is nothing to submit while others are in flight."""

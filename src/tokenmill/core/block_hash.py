@@ -1,0 +1,55 @@
+"""Content hashes of full KV blocks, computed as vLLM does with `--prefix-caching-hash-algo sha256_cbor` (no torch).
+
+A block's hash is SHA-256 over the canonical CBOR encoding of (parent hash, the block's token ids,
+extra keys), where the first block's parent is `none_hash(seed)` and its extra keys carry the
+request's cache salt as `("cache_salt", salt)`. The hashes depend only on the seed and the tokens:
+every process and every restart given the same seed computes the same hashes, and so do vLLM and
+the routers that index vLLM's KV events (llm-d's KV indexer) given the same seed.
+
+The seed: `--prefix-caching-hash-seed`, else $PYTHONHASHSEED, else vLLM's default "vllm-none-hash".
+Events carry a hash as `external_hash`: its last 8 bytes as an unsigned big-endian integer, as vLLM
+publishes them by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Optional, Sequence
+
+import cbor2
+
+DEFAULT_SEED = "vllm-none-hash"
+ExtraKeys = Optional[tuple[tuple[str, str], ...]]
+
+
+def sha256_cbor(value: object) -> bytes:
+    """SHA-256 of the canonical CBOR encoding of `value`."""
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def resolve_seed(seed: Optional[str]) -> str:
+    """The seed given, else $PYTHONHASHSEED, else vLLM's default."""
+    if seed is not None:
+        return seed
+    return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+
+
+def none_hash(seed: str) -> bytes:
+    """The parent hash of every first block."""
+    return sha256_cbor(seed)
+
+
+def salt_keys(cache_salt: Optional[str]) -> ExtraKeys:
+    """The extra keys of a request's first block: its cache salt, if any."""
+    return (("cache_salt", cache_salt),) if cache_salt else None
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: ExtraKeys = None) -> bytes:
+    """The hash of a full block whose predecessor hashed to `parent` (`none_hash(seed)` for the first)."""
+    return sha256_cbor((parent, tuple(token_ids), extra_keys))
+
+
+def external_hash(digest: bytes) -> int:
+    """The hash as KV events carry it: its last 8 bytes, an unsigned big-endian integer."""
+    return int.from_bytes(digest[-8:], "big")

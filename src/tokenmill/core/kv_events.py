@@ -1,0 +1,73 @@
+"""What happened to the prefix cache's blocks, recorded for KV-cache events (no torch).
+
+The KV cache manager records here, when events are on, every full block that becomes findable in
+the primary pool and every one evicted from it. The engine drains the log once per step and
+publishes it (engine/kv_event_publisher.py) in vLLM's event format, so a prefix-aware router knows
+which replica holds which prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from tokenmill.core.block_hash import ExtraKeys
+
+
+@dataclass
+class BlocksStored:
+    """Consecutive full blocks of one request became findable in group `group`; `parent` is the hash of
+    the block before the first (None for a sequence's first block)."""
+
+    group: int
+    hashes: list[bytes]
+    parent: Optional[bytes]
+    token_ids: list[int]
+    extra_keys: list[ExtraKeys] = field(default_factory=list)  # one entry per block
+
+
+@dataclass
+class BlocksRemoved:
+    """Blocks of group `group` were evicted: no request finds them in the pool any more."""
+
+    group: int
+    hashes: list[bytes]
+
+
+@dataclass
+class AllBlocksCleared:
+    """Every cached block is gone (a new engine, or a reset)."""
+
+
+KVEvent = Union[BlocksStored, BlocksRemoved, AllBlocksCleared]
+
+
+class KVEventLog:
+    """The events since the last `drain`, in the order they happened.
+
+    Invariant: its length is bounded by the blocks touched in one step (the engine drains it after
+    every step), and removals of one group that follow each other share one event.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[KVEvent] = [AllBlocksCleared()]
+
+    def stored(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], parent: Optional[bytes],
+               extra_keys: Sequence[ExtraKeys]) -> None:
+        """Record blocks of content keys `keys` (digest, token ids) registered in `group`."""
+        if keys:
+            self._events.append(BlocksStored(group, [digest for digest, _ in keys], parent,
+                                             [t for _, tokens in keys for t in tokens], list(extra_keys)))
+
+    def removed(self, group: int, digest: bytes) -> None:
+        """Record the eviction of group `group`'s block of hash `digest`."""
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlocksRemoved) and last.group == group:
+            last.hashes.append(digest)
+        else:
+            self._events.append(BlocksRemoved(group, [digest]))
+
+    def drain(self) -> list[KVEvent]:
+        """The events since the last drain, oldest first."""
+        events, self._events = self._events, []
+        return events
