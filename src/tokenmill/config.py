@@ -346,6 +346,9 @@ class ServerConfig:
     grammar_compile_timeout: float = _opt(10.0, "seconds an output constraint may take to compile (400 past it; "
                                           "compiled constraints are cached)")
     shutdown_timeout: float = _opt(30.0, "seconds running requests may finish after SIGTERM before abort")
+    data_parallel_size: int = _opt(1, "engine processes (replicas of the whole model) behind this port, each "
+                                   "request sent to the one with the least outstanding tokens once its cached "
+                                   "prefix is counted (from the replicas' KV events; docs/scale-out.md)")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -360,6 +363,8 @@ class ServerConfig:
         for name in ("max_request_body_mb", "max_constraint_kb", "grammar_compile_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key is not None and self.api_key_file is not None:

@@ -10,7 +10,7 @@ import zmq
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.core.block_hash import external_hash, hash_block, none_hash, resolve_seed
+from tokenmill.core.block_hash import external_hash, none_hash, prompt_block_hashes
 
 
 # The subscriber's side, written from vLLM's examples/online_serving/kv_events_subscriber.py and
@@ -60,15 +60,6 @@ def model_path(tmp_path_factory):
     return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
 
 
-def chain(token_ids: list[int], seed: Optional[str] = None) -> list[int]:
-    """The external hashes of the full blocks of `token_ids`, as a router computes them."""
-    parent, hashes = none_hash(resolve_seed(seed)), []
-    for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
-        parent = hash_block(parent, token_ids[start:start + BLOCK])
-        hashes.append(external_hash(parent))
-    return hashes
-
-
 def receive_all(sub: zmq.Socket) -> list[tuple[bytes, int, bytes]]:
     frames = []
     while sub.poll(500):
@@ -101,7 +92,7 @@ def test_events_name_the_prompts_blocks_and_replay_after_reconnecting(model_path
 
         stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
         removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
-        expected = chain(prompt, seed="router-seed")
+        expected = [external_hash(h) for h in prompt_block_hashes(none_hash("router-seed"), prompt, BLOCK)]
         assert stored[:len(expected)] == expected  # the prompt's 4 full blocks, the parents chained
         assert set(expected) <= set(removed)  # the flood evicted them
         first = next(e for e in events if isinstance(e, BlockStored))

@@ -88,6 +88,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         from tokenmill.executor.nodes import run_worker_node
 
         return run_worker_node(engine_config)
+    if server.data_parallel_size > 1:
+        from tokenmill.balancer.launch import run_data_parallel
+
+        return run_data_parallel(engine_config, server)
     return run_server(engine_config, server)
 
 

@@ -53,3 +53,14 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: ExtraKeys = 
 def external_hash(digest: bytes) -> int:
     """The hash as KV events carry it: its last 8 bytes, an unsigned big-endian integer."""
     return int.from_bytes(digest[-8:], "big")
+
+
+def prompt_block_hashes(root: bytes, token_ids: Sequence[int], block_size: int,
+                        cache_salt: Optional[str] = None) -> list[bytes]:
+    """The chained hashes of the full blocks before the prompt's last token (those a prefix hit can cover)."""
+    hashes, parent = [], root
+    for index in range((len(token_ids) - 1) // block_size):
+        start = index * block_size
+        parent = hash_block(parent, token_ids[start:start + block_size], salt_keys(cache_salt) if index == 0 else None)
+        hashes.append(parent)
+    return hashes

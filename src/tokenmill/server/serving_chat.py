@@ -21,6 +21,23 @@ from tokenmill.server.tool_calls import (
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
 
+def chat_prompt(tokenizer: Any, chat_template: Optional[str], messages: list[ChatMessage],
+                add_generation_prompt: bool = True, tools: Optional[ToolMode] = None) -> tuple[str, list[int]]:
+    """The prompt text the chat template makes of `messages` (and of the tools offered), and its token
+    ids, in which text from the messages is never a control token (`chat_prompt_ids`); APIError 400
+    when the model has no template or the template refuses the messages."""
+    if not chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        conversation, tool_specs = render_messages(messages, tools, "tools" in chat_template)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    try:
+        return chat_prompt_ids(tokenizer, chat_template, conversation, tool_specs, add_generation_prompt)
+    except Exception as exc:  # a template may raise on a conversation it does not accept
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+
 class ChatHandler:
     """Runs a chat completion on the engine and shapes the OpenAI response."""
 
@@ -30,19 +47,8 @@ class ChatHandler:
 
     def prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                tools: Optional[ToolMode] = None) -> tuple[str, list[int]]:
-        """The prompt text the chat template makes of `messages` (and of the tools offered), and its
-        token ids, in which text from the messages is never a control token (`chat_prompt_ids`)."""
-        if not self.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        try:
-            conversation, tool_specs = render_messages(messages, tools, "tools" in self.chat_template)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        try:
-            return chat_prompt_ids(self.engine.tokenizer, self.chat_template, conversation, tool_specs,
-                                   add_generation_prompt)
-        except Exception as exc:  # a template may raise on a conversation it does not accept
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        """The prompt text and token ids of `messages` (`chat_prompt`)."""
+        return chat_prompt(self.engine.tokenizer, self.chat_template, messages, add_generation_prompt, tools)
 
     async def _start(self, body: ChatCompletionRequest
                      ) -> tuple[str, list[int], AsyncIterator[RequestOutput], Optional[ToolMode], Ticket]:
