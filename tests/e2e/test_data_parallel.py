@@ -1,0 +1,141 @@
+"""`tokenmill serve --data-parallel-size 2`: one port, two replicas; requests sharing a prefix go to the
+replica that caches it, load spreads over both, and a killed replica stops getting requests at once
+while its in-flight requests end cleanly or are answered by the other."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from e2e.server_harness import ServerProcess, metric, metric_samples, sse_events, wait_for_metrics
+from helpers.tiny_models import make_tiny_hf_model
+
+PREFIX = list(range(10, 50))  # 40 tokens: 10 blocks of 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
+
+
+@pytest.fixture(scope="module")
+def front(tiny, tmp_path_factory):
+    server = ServerProcess(tiny, "--data-parallel-size", "2", "--block-size", "4", "--max-num-seqs", "4",
+                           "--served-model-name", "m",
+                           log_path=tmp_path_factory.mktemp("dp") / "dp.log").start()
+    try:
+        server.wait_ready()
+        wait_for_metrics(server.url, lambda s: all(metric(s, "tokenmill_dp_replica_up", engine=r) == 1
+                                                    for r in "01"), timeout=120)
+        yield server
+    finally:
+        server.stop()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 4, **extra) -> dict:
+    response = httpx.post(f"{url}/v1/completions", timeout=60, json=dict(
+        model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def routed(url: str) -> dict[str, float]:
+    samples = metric_samples(url)
+    return {r: metric(samples, "tokenmill_dp_requests_routed_total", engine=r) for r in "01"}
+
+
+def replica_pids(front_pid: int) -> dict[int, int]:
+    """rank -> pid of the front's replica processes."""
+    pids = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == front_pid:
+            rank = argv[argv.index(b"--data-parallel-rank") + 1] if b"--data-parallel-rank" in argv else b"0"
+            pids[int(rank)] = int(entry)
+    return pids
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(front):
+    before = routed(front.url)
+    first = complete(front.url, PREFIX + [1])
+    after_first = routed(front.url)
+    holder = next(r for r in "01" if after_first[r] > before[r])
+    time.sleep(0.5)  # the replica's KV events reach the front
+    for question in range(2, 6):
+        answer = complete(front.url, PREFIX + [question, question])
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PREFIX)
+    after = routed(front.url)
+    assert after[holder] - after_first[holder] == 4, f"repeated-prefix requests left replica {holder}: {after}"
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    samples = metric_samples(front.url)
+    assert metric(samples, "tokenmill_dp_prefix_matched_tokens_total", engine=holder) >= 4 * len(PREFIX)
+    # the replicas' own series come through the front, labelled by engine
+    assert metric(samples, "vllm:num_requests_running", engine=holder) == 0
+
+
+def test_concurrent_requests_without_a_shared_prefix_use_both_replicas(front):
+    before = routed(front.url)
+    threads = [threading.Thread(target=complete, args=(front.url, [200 + i] * 12, 48)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    after = routed(front.url)
+    assert all(after[r] > before[r] for r in "01"), f"one replica took every request: {before} -> {after}"
+
+
+def test_a_killed_replica_stops_getting_requests_and_its_requests_end_cleanly(front):
+    reference = complete(front.url, [7] * 9, max_tokens=24)["choices"][0]["text"]
+    streams: list[list[str]] = []
+    answers: list[dict] = []
+    started = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{front.url}/v1/completions", timeout=60, json=dict(
+                model="m", prompt=[300 + i] * 9, max_tokens=1000, temperature=0, ignore_eos=True,
+                stream=True)) as r:
+            lines = r.iter_lines()
+            first = [next(lines)]
+            started.release()
+            streams.append(sse_events(first + list(lines)))
+
+    def whole() -> None:
+        answers.append(complete(front.url, [7] * 9, max_tokens=24))
+
+    workers = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for _ in workers:
+        assert started.acquire(timeout=30)  # every stream is under way
+    victim = replica_pids(front.proc.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    late = [threading.Thread(target=whole) for _ in range(4)]
+    for worker in late:
+        worker.start()
+    wait_for_metrics(front.url, lambda s: metric(s, "tokenmill_dp_replica_up", engine="1") == 0, timeout=5)
+    noticed = time.monotonic() - killed_at
+    for worker in workers + late:
+        worker.join(60)
+    assert noticed < 1.5, f"the front noticed the dead replica after {noticed:.1f}s"
+    assert len(streams) == 4 and len(answers) == 4
+    failed = [events for events in streams if any('"error"' in e for e in events)]
+    assert failed, "no stream was on the killed replica"
+    for events in streams:
+        assert events[-1] == "[DONE]"  # every stream ends, with an error event or its whole answer
+    assert all(a["choices"][0]["text"] == reference for a in answers)  # retried or not, the same answer
+    before = routed(front.url)
+    for i in range(3):
+        complete(front.url, [400 + i] * 6)
+    after = routed(front.url)
+    assert after["1"] == before["1"] and after["0"] == before["0"] + 3
+    assert httpx.get(f"{front.url}/health").status_code == 200  # one replica is still up
