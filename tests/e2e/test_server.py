@@ -434,6 +434,37 @@ def test_tokenize_detokenize_round_trip(main_url):
     assert_openai_error(post(main_url, "/tokenize", {}), 400)
 
 
+def test_render_gives_the_prompt_ids_a_request_would_run_as_vllm_does(main_url):
+    text = "Hello, world! tokenmill streams tokens."
+    tokens = post(main_url, "/tokenize", {"prompt": text}).json()["tokens"]
+    answer = post(main_url, "/v1/completions/render", {"prompt": text, "max_tokens": 5})
+    assert answer.status_code == 200, answer.text
+    (rendered,) = answer.json()
+    assert rendered["token_ids"] == tokens and rendered["sampling_params"]["max_tokens"] == 5
+    assert rendered["request_id"].startswith("cmpl-")
+    both = post(main_url, "/v1/completions/render", {"prompt": [text, text]}).json()
+    assert [r["token_ids"] for r in both] == [tokens, tokens]
+    assert post(main_url, "/v1/completions/render", {"prompt": [5, 6, 7]}).json()[0]["token_ids"] == [5, 6, 7]
+    chat = post(main_url, "/v1/chat/completions/render", {"messages": MESSAGES}).json()
+    assert chat["token_ids"] == post(main_url, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
+    assert_openai_error(post(main_url, "/v1/chat/completions/render", {"messages": []}), 400, "messages")
+
+
+def test_the_fields_routers_add_are_accepted_where_they_change_nothing(main_url):
+    # what sglang-router and vllm-router add to every request they forward
+    added = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
+    chat_added = {**added, "continue_final_message": False, "separate_reasoning": True,
+                  "stream_reasoning": True, "include_reasoning": True}
+    assert post(main_url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **added}).status_code == 200
+    assert post(main_url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
+                                                   **chat_added}).status_code == 200
+    assert_openai_error(post(main_url, "/v1/completions", {"prompt": "hi", "no_stop_trim": True}), 400,
+                        "no_stop_trim")
+    assert_openai_error(post(main_url, "/v1/chat/completions", {"messages": MESSAGES,
+                                                                "continue_final_message": True}), 400,
+                        "continue_final_message")
+
+
 # ---------------------------------------------------------------------------------------- errors
 _CHAT = {"messages": MESSAGES, "max_tokens": 2}
 _CMPL = {"prompt": PROMPT, "max_tokens": 2}

@@ -23,8 +23,10 @@ from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
 from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
-from tokenmill.server.serving_common import APIError, ClientDisconnected, error_response, unless_disconnected
-from tokenmill.server.serving_completion import CompletionHandler
+from tokenmill.server.serving_common import (APIError, ClientDisconnected, error_response, new_id,
+                                             unless_disconnected)
+from tokenmill.server.serving_completion import CompletionHandler, prompt_items, tokenize_prompts
+from tokenmill.server.tool_calls import tool_mode
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if kind == "value_error":
         return str(error.get("msg")).removeprefix("Value error, "), param
     return f"'{param}': {error.get('msg')}" if param else str(error.get("msg")), param
+
+
+def rendered_params(body: Any, max_tokens: Optional[int]) -> dict[str, Any]:
+    """The sampling parameters a render endpoint reports (APIError 400 when the request's are invalid)."""
+    try:
+        params = body.sampling_params(max_tokens, None)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    return {name: getattr(params, name) for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed",
+                                                     "max_tokens", "min_tokens", "ignore_eos", "stop",
+                                                     "stop_token_ids", "repetition_penalty",
+                                                     "presence_penalty", "frequency_penalty")}
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional[str],
@@ -207,6 +221,31 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         if bad:
             raise APIError(400, f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    # vLLM's render endpoints: the token ids a request's prompt becomes, computed without generating;
+    # routers (vllm-router) call them to place a request by its prefix
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        check_model(body.model)
+        limits.check(body)
+        params = rendered_params(body, body.max_tokens)
+        prompts = await asyncio.to_thread(tokenize_prompts, prompt_items(body), engine.tokenizer)
+        return [{"request_id": new_id("cmpl"), "token_ids": p.token_ids, "sampling_params": params,
+                 "model": model_name} for p in prompts]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
+        check_model(body.model)
+        limits.check(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = rendered_params(body, max_tokens)
+        try:
+            tools = tool_mode(body)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tools") from None
+        _, tokens = await asyncio.to_thread(chat.prompt, body.messages, body.add_generation_prompt, tools)
+        return {"request_id": new_id("chatcmpl"), "token_ids": tokens, "sampling_params": params,
+                "model": model_name}
 
     async def respond(handler: Any, body: Any, request: Request) -> Response:
         check_model(body.model)

@@ -84,6 +84,17 @@ class _SamplingFields(_Body):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     cache_salt: Optional[str] = None
+    # SGLang's extensions, which sglang-router and vllm-router put in every request they forward:
+    # accepted at the values that change nothing here, refused by name at any other
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+
+    @model_validator(mode="after")
+    def _router_fields_change_nothing(self) -> "_SamplingFields":
+        for name in ("no_stop_trim", "return_hidden_states", "continue_final_message"):
+            if getattr(self, name, False):
+                raise ValueError(f"'{name}': true is not supported by this server")
+        return self
 
     def structured_output(self) -> Optional[StructuredOutput]:
         """The output constraint the request asks for, if any (ValueError when it asks for two, or a
@@ -227,6 +238,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    # sent by the routers too; this server parses no reasoning, so they change nothing
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(_Body):
