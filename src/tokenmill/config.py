@@ -346,6 +346,10 @@ class ServerConfig:
     grammar_compile_timeout: float = _opt(10.0, "seconds an output constraint may take to compile (400 past it; "
                                           "compiled constraints are cached)")
     shutdown_timeout: float = _opt(30.0, "seconds running requests may finish after SIGTERM before abort")
+    otlp_traces_endpoint: Optional[str] = _opt(
+        None, "send an OpenTelemetry trace of every request (a span from arrival to end with its queue, prefill "
+        "and decode phases, continuing the caller's W3C traceparent) to this OTLP/HTTP collector, e.g. "
+        "http://localhost:4318 (docs/observability.md)")
     data_parallel_size: int = _opt(1, "engine processes (replicas of the whole model) behind this port, each "
                                    "request sent to the one with the least outstanding tokens once its cached "
                                    "prefix is counted (from the replicas' KV events; docs/scale-out.md)")

@@ -27,6 +27,7 @@ from tokenmill.engine.live_sample import build_sample
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_stream import OutputStream, deliver
+from tokenmill.engine.tracing import RequestTracer, incoming_trace
 from tokenmill.executor import ExecutorDiedError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -60,8 +61,10 @@ class AsyncEngine:
 
     def __init__(self, make_engine: Callable[[], LLMEngine], model_name: str,
                  limits: Optional[AdmissionLimits] = None,
-                 on_dead: Optional[Callable[[str], None]] = None) -> None:
+                 on_dead: Optional[Callable[[str], None]] = None,
+                 tracer: Optional[RequestTracer] = None) -> None:
         self.model_name = model_name
+        self.tracer = tracer
         self.limits = limits or AdmissionLimits()
         self.on_dead = on_dead
         self.metrics = EngineMetrics(model_name)
@@ -149,6 +152,10 @@ class AsyncEngine:
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         arrival = time.monotonic()
         submitted = finished = False
+        trace_parent = incoming_trace.get()
+        last: Optional[RequestOutput] = None
+        completion_tokens = 0
+        failure: Optional[str] = None
 
         def add() -> None:
             try:
@@ -173,8 +180,12 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped the request
+                    failure = str(item) or item.__class__.__name__
                     raise item
                 finished = item.finished
+                last = item
+                produced = sum(len(c.token_ids) for c in item.outputs)
+                completion_tokens = completion_tokens + produced if item.delta else produced
                 yield item
                 if finished:
                     return
@@ -182,6 +193,10 @@ class AsyncEngine:
             # Commands run in order, so an abort sent while the add is still queued finds it added.
             if submitted and not finished:
                 self.abort(request_id)
+                failure = "aborted"
+            if self.tracer is not None and admitted.done() and admitted.exception() is None:
+                self.tracer.record(request_id, last, params, len(prompt_token_ids), completion_tokens,
+                                   trace_parent, failure if failure is not None else (last.error if last else None))
 
     async def live_sample(self, after_step: int) -> dict:
         """A sample of the live engine stream (engine/live_sample.py), taken on the engine thread between
@@ -255,6 +270,8 @@ class AsyncEngine:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # ------------------------------------------------------------------ engine-thread side
     def _check_room(self, prompt_len: int) -> None:

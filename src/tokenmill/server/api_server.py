@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill import __version__
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
+from tokenmill.engine.tracing import TRACE_HEADERS, incoming_trace
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
@@ -106,6 +107,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return f"'{param}': {error.get('msg')}" if param else str(error.get("msg")), param
 
 
+class TraceHeadersMiddleware:
+    """Keeps an HTTP request's W3C trace headers for the engine requests it starts (engine/tracing.py)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                       if k.decode("latin-1") in TRACE_HEADERS}
+            if "traceparent" in headers:
+                incoming_trace.set(headers)
+        await self.app(scope, receive, send)
+
+
 def rendered_params(body: Any, max_tokens: Optional[int]) -> dict[str, Any]:
     """The sampling parameters a render endpoint reports (APIError 400 when the request's are invalid)."""
     try:
@@ -131,6 +147,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     live = EngineStream(engine)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * (1 << 20)))
+    if engine.tracer is not None:
+        app.add_middleware(TraceHeadersMiddleware)
     if api_key:  # added last, so it runs first: no body of an unauthenticated request is read
         open_paths = {"/health", *PAGES} | (set() if config.metrics_require_key else {"/metrics"})
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))

@@ -45,7 +45,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         for running in servers:
             running.should_exit = True
 
-    async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, limits, on_dead)
+    tracer = None
+    if server_config.otlp_traces_endpoint:
+        from tokenmill.engine.tracing import RequestTracer
+        tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
+    async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, limits, on_dead, tracer)
     app = build_app(async_engine, server_config, async_engine.engine.source.chat_template, api_key)
 
     class _GracefulServer(uvicorn.Server):
