@@ -50,8 +50,9 @@ class ReplicaProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        """Launch the process; it writes to the front's own output."""
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=self.env)
+        """Launch the process; it writes to the front's own output, and is sent SIGTERM if the front dies."""
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=self.env,
+                                     preexec_fn=_terminate_with_parent if sys.platform == "linux" else None)
 
     @property
     def exited(self) -> Optional[int]:
@@ -68,6 +69,13 @@ class ReplicaProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the front dies, so no replica outlives it."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def plan_replicas(engine: EngineConfig, server: ServerConfig, ports: list[int], api_key: Optional[str],

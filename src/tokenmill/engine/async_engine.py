@@ -195,8 +195,11 @@ class AsyncEngine:
                 self.abort(request_id)
                 failure = "aborted"
             if self.tracer is not None and admitted.done() and admitted.exception() is None:
-                self.tracer.record(request_id, last, params, len(prompt_token_ids), completion_tokens,
-                                   trace_parent, failure if failure is not None else (last.error if last else None))
+                try:
+                    self.tracer.record(request_id, last, params, len(prompt_token_ids), completion_tokens,
+                                       trace_parent, failure if failure is not None else (last.error if last else None))
+                except Exception:  # a trace is never worth a request
+                    logger.exception("could not record the trace of %s", request_id)
 
     async def live_sample(self, after_step: int) -> dict:
         """A sample of the live engine stream (engine/live_sample.py), taken on the engine thread between
