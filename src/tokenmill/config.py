@@ -96,10 +96,18 @@ class CacheConfig:
         "with vLLM's keys, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
         "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}' (docs/scale-out.md)")
 
+    kv_transfer_config: Optional[str] = _opt(
+        None, "prefill/decode disaggregation through files on this host, as vLLM's SharedStorageConnector: "
+        "'{\"kv_connector\": \"SharedStorageConnector\", \"kv_role\": \"kv_both\", "
+        "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/tmp/tokenmill-kv\"}}' "
+        "(docs/scale-out.md; `tokenmill disagg-proxy` pairs a prefill and a decode server)")
+
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
         from tokenmill.kv_events_config import KVEventsConfig
+        from tokenmill.kv_transfer_config import KVTransferConfig
         KVEventsConfig.parse(self.kv_events_config)
+        KVTransferConfig.parse(self.kv_transfer_config)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_gb <= 0:

@@ -65,6 +65,7 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None  # set when the request failed (finished, every sample 'error')
     delta: bool = False  # True: outputs and prompt_logprobs hold only what is new since the last output
+    kv_transfer_params: Optional[dict] = None  # a finished prefill-server request's: where its KV blocks are
 
 
 def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -87,4 +88,4 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
         prompt_logprobs = (prompt_logprobs or []) + newer.prompt_logprobs
     return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids,
                          [samples[i] for i in sorted(samples)], newer.finished, prompt_logprobs,
-                         newer.metrics, newer.error, True)
+                         newer.metrics, newer.error, True, newer.kv_transfer_params)

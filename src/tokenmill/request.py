@@ -82,6 +82,10 @@ class Request:
         self.num_times_passed_over = 0  # by the lpm policy, which must not starve anyone
         # n>1: samples 1..n-1 are forked from this request once its prompt is computed.
         self.num_samples_to_fork = num_samples_to_fork
+        # prefill/decode disaggregation: where to write the prompt's full blocks once they are computed,
+        # and how many were (None until the step that completes the prompt is scheduled)
+        self.kv_export_path: Optional[str] = None
+        self.kv_exported_blocks: Optional[int] = None
 
     @property
     def num_prompt_tokens(self) -> int:

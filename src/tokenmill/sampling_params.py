@@ -56,6 +56,9 @@ class SamplingParams:
     structured_output: Optional[StructuredOutput] = None
     cache_salt: Optional[str] = None
     output_kind: str = "cumulative"
+    # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} on the prefill server,
+    # the prefill answer's kv_transfer_params on the decode server (engine/kv_transfer.py)
+    kv_transfer_params: Optional[dict] = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -69,6 +69,11 @@ class KVCacheManager:
         self.tier = SecondaryTier(secondary_slots) if enable_prefix_caching and secondary_slots > 0 else None
         self._pending_saves: list[tuple[int, int]] = []
         self._pending_loads: list[tuple[int, int]] = []
+        # Transferred blocks (prefill/decode disaggregation): adopted blocks wait, held by a pin, for the
+        # runner to read their file before the next step's forward pass; exports are written after it.
+        self._pending_imports: list[tuple[str, list[int]]] = []
+        self._pending_exports: list[tuple[str, list[int]]] = []
+        self._pins: list[int] = []
         # blocks made findable and evicted, for KV-cache events (drained by the engine every step)
         self.events = KVEventLog() if record_events and enable_prefix_caching else None
         self._salts: dict[str, Optional[str]] = {}  # the cache salt of requests that start with hits
@@ -217,6 +222,51 @@ class KVCacheManager:
         self._pending_saves, self._pending_loads = [], []
         return saves, loads
 
+    def adopt(self, request_id: str, keys: Sequence[BlockKey], path: str, salt: Optional[str] = None) -> int:
+        """Make the leading full blocks of content `keys` (a transferred prompt's, in order) findable in
+        group 0, their K/V to be read from `path` (block i of the file holding keys[i]) before the next
+        step's forward pass. Returns how many leading blocks are now cached (already cached ones count,
+        and adopting stops at the first block the pool cannot spare without the watermark).
+
+        Invariant: an adopted block stays pinned (held) until `release_pins`, called once the step that
+        carries its import has been built, so no allocation of that step can take it (and no second-tier
+        save can copy it) before the runner has written it. The import runs after that step's
+        second-tier saves, which may read blocks evicted by this adoption."""
+        assert self.num_groups == 1, "transfers are refused for models with several KV cache groups"
+        blocks, file_indices = [], []
+        count = 0
+        for index, key in enumerate(keys):
+            if self.pool.lookup((0, key)) is None and not (self.tier is not None and (0, key) in self.tier):
+                if self.pool.num_free_blocks <= self.watermark_blocks:
+                    break
+                (block,) = self.pool.allocate(1)
+                self.pool.register(block, (0, key))
+                self._pins.append(block)
+                blocks.append(block)
+                file_indices.append(index)
+            count = index + 1
+        if blocks:
+            self._pending_imports.append((path, blocks, file_indices))
+            self._salts[request_id] = salt
+            self._record_stored(request_id, 0, keys, file_indices)
+        return count
+
+    def take_transfers(self) -> tuple[list[tuple[str, list[int], list[int]]], list[tuple[str, list[int]]]]:
+        """This step's transfers: imports (file, pool blocks, the file's block of each) and exports
+        (file, pool blocks)."""
+        imports, exports = self._pending_imports, self._pending_exports
+        self._pending_imports, self._pending_exports = [], []
+        return imports, exports
+
+    def export(self, request_id: str, num_blocks: int, path: str) -> None:
+        """Write the request's first `num_blocks` blocks (group 0) to `path` after the next forward pass."""
+        self._pending_exports.append((path, list(self.tables[request_id][0][:num_blocks])))
+
+    def release_pins(self) -> None:
+        """The step carrying the adopted blocks' imports is built: they may be evicted from now on."""
+        pins, self._pins = self._pins, []
+        self.pool.release(pins)
+
     def end_step(self) -> None:
         """The runner has done the step's copies."""
         if self.tier is not None:
@@ -260,6 +310,16 @@ class KVCacheManager:
             self._keys[request.request_id] = self._prefix_keys(request, num_tokens)[:num_hit]
             self._salts[request.request_id] = request.sampling_params.cache_salt
         return blocks, num_hit * self.block_size
+
+    def prompt_keys(self, request: CachedSequence, num_blocks: int) -> list[BlockKey]:
+        """Keys of the request's first `num_blocks` full blocks (computed afresh, nothing memoised)."""
+        keys: list[BlockKey] = []
+        for index in range(num_blocks):
+            start = index * self.block_size
+            keys.append(self.block_key(keys[-1] if keys else None,
+                                       request.token_ids_range(start, start + self.block_size),
+                                       request.sampling_params.cache_salt))
+        return keys
 
     def prefix_keys_between(self, request: CachedSequence, start: int, end: int) -> list[BlockKey]:
         """Keys of a waiting request's full blocks lying in tokens [start, end) (none when caching is off)."""

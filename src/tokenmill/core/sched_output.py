@@ -80,7 +80,8 @@ class SchedulerOutput:
     """Everything the runner needs for one forward pass: a flattened, unpadded token batch.
 
     Order of application: forget `finished_request_ids`, add `new_requests`, apply `cached_requests`,
-    do the second-tier copies (saves, then loads), then compute `scheduled` in order.
+    do the second-tier saves, load the transferred blocks (`kv_imports`), do the second-tier loads, then
+    compute `scheduled` in order, then write `kv_exports` (blocks this step finished computing).
     `spec_probs[request_id]` is the [len(proposals), vocab] distribution a draft drew a sampling
     request's proposals from (absent for deterministic proposals); `grammar` masks constrained rows.
     """
@@ -92,6 +93,10 @@ class SchedulerOutput:
     num_preempted: int = 0
     kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (pool block, tier slot)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, pool block)
+    # prefill/decode transfer: (file, pool blocks, the file's block for each) read into the blocks before
+    # the forward pass, and (file, pool blocks) written after it (worker/kv_transfer_io.py)
+    kv_imports: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    kv_exports: list[tuple[str, list[int]]] = field(default_factory=list)
     spec_probs: dict[str, Any] = field(default_factory=dict)
     grammar: Optional[GrammarMasks] = None
 

@@ -196,9 +196,13 @@ class Scheduler:
         if num_preempted == 0 and not stalled:
             budget = self._admit_waiting(budget, room, scheduled)
 
+        self._plan_exports(scheduled)
         saves, loads = self.kv_cache.take_pending_copies()
+        imports, exports = self.kv_cache.take_transfers()
         output = SchedulerOutput(scheduled, finished_request_ids=self._finished_since_last_step,
-                                 num_preempted=num_preempted, kv_saves=saves, kv_loads=loads)
+                                 num_preempted=num_preempted, kv_saves=saves, kv_loads=loads,
+                                 kv_imports=imports, kv_exports=exports)
+        self.kv_cache.release_pins()
         self._describe_for_runner(output)
         self.in_flight.update(chunk.request_id for chunk in scheduled)
         self._finished_since_last_step = []
@@ -275,6 +279,18 @@ class Scheduler:
             if r.arrival_seq < chosen.arrival_seq:
                 r.num_times_passed_over += 1
         return chosen
+
+    def _plan_exports(self, scheduled: list[ScheduledChunk]) -> None:
+        """Have the runner write, after this step's forward pass, the prompt blocks of every request that
+        asked for a transfer and whose prompt this step completes (the full blocks before its last token:
+        what a prefix hit on the decode side can use)."""
+        for chunk in scheduled:
+            request = self.requests[chunk.request_id]
+            if (request.kv_export_path is not None and request.kv_exported_blocks is None
+                    and chunk.start + chunk.num_tokens >= request.num_prompt_tokens):
+                request.kv_exported_blocks = (request.num_prompt_tokens - 1) // self.kv_cache.block_size
+                if request.kv_exported_blocks:
+                    self.kv_cache.export(request.request_id, request.kv_exported_blocks, request.kv_export_path)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens

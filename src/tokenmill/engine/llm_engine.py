@@ -16,11 +16,13 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, to_wire
+from tokenmill.engine.kv_transfer import KVTransfers
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.kv_events_config import KVEventsConfig
+from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.models.arch import kv_cache_layout
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.outputs import RequestOutput
@@ -115,6 +117,19 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
                                        hash_seed=config.cache.prefix_caching_hash_seed, secondary_slots=tier_slots,
                                        windows=self.kv_layout.windows, record_events=events_config.active)
+        self.kv_transfers: Optional[KVTransfers] = None
+        transfer_config = KVTransferConfig.parse(config.cache.kv_transfer_config)
+        if transfer_config is not None:
+            problem = ("prefix_caching is off" if not config.cache.prefix_caching
+                       else "the model has several KV cache groups" if self.kv_cache.num_groups > 1
+                       else "the model runs on several ranks" if parallel.world_size > 1 else None)
+            if problem:
+                self.executor.shutdown()
+                raise ValueError(f"kv_transfer_config: transfers load blocks into the prefix cache of one rank's "
+                                 f"single KV group, but {problem}")
+            fingerprint = {"model": source.path, "architecture": self.arch.architecture,
+                           "dtype": str(self.dtype), "block_bytes": block_bytes}
+            self.kv_transfers = KVTransfers(transfer_config, fingerprint, self.kv_cache)
         self.kv_events: Optional[ZmqEventPublisher] = None
         if events_config.active:
             try:
@@ -233,8 +248,19 @@ class LLMEngine:
         self.scheduler.check_admissible(len(prompt_token_ids), len(prompt_token_ids) + max_tokens)
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)  # raises ValueError naming what is invalid
+        if params.kv_transfer_params is not None:
+            if self.kv_transfers is None:
+                raise ValueError("kv_transfer_params: this server has no --kv-transfer-config")
+            self.kv_transfers.check_params(params.kv_transfer_params)
+            if params.n > 1:
+                raise ValueError("kv_transfer_params: a transferred request has one sample (n must be 1)")
         request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
                           priority, arrival_time, num_samples_to_fork=params.n - 1)
+        transfer = params.kv_transfer_params or {}
+        if transfer.get("do_remote_decode"):
+            self.kv_transfers.plan_export(request)
+        elif transfer.get("do_remote_prefill"):
+            self.kv_transfers.adopt(request, transfer)
         self.scheduler.add_request(request)
         self.output_processor.add(request_id, text, prompt_token_ids, params, request.arrival_time)
 
@@ -301,7 +327,7 @@ class LLMEngine:
         """Schedule a step and submit it; False when there is nothing to submit while others are in flight."""
         schedule = self.scheduler.schedule()
         if self._in_flight and schedule.is_empty and not (schedule.finished_request_ids or schedule.kv_saves
-                                                          or schedule.kv_loads):
+                                                          or schedule.kv_loads or schedule.kv_imports):
             return False
         if self._draft_probs:
             schedule.spec_probs = {c.request_id: probs for c in schedule.scheduled
@@ -329,11 +355,15 @@ class LLMEngine:
     def _finish_oldest(self) -> list[RequestOutput]:
         schedule, mask_failures, started, chunks = self._in_flight.popleft()
         result = self.executor.collect()
+        if schedule.kv_imports:
+            self.kv_transfers.remove_imported([path for path, _, _ in schedule.kv_imports])
         grammars = self.step_grammars
         if grammars is not None:
             grammars.finish(schedule, result, mask_failures)
         updates = self.scheduler.update_from_output(schedule, result)
         outputs, stopped, failed = self.output_processor.process(updates)
+        if self.kv_transfers is not None:
+            self._describe_transfers(outputs)
         self.telemetry.record_step(started, chunks)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
@@ -351,6 +381,18 @@ class LLMEngine:
             self.scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
             self._draft_probs = {rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None}
         return outputs
+
+    def _describe_transfers(self, outputs: list[RequestOutput]) -> None:
+        """Give each finished prefill-server request's output its kv_transfer_params."""
+        for output in outputs:
+            request = self.scheduler.requests.get(output.request_id)
+            if output.finished and request is not None and request.kv_export_path is not None:
+                try:
+                    output.kv_transfer_params = self.kv_transfers.describe(request)
+                except OSError as exc:
+                    logger.warning("request %s: its KV transfer file cannot be described (%s)",
+                                   request.request_id, exc)
+                    output.kv_transfer_params = {"do_remote_prefill": False, "do_remote_decode": False}
 
     def _record_finished(self, request_id: str, reason: str) -> None:
         """Tell the telemetry a request ended, with its output tokens (and its arrival, so that one that

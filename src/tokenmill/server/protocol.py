@@ -88,6 +88,7 @@ class _SamplingFields(_Body):
     # accepted at the values that change nothing here, refused by name at any other
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (docs/scale-out.md)
 
     @model_validator(mode="after")
     def _router_fields_change_nothing(self) -> "_SamplingFields":
@@ -141,6 +142,7 @@ class _SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
             structured_output=self.structured_output(), cache_salt=self.cache_salt, output_kind="delta",
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     @property

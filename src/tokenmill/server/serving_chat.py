@@ -103,8 +103,11 @@ class ChatHandler:
                             "logprobs": self._logprobs(c.token_ids, c.logprobs, body),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": response_id, "object": "chat.completion", "created": now(), "model": self.model_name,
-                "choices": choices, "usage": usage(len(token_ids), completion_tokens, cached_tokens([final]))}
+        response = {"id": response_id, "object": "chat.completion", "created": now(), "model": self.model_name,
+                    "choices": choices, "usage": usage(len(token_ids), completion_tokens, cached_tokens([final]))}
+        if final.kv_transfer_params is not None:
+            response["kv_transfer_params"] = final.kv_transfer_params
+        return response
 
     def _logprobs(self, token_ids: list[int], entries: Optional[list[LogprobsDict]],
                   body: ChatCompletionRequest) -> Optional[dict[str, Any]]:

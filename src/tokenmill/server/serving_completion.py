@@ -100,8 +100,12 @@ class CompletionHandler:
                 completion_tokens += len(completion.token_ids)
                 choices.append(self._choice(body, prompt, output, completion, index * body.n + completion.index))
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        return {"id": response_id, "object": "text_completion", "created": now(), "model": self.model_name,
-                "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens(final.values()))}
+        response = {"id": response_id, "object": "text_completion", "created": now(), "model": self.model_name,
+                    "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens(final.values()))}
+        transfer = final[0].kv_transfer_params
+        if transfer is not None:
+            response["kv_transfer_params"] = transfer
+        return response
 
     def _choice(self, body: CompletionRequest, prompt: CompletionPrompt, output: RequestOutput,
                 completion: CompletionOutput, index: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import sample
 from tokenmill.worker.kv_tier_store import KVTierStore
+from tokenmill.worker.kv_transfer_io import export_blocks, import_blocks
 from tokenmill.worker.request_state import BatchItem, RequestStates
 
 logger = logging.getLogger(__name__)
@@ -64,14 +65,19 @@ class ModelRunner:
         for request_id in schedule.finished_request_ids:
             self.generators.pop(request_id, None)
         batch = self.requests.apply(schedule)
-        if schedule.kv_saves or schedule.kv_loads:
+        if schedule.kv_saves:
             assert self.tier is not None, "second-tier copies scheduled without a second tier"
             self.tier.save(self.kv_pages, schedule.kv_saves)  # saves before loads: see SecondaryTier
+        for path, blocks, file_blocks in schedule.kv_imports:  # after the saves: see KVCacheManager.adopt
+            import_blocks(self.kv_pages, path, file_blocks, blocks)
+        if schedule.kv_loads:
             self.tier.load(self.kv_pages, schedule.kv_loads)
         result = ModelRunnerOutput()
         if schedule.is_empty:
             return result
         hidden, chunks = self.forward(batch)
+        for path, blocks in schedule.kv_exports:  # computed now, and no later step has written them yet
+            export_blocks(self.kv_pages, blocks, path)
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return result
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)

@@ -1,0 +1,146 @@
+"""Prefill/decode disaggregation through shared files (vLLM's SharedStorageConnector, on one host).
+
+A producer runs a request that asks `kv_transfer_params: {"do_remote_decode": true}`; the runner writes
+the K/V of the prompt's full blocks (those before its last token) to `<folder>/<id>.kv` after the step
+that completes the prompt (worker/kv_transfer_io.py). When the request ends, the engine writes
+`<id>.json` beside it — the model's fingerprint, the block size, the blocks' hashes, the file's length
+and CRC-32 — and answers `kv_transfer_params: {"do_remote_prefill": true, "remote_kv_path": ...}`.
+
+A consumer given those params checks the description against its own model and against the hashes of
+its request's own prompt, and the data against the length and CRC-32, then adopts the blocks into its
+prefix cache (KVCacheManager.adopt): the request runs as a prefix-cache hit, computing only the last
+prompt token and what follows, so its output is the single engine's. Any check that fails leaves the
+request to prefill locally (and says why in the log); a transfer never changes an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+import zlib
+from typing import Any
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.kv_transfer_config import KVTransferConfig
+from tokenmill.request import Request
+
+logger = logging.getLogger(__name__)
+
+_VERSION = 1
+_STALE_S = 600.0  # a file no decode server took within this long is removed by its producer
+
+
+class TransferRefused(Exception):
+    """A transfer that cannot be used; the request prefills locally."""
+
+
+class KVTransfers:
+    """The engine's side of transfers: file names, descriptions, and the checks before adoption."""
+
+    def __init__(self, config: KVTransferConfig, fingerprint: dict[str, Any], kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.fingerprint = fingerprint
+        self.kv_cache = kv_cache
+        os.makedirs(config.shared_storage_path, exist_ok=True)
+        self.num_imported = self.num_refused = 0
+
+    def check_params(self, params: Any) -> None:
+        """ValueError naming what is wrong with a request's `kv_transfer_params` (before it is queued)."""
+        if not isinstance(params, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        if params.get("do_remote_decode") and not self.config.produces:
+            raise ValueError(f"kv_transfer_params.do_remote_decode: this server's kv_role is "
+                             f"{self.config.kv_role!r}, it does not produce transfers")
+        if params.get("do_remote_prefill") and not self.config.consumes:
+            raise ValueError(f"kv_transfer_params.do_remote_prefill: this server's kv_role is "
+                             f"{self.config.kv_role!r}, it does not consume transfers")
+
+    def remove_imported(self, paths: list[str]) -> None:
+        """The runner has read these files: they are no one's any more."""
+        for path in paths:
+            for name in (path, path + ".json"):
+                try:
+                    os.remove(name)
+                except OSError:
+                    pass
+
+    def _remove_stale(self) -> None:
+        now = time.time()
+        try:
+            entries = list(os.scandir(self.config.shared_storage_path))
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name.endswith((".kv", ".kv.json")):
+                try:
+                    if now - entry.stat().st_mtime > _STALE_S:
+                        os.remove(entry.path)
+                except OSError:
+                    pass
+
+    def plan_export(self, request: Request) -> None:
+        """Have `request`'s prompt blocks written to a fresh file once computed."""
+        request.kv_export_path = os.path.join(self.config.shared_storage_path, f"{uuid.uuid4().hex}.kv")
+
+    def describe(self, request: Request) -> dict[str, Any]:
+        """The finished producer request's kv_transfer_params (and its description file, written now)."""
+        self._remove_stale()
+        blocks = request.kv_exported_blocks or 0
+        path = request.kv_export_path
+        if blocks == 0:
+            return {"do_remote_prefill": False, "do_remote_decode": False}
+        keys = self.kv_cache.prompt_keys(request, blocks)
+        with open(path, "rb") as handle:
+            data = handle.read()
+        description = {"version": _VERSION, "fingerprint": self.fingerprint, "block_size": self.kv_cache.block_size,
+                       "num_blocks": blocks, "block_hashes": [digest.hex() for digest, _ in keys],
+                       "bytes": len(data), "crc32": zlib.crc32(data)}
+        with open(path + ".json.partial", "w") as handle:
+            json.dump(description, handle)
+        os.replace(path + ".json.partial", path + ".json")
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_kv_path": path,
+                "remote_num_blocks": blocks, "remote_block_size": self.kv_cache.block_size}
+
+    def adopt(self, request: Request, params: dict[str, Any]) -> int:
+        """Take a consumer request's transferred blocks into the prefix cache; how many prompt tokens they
+        cover (0 when the transfer was refused: the request prefills locally)."""
+        try:
+            path, blocks = self._checked(request, params)
+        except TransferRefused as exc:
+            self.num_refused += 1
+            logger.warning("request %s prefills locally: its KV transfer is unusable (%s)", request.request_id, exc)
+            return 0
+        keys = self.kv_cache.prompt_keys(request, blocks)
+        adopted = self.kv_cache.adopt(request.request_id, keys, path, request.sampling_params.cache_salt)
+        self.num_imported += 1
+        return adopted * self.kv_cache.block_size
+
+    def _checked(self, request: Request, params: dict[str, Any]) -> tuple[str, int]:
+        path = params.get("remote_kv_path")
+        if not isinstance(path, str) or os.path.dirname(os.path.abspath(path)) != os.path.abspath(
+                self.config.shared_storage_path):
+            raise TransferRefused(f"remote_kv_path must be a file of {self.config.shared_storage_path}")
+        try:
+            with open(path + ".json") as handle:
+                description = json.load(handle)
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except (OSError, ValueError) as exc:
+            raise TransferRefused(f"cannot read {path}: {exc}") from None
+        if description.get("version") != _VERSION or description.get("fingerprint") != self.fingerprint:
+            raise TransferRefused("it was written by another model, dtype or layout")
+        if description.get("block_size") != self.kv_cache.block_size:
+            raise TransferRefused(f"its block size is {description.get('block_size')}, this engine's "
+                                  f"{self.kv_cache.block_size}")
+        blocks = description.get("num_blocks")
+        if not isinstance(blocks, int) or not 0 < blocks <= (request.num_prompt_tokens - 1) // self.kv_cache.block_size:
+            raise TransferRefused(f"it holds {blocks} blocks, more than this prompt's full blocks")
+        if len(data) != description.get("bytes") or zlib.crc32(data) != description.get("crc32"):
+            raise TransferRefused("its data is incomplete or damaged (length or CRC-32)")
+        own = [digest.hex() for digest, _ in self.kv_cache.prompt_keys(request, blocks)]
+        if own != description.get("block_hashes"):
+            raise TransferRefused("its blocks hold another prompt")
+        return path, blocks

@@ -1,0 +1,105 @@
+"""Prefill/decode disaggregation through shared files: the decode engine's output is the single engine's,
+and a transfer that cannot be used is a local prefill, never a different answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM, SamplingParams
+
+BLOCK = 4
+PROMPT = list(range(1, 40))  # 9 full blocks before the last token
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+pytestmark = pytest.mark.every_level
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
+
+
+def transfer_config(folder) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
+
+
+@pytest.fixture(scope="module")
+def engines(model_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kv")
+    single = LLM(model_path, block_size=BLOCK, num_kv_blocks=64)
+    producer = LLM(model_path, block_size=BLOCK, num_kv_blocks=64, kv_transfer_config=transfer_config(folder))
+    consumer = LLM(model_path, block_size=BLOCK, num_kv_blocks=64, kv_transfer_config=transfer_config(folder))
+    return single, producer, consumer, folder
+
+
+def prefill_remotely(producer, prompt):
+    (out,) = producer.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=1, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    return out.kv_transfer_params
+
+
+def decode(consumer, prompt, transfer):
+    (out,) = consumer.generate({"prompt_token_ids": prompt}, dataclasses.replace(GREEDY, kv_transfer_params=transfer),
+                               use_tqdm=False)
+    return out
+
+
+def answer(out):
+    completion = out.outputs[0]
+    return completion.token_ids, [{t: lp.logprob for t, lp in entry.items()} for entry in completion.logprobs]
+
+
+def test_the_decode_engine_continues_from_the_transferred_blocks_with_the_single_engines_output(engines):
+    single, producer, consumer, folder = engines
+    (reference,) = single.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)
+    transfer = prefill_remotely(producer, PROMPT)
+    assert transfer["do_remote_prefill"] is True and transfer["remote_num_blocks"] == 9
+    assert os.path.exists(transfer["remote_kv_path"])
+    out = decode(consumer, PROMPT, transfer)
+    assert answer(out) == answer(reference)
+    assert out.metrics.num_cached_tokens == 9 * BLOCK  # the prompt came from the transfer, not a prefill
+    assert not os.path.exists(transfer["remote_kv_path"]), "an imported file is removed"
+
+
+DAMAGES = ["flip a byte", "truncate", "another prompt", "missing", "outside the folder"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_an_unusable_transfer_is_a_local_prefill_with_the_same_answer(engines, damage, tmp_path):
+    single, producer, consumer, folder = engines
+    prompt = [100 + DAMAGES.index(damage)] * 3 + PROMPT[3:]  # its own: no block of it is cached anywhere yet
+    (reference,) = single.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    transfer = prefill_remotely(producer, prompt if damage != "another prompt" else PROMPT[::-1])
+    path = transfer["remote_kv_path"]
+    if damage == "flip a byte":
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 1)
+    elif damage == "missing":
+        os.remove(path)
+    elif damage == "outside the folder":
+        transfer = {**transfer, "remote_kv_path": str(tmp_path / os.path.basename(path))}
+    refused = consumer.llm_engine.kv_transfers.num_refused
+    out = decode(consumer, prompt, transfer)
+    assert answer(out) == answer(reference)
+    assert consumer.llm_engine.kv_transfers.num_refused == refused + 1
+    assert out.metrics.num_cached_tokens == 0
+
+
+def test_transfer_params_are_refused_by_name_where_they_cannot_work(engines, model_path):
+    single, producer, *_ = engines
+    with pytest.raises(ValueError, match="no --kv-transfer-config"):
+        single.generate({"prompt_token_ids": PROMPT}, SamplingParams(kv_transfer_params={"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="n must be 1"):
+        producer.generate({"prompt_token_ids": PROMPT},
+                          SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        LLM(model_path, kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "both",
+                                            "kv_connector_extra_config": {"shared_storage_path": "/tmp/x"}})
