@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _env_parser(sub)
     add_chat_parser(sub)
     add_bench_parser(sub)
+    from tokenmill.balancer.disagg_proxy import add_disagg_proxy_parser
+    add_disagg_proxy_parser(sub)
     return parser
 
 

@@ -1,0 +1,92 @@
+"""`tokenmill disagg-proxy` in front of a prefill server and a decode server: the single server's answer,
+streamed or not, with the prompt computed on the prefill server; without it, still the same answer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from e2e.server_harness import HOST, ServerProcess, free_port, sse_events
+from helpers.tiny_models import make_tiny_hf_model
+
+PROMPT = "The lighthouse keeper counted the ships that passed in the night, one by one, until dawn came"
+BODY = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    model = str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
+    logs = tmp_path_factory.mktemp("disagg")
+    transfer = json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"shared_storage_path": str(logs / "kv")}})
+    common = ("--block-size", "4", "--served-model-name", "m")
+    single = ServerProcess(model, *common, log_path=logs / "single.log").start()
+    prefill = ServerProcess(model, *common, "--kv-transfer-config", transfer, log_path=logs / "prefill.log").start()
+    decode = ServerProcess(model, *common, "--kv-transfer-config", transfer, log_path=logs / "decode.log").start()
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", "disagg-proxy", "--host", HOST,
+                              "--port", str(port), "--prefill", f"http://{HOST}:{prefill.port}",
+                              "--decode", f"http://{HOST}:{decode.port}"],
+                             stdout=open(logs / "proxy.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        for server in (single, prefill, decode):
+            server.wait_ready()
+        url = f"http://{HOST}:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, (logs / "proxy.log").read_text()
+            time.sleep(0.2)
+        yield single, prefill, decode, url
+    finally:
+        proxy.kill()
+        for server in (single, prefill, decode):
+            server.stop()
+
+
+def streamed(url: str, body: dict) -> tuple[str, list]:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        events = sse_events(response.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    return "".join(c["text"] for c in chunks), [lp for c in chunks for lp in c["logprobs"]["token_logprobs"]]
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/disagg/stats", timeout=5).json()
+
+
+def test_the_proxy_answers_as_the_single_server_with_the_prompt_prefilled_elsewhere(servers):
+    single, prefill, decode, url = servers
+    before = stats(url)["disaggregated"]
+    assert streamed(url, BODY) == streamed(single.url, BODY)
+    whole = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
+    reference = httpx.post(f"{single.url}/v1/completions", json=BODY, timeout=60).json()
+    assert whole["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert whole["choices"][0]["logprobs"]["token_logprobs"] == reference["choices"][0]["logprobs"]["token_logprobs"]
+    prompt_tokens = whole["usage"]["prompt_tokens"]
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 4 * 4
+    chat = dict(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0)
+    assert (httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["message"]
+            == httpx.post(f"{single.url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["message"])
+    assert stats(url)["disaggregated"] == before + 3
+
+
+def test_without_the_prefill_server_the_decode_server_prefills_and_answers_the_same(servers):
+    single, prefill, decode, url = servers
+    body = {**BODY, "prompt": PROMPT + " again"}
+    reference = streamed(single.url, body)
+    prefill.stop()
+    before = stats(url)["local_prefill"]
+    assert streamed(url, body) == reference
+    assert stats(url)["local_prefill"] == before + 1
