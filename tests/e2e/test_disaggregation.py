@@ -4,14 +4,16 @@ streamed or not, with the prompt computed on the prefill server; without it, sti
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from e2e.server_harness import HOST, ServerProcess, free_port, sse_events
+from e2e.server_harness import HOST, ServerProcess, free_port, metric, metric_samples, sse_events
 from helpers.tiny_models import make_tiny_hf_model
 
 PROMPT = "The lighthouse keeper counted the ships that passed in the night, one by one, until dawn came"
@@ -80,6 +82,48 @@ def test_the_proxy_answers_as_the_single_server_with_the_prompt_prefilled_elsewh
     assert (httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["message"]
             == httpx.post(f"{single.url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["message"])
     assert stats(url)["disaggregated"] == before + 3
+
+
+def test_vllm_router_drives_the_pair_as_it_drives_vllm(servers, tmp_path):
+    """vllm-router's P/D mode sends do_remote_decode to the prefill server and its answer's
+    kv_transfer_params to the decode server: the prompt comes from the transfer, the answer is the same."""
+    single, prefill, decode, url = servers
+    router_port = free_port()
+    binary = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    router = subprocess.Popen([binary, "--host", HOST, "--port", str(router_port), "--vllm-pd-disaggregation",
+                               "--prefill", prefill.url, "--decode", decode.url],
+                              stdout=open(tmp_path / "router.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        body = {**BODY, "prompt": PROMPT + " through the router"}
+        reference = httpx.post(f"{single.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                answer = httpx.post(f"http://{HOST}:{router_port}/v1/completions", json=body, timeout=60)
+                if answer.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "router.log").read_text(errors="replace")[-2000:]
+            time.sleep(0.3)
+        hits = prefix_hits(decode)
+        answer = httpx.post(f"http://{HOST}:{router_port}/v1/completions", json={**body, "prompt": body["prompt"] + "!"},
+                            timeout=60).json()["choices"][0]
+        again = httpx.post(f"{single.url}/v1/completions", json={**body, "prompt": body["prompt"] + "!"},
+                           timeout=60).json()["choices"][0]
+        assert answer["text"] == again["text"]
+        # the router re-encodes the JSON, which may move a float's last printed digit
+        assert answer["logprobs"]["token_logprobs"] == pytest.approx(again["logprobs"]["token_logprobs"], abs=1e-12)
+        prompt_tokens = len(httpx.post(f"{single.url}/tokenize", json={"prompt": body["prompt"] + "!"}).json()["tokens"])
+        assert prefix_hits(decode) - hits == (prompt_tokens - 1) // 4 * 4  # every full block was transferred
+        assert reference["text"]  # the warm-up request was answered too
+    finally:
+        router.kill()
+        router.wait()
+
+
+def prefix_hits(server: ServerProcess) -> float:
+    return metric(metric_samples(server.url), "tokenmill:prefix_cache_hits_total")
 
 
 def test_without_the_prefill_server_the_decode_server_prefills_and_answers_the_same(servers):

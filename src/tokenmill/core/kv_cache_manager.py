@@ -71,7 +71,7 @@ class KVCacheManager:
         self._pending_loads: list[tuple[int, int]] = []
         # Transferred blocks (prefill/decode disaggregation): adopted blocks wait, held by a pin, for the
         # runner to read their file before the next step's forward pass; exports are written after it.
-        self._pending_imports: list[tuple[str, list[int]]] = []
+        self._pending_imports: list[tuple[str, list[int], list[int]]] = []
         self._pending_exports: list[tuple[str, list[int]]] = []
         self._pins: list[int] = []
         # blocks made findable and evicted, for KV-cache events (drained by the engine every step)

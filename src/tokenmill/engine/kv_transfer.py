@@ -138,6 +138,8 @@ class KVTransfers:
         blocks = description.get("num_blocks")
         if not isinstance(blocks, int) or not 0 < blocks <= (request.num_prompt_tokens - 1) // self.kv_cache.block_size:
             raise TransferRefused(f"it holds {blocks} blocks, more than this prompt's full blocks")
+        if len(data) != blocks * self.fingerprint["block_bytes"]:
+            raise TransferRefused(f"it has {len(data)} bytes, not {blocks} blocks of this engine's layout")
         if len(data) != description.get("bytes") or zlib.crc32(data) != description.get("crc32"):
             raise TransferRefused("its data is incomplete or damaged (length or CRC-32)")
         own = [digest.hex() for digest, _ in self.kv_cache.prompt_keys(request, blocks)]
