@@ -46,17 +46,7 @@ class KVEventsConfig:
         """From JSON text or a mapping (None: disabled); ValueError names what is wrong."""
         if value is None:
             return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown keys {unknown}; known: {sorted(fields)}")
+        value = json_object_option(value, "kv_events_config", {f.name for f in dataclasses.fields(cls)})
         config = cls(**value)
         config._check()
         return config
@@ -86,6 +76,22 @@ class KVEventsConfig:
             return self
         return dataclasses.replace(self, endpoint=offset_endpoint(self.endpoint, rank),
                                    replay_endpoint=offset_endpoint(self.replay_endpoint, rank))
+
+
+def json_object_option(value: Union[str, Mapping[str, Any]], name: str, known: set[str]) -> Mapping[str, Any]:
+    """A JSON-object option (`--kv-events-config`, `--kv-transfer-config`) given as text or a mapping,
+    as a mapping with only `known` keys; ValueError naming the option and what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; known: {sorted(known)}")
+    return value
 
 
 def offset_endpoint(endpoint: Optional[str], rank: int) -> Optional[str]:

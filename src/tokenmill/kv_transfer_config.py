@@ -9,9 +9,10 @@ of a request that asks `kv_transfer_params: {"do_remote_decode": true}` into tha
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
+
+from tokenmill.kv_events_config import json_object_option
 
 CONNECTORS = ("SharedStorageConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -40,17 +41,7 @@ class KVTransferConfig:
         """From JSON text or a mapping (None: no transfer); ValueError names what is wrong."""
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError("kv_transfer_config must be a JSON object")
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {sorted(known)}")
+        value = json_object_option(value, "kv_transfer_config", {"kv_connector", "kv_role", "kv_connector_extra_config"})
         connector, role = value.get("kv_connector"), value.get("kv_role", "kv_both")
         if connector not in CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector must be one of {CONNECTORS}, got {connector!r}")
