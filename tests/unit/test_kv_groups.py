@@ -61,7 +61,7 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_still_sees():
     prompt = [(i * 7) % 300 + 3 for i in range(40)]
     scheduler.add_request(make_request("a", 0, prompt=prompt, max_tokens=20))
     first_outputs = run_to_completion(scheduler, runner)
-    keys = kv._prefix_keys(make_request("x", 0, prompt=prompt + [1]), 41)
+    keys = kv.block_keys.leading(make_request("x", 0, prompt=prompt + [1]), 41)
     # the sliding group's early blocks went back to the pool while "a" ran, before its other blocks:
     # evicting up to them leaves every block "a" released at its end cached
     early = [kv.pool.lookup((1, key)) for key in keys[:3]]

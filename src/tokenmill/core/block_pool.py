@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Hashable, Optional
 
-BlockKey = Hashable  # identifies a full block's content: see KVCacheManager.block_key
+BlockKey = Hashable  # identifies a full block's content: see core/block_keys.py
 
 
 class BlockPool:

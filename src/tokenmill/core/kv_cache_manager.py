@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
-from tokenmill.core.block_hash import hash_block, none_hash, resolve_seed, salt_keys
-from tokenmill.core.block_pool import BlockKey, BlockPool
+from tokenmill.core.block_keys import BlockKey, BlockKeys, CachedSequence
+from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_events import KVEventLog
 from tokenmill.core.secondary_tier import SecondaryTier
-
-if TYPE_CHECKING:
-    from tokenmill.sampling_params import SamplingParams
-
-
-class CachedSequence(Protocol):
-    """What the manager needs of a request to cache its blocks."""
-
-    request_id: str
-    num_computed_tokens: int
-    num_tokens: int
-    sampling_params: SamplingParams  # its cache_salt keeps the request's blocks apart from unsalted ones
-
-    def token_ids_range(self, start: int, end: int) -> list[int]: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,11 +42,10 @@ class KVCacheManager:
         self.tables: dict[str, list[list[int]]] = {}
         self.released: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
-        self._none_hash = none_hash(resolve_seed(hash_seed))  # see core/block_hash.py
+        self.block_keys = BlockKeys(block_size, hash_seed)
         # keys of each request's leading full blocks whose content is known (computed or cache hit);
         # group g's block of content key k is cached in the pool (and the tier) under (g, k)
         self._keys: dict[str, list[BlockKey]] = {}
-        self._lookup_memo: dict[str, tuple[int, list[BlockKey]]] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found (in either tier)
         # Second tier: cached blocks evicted from the pool are copied there and copied back on a hit.
@@ -178,21 +163,8 @@ class KVCacheManager:
             self._record_stored(request_id, group, keys, loaded)
 
     def _record_stored(self, request_id: str, group: int, keys: Sequence[BlockKey], indices: Sequence[int]) -> None:
-        """Record that group `group`'s blocks of the request at `indices` (ascending) became findable:
-        one event per run of consecutive blocks."""
-        if self.events is None:
-            return
-        salt = self._salts.get(request_id)
-        runs: list[list[int]] = []
-        for index in indices:
-            if runs and runs[-1][-1] == index - 1:
-                runs[-1].append(index)
-            else:
-                runs.append([index])
-        for run in runs:
-            first = run[0]
-            self.events.stored(group, [keys[i] for i in run], keys[first - 1][0] if first else None,
-                               [salt_keys(salt) if i == 0 else None for i in run])
+        if self.events is not None:
+            self.events.stored_runs(group, keys, indices, self._salts.get(request_id))
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks of windowed groups that no query from position `num_computed_tokens` on can
@@ -274,29 +246,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix cache
     def block_key(self, parent: BlockKey, token_ids: Sequence[int], request_salt: Optional[str] = None) -> BlockKey:
-        """The content key of a full block: its hash, chained over every earlier block from the seed's
-        root (and the request's cache salt, for the first block) as vLLM computes it (core/block_hash.py),
-        paired with the block's own token ids so a hit is verified token by token. Requests with
-        different salts never share."""
-        if parent is not None:
-            digest = hash_block(parent[0], token_ids)
-        else:
-            digest = hash_block(self._none_hash, token_ids, salt_keys(request_salt))
-        return (digest, tuple(token_ids))
-
-    def _prefix_keys(self, request: CachedSequence, num_tokens: int) -> list[BlockKey]:
-        """Keys of the request's full blocks before its last token (memoised while it waits)."""
-        memo = self._lookup_memo.get(request.request_id)
-        if memo is not None and memo[0] == num_tokens:
-            return memo[1]
-        keys: list[BlockKey] = []
-        for index in range((num_tokens - 1) // self.block_size):
-            start = index * self.block_size
-            keys.append(self.block_key(keys[-1] if keys else None,
-                                       request.token_ids_range(start, start + self.block_size),
-                                       request.sampling_params.cache_salt))
-        self._lookup_memo[request.request_id] = (num_tokens, keys)
-        return keys
+        """The content key of a full block (core/block_keys.py)."""
+        return self.block_keys.key(parent, token_ids, request_salt)
 
     def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[list[Optional[int]]], int]:
         """Per group, the cached blocks of the longest cached prefix of the request's first `num_tokens`
@@ -307,25 +258,19 @@ class KVCacheManager:
         """
         blocks, num_hit = self._cached_blocks(request, num_tokens)
         if num_hit:
-            self._keys[request.request_id] = self._prefix_keys(request, num_tokens)[:num_hit]
+            self._keys[request.request_id] = self.block_keys.leading(request, num_tokens)[:num_hit]
             self._salts[request.request_id] = request.sampling_params.cache_salt
         return blocks, num_hit * self.block_size
 
     def prompt_keys(self, request: CachedSequence, num_blocks: int) -> list[BlockKey]:
-        """Keys of the request's first `num_blocks` full blocks (computed afresh, nothing memoised)."""
-        keys: list[BlockKey] = []
-        for index in range(num_blocks):
-            start = index * self.block_size
-            keys.append(self.block_key(keys[-1] if keys else None,
-                                       request.token_ids_range(start, start + self.block_size),
-                                       request.sampling_params.cache_salt))
-        return keys
+        """Keys of the request's first `num_blocks` full blocks."""
+        return self.block_keys.first(request, num_blocks)
 
     def prefix_keys_between(self, request: CachedSequence, start: int, end: int) -> list[BlockKey]:
         """Keys of a waiting request's full blocks lying in tokens [start, end) (none when caching is off)."""
         if not self.enable_prefix_caching:
             return []
-        keys = self._prefix_keys(request, request.num_tokens)
+        keys = self.block_keys.leading(request, request.num_tokens)
         return keys[start // self.block_size:end // self.block_size]
 
     def num_cached_tokens(self, request: CachedSequence, num_tokens: int) -> int:
@@ -345,7 +290,7 @@ class KVCacheManager:
         full group holds whole and every windowed group holds from its next query's window on."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.windows], 0
-        keys = self._prefix_keys(request, num_tokens)
+        keys = self.block_keys.leading(request, num_tokens)
         found: list[list[Optional[int]]] = [[] for _ in self.windows]
         longest = len(keys)
         for group, window in enumerate(self.windows):  # full groups: the hit ends at the first miss
@@ -369,7 +314,7 @@ class KVCacheManager:
 
     def record_lookup(self, request_id: str, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's prefix-cache lookup (for the hit-rate metrics)."""
-        self._lookup_memo.pop(request_id, None)
+        self.block_keys.forget(request_id)
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
@@ -384,17 +329,12 @@ class KVCacheManager:
         released = self.released[request.request_id]
         full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         first_new = len(keys)
+        self.block_keys.extend(keys, request, full)
         registered: list[list[int]] = [[] for _ in tables]
-        while len(keys) < full:
-            index = len(keys)
-            start = index * self.block_size
-            key = self.block_key(keys[-1] if keys else None,
-                                 request.token_ids_range(start, start + self.block_size),
-                                 request.sampling_params.cache_salt)
+        for index in range(first_new, len(keys)):
             for group, table in enumerate(tables):
-                if index >= released[group] and self.pool.register(table[index], (group, key)):
+                if index >= released[group] and self.pool.register(table[index], (group, keys[index])):
                     registered[group].append(index)
-            keys.append(key)
         if self.events is not None and len(keys) > first_new:
             self._salts[request.request_id] = request.sampling_params.cache_salt
             for group, indices in enumerate(registered):
@@ -418,7 +358,7 @@ class KVCacheManager:
         released = self.released.pop(request_id, None)
         self._keys.pop(request_id, None)
         self._salts.pop(request_id, None)
-        self._lookup_memo.pop(request_id, None)
+        self.block_keys.forget(request_id)
         for group, table in enumerate(tables or ()):
             self.pool.release(table[released[group]:])
 

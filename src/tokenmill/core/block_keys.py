@@ -1,0 +1,71 @@
+"""Content keys of requests' full blocks, which the prefix cache and the second tier are indexed by (no torch).
+
+A key is (hash, token ids): the hash chained over every earlier block from the seed's root (and the
+request's cache salt, for the first block) as vLLM computes it (core/block_hash.py), the token ids so
+that a hit is verified token by token. Requests with different salts never share a key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable, Optional, Protocol, Sequence
+
+from tokenmill.core.block_hash import hash_block, none_hash, resolve_seed, salt_keys
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
+
+BlockKey = Hashable  # (hash bytes, token id tuple); None stands for "no parent" where a parent is asked
+
+
+class CachedSequence(Protocol):
+    """What the KV cache needs of a request to key and cache its blocks."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int
+    sampling_params: SamplingParams  # its cache_salt keeps the request's blocks apart from unsalted ones
+
+    def token_ids_range(self, start: int, end: int) -> list[int]: ...
+
+
+class BlockKeys:
+    """Computes block keys, and memoises a waiting request's leading keys until `forget`."""
+
+    def __init__(self, block_size: int, hash_seed: Optional[str] = None) -> None:
+        self.block_size = block_size
+        self._root = none_hash(resolve_seed(hash_seed))
+        self._memo: dict[str, tuple[int, list[BlockKey]]] = {}
+
+    def key(self, parent: BlockKey, token_ids: Sequence[int], request_salt: Optional[str] = None) -> BlockKey:
+        """The key of a full block of `token_ids` after the block keyed `parent` (None for a first block)."""
+        if parent is not None:
+            digest = hash_block(parent[0], token_ids)
+        else:
+            digest = hash_block(self._root, token_ids, salt_keys(request_salt))
+        return (digest, tuple(token_ids))
+
+    def extend(self, keys: list[BlockKey], request: CachedSequence, count: int) -> list[BlockKey]:
+        """`keys` (the request's first keys) grown in place to its first `count` keys."""
+        while len(keys) < count:
+            start = len(keys) * self.block_size
+            keys.append(self.key(keys[-1] if keys else None, request.token_ids_range(start, start + self.block_size),
+                                 request.sampling_params.cache_salt))
+        return keys
+
+    def first(self, request: CachedSequence, num_blocks: int) -> list[BlockKey]:
+        """Keys of the request's first `num_blocks` full blocks (computed afresh)."""
+        return self.extend([], request, num_blocks)
+
+    def leading(self, request: CachedSequence, num_tokens: int) -> list[BlockKey]:
+        """Keys of the full blocks before the last of the request's first `num_tokens` tokens (what a
+        prefix hit can cover), memoised while the request waits."""
+        memo = self._memo.get(request.request_id)
+        if memo is not None and memo[0] == num_tokens:
+            return memo[1]
+        keys = self.first(request, (num_tokens - 1) // self.block_size)
+        self._memo[request.request_id] = (num_tokens, keys)
+        return keys
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's memo (admitted or gone)."""
+        self._memo.pop(request_id, None)
