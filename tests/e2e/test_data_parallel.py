@@ -1,6 +1,6 @@
 """`tokenmill serve --data-parallel-size 2`: one port, two replicas; requests sharing a prefix go to the
 replica that caches it, load spreads over both, and a killed replica stops getting requests at once
-while its in-flight requests end cleanly or are answered by the other."""
+while its in-flight requests end cleanly or are answered by the other — then comes back."""
 
 from __future__ import annotations
 
@@ -124,6 +124,10 @@ def test_a_killed_replica_stops_getting_requests_and_its_requests_end_cleanly(fr
         worker.start()
     wait_for_metrics(front.url, lambda s: metric(s, "tokenmill_dp_replica_up", engine="1") == 0, timeout=5)
     noticed = time.monotonic() - killed_at
+    before = routed(front.url)
+    for i in range(3):  # at once, long before the dead replica can be back
+        complete(front.url, [400 + i] * 6)
+    after = routed(front.url)
     for worker in workers + late:
         worker.join(60)
     assert noticed < 1.0, f"the front noticed the dead replica after {noticed:.2f}s"
@@ -133,9 +137,13 @@ def test_a_killed_replica_stops_getting_requests_and_its_requests_end_cleanly(fr
     for events in streams:
         assert events[-1] == "[DONE]"  # every stream ends, with an error event or its whole answer
     assert all(a["choices"][0]["text"] == reference for a in answers)  # retried or not, the same answer
-    before = routed(front.url)
-    for i in range(3):
-        complete(front.url, [400 + i] * 6)
-    after = routed(front.url)
     assert after["1"] == before["1"] and after["0"] == before["0"] + 3
     assert httpx.get(f"{front.url}/health").status_code == 200  # one replica is still up
+
+
+def test_a_replica_that_died_is_started_again_and_takes_requests(front):
+    """(After the test above killed replica 1.)"""
+    samples = wait_for_metrics(front.url, lambda s: metric(s, "tokenmill_dp_replica_up", engine="1") == 1,
+                               timeout=120)
+    assert metric(samples, "tokenmill_dp_replica_restarts_total", engine="1") == 1
+    test_concurrent_requests_without_a_shared_prefix_use_both_replicas(front)

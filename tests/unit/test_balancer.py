@@ -72,6 +72,7 @@ class Proc:
 
     def __init__(self, rank: int, url: str) -> None:
         self.rank, self.url, self.exited = rank, url, None
+        self.ever_healthy = False
 
 
 @pytest.fixture

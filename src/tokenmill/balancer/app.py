@@ -6,7 +6,9 @@ down and the request is retried on another (the engines are deterministic: a ret
 answers the same); one that answers 429 is tried after the others. Once bytes have been passed on, a
 failure ends that response with an OpenAI error (an SSE error event when streaming). Replicas are
 watched every `_WATCH_INTERVAL_S`: one whose process ended, or whose /health fails, takes no requests
-until /health answers again.
+until /health answers again. A replica that was up and died is started again after 2 s, doubling up to
+60 s for one that keeps dying; one that never came up is not (its start itself fails), and the front
+gives up when every replica is in that state.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 import httpx
@@ -32,6 +35,7 @@ from tokenmill.balancer.replicas import ReplicaProcess
 logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.2
+_FIRST_RESTART_DELAY_S, _MAX_RESTART_DELAY_S = 2.0, 60.0  # a replica that keeps dying is restarted less often
 _HEALTH_TIMEOUT_S = 2.0
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -78,6 +82,8 @@ class BalancerMetrics:
                                "failed before answering", ["engine"], registry=self.registry)
         self.prefix_tokens = Counter("tokenmill_dp_prefix_matched_tokens", "prompt tokens routed to a replica "
                                      "whose prefix cache held them", ["engine"], registry=self.registry)
+        self.restarts = Counter("tokenmill_dp_replica_restarts", "times the replica was started again after it "
+                                "died", ["engine"], registry=self.registry)
         self.outstanding = Gauge("tokenmill_dp_outstanding_tokens", "prompt + max_tokens of the requests the "
                                  "replica is serving", ["engine"], registry=self.registry)
 
@@ -109,27 +115,42 @@ class _Fixed:
 
 def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prompts: PromptReader,
                        max_body_bytes: int, on_all_exited: Callable[[], None]) -> Starlette:
-    """The front's HTTP application; it watches the replicas while it runs, and calls `on_all_exited`
-    once every replica process has ended."""
+    """The front's HTTP application; it watches (and restarts) the replicas while it runs, and calls
+    `on_all_exited` once every replica has ended without ever coming up."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0), limits=httpx.Limits(max_connections=None))
     metrics = BalancerMetrics()
 
     async def watch() -> None:
         while True:
             await asyncio.gather(*(_check(p) for p in processes))
-            if all(p.exited is not None for p in processes):
+            if all(p.exited is not None and not p.ever_healthy for p in processes):
                 on_all_exited()
                 return
             await asyncio.sleep(_WATCH_INTERVAL_S)
 
+    def _restart_if_due(process: ReplicaProcess) -> None:
+        now = time.monotonic()
+        if process.restart_at is None:
+            process.restart_at = now + min(_MAX_RESTART_DELAY_S, _FIRST_RESTART_DELAY_S * 2 ** process.restarts)
+            logger.warning("replica %d exited with code %s; starting it again in %.0f s", process.rank,
+                           process.exited, process.restart_at - now)
+        elif now >= process.restart_at:
+            process.restart_at = None
+            process.restarts += 1
+            metrics.restarts.labels(str(process.rank)).inc()
+            process.start()
+
     async def _check(process: ReplicaProcess) -> None:
         if process.exited is not None:
             healthy = False
+            if process.ever_healthy:
+                _restart_if_due(process)
         else:
             try:
                 healthy = (await client.get(process.url + "/health", timeout=_HEALTH_TIMEOUT_S)).status_code == 200
             except httpx.HTTPError:
                 healthy = False
+        process.ever_healthy |= healthy
         if balancer.set_health(process.rank, healthy):
             logger.info("replica %d is %s", process.rank, "up" if healthy else
                         f"down (exit code {process.exited})" if process.exited is not None else "down")

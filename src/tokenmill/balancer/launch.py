@@ -26,8 +26,8 @@ def _free_ports(count: int) -> list[int]:
 
 
 def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Serve on server_config's port until SIGINT/SIGTERM, each request on one of the replicas; exit 3
-    when every replica has died."""
+    """Serve on server_config's port until SIGINT/SIGTERM, each request on one of the replicas (a replica
+    that dies is started again); exit 3 when every replica has failed to start."""
     import uvicorn
 
     from tokenmill.balancer.app import PromptReader, build_balancer_app
@@ -51,7 +51,7 @@ def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig) 
     servers: list[Any] = []
 
     def on_all_exited() -> None:
-        logger.error("every replica has exited; shutting the front down")
+        logger.error("no replica could start; shutting the front down")
         died.append(True)
         for running in servers:
             running.should_exit = True

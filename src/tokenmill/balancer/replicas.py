@@ -43,6 +43,9 @@ class ReplicaProcess:
     env: dict[str, str]
     events: Optional[EventSource]
     proc: Optional[subprocess.Popen] = None
+    ever_healthy: bool = False  # a replica that never came up is not restarted: its start itself fails
+    restarts: int = 0
+    restart_at: Optional[float] = None  # when a replica that died is started again (time.monotonic())
 
     @property
     def url(self) -> str:
