@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HTTPRoute
 
+from tokenmill.balancer.forwarding import answer_headers, request_headers
 from tokenmill.balancer.policy import Balancer, Replica, Route
 from tokenmill.balancer.replicas import ReplicaProcess
 
@@ -38,7 +39,6 @@ _WATCH_INTERVAL_S = 0.2
 _FIRST_RESTART_DELAY_S, _MAX_RESTART_DELAY_S = 2.0, 60.0  # a replica that keeps dying is restarted less often
 _HEALTH_TIMEOUT_S = 2.0
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 _DEFAULT_MAX_TOKENS = 256  # charged for a request that does not say (its real length is unknown)
 
 
@@ -183,7 +183,7 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
         body = await request.body()
         if len(body) > max_body_bytes:
             return _error(413, f"the request body is larger than {max_body_bytes} bytes", "invalid_request_error")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = request_headers(request)
         path = request.url.path
         url_tail = path + (f"?{request.url.query}" if request.url.query else "")
         if request.method == "POST" and path in _GENERATION_PATHS:
@@ -194,7 +194,7 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
         try:
             answer = await client.request(request.method, route.replica.url + url_tail, headers=headers,
                                           content=body)
-            return Response(answer.content, answer.status_code, _pass_headers(answer))
+            return Response(answer.content, answer.status_code, answer_headers(answer))
         except httpx.HTTPError as exc:
             return _error(502, f"replica {route.replica.rank} failed: {exc.__class__.__name__}")
         finally:
@@ -218,7 +218,7 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
             route = balancer.choose(token_ids, max_tokens, salt, frozenset(tried))
             if route is None:
                 if busy is not None:
-                    return Response(busy.content, busy.status_code, _pass_headers(busy))
+                    return Response(busy.content, busy.status_code, answer_headers(busy))
                 return _error(503, "no replica is up" if not tried else
                               f"every replica failed ({len(tried)} tried)")
             rank = str(route.replica.rank)
@@ -253,12 +253,12 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
                 finally:
                     await answer.aclose()
                 balancer.done(route)
-                return Response(content, answer.status_code, _pass_headers(answer))
-            return StreamingResponse(_relay(answer, route), answer.status_code, _pass_headers(answer))
+                return Response(content, answer.status_code, answer_headers(answer))
+            return StreamingResponse(_relay(answer, route), answer.status_code, answer_headers(answer))
 
     async def _relay(answer: httpx.Response, route: Route) -> AsyncIterator[bytes]:
         try:
-            async for chunk in answer.aiter_raw():
+            async for chunk in answer.aiter_bytes():
                 yield chunk
         except httpx.HTTPError as exc:
             balancer.set_health(route.replica.rank, False)
@@ -275,6 +275,3 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
               HTTPRoute("/{path:path}", proxy, methods=["GET", "POST", "DELETE", "PUT"])]
     return Starlette(routes=routes, lifespan=lifespan)
 
-
-def _pass_headers(answer: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS | {"content-encoding"}}

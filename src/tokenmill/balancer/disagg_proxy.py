@@ -23,10 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tokenmill.balancer.forwarding import answer_headers, request_headers
+
 logger = logging.getLogger(__name__)
 
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive", "content-encoding"}
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> Starlette:
             try:
                 answer = await client.post(prefill_url + request.url.path, json=prefill_body(payload), headers=headers)
                 if 400 <= answer.status_code < 500:
-                    return Response(answer.content, answer.status_code, _pass_headers(answer))
+                    return Response(answer.content, answer.status_code, answer_headers(answer))
                 if answer.status_code == 200:
                     transfer = answer.json().get("kv_transfer_params")
             except (httpx.HTTPError, ValueError) as exc:
@@ -84,16 +85,16 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> Starlette:
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in answer.aiter_raw():
+                async for chunk in answer.aiter_bytes():
                     yield chunk
             finally:
                 await answer.aclose()
 
-        return StreamingResponse(relay(), answer.status_code, _pass_headers(answer))
+        return StreamingResponse(relay(), answer.status_code, answer_headers(answer))
 
     async def proxy(request: Request) -> Response:
         body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = request_headers(request)
         if request.method == "POST" and request.url.path in _GENERATION_PATHS:
             return await generate(request, headers, body)
         return await forward(request, headers, body)
@@ -105,9 +106,6 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> Starlette:
               Route("/{path:path}", proxy, methods=["GET", "POST", "DELETE", "PUT"])]
     return Starlette(routes=routes, lifespan=lifespan)
 
-
-def _pass_headers(answer: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
 def add_disagg_proxy_parser(sub: argparse._SubParsersAction) -> None:
