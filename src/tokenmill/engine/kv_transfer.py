@@ -108,17 +108,17 @@ class KVTransfers:
         """Take a consumer request's transferred blocks into the prefix cache; how many prompt tokens they
         cover (0 when the transfer was refused: the request prefills locally)."""
         try:
-            path, blocks = self._checked(request, params)
+            path, keys = self._checked(request, params)
         except TransferRefused as exc:
             self.num_refused += 1
             logger.warning("request %s prefills locally: its KV transfer is unusable (%s)", request.request_id, exc)
             return 0
-        keys = self.kv_cache.prompt_keys(request, blocks)
         adopted = self.kv_cache.adopt(request.request_id, keys, path, request.sampling_params.cache_salt)
         self.num_imported += 1
         return adopted * self.kv_cache.block_size
 
-    def _checked(self, request: Request, params: dict[str, Any]) -> tuple[str, int]:
+    def _checked(self, request: Request, params: dict[str, Any]) -> tuple[str, list]:
+        """The transfer file and the keys of the prompt blocks it holds, or TransferRefused saying why."""
         path = params.get("remote_kv_path")
         if not isinstance(path, str) or os.path.dirname(os.path.abspath(path)) != os.path.abspath(
                 self.config.shared_storage_path):
@@ -142,7 +142,7 @@ class KVTransfers:
             raise TransferRefused(f"it has {len(data)} bytes, not {blocks} blocks of this engine's layout")
         if len(data) != description.get("bytes") or zlib.crc32(data) != description.get("crc32"):
             raise TransferRefused("its data is incomplete or damaged (length or CRC-32)")
-        own = [digest.hex() for digest, _ in self.kv_cache.prompt_keys(request, blocks)]
-        if own != description.get("block_hashes"):
+        keys = self.kv_cache.prompt_keys(request, blocks)
+        if [digest.hex() for digest, _ in keys] != description.get("block_hashes"):
             raise TransferRefused("its blocks hold another prompt")
-        return path, blocks
+        return path, keys
