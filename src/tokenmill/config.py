@@ -17,6 +17,7 @@ LINEAR_KERNELS = ("auto", "dense")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -34,6 +35,10 @@ class ModelConfig:
     max_model_len: Optional[int] = _opt(None, "longest sequence (prompt + output) in tokens; "
                                         "default: the model's context length")
     device: str = _opt("auto", "where to run: cuda if available when auto", choices=DEVICES)
+    runner: str = _opt("auto", "what the model does: generate (text), pooling (embeddings, score and rerank: "
+                       "/v1/embeddings, /v1/score, /v1/rerank; float32 unless --dtype says otherwise); auto = "
+                       "pooling for encoders (BertModel, XLMRobertaModel, ...) and folders with "
+                       "sentence-transformers modules, else generate", choices=RUNNERS)
     seed: int = _opt(0, "seed of the global sampling generator (requests without their own seed)")
     linear_kernel: str = _opt("auto", "how linear layers multiply; auto = weights packed once for oneDNN "
                               "when computing in bfloat16 on CPU and native kernels for quantised weights, "
@@ -59,6 +64,14 @@ class ModelConfig:
                              "32-weight block at load time (the embedding and LM head to int8)",
                              choices=QUANTIZATIONS)
 
+    def runs_pooling(self) -> bool:
+        """Whether this model embeds (the pooling runner) rather than generates; ValueError if the path is bad."""
+        if self.runner != "auto":
+            return self.runner == "pooling"
+        from tokenmill.models.loader.resolve import resolve_model_path
+        from tokenmill.pooling.model import is_pooling_model
+        return is_pooling_model(resolve_model_path(self.model))
+
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
         if self.quantization not in QUANTIZATIONS:
@@ -70,6 +83,8 @@ class ModelConfig:
             raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

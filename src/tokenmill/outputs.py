@@ -89,3 +89,37 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids,
                          [samples[i] for i in sorted(samples)], newer.finished, prompt_logprobs,
                          newer.metrics, newer.error, True, newer.kv_transfer_params)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's vector."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt, shaped like vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's similarity."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one (text_1, text_2) pair, shaped like vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -92,3 +92,39 @@ def make_tiny_hf_model(
     model.save_pretrained(path, max_shard_size="1MB" if sharded else "10GB")
     smollm2_tokenizer().save_pretrained(path)
     return path
+
+
+def make_tiny_embedding_model(dir: str | Path, arch: str = "bert", pooling: str = "mean", normalize: bool = True,
+                              **config_overrides: Any) -> Path:
+    """Save a tiny random sentence-transformers model in `dir`, written by sentence-transformers itself:
+    a BERT encoder (all-MiniLM-L6-v2's tokenizer) or a decoder of `arch` (the SmolLM2 tokenizer), then
+    Pooling (`pooling`: mean, cls or lasttoken) and, with `normalize`, Normalize. Seeded."""
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoConfig, AutoModel
+
+    path = Path(dir)
+    network = path / "network"
+    if arch == "bert":
+        config = AutoConfig.for_model("bert", vocab_size=30522, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                                      **config_overrides)
+        tokenizer_source = resolve_model_path("all-minilm-l6-v2")
+    else:
+        config = AutoConfig.for_model(arch, **{**_BASE_CONFIG, **_ARCH_CONFIG[arch], **config_overrides})
+        tokenizer_source = None
+    torch.manual_seed(0)
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(network)
+    if tokenizer_source is None:  # without its chat template: sentence-transformers 6 would wrap texts in it
+        import copy
+        tokenizer = copy.deepcopy(smollm2_tokenizer())
+        tokenizer.chat_template = None
+        tokenizer.save_pretrained(network)
+    else:
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(network)
+    transformer = models.Transformer(str(network))
+    modules = [transformer, models.Pooling(config.hidden_size, pooling_mode=pooling)]
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(path))
+    return path

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                               ScoringRequestOutput)
 from tokenmill.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenmill.pooling.model import EmbeddingModel
+
+_EMBED_BATCH = 256  # inputs per encode call of LLM.embed
 PromptType = Union[str, list[int], dict[str, Any]]
 Messages = list[dict[str, Any]]
 
@@ -24,8 +29,17 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **engine_options: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
         self._ids = itertools.count()
+        self.embedder: Optional[EmbeddingModel] = None  # an embedding model's (runner "pooling")
+        self.llm_engine: Optional[LLMEngine] = None  # a generative model's
+        if config.model.runs_pooling():
+            from tokenmill.pooling.model import load_embedding_model
+            m = config.model
+            self.embedder = load_embedding_model(m.model, m.dtype, m.device, m.max_model_len, m.attention_backend,
+                                                 any_decoder=m.runner == "pooling")
+        else:
+            self.llm_engine = LLMEngine(config)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
@@ -36,38 +50,55 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes, if it has any (they also stop when this process exits)."""
-        self.llm_engine.shutdown()
+        if self.llm_engine is not None:
+            self.llm_engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         """The model's (Hugging Face) tokenizer."""
-        return self.llm_engine.tokenizer
+        return self.embedder.tokenizer if self.embedder is not None else self.llm_engine.tokenizer
 
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
-                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
-        """Complete every prompt; returns one finished RequestOutput per prompt, in order.
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], dimensions: Optional[int] = None,
+              truncate_prompt_tokens: Optional[int] = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (pooled and normalised as the model's sentence-transformers files say),
+        computed in batches of up to 256 inputs. `dimensions`: a matryoshka model's leading dimensions;
+        `truncate_prompt_tokens`: cut inputs to their first k tokens (-1: the model's limit)."""
+        embedder = self._embedding_model("embed")
+        sequences = embedder.input_tokens([_pooling_input(p) for p in _as_batch(prompts)], truncate_prompt_tokens)
+        for tokens in sequences:
+            embedder.check_tokens(tokens)
+        embedder.check_dimensions(dimensions)
+        vectors = [v for start in range(0, len(sequences), _EMBED_BATCH)
+                   for v in embedder.encode(sequences[start:start + _EMBED_BATCH], dimensions)]
+        return [EmbeddingRequestOutput(str(next(self._ids)), tokens, EmbeddingOutput(v.tolist()))
+                for tokens, v in zip(sequences, vectors)]
 
-        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
-        A list of ints is one tokenised prompt; a list of strings or of lists is a batch.
-        """
-        batch = _as_batch(prompts)
-        params = _params_per_prompt(sampling_params, len(batch))
-        priorities = list(priority) if priority is not None else [0] * len(batch)
-        if len(priorities) != len(batch):
-            raise ValueError(f"priority has {len(priorities)} entries for {len(batch)} prompts")
-        ids = []
-        try:
-            for prompt, p, prio in zip(batch, params, priorities):
-                request_id = str(next(self._ids))
-                text, token_ids = _split_prompt(prompt)
-                if token_ids is None and isinstance(prompt, dict) and not prompt.get("add_special_tokens", True):
-                    token_ids = self.llm_engine.tokenize(text, add_special_tokens=False)
-                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=token_ids, priority=prio)
-                ids.append(request_id)
-        except Exception:
-            self.llm_engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm)
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]],
+              truncate_prompt_tokens: Optional[int] = None) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each (text_1, text_2) pair: one text_1 against every text_2, or the
+        two lists pairwise (as vLLM scores with an embedding model)."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
+                             "many as text_2")
+        a = self.embed(first, truncate_prompt_tokens=truncate_prompt_tokens)
+        b = self.embed(second, truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ScoringRequestOutput(str(next(self._ids)), x.prompt_token_ids + y.prompt_token_ids,
+                                     ScoringOutput(_cosine(x.outputs.embedding, y.outputs.embedding)))
+                for x, y in zip(a, b)]
+
+    def _generating_model(self, method: str) -> LLMEngine:
+        if self.llm_engine is None:
+            raise ValueError(f"this is an embedding model (runner 'pooling'): use LLM.embed or LLM.score, not "
+                             f"LLM.{method}")
+        return self.llm_engine
+
+    def _embedding_model(self, method: str) -> EmbeddingModel:
+        if self.embedder is None:
+            raise ValueError(f"LLM.{method} needs an embedding model (runner 'pooling'); this model generates text")
+        return self.embedder
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -83,7 +114,7 @@ class LLM:
                             chat_template: Optional[str] = None) -> str:
         """The prompt text the model's chat template makes of `messages`."""
         tokenizer = self.get_tokenizer()
-        template = chat_template or self.llm_engine.source.chat_template
+        template = chat_template or self._generating_model("chat").source.chat_template
         if not template:
             raise ValueError("this model has no chat template; pass chat_template=... or use generate()")
         return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
@@ -139,3 +170,13 @@ def _split_prompt(prompt: PromptType) -> tuple[Optional[str], Optional[list[int]
     if isinstance(prompt, list):
         return None, prompt
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return sum(x * y for x, y in zip(a, b)) / norm if norm else 0.0
+
+
+def _pooling_input(prompt: PromptType) -> Union[str, list[int]]:
+    text, token_ids = _split_prompt(prompt)
+    return token_ids if token_ids is not None else text

@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -134,20 +134,16 @@ def rendered_params(body: Any, max_tokens: Optional[int]) -> dict[str, Any]:
                                                      "presence_penalty", "frequency_penalty")}
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional[str],
-              api_key: Optional[str] = None) -> FastAPI:
-    """The HTTP application over a running AsyncEngine; with `api_key`, every route but /health (and
-    /metrics, unless config.metrics_require_key) requires it."""
-    model_name = engine.model_name
+def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, tracing: bool,
+             fault: Callable[[], Optional[str]], model_card: Callable[[], dict[str, Any]],
+             render_metrics: Callable[[], bytes]) -> tuple[FastAPI, Callable[[Optional[str]], None]]:
+    """What every tokenmill server has, whatever its model does: the middleware (body limit, tracing, API
+    key), the OpenAI-shaped error handlers, /health (503 while `fault()` says why), /version,
+    /v1/models (`model_card()`'s fields) and /metrics. Returns the app and the check of a body's `model`."""
     app = FastAPI(title="tokenmill", version=__version__)
-    limits = RequestLimits.from_config(config)
-    completions = CompletionHandler(engine, model_name, limits)
-    chat = ChatHandler(engine, model_name, chat_template, limits)
     started = int(time.time())
-    live = EngineStream(engine)
-
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * (1 << 20)))
-    if engine.tracer is not None:
+    if tracing:
         app.add_middleware(TraceHeadersMiddleware)
     if api_key:  # added last, so it runs first: no body of an unauthenticated request is read
         open_paths = {"/health", *PAGES} | (set() if config.metrics_require_key else {"/metrics"})
@@ -195,9 +191,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_alive:
+        reason = fault()
+        if reason is None:
             return Response(status_code=200)
-        return _error(503, engine.fault or "the engine is not running", "service_unavailable")
+        return _error(503, reason, "service_unavailable")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -206,12 +203,42 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": started, "owned_by": "tokenmill",
-            "max_model_len": engine.engine.max_model_len}]}
+            "id": model_name, "object": "model", "created": started, "owned_by": "tokenmill", **model_card()}]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    return app, check_model
+
+
+def refuse(app: FastAPI, paths: tuple[str, ...], message: str) -> None:
+    """Answer POSTs to `paths` with a 400 saying `message` (routes of the other kind of model)."""
+    async def refused() -> None:
+        raise APIError(400, message, param="model")
+
+    for path in paths:
+        app.post(path, include_in_schema=False)(refused)
+
+
+POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional[str],
+              api_key: Optional[str] = None) -> FastAPI:
+    """The HTTP application over a running AsyncEngine; with `api_key`, every route but /health (and
+    /metrics, unless config.metrics_require_key) requires it."""
+    model_name = engine.model_name
+    limits = RequestLimits.from_config(config)
+    completions = CompletionHandler(engine, model_name, limits)
+    chat = ChatHandler(engine, model_name, chat_template, limits)
+    live = EngineStream(engine)
+    app, check_model = base_app(
+        config, api_key, model_name, engine.tracer is not None,
+        lambda: None if engine.is_alive else engine.fault or "the engine is not running",
+        lambda: {"max_model_len": engine.engine.max_model_len}, engine.metrics.render)
+    refuse(app, POOLING_PATHS, f"the model '{model_name}' generates text; it does not embed or score (serve an "
+                               "embedding model for /v1/embeddings, /v1/score and /v1/rerank)")
 
     mount_pages(app)
 

@@ -45,16 +45,20 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         for running in servers:
             running.should_exit = True
 
-    tracer = None
-    if server_config.otlp_traces_endpoint:
-        from tokenmill.engine.tracing import RequestTracer
-        tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
-    async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, limits, on_dead, tracer)
-    app = build_app(async_engine, server_config, async_engine.engine.source.chat_template, api_key)
+    if engine_config.model.runs_pooling():
+        app, stop_accepting, shutdown = _pooling_app(engine_config, server_config, name, api_key)
+    else:
+        tracer = None
+        if server_config.otlp_traces_endpoint:
+            from tokenmill.engine.tracing import RequestTracer
+            tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
+        async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, limits, on_dead, tracer)
+        app = build_app(async_engine, server_config, async_engine.engine.source.chat_template, api_key)
+        stop_accepting, shutdown = async_engine.stop_accepting, async_engine.shutdown
 
     class _GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            async_engine.stop_accepting()
+            stop_accepting()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="info",
@@ -70,9 +74,27 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the same graceful path, re-raised by uvicorn at its end
         pass
     finally:
-        async_engine.shutdown()
+        shutdown()
         signal.signal(signal.SIGTERM, previous)
     return _ENGINE_DEAD_EXIT if died else 0
+
+
+def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, api_key: Optional[str]):
+    """An embedding model's app, and its engine's stop-admitting and shutdown calls."""
+    from tokenmill.pooling.engine import PoolingEngine
+    from tokenmill.pooling.model import load_embedding_model
+    from tokenmill.server.pooling_app import build_pooling_app
+
+    model = engine_config.model
+    if server_config.otlp_traces_endpoint:
+        raise ValueError("--otlp-traces-endpoint traces generation requests; an embedding model's server has none")
+    embedder = load_embedding_model(model.model, model.dtype, model.device, model.max_model_len,
+                                    model.attention_backend, name, any_decoder=model.runner == "pooling")
+    logger.info("embedding model: %s", embedder.description)
+    sched = engine_config.scheduler
+    engine = PoolingEngine(embedder, sched.max_num_batched_tokens, sched.max_num_seqs,
+                           server_config.max_waiting_requests)
+    return build_pooling_app(engine, server_config, name, api_key), engine.stop_accepting, engine.shutdown
 
 
 def _exit_cleanly(sig: int, frame: Any) -> None:

@@ -38,6 +38,7 @@ __all__ = [
 
 _LM_HEAD = "lm_head.weight"
 _EMBEDDING = "model.embed_tokens.weight"
+_BASE_EMBEDDING = "embed_tokens.weight"
 
 
 @dataclass
@@ -71,14 +72,14 @@ class ModelSource:
 
 
 def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
-    def stored_dtype() -> str:
-        return SafetensorsWeights(folder).dtype_name_of(_EMBEDDING)
-
-    arch = arch_config_from_hf(folder, stored_dtype)
     weights = SafetensorsWeights(folder)
     names = weights.names
-    if _EMBEDDING not in names:
+    # a base model's checkpoint (Qwen3Model, as embedding models save it) names its tensors without
+    # "model.", which the decoder's loader drops anyway
+    embedding = _EMBEDDING if _EMBEDDING in names else _BASE_EMBEDDING
+    if embedding not in names:
         raise ValueError(f"{folder} has no {_EMBEDDING} tensor")
+    arch = arch_config_from_hf(folder, lambda: weights.dtype_name_of(embedding))
     if _LM_HEAD not in names and not arch.tie_word_embeddings:  # output layer = embedding
         arch = dataclasses.replace(arch, tie_word_embeddings=True)
     wanted = {

