@@ -99,7 +99,11 @@ def make_tiny_embedding_model(dir: str | Path, arch: str = "bert", pooling: str 
     """Save a tiny random sentence-transformers model in `dir`, written by sentence-transformers itself:
     a BERT encoder (all-MiniLM-L6-v2's tokenizer) or a decoder of `arch` (the SmolLM2 tokenizer), then
     Pooling (`pooling`: mean, cls or lasttoken) and, with `normalize`, Normalize. Seeded."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    try:
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers import models
     from transformers import AutoConfig, AutoModel
 
     path = Path(dir)

@@ -100,6 +100,34 @@ class LLM:
             raise ValueError(f"LLM.{method} needs an embedding model (runner 'pooling'); this model generates text")
         return self.embedder
 
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """Complete every prompt; returns one finished RequestOutput per prompt, in order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        A list of ints is one tokenised prompt; a list of strings or of lists is a batch.
+        """
+        self._generating_model("generate")
+        batch = _as_batch(prompts)
+        params = _params_per_prompt(sampling_params, len(batch))
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        if len(priorities) != len(batch):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(batch)} prompts")
+        ids = []
+        try:
+            for prompt, p, prio in zip(batch, params, priorities):
+                request_id = str(next(self._ids))
+                text, token_ids = _split_prompt(prompt)
+                if token_ids is None and isinstance(prompt, dict) and not prompt.get("add_special_tokens", True):
+                    token_ids = self.llm_engine.tokenize(text, add_special_tokens=False)
+                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=token_ids, priority=prio)
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

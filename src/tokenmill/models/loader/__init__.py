@@ -10,7 +10,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Optional
 
 import torch
 from tqdm import tqdm
@@ -72,14 +72,15 @@ class ModelSource:
 
 
 def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
+    def stored_dtype() -> str:
+        weights = SafetensorsWeights(folder)
+        return weights.dtype_name_of(_embedding_name(weights.names))
+
+    arch = arch_config_from_hf(folder, stored_dtype)
     weights = SafetensorsWeights(folder)
     names = weights.names
-    # a base model's checkpoint (Qwen3Model, as embedding models save it) names its tensors without
-    # "model.", which the decoder's loader drops anyway
-    embedding = _EMBEDDING if _EMBEDDING in names else _BASE_EMBEDDING
-    if embedding not in names:
+    if _embedding_name(names) not in names:
         raise ValueError(f"{folder} has no {_EMBEDDING} tensor")
-    arch = arch_config_from_hf(folder, lambda: weights.dtype_name_of(embedding))
     if _LM_HEAD not in names and not arch.tie_word_embeddings:  # output layer = embedding
         arch = dataclasses.replace(arch, tie_word_embeddings=True)
     wanted = {
@@ -97,6 +98,12 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         num_tensors=len(wanted),
         weight_stream=lambda keep_quantized: weights.iter_tensors(wanted),
     )
+
+
+def _embedding_name(names: Collection[str]) -> str:
+    """The embedding table's name: a base model's checkpoint (Qwen3Model, as embedding models save it) names
+    its tensors without "model.", which the decoder's loader drops anyway."""
+    return _EMBEDDING if _EMBEDDING in names else _BASE_EMBEDDING
 
 
 def _gguf_source(path: str, with_tokenizer: bool) -> ModelSource:
