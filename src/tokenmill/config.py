@@ -64,6 +64,14 @@ class ModelConfig:
                              "32-weight block at load time (the embedding and LM head to int8)",
                              choices=QUANTIZATIONS)
 
+    enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) next to the base model: requests pick "
+                             "one by its name as `model` (server) or with lora_request (LLM.generate)")
+    max_loras: int = _opt(1, "most LoRA adapters one step runs; requests of further adapters wait for a "
+                          "running adapter's requests to finish")
+    max_lora_rank: int = _opt(16, "largest LoRA rank an adapter may have (a larger one is refused)")
+    max_cpu_loras: Optional[int] = _opt(None, "most LoRA adapters loaded at once (default: 4 x max_loras, at "
+                                        "least 8); loading one more is refused until one is unloaded")
+
     def runs_pooling(self) -> bool:
         """Whether this model embeds (the pooling runner) rather than generates; ValueError if the path is bad."""
         if self.runner != "auto":
@@ -83,6 +91,10 @@ class ModelConfig:
             raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.device not in DEVICES:

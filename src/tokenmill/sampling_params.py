@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from tokenmill.core.block_hash import KeySalt
+from tokenmill.lora.request import LoRARequest
 from tokenmill.structured.spec import StructuredOutput
 
 _GREEDY_EPS = 1e-5
@@ -59,6 +61,9 @@ class SamplingParams:
     # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} on the prefill server,
     # the prefill answer's kv_transfer_params on the decode server (engine/kv_transfer.py)
     kv_transfer_params: Optional[dict] = None
+    # the LoRA adapter the request runs with (None: the base model); the engine sets it from the server's
+    # `model` or `LLM.generate(lora_request=...)`, and it travels with the request to the runner
+    lora_request: Optional[LoRARequest] = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +76,12 @@ class SamplingParams:
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    @property
+    def key_salt(self) -> KeySalt:
+        """What keeps this request's prefix-cache blocks apart: its cache salt and LoRA adapter."""
+        lora = self.lora_request
+        return KeySalt(self.cache_salt, (lora.lora_name, lora.lora_path) if lora is not None else None)
 
     def _validate(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")

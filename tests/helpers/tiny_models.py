@@ -132,3 +132,22 @@ def make_tiny_embedding_model(dir: str | Path, arch: str = "bert", pooling: str 
         modules.append(models.Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(path))
     return path
+
+
+def make_random_lora(base: str | Path, dir: str | Path, rank: int, targets: list[str], seed: int,
+                     std: float = 0.3) -> Path:
+    """Save a PEFT LoRA adapter of `base` (a tiny HF model folder) in `dir`: rank `rank` on `targets`,
+    lora_alpha 2 x rank, A and B drawn from N(0, std) (seeded), strong enough to change greedy output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    adapted = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                               lora_dropout=0.0, init_lora_weights=False))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    adapted.save_pretrained(str(dir))
+    return Path(dir)

@@ -1,8 +1,9 @@
 """Content hashes of full KV blocks, computed as vLLM does with `--prefix-caching-hash-algo sha256_cbor` (no torch).
 
 A block's hash is SHA-256 over the canonical CBOR encoding of (parent hash, the block's token ids,
-extra keys), where the first block's parent is `none_hash(seed)` and its extra keys carry the
-request's cache salt as `("cache_salt", salt)`. The hashes depend only on the seed and the tokens:
+extra keys), where the first block's parent is `none_hash(seed)`. A LoRA request's blocks all carry
+`("lora", name, path)` in their extra keys, and its first block also its cache salt as
+`("cache_salt", salt)` (vLLM's order). The hashes depend only on the seed and the tokens:
 every process and every restart given the same seed computes the same hashes, and so do vLLM and
 the routers that index vLLM's KV events (llm-d's KV indexer) given the same seed.
 
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import cbor2
 
 DEFAULT_SEED = "vllm-none-hash"
-ExtraKeys = Optional[tuple[tuple[str, str], ...]]
+ExtraKeys = Optional[tuple[tuple[str, ...], ...]]
 
 
 def sha256_cbor(value: object) -> bytes:
@@ -40,9 +42,25 @@ def none_hash(seed: str) -> bytes:
     return sha256_cbor(seed)
 
 
+@dataclass(frozen=True)
+class KeySalt:
+    """What keeps a request's blocks apart from others' with the same tokens: its cache salt and its LoRA
+    adapter (name, path)."""
+
+    cache_salt: Optional[str] = None
+    lora: Optional[tuple[str, str]] = None
+
+    def extra_keys(self, first: bool) -> ExtraKeys:
+        """The extra keys of the request's first block (`first`) or of a later one."""
+        keys = [("lora", *self.lora)] if self.lora else []
+        if first and self.cache_salt:
+            keys.append(("cache_salt", self.cache_salt))
+        return tuple(keys) or None
+
+
 def salt_keys(cache_salt: Optional[str]) -> ExtraKeys:
     """The extra keys of a request's first block: its cache salt, if any."""
-    return (("cache_salt", cache_salt),) if cache_salt else None
+    return KeySalt(cache_salt).extra_keys(True)
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: ExtraKeys = None) -> bytes:

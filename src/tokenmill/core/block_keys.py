@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Hashable, Optional, Protocol, Sequence
 
-from tokenmill.core.block_hash import hash_block, none_hash, resolve_seed, salt_keys
+from tokenmill.core.block_hash import KeySalt, hash_block, none_hash, resolve_seed
 
 if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ class CachedSequence(Protocol):
     request_id: str
     num_computed_tokens: int
     num_tokens: int
-    sampling_params: SamplingParams  # its cache_salt keeps the request's blocks apart from unsalted ones
+    sampling_params: SamplingParams  # its key_salt (cache salt, LoRA adapter) keeps its blocks apart
 
     def token_ids_range(self, start: int, end: int) -> list[int]: ...
 
@@ -36,12 +36,10 @@ class BlockKeys:
         self._root = none_hash(resolve_seed(hash_seed))
         self._memo: dict[str, tuple[int, list[BlockKey]]] = {}
 
-    def key(self, parent: BlockKey, token_ids: Sequence[int], request_salt: Optional[str] = None) -> BlockKey:
+    def key(self, parent: BlockKey, token_ids: Sequence[int], salt: Optional[KeySalt] = None) -> BlockKey:
         """The key of a full block of `token_ids` after the block keyed `parent` (None for a first block)."""
-        if parent is not None:
-            digest = hash_block(parent[0], token_ids)
-        else:
-            digest = hash_block(self._root, token_ids, salt_keys(request_salt))
+        extra = salt.extra_keys(parent is None) if salt is not None else None
+        digest = hash_block(self._root if parent is None else parent[0], token_ids, extra)
         return (digest, tuple(token_ids))
 
     def extend(self, keys: list[BlockKey], request: CachedSequence, count: int) -> list[BlockKey]:
@@ -49,7 +47,7 @@ class BlockKeys:
         while len(keys) < count:
             start = len(keys) * self.block_size
             keys.append(self.key(keys[-1] if keys else None, request.token_ids_range(start, start + self.block_size),
-                                 request.sampling_params.cache_salt))
+                                 request.sampling_params.key_salt))
         return keys
 
     def first(self, request: CachedSequence, num_blocks: int) -> list[BlockKey]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from tokenmill.core.block_hash import KeySalt
 from tokenmill.core.block_keys import BlockKey, BlockKeys, CachedSequence
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_events import KVEventLog
@@ -61,7 +62,7 @@ class KVCacheManager:
         self._pins: list[int] = []
         # blocks made findable and evicted, for KV-cache events (drained by the engine every step)
         self.events = KVEventLog() if record_events and enable_prefix_caching else None
-        self._salts: dict[str, Optional[str]] = {}  # the cache salt of requests that start with hits
+        self._salts: dict[str, Optional[KeySalt]] = {}  # the key salt of requests that start with hits
         if self.tier is not None or self.events is not None:
             self.pool.on_evict = self._on_evict
         # New requests are admitted only while this many blocks stay free, so requests already
@@ -194,7 +195,7 @@ class KVCacheManager:
         self._pending_saves, self._pending_loads = [], []
         return saves, loads
 
-    def adopt(self, request_id: str, keys: Sequence[BlockKey], path: str, salt: Optional[str] = None) -> int:
+    def adopt(self, request_id: str, keys: Sequence[BlockKey], path: str, salt: Optional[KeySalt] = None) -> int:
         """Make the leading full blocks of content `keys` (a transferred prompt's, in order) findable in
         group 0, their K/V to be read from `path` (block i of the file holding keys[i]) before the next
         step's forward pass. Returns how many leading blocks are now cached (already cached ones count,
@@ -245,9 +246,9 @@ class KVCacheManager:
             self.tier.end_step()
 
     # ------------------------------------------------------------------ prefix cache
-    def block_key(self, parent: BlockKey, token_ids: Sequence[int], request_salt: Optional[str] = None) -> BlockKey:
+    def block_key(self, parent: BlockKey, token_ids: Sequence[int], salt: Optional[KeySalt] = None) -> BlockKey:
         """The content key of a full block (core/block_keys.py)."""
-        return self.block_keys.key(parent, token_ids, request_salt)
+        return self.block_keys.key(parent, token_ids, salt)
 
     def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[list[Optional[int]]], int]:
         """Per group, the cached blocks of the longest cached prefix of the request's first `num_tokens`
@@ -259,7 +260,7 @@ class KVCacheManager:
         blocks, num_hit = self._cached_blocks(request, num_tokens)
         if num_hit:
             self._keys[request.request_id] = self.block_keys.leading(request, num_tokens)[:num_hit]
-            self._salts[request.request_id] = request.sampling_params.cache_salt
+            self._salts[request.request_id] = request.sampling_params.key_salt
         return blocks, num_hit * self.block_size
 
     def prompt_keys(self, request: CachedSequence, num_blocks: int) -> list[BlockKey]:
@@ -336,7 +337,7 @@ class KVCacheManager:
                 if index >= released[group] and self.pool.register(table[index], (group, keys[index])):
                     registered[group].append(index)
         if self.events is not None and len(keys) > first_new:
-            self._salts[request.request_id] = request.sampling_params.cache_salt
+            self._salts[request.request_id] = request.sampling_params.key_salt
             for group, indices in enumerate(registered):
                 self._record_stored(request.request_id, group, keys, indices)
 

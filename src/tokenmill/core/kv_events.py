@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-from tokenmill.core.block_hash import ExtraKeys, salt_keys
+from tokenmill.core.block_hash import ExtraKeys, KeySalt
 
 
 @dataclass
@@ -60,10 +60,10 @@ class KVEventLog:
                                              [t for _, tokens in keys for t in tokens], list(extra_keys)))
 
     def stored_runs(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], indices: Sequence[int],
-                    salt: Optional[str]) -> None:
+                    salt: Optional[KeySalt]) -> None:
         """Record that group `group`'s blocks of one request at `indices` (ascending positions in its
         chain `keys`) became findable: one event per run of consecutive blocks, each run's parent the
-        block before it, the first block carrying the request's cache salt."""
+        block before it, each with the request's extra keys (its salt's)."""
         runs: list[list[int]] = []
         for index in indices:
             if runs and runs[-1][-1] == index - 1:
@@ -73,7 +73,7 @@ class KVEventLog:
         for run in runs:
             first = run[0]
             self.stored(group, [keys[i] for i in run], keys[first - 1][0] if first else None,
-                        [salt_keys(salt) if i == 0 else None for i in run])
+                        [salt.extra_keys(i == 0) if salt is not None else None for i in run])
 
     def removed(self, group: int, digest: bytes) -> None:
         """Record the eviction of group `group`'s block of hash `digest`."""

@@ -99,6 +99,9 @@ class SchedulerOutput:
     kv_exports: list[tuple[str, list[int]]] = field(default_factory=list)
     spec_probs: dict[str, Any] = field(default_factory=dict)
     grammar: Optional[GrammarMasks] = None
+    # LoRA adapters (their lora_int_id) the engine unloaded: the runner frees them before the step; an
+    # adapter is loaded where a request first uses it (its SamplingParams.lora_request says from where)
+    lora_unloads: list[int] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:

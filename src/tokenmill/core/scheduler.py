@@ -32,6 +32,9 @@ class SchedulingLimits:
     # Steps that may be in flight at once (pipeline stages); with more than one, each step takes its
     # share of the live requests so the next step has requests of its own to run.
     max_steps_in_flight: int = 1
+    # Most LoRA adapters one step runs (0: no limit); a waiting request of another adapter is passed over
+    # until a running one's adapter finishes, as vLLM's --max-loras does.
+    max_loras: int = 0
 
 
 @dataclass
@@ -40,6 +43,12 @@ class _RunnerView:
 
     num_output_tokens: int
     block_ids: list[list[int]]  # per KV cache group
+
+
+def _adapter(request: Request) -> Optional[int]:
+    """The request's LoRA adapter id (None: the base model)."""
+    lora = request.sampling_params.lora_request
+    return None if lora is None else lora.lora_int_id
 
 
 def _common_prefix(sent: list[int], table: list[int]) -> int:
@@ -229,10 +238,16 @@ class Scheduler:
     def _admit_waiting(self, budget: int, room: int, scheduled: list[ScheduledChunk]) -> int:
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
         computing = set()  # keys of full blocks that requests admitted in this step compute
-        while self.waiting and budget > 0 and room > 0:
-            request = self._next_waiting()
+        adapters = {_adapter(r) for r in self.running} - {None}  # the LoRA adapters this step runs
+        passed_over: set[str] = set()  # waiting requests whose adapter does not fit this step
+        while len(self.waiting) > len(passed_over) and budget > 0 and room > 0:
+            request = self._next_waiting(passed_over)
             if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
                 break
+            adapter = _adapter(request)
+            if adapter is not None and adapter not in adapters and 0 < self.limits.max_loras <= len(adapters):
+                passed_over.add(request.request_id)
+                continue
             # Cached tokens cost neither budget nor compute: the request starts past them. A request
             # that wants prompt logprobs must compute every prompt position, so it takes no hit.
             cached_blocks, num_cached = [], 0
@@ -263,15 +278,19 @@ class Scheduler:
             budget -= num_new
             room -= 1
             num_seqs += 1 + request.num_samples_to_fork
+            if adapter is not None:
+                adapters.add(adapter)
         return budget
 
-    def _next_waiting(self) -> Request:
-        """fcfs: the head of the queue. lpm: among the head's priority class, the request with the
-        longest cached prefix (ties: earliest), unless one was passed over too often — it goes first."""
-        head = self.waiting[0]
-        if self.limits.policy != "lpm" or len(self.waiting) == 1:
+    def _next_waiting(self, passed_over: set[str]) -> Request:
+        """fcfs: the head of the queue (of those not `passed_over`). lpm: among the head's priority class,
+        the request with the longest cached prefix (ties: earliest), unless one was passed over too often
+        — it goes first."""
+        candidates = [r for r in self.waiting if r.request_id not in passed_over] if passed_over else self.waiting
+        head = candidates[0]
+        if self.limits.policy != "lpm" or len(candidates) == 1:
             return head
-        peers = [r for r in self.waiting if r.priority == head.priority]
+        peers = [r for r in candidates if r.priority == head.priority]
         chosen = next((r for r in peers if r.num_times_passed_over >= MAX_TIMES_PASSED_OVER), None)
         if chosen is None:
             chosen = max(peers, key=lambda r: (self.kv_cache.num_cached_tokens(r, r.num_tokens), -r.arrival_seq))

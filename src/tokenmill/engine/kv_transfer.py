@@ -113,7 +113,7 @@ class KVTransfers:
             self.num_refused += 1
             logger.warning("request %s prefills locally: its KV transfer is unusable (%s)", request.request_id, exc)
             return 0
-        adopted = self.kv_cache.adopt(request.request_id, keys, path, request.sampling_params.cache_salt)
+        adopted = self.kv_cache.adopt(request.request_id, keys, path, request.sampling_params.key_salt)
         self.num_imported += 1
         return adopted * self.kv_cache.block_size
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
@@ -102,11 +103,14 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         """Complete every prompt; returns one finished RequestOutput per prompt, in order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
         A list of ints is one tokenised prompt; a list of strings or of lists is a batch.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model); the
+        engine needs enable_lora, and loads an adapter on its first use.
         """
         self._generating_model("generate")
         batch = _as_batch(prompts)
@@ -114,14 +118,19 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(batch)
         if len(priorities) != len(batch):
             raise ValueError(f"priority has {len(priorities)} entries for {len(batch)} prompts")
+        adapters = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                    else [lora_request] * len(batch))
+        if len(adapters) != len(batch):
+            raise ValueError(f"lora_request has {len(adapters)} entries for {len(batch)} prompts")
         ids = []
         try:
-            for prompt, p, prio in zip(batch, params, priorities):
+            for prompt, p, prio, adapter in zip(batch, params, priorities, adapters):
                 request_id = str(next(self._ids))
                 text, token_ids = _split_prompt(prompt)
                 if token_ids is None and isinstance(prompt, dict) and not prompt.get("add_special_tokens", True):
                     token_ids = self.llm_engine.tokenize(text, add_special_tokens=False)
-                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=token_ids, priority=prio)
+                self.llm_engine.add_request(request_id, text, p, prompt_token_ids=token_ids, priority=prio,
+                                            lora_request=adapter)
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)

@@ -17,12 +17,14 @@ from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, to_wire
 from tokenmill.engine.kv_transfer import KVTransfers
+from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.kv_events_config import KVEventsConfig
 from tokenmill.kv_transfer_config import KVTransferConfig
+from tokenmill.lora.request import LoRARequest
 from tokenmill.models.arch import kv_cache_layout
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.outputs import RequestOutput
@@ -92,6 +94,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self.arch.eos_token_ids
 
+        self.loras: Optional[LoRARegistry] = None  # the LoRA adapters served, with enable_lora
+        if config.model.enable_lora:
+            self.loras = LoRARegistry(self.arch, config.model.max_lora_rank, config.model.max_cpu_loras
+                                      or max(8, 4 * config.model.max_loras))
+            if config.parallel.world_size > 1:
+                raise ValueError("enable_lora: LoRA adapters run at tensor and pipeline parallel size 1")
+
         block_size = config.cache.block_size
         # every rank's heads together: the budget is the whole run's
         self.kv_layout = kv_cache_layout(self.arch, self.dtype.itemsize)
@@ -140,7 +149,8 @@ class LLMEngine:
             self._publish_kv_events()
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, config.scheduler.schedule_policy,
-                                  self.executor.max_steps_in_flight)
+                                  self.executor.max_steps_in_flight,
+                                  config.model.max_loras if config.model.enable_lora else 0)
         self.scheduler = Scheduler(limits, self.kv_cache)
         self._grammar_cache: Optional[GrammarCache] = None
         self._grammar_lock = threading.Lock()
@@ -215,10 +225,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
                     prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue a request. Raises ValueError (naming the problem) if it can never run."""
+                    arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None) -> None:
+        """Queue a request (with the LoRA adapter `lora_request`, registered on first use). Raises
+        ValueError (naming the problem) if it can never run."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
+            params = replace(params, lora_request=self.loras.resolve(lora_request))
         text: Optional[str] = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -336,6 +351,10 @@ class LLMEngine:
         grammars = self.step_grammars
         mask_failures = grammars.prepare(schedule, self.scheduler.requests) if grammars is not None else {}
         chunks = self._chunk_infos(schedule)
+        if self.loras is not None:
+            live = self.scheduler.running + self.scheduler.waiting
+            schedule.lora_unloads = self.loras.take_unloads(
+                r.sampling_params.lora_request.lora_int_id for r in live if r.sampling_params.lora_request)
         self.executor.submit(schedule)
         self._in_flight.append((schedule, mask_failures, time.monotonic(), chunks))
         return True

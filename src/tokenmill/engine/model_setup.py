@@ -58,6 +58,10 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         model.use_fused_kernels(kernels)
         if config.fused_decode and tp.size == 1 and stage.size == 1:  # one native call runs every layer
             model.use_fused_decode()
+    if config.enable_lora and num_layers is None:  # a draft model runs without adapters
+        from tokenmill.lora.layers import ModelLoRA
+        model.lora = ModelLoRA(model, dtype, native if fast_linears else None, config.batch_invariant,
+                               config.max_lora_rank)
     model.rotary.to_device(device)
     model.eval()
     logger.info("kernels: %s", describe_model_paths(model, native if fast_linears else kernels, dtype, backend,

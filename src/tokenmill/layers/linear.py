@@ -39,6 +39,7 @@ class _ShardedLinear(nn.Module):
         self.quantize_to: Optional[str] = None  # set before loading: quantise float parts to this format
         self.quantized: Optional[QuantizedWeight] = None
         self._parts: dict[int, Any] = {}  # first row -> loaded part, until all rows have arrived
+        self.lora: Any = None  # LoRADeltas (lora/layers.py) when the engine serves LoRA adapters
 
     @property
     def quantized_format(self) -> Optional[str]:
@@ -48,10 +49,11 @@ class _ShardedLinear(nn.Module):
         return self.kernel.format if isinstance(self.kernel, QuantizedKernel) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to the last dimension of x."""
-        if self.kernel is not None:
-            return self.kernel(x)
-        return F.linear(x, self.weight, self._local_bias())
+        """Apply the layer to the last dimension of x (plus the step's LoRA deltas, if any)."""
+        y = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self._local_bias())
+        if self.lora is not None and self.lora.state.groups:
+            y = self.lora.apply(x, y)
+        return y
 
     def _local_bias(self) -> Optional[torch.Tensor]:
         """The bias this rank adds (all of it; a row-parallel layer adds it on rank 0 only, before the sum)."""

@@ -130,6 +130,7 @@ class DecoderForCausalLM(nn.Module):
         self.embed_quantized: Any = None
         self.head_quantized: Optional[QuantizedWeight] = None
         self.fused_decode: Any = None  # see use_fused_decode
+        self.lora: Any = None  # ModelLoRA (lora/layers.py) when the engine serves LoRA adapters
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[Any]) -> Optional[torch.Tensor]:
@@ -139,7 +140,9 @@ class DecoderForCausalLM(nn.Module):
         if self.stage.is_first:
             hidden = self.embed(input_ids)
             # the fused step runs only models of one KV cache group (_llama_shaped): one metadata for all
-            if self.fused_decode is not None and self.fused_decode.applies(attn_metadata[0], hidden.shape[0]):
+            # the native step has no LoRA deltas: a step with adapted rows runs the module path
+            if self.fused_decode is not None and not (self.lora is not None and self.lora.active) \
+                    and self.fused_decode.applies(attn_metadata[0], hidden.shape[0]):
                 fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata[0])
                 if fused is not None:
                     return fused

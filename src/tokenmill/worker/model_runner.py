@@ -64,6 +64,8 @@ class ModelRunner:
         """Run one step."""
         for request_id in schedule.finished_request_ids:
             self.generators.pop(request_id, None)
+        for adapter_id in schedule.lora_unloads:
+            self.model.lora.unload(adapter_id)
         batch = self.requests.apply(schedule)
         if schedule.kv_saves:
             assert self.tier is not None, "second-tier copies scheduled without a second tier"
@@ -75,20 +77,52 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if schedule.is_empty:
             return result
+        adapter_failures = self._select_adapters(batch)
+        try:
+            self._run(schedule, batch, result)
+        finally:
+            if self.model.lora is not None:
+                self.model.lora.set_step({}, self.device)
+        for request_id, exc in adapter_failures.items():  # its rows ran without the adapter: drop them
+            fail_request(result, request_id, exc)
+        return result
+
+    def _select_adapters(self, batch: list[BatchItem]) -> dict[str, Exception]:
+        """Group the step's rows by LoRA adapter for the model, loading adapters on first use; returns the
+        requests whose adapter could not be loaded (their rows run without it, and they fail)."""
+        lora = self.model.lora
+        failures: dict[str, Exception] = {}
+        if lora is None:
+            return failures
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for item in batch:
+            adapter = item.sampling_params.lora_request
+            if adapter is not None:
+                try:
+                    lora.load(adapter.lora_int_id, adapter.lora_path)
+                    rows.setdefault(adapter.lora_int_id, []).extend(range(start, start + item.num_tokens))
+                except (OSError, ValueError) as exc:
+                    failures[item.request_id] = exc
+            start += item.num_tokens
+        lora.set_step(rows, self.device)
+        return failures
+
+    def _run(self, schedule: SchedulerOutput, batch: list[BatchItem], result: ModelRunnerOutput) -> None:
+        """The step's forward pass, sampling and transfers, into `result`."""
         hidden, chunks = self.forward(batch)
         for path, blocks in schedule.kv_exports:  # computed now, and no later step has written them yet
             export_blocks(self.kv_pages, blocks, path)
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
-            return result
+            return
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
         if rows:  # else every chunk is a partial prefill: nothing to sample or score yet
             logits = self.model.compute_logits(self._rows(hidden, rows))
             if logits is None:  # a tensor-parallel rank other than the driver: it samples nothing
-                return result
+                return
             step = _StepExtras(schedule.spec_probs, schedule.grammar)
             self._sample(batch, logits, sample_rows, step, result)
             self._prompt_logprobs(batch, logits, prompt_rows, result)
-        return result
 
     def forward(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[SequenceChunk]]:
         """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden],
