@@ -385,6 +385,9 @@ class ServerConfig:
         None, "send an OpenTelemetry trace of every request (a span from arrival to end with its queue, prefill "
         "and decode phases, continuing the caller's W3C traceparent) to this OTLP/HTTP collector, e.g. "
         "http://localhost:4318 (docs/observability.md)")
+    lora_modules: Optional[list[str]] = _opt(
+        None, "LoRA adapters to serve from the start (needs --enable-lora), each as name=path or vLLM's JSON "
+        "'{\"name\": ..., \"path\": ...}'; requests choose one by its name as `model`", nargs="+")
     data_parallel_size: int = _opt(1, "engine processes (replicas of the whole model) behind this port, each "
                                    "request sent to the one with the least outstanding tokens once its cached "
                                    "prefix is counted (from the replicas' KV events; docs/scale-out.md)")

@@ -34,7 +34,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, klass: type, title: str,
                                help=help_text)
             continue
         group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=default,
-                           choices=f.metadata.get("choices"), help=help_text)
+                           choices=f.metadata.get("choices"), nargs=f.metadata.get("nargs"), help=help_text)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -4,6 +4,7 @@ runner once no request uses them."""
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -13,7 +14,8 @@ from tokenmill.lora.weights import projection_shapes, read_adapter
 
 
 class LoRARegistry:
-    """Adapters by name (at most `max_loaded`), each checked against the model `arch` when added."""
+    """Adapters by name (at most `max_loaded`), each checked against the model `arch` when added. Safe to
+    change from the server's thread while the engine thread steps (one lock)."""
 
     def __init__(self, arch: Any, max_rank: int, max_loaded: int) -> None:
         if arch.mla is not None or arch.moe is not None:
@@ -23,30 +25,32 @@ class LoRARegistry:
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         self._retired: list[int] = []  # removed adapters' ids, until no request uses them
+        self._lock = threading.Lock()
 
     def add(self, name: str, path: str, lora_int_id: Optional[int] = None) -> LoRARequest:
         """Register the PEFT adapter at `path` as `name`; ValueError if the name is taken, the registry is
         full, or the adapter cannot run on this model (rank above max_lora_rank, unknown targets, shapes)."""
-        if name in self.adapters:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        if len(self.adapters) >= self.max_loaded:
-            raise ValueError(f"{len(self.adapters)} LoRA adapters are loaded, the most this server holds "
-                             f"(--max-cpu-loras); unload one first")
-        folder = str(Path(path).expanduser())
+        folder = str(Path(path).expanduser().resolve())
         config = AdapterConfig.read(folder, self.max_rank)
         read_adapter(folder, config, projection_shapes(self.arch), self.arch.num_hidden_layers, shapes_only=True)
-        taken = {a.lora_int_id for a in self.adapters.values()} | set(self._retired)
-        if lora_int_id is None or lora_int_id in taken:
-            lora_int_id = next(i for i in self._ids if i not in taken)
-        adapter = LoRARequest(name, lora_int_id, folder)
-        self.adapters[name] = adapter
-        return adapter
+        with self._lock:
+            if name in self.adapters:
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+            if len(self.adapters) >= self.max_loaded:
+                raise ValueError(f"{len(self.adapters)} LoRA adapters are loaded, the most this server holds "
+                                 f"(--max-cpu-loras); unload one first")
+            taken = {a.lora_int_id for a in self.adapters.values()} | set(self._retired)
+            if lora_int_id is None or lora_int_id in taken:
+                lora_int_id = next(i for i in self._ids if i not in taken)
+            adapter = LoRARequest(name, lora_int_id, folder)
+            self.adapters[name] = adapter
+            return adapter
 
     def resolve(self, request: LoRARequest) -> LoRARequest:
         """The registered adapter a caller's LoRARequest names, registering it on first use."""
         known = self.adapters.get(request.lora_name)
         if known is not None:
-            if Path(known.lora_path) != Path(request.lora_path).expanduser():
+            if Path(known.lora_path) != Path(request.lora_path).expanduser().resolve():
                 raise ValueError(f"a LoRA adapter named {request.lora_name!r} is loaded from {known.lora_path}, "
                                  f"not {request.lora_path}")
             return known
@@ -54,16 +58,24 @@ class LoRARegistry:
 
     def remove(self, name: str) -> None:
         """Stop serving `name` (KeyError if unknown); the runner frees it once no request uses it."""
-        adapter = self.adapters.pop(name)
-        self._retired.append(adapter.lora_int_id)
+        with self._lock:
+            adapter = self.adapters.pop(name)
+            self._retired.append(adapter.lora_int_id)
 
-    def names(self) -> list[str]:
-        """The adapters' names, in the order they were added."""
-        return list(self.adapters)
+    def get(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter registered as `name`, if any."""
+        with self._lock:
+            return self.adapters.get(name) if name is not None else None
+
+    def listing(self) -> list[LoRARequest]:
+        """The adapters, in the order they were added."""
+        with self._lock:
+            return list(self.adapters.values())
 
     def take_unloads(self, in_use: Iterable[int]) -> list[int]:
         """Removed adapters no live request uses any more (the runner frees them)."""
         busy = set(in_use)
-        free = [i for i in self._retired if i not in busy]
-        self._retired = [i for i in self._retired if i in busy]
+        with self._lock:
+            free = [i for i in self._retired if i not in busy]
+            self._retired = [i for i in self._retired if i in busy]
         return free

@@ -21,6 +21,7 @@ from tokenmill.engine.tracing import TRACE_HEADERS, incoming_trace
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
+from tokenmill.server.lora_routes import ServedModels, add_lora_routes
 from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
@@ -135,11 +136,11 @@ def rendered_params(body: Any, max_tokens: Optional[int]) -> dict[str, Any]:
 
 
 def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, tracing: bool,
-             fault: Callable[[], Optional[str]], model_card: Callable[[], dict[str, Any]],
+             fault: Callable[[], Optional[str]], model_cards: Callable[[int], list[dict[str, Any]]],
              render_metrics: Callable[[], bytes]) -> tuple[FastAPI, Callable[[Optional[str]], None]]:
     """What every tokenmill server has, whatever its model does: the middleware (body limit, tracing, API
     key), the OpenAI-shaped error handlers, /health (503 while `fault()` says why), /version,
-    /v1/models (`model_card()`'s fields) and /metrics. Returns the app and the check of a body's `model`."""
+    /v1/models (`model_cards(created)`) and /metrics. Returns the app and the check of a body's `model`."""
     app = FastAPI(title="tokenmill", version=__version__)
     started = int(time.time())
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * (1 << 20)))
@@ -202,8 +203,7 @@ def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, trac
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": started, "owned_by": "tokenmill", **model_card()}]}
+        return {"object": "list", "data": model_cards(started)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -230,13 +230,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     /metrics, unless config.metrics_require_key) requires it."""
     model_name = engine.model_name
     limits = RequestLimits.from_config(config)
-    completions = CompletionHandler(engine, model_name, limits)
-    chat = ChatHandler(engine, model_name, chat_template, limits)
+    served = ServedModels(model_name, engine.engine.loras)
+    completions = CompletionHandler(engine, model_name, limits, served.adapter)
+    chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter)
     live = EngineStream(engine)
-    app, check_model = base_app(
+    app, _ = base_app(
         config, api_key, model_name, engine.tracer is not None,
         lambda: None if engine.is_alive else engine.fault or "the engine is not running",
-        lambda: {"max_model_len": engine.engine.max_model_len}, engine.metrics.render)
+        lambda created: served.cards(created, {"max_model_len": engine.engine.max_model_len}), engine.metrics.render)
+    add_lora_routes(app, served)
+
+    def check_model(name: Optional[str]) -> None:
+        served.adapter(name)  # 404 for a name this server does not serve
     refuse(app, POOLING_PATHS, f"the model '{model_name}' generates text; it does not embed or score (serve an "
                                "embedding model for /v1/embeddings, /v1/score and /v1/rerank)")
 

@@ -52,7 +52,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         if server_config.otlp_traces_endpoint:
             from tokenmill.engine.tracing import RequestTracer
             tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
-        async_engine = AsyncEngine(lambda: LLMEngine(engine_config), name, limits, on_dead, tracer)
+        async_engine = AsyncEngine(lambda: _with_adapters(LLMEngine(engine_config), server_config.lora_modules),
+                                   name, limits, on_dead, tracer)
         app = build_app(async_engine, server_config, async_engine.engine.source.chat_template, api_key)
         stop_accepting, shutdown = async_engine.stop_accepting, async_engine.shutdown
 
@@ -77,6 +78,23 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         shutdown()
         signal.signal(signal.SIGTERM, previous)
     return _ENGINE_DEAD_EXIT if died else 0
+
+
+def _with_adapters(engine: Any, modules: Optional[list[str]]) -> Any:
+    """The engine with the `--lora-modules` adapters registered (ValueError naming a bad one)."""
+    from tokenmill.server.lora_routes import parse_lora_modules
+
+    adapters = parse_lora_modules(modules)
+    if adapters and engine.loras is None:
+        engine.shutdown()
+        raise ValueError("lora_modules: serving LoRA adapters needs --enable-lora")
+    try:
+        for adapter_name, path in adapters:
+            engine.loras.add(adapter_name, path)
+    except ValueError as exc:
+        engine.shutdown()
+        raise ValueError(f"lora_modules: {exc}") from None
+    return engine
 
 
 def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, api_key: Optional[str]):

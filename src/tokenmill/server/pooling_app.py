@@ -58,8 +58,10 @@ def build_pooling_app(engine: PoolingEngine, config: ServerConfig, model_name: s
     handler = PoolingHandler(engine, model_name, limits)
     metrics = PoolingMetrics(engine, model_name)
     model = engine.model
+    card = {"object": "model", "owned_by": "tokenmill", "root": model_name, "parent": None,
+            "max_model_len": model.max_model_len}
     app, check_model = base_app(config, api_key, model_name, False, lambda: None,
-                                lambda: {"max_model_len": model.max_model_len}, metrics.render)
+                                lambda created: [{"id": model_name, "created": created, **card}], metrics.render)
     refuse(app, GENERATION_PATHS, f"the model '{model_name}' is an embedding model; it does not generate text "
                                   "(use /v1/embeddings, /v1/score or /v1/rerank)")
 

@@ -13,8 +13,8 @@ from tokenmill.server.chat_prompt import chat_prompt_ids
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_common import (
-    SSE_DONE, STREAM_ERRORS, APIError, ChoiceTracker, bad_request, new_id, now, primed, sse_error, stream_chunk,
-    top_entries, usage, cached_tokens)
+    SSE_DONE, STREAM_ERRORS, AdapterLookup, APIError, ChoiceTracker, bad_request, new_id, now, primed, sse_error, stream_chunk,
+    top_entries, usage, cached_tokens, with_adapter)
 from tokenmill.server.tool_calls import (
     ToolCallStream, ToolMode, forced_call, parse_tool_calls, render_messages, tool_mode)
 
@@ -42,8 +42,14 @@ class ChatHandler:
     """Runs a chat completion on the engine and shapes the OpenAI response."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str],
-                 limits: RequestLimits = RequestLimits()) -> None:
+                 limits: RequestLimits = RequestLimits(), adapter_of: AdapterLookup = lambda name: None) -> None:
         self.engine, self.model_name, self.chat_template, self.limits = engine, model_name, chat_template, limits
+        self.adapter_of = adapter_of  # the LoRA adapter a body's `model` names (None: the base model)
+
+    def answering(self, body: Any) -> str:
+        """The model a response names: the LoRA adapter the body asked for, else the base model (as vLLM)."""
+        adapter = self.adapter_of(body.model)
+        return adapter.lora_name if adapter is not None else self.model_name
 
     def prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                tools: Optional[ToolMode] = None) -> tuple[str, list[int]]:
@@ -63,7 +69,7 @@ class ChatHandler:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         try:
             tools = tool_mode(body)
-            params = body.sampling_params(max_tokens, logprobs)
+            params = with_adapter(body.sampling_params(max_tokens, logprobs), self.adapter_of(body.model))
             if tools is not None and tools.forced:
                 params = dataclasses.replace(params, structured_output=forced_call(tools))  # re-validated
             ticket = self.engine.reserve(body.n)
@@ -103,7 +109,7 @@ class ChatHandler:
                             "logprobs": self._logprobs(c.token_ids, c.logprobs, body),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        response = {"id": response_id, "object": "chat.completion", "created": now(), "model": self.model_name,
+        response = {"id": response_id, "object": "chat.completion", "created": now(), "model": self.answering(body),
                     "choices": choices, "usage": usage(len(token_ids), completion_tokens, cached_tokens([final]))}
         if final.kv_transfer_params is not None:
             response["kv_transfer_params"] = final.kv_transfer_params
@@ -142,7 +148,7 @@ class ChatHandler:
         last: Optional[RequestOutput] = None
 
         def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, Any]] = None) -> str:
-            return stream_chunk(response_id, "chat.completion.chunk", created, self.model_name, choices, usage_)
+            return stream_chunk(response_id, "chat.completion.chunk", created, self.answering(body), choices, usage_)
 
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

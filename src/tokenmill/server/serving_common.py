@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Iterable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import error_body
 
 T = TypeVar("T")
+
+
+# a body's `model` -> the LoRA adapter it names (None: the base model); an APIError 404 for an unknown name
+AdapterLookup = Callable[[Optional[str]], Optional[LoRARequest]]
+
+
+def with_adapter(params: SamplingParams, adapter: Optional[LoRARequest]) -> SamplingParams:
+    """`params` running on the LoRA adapter `adapter` (unchanged for the base model)."""
+    return params if adapter is None else dataclasses.replace(params, lora_request=adapter)
 
 
 class APIError(Exception):

@@ -11,8 +11,8 @@ from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, mer
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_common import (
-    SSE_DONE, STREAM_ERRORS, APIError, ChoiceTracker, bad_request, merge, new_id, now, primed, sse_error,
-    stream_chunk, top_entries, usage, cached_tokens)
+    SSE_DONE, STREAM_ERRORS, AdapterLookup, APIError, ChoiceTracker, bad_request, merge, new_id, now, primed, sse_error,
+    stream_chunk, top_entries, usage, cached_tokens, with_adapter)
 
 _FIELDS = set(CompletionRequest.model_fields)
 
@@ -54,8 +54,15 @@ def tokenize_prompts(items: list[Any], tokenizer: Any) -> list[CompletionPrompt]
 class CompletionHandler:
     """Runs a completions request on the engine and shapes the OpenAI response."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: RequestLimits = RequestLimits()) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: RequestLimits = RequestLimits(),
+                 adapter_of: AdapterLookup = lambda name: None) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, limits
+        self.adapter_of = adapter_of  # the LoRA adapter a body's `model` names (None: the base model)
+
+    def answering(self, body: Any) -> str:
+        """The model a response names: the LoRA adapter the body asked for, else the base model (as vLLM)."""
+        adapter = self.adapter_of(body.model)
+        return adapter.lora_name if adapter is not None else self.model_name
 
     async def _start(self, body: CompletionRequest
                      ) -> tuple[str, list[CompletionPrompt], list[AsyncIterator[RequestOutput]], Ticket]:
@@ -66,8 +73,9 @@ class CompletionHandler:
         self.limits.check_prompts(len(items))
         want_prompt_logprobs = body.echo and body.logprobs is not None
         try:
-            params = body.sampling_params(body.max_tokens, body.logprobs,
-                                          body.logprobs if want_prompt_logprobs else None)
+            params = with_adapter(body.sampling_params(body.max_tokens, body.logprobs,
+                                                       body.logprobs if want_prompt_logprobs else None),
+                                  self.adapter_of(body.model))
             ticket = self.engine.reserve(len(items) * body.n)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
@@ -100,7 +108,7 @@ class CompletionHandler:
                 completion_tokens += len(completion.token_ids)
                 choices.append(self._choice(body, prompt, output, completion, index * body.n + completion.index))
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        response = {"id": response_id, "object": "text_completion", "created": now(), "model": self.model_name,
+        response = {"id": response_id, "object": "text_completion", "created": now(), "model": self.answering(body),
                     "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens(final.values()))}
         transfer = final[0].kv_transfer_params
         if transfer is not None:
@@ -166,7 +174,7 @@ class CompletionHandler:
         last: dict[int, RequestOutput] = {}  # each prompt's latest output
 
         def chunk(choices: list[dict[str, Any]], usage_: Optional[dict[str, Any]] = None) -> str:
-            return stream_chunk(response_id, "text_completion", created, self.model_name, choices, usage_)
+            return stream_chunk(response_id, "text_completion", created, self.answering(body), choices, usage_)
 
         try:
             async for prompt_index, output in outputs:
