@@ -46,7 +46,7 @@ class LLM:
     def from_engine(cls, engine: LLMEngine) -> "LLM":
         """Wrap an engine that is already built (e.g. one sharing a loaded ModelSource)."""
         llm = cls.__new__(cls)
-        llm.llm_engine, llm._ids = engine, itertools.count()
+        llm.llm_engine, llm.embedder, llm._ids = engine, None, itertools.count()
         return llm
 
     def shutdown(self) -> None:
