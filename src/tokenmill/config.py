@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 RUNNERS = ("auto", "generate", "pooling")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -113,6 +114,8 @@ class CacheConfig:
     prefix_caching: bool = _opt(True, "reuse the KV blocks of earlier requests that share a prompt prefix")
     secondary_kv_gb: float = _opt(0.0, "size in GiB of the second KV tier, where evicted prefix blocks wait "
                                   "(a memory-mapped file on CPU, pinned host memory on GPU); 0 = off")
+    swap_space_gb: float = _opt(4.0, "host memory in GiB for the KV blocks of preempted requests (a memory-mapped "
+                                "file on CPU, pinned memory on GPU; see --preemption-mode); 0 = always recompute")
     secondary_kv_folder: Optional[str] = _opt(None, "folder for the second tier's file (default: the temp folder)")
     prefix_caching_hash_seed: Optional[str] = _opt(
         None, "seed of the prefix cache's block hashes, which are vLLM's sha256_cbor hashes (the same in every "
@@ -141,6 +144,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.secondary_kv_gb < 0:
             raise ValueError(f"secondary_kv_gb must be >= 0, got {self.secondary_kv_gb}")
 
@@ -151,6 +156,10 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
     max_num_seqs: int = _opt(128, "most sequences in the running batch")
+    preemption_mode: str = _opt("auto", "how a request preempted for KV blocks comes back: recompute its tokens, "
+                                "swap its blocks out to host memory (--swap-space-gb) and back, or auto = whichever "
+                                "is estimated cheaper for it (copy bytes against recompute FLOPs: swap on CPU)",
+                                choices=PREEMPTION_MODES)
     schedule_policy: str = _opt("fcfs", "order of admission: fcfs (arrival), priority (a request's priority, "
                                 "lower first, then arrival; requests may set it only under this policy) or lpm "
                                 "(longest cached prefix first, never starving others)", choices=SCHEDULE_POLICIES)
@@ -164,6 +173,9 @@ class SchedulerConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                              f"got {self.schedule_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")

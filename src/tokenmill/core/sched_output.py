@@ -93,6 +93,10 @@ class SchedulerOutput:
     num_preempted: int = 0
     kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (pool block, tier slot)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, pool block)
+    # preemption by swapping (core/swap_space.py): preempted blocks out to swap slots before the saves'
+    # blocks can be reused, and resumed requests' slots back into their new blocks after the tier loads
+    swap_outs: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot)
+    swap_ins: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, pool block)
     # prefill/decode transfer: (file, pool blocks, the file's block for each) read into the blocks before
     # the forward pass, and (file, pool blocks) written after it (worker/kv_transfer_io.py)
     kv_imports: list[tuple[str, list[int], list[int]]] = field(default_factory=list)

@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill and preemption by recompute (no torch)."""
+"""Continuous batching with chunked prefill, and preemption by recompute or by swapping (no torch)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from tokenmill.core.swap_space import PreemptionCosts, SwapSpace
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate, ScheduledChunk, SchedulerOutput)
@@ -35,6 +36,10 @@ class SchedulingLimits:
     # Most LoRA adapters one step runs (0: no limit); a waiting request of another adapter is passed over
     # until a running one's adapter finishes, as vLLM's --max-loras does.
     max_loras: int = 0
+    # How a preempted request comes back: recompute its tokens, swap its blocks out to host slots and
+    # back, or (auto) whichever `costs` estimates cheaper for it (core/swap_space.py).
+    preemption_mode: str = "recompute"
+    costs: Optional[PreemptionCosts] = None
 
 
 @dataclass
@@ -92,9 +97,15 @@ class Scheduler:
     grow a request's blocks stops there, and the request waits for the steps ahead to come back.
     """
 
-    def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager) -> None:
+    def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager, swap_slots: int = 0) -> None:
         self.limits = limits
         self.kv_cache = kv_cache
+        if limits.preemption_mode != "recompute" and swap_slots and kv_cache.num_groups > 1:
+            raise ValueError("preemption_mode: swapping moves one KV cache group's blocks; this model has "
+                             f"{kv_cache.num_groups} (sliding-window layers): use recompute")
+        # preempted requests' blocks, while they wait (None: every preemption recomputes)
+        self.swap = SwapSpace(swap_slots) if swap_slots and limits.preemption_mode != "recompute" else None
+        self.num_recomputed_tokens = 0  # computed tokens dropped by preemptions, to be computed again
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -208,9 +219,10 @@ class Scheduler:
         self._plan_exports(scheduled)
         saves, loads = self.kv_cache.take_pending_copies()
         imports, exports = self.kv_cache.take_transfers()
+        swap_outs, swap_ins = self.swap.take_copies() if self.swap is not None else ([], [])
         output = SchedulerOutput(scheduled, finished_request_ids=self._finished_since_last_step,
                                  num_preempted=num_preempted, kv_saves=saves, kv_loads=loads,
-                                 kv_imports=imports, kv_exports=exports)
+                                 kv_imports=imports, kv_exports=exports, swap_outs=swap_outs, swap_ins=swap_ins)
         self.kv_cache.release_pins()
         self._describe_for_runner(output)
         self.in_flight.update(chunk.request_id for chunk in scheduled)
@@ -248,6 +260,14 @@ class Scheduler:
             if adapter is not None and adapter not in adapters and 0 < self.limits.max_loras <= len(adapters):
                 passed_over.add(request.request_id)
                 continue
+            if self.swap is not None and self.swap.holds(request.request_id):
+                num_new = self._swap_in(request, budget)
+                if num_new is None:
+                    break
+                budget, room, num_seqs = budget - num_new, room - 1, num_seqs + 1 + request.num_samples_to_fork
+                adapters |= {adapter} - {None}
+                scheduled.append(self._scheduled(request, num_new))
+                continue
             # Cached tokens cost neither budget nor compute: the request starts past them. A request
             # that wants prompt logprobs must compute every prompt position, so it takes no hit.
             cached_blocks, num_cached = [], 0
@@ -281,6 +301,21 @@ class Scheduler:
             if adapter is not None:
                 adapters.add(adapter)
         return budget
+
+    def _swap_in(self, request: Request, budget: int) -> Optional[int]:
+        """Resume a swapped-out request: blocks for its computed tokens and the next chunk, its slots copied
+        back into the first of them. Returns the chunk's tokens, or None when the pool cannot hold it."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        target = request.num_computed_tokens + num_new
+        if self.running and not self.kv_cache.can_admit(request.request_id, target):
+            return None
+        if not self.kv_cache.allocate_slots(request.request_id, target):
+            return None
+        self.swap.swap_in(self.kv_cache, request.request_id, request.num_computed_tokens)
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self._insert(self.running, request)
+        return num_new
 
     def _next_waiting(self, passed_over: set[str]) -> Request:
         """fcfs: the head of the queue (of those not `passed_over`). lpm: among the head's priority class,
@@ -347,9 +382,13 @@ class Scheduler:
                     sent.extend(table[keep:])
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
         request.spec_token_ids = []
-        request.num_computed_tokens = 0
+        if self._swaps(request) and self.swap.swap_out(self.kv_cache, request.request_id):
+            pass  # its computed tokens wait in the swap space: num_computed_tokens stands
+        else:
+            self.kv_cache.free(request.request_id)
+            self.num_recomputed_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self._insert(self.waiting, request)
@@ -358,6 +397,8 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance requests by what the step computed and sampled; returns one update per request touched."""
         self.kv_cache.end_step()
+        if self.swap is not None:
+            self.swap.end_step()
         updates = []
         for item in output.scheduled:
             self.in_flight.discard(item.request_id)
@@ -434,7 +475,16 @@ class Scheduler:
             self._insert(self.running, child)
         parent.num_samples_to_fork = 0
 
+    def _swaps(self, request: Request) -> bool:
+        """Whether the preempted `request` should go to the swap space rather than be recomputed."""
+        mode = self.limits.preemption_mode
+        if self.swap is None or mode == "recompute" or request.num_computed_tokens == 0:
+            return False
+        return mode == "swap" or self.limits.costs.swap_is_cheaper(request.num_computed_tokens)
+
     def _release(self, request: Request) -> None:
+        if self.swap is not None:
+            self.swap.drop(request.request_id)
         self.kv_cache.free(request.request_id)
         self._finished_since_last_step.append(request.request_id)
 

@@ -15,6 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
+from tokenmill.core.swap_space import PreemptionCosts
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, to_wire
 from tokenmill.engine.kv_transfer import KVTransfers
 from tokenmill.engine.lora_registry import LoRARegistry
@@ -109,12 +110,21 @@ class LLMEngine:
         tier_slots = 0
         if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
             tier_slots = max(1, int(config.cache.secondary_kv_gb * _GIB) // block_bytes)
+        preemption_mode = config.scheduler.preemption_mode
+        swap_slots = 0
+        if preemption_mode != "recompute" and config.cache.swap_space_gb > 0:
+            swap_slots = max(1, int(config.cache.swap_space_gb * _GIB) // block_bytes)
+            if len(self.kv_layout.groups) > 1:  # sliding-window layers: several tables to move
+                if preemption_mode == "swap":
+                    raise ValueError(f"preemption_mode swap: {self.arch.architecture} has sliding-window layers "
+                                     "(several KV cache groups), whose blocks are not swapped; use recompute")
+                swap_slots = 0
         parallel = config.parallel
         check_divisible(self.arch, parallel.tensor_parallel_size, parallel.tensor_parallel_exact,
                         parallel.pipeline_parallel_size, parallel.enable_expert_parallel)  # before any worker starts
         spec = WorkerSpec(config.model, source.path, str(self.device), str(self.dtype).removeprefix("torch."),
                           self.max_model_len, num_blocks, block_size, tier_slots, config.cache.secondary_kv_folder,
-                          self.eos_token_ids, tp_size=parallel.tensor_parallel_size,
+                          self.eos_token_ids, swap_slots=swap_slots, tp_size=parallel.tensor_parallel_size,
                           pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
                           expert_parallel=parallel.enable_expert_parallel)
         self.executor: Executor = make_executor(spec, config.parallel, source)
@@ -150,8 +160,9 @@ class LLMEngine:
         limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_model_len, config.scheduler.schedule_policy,
                                   self.executor.max_steps_in_flight,
-                                  config.model.max_loras if config.model.enable_lora else 0)
-        self.scheduler = Scheduler(limits, self.kv_cache)
+                                  config.model.max_loras if config.model.enable_lora else 0, preemption_mode,
+                                  PreemptionCosts.for_model(self.arch, block_bytes / block_size, self.device.type))
+        self.scheduler = Scheduler(limits, self.kv_cache, swap_slots)
         self._grammar_cache: Optional[GrammarCache] = None
         self._grammar_lock = threading.Lock()
         self.step_grammars: Optional[StepGrammars] = None
@@ -342,7 +353,8 @@ class LLMEngine:
         """Schedule a step and submit it; False when there is nothing to submit while others are in flight."""
         schedule = self.scheduler.schedule()
         if self._in_flight and schedule.is_empty and not (schedule.finished_request_ids or schedule.kv_saves
-                                                          or schedule.kv_loads or schedule.kv_imports):
+                                                          or schedule.kv_loads or schedule.kv_imports
+                                                          or schedule.swap_outs):
             return False
         if self._draft_probs:
             schedule.spec_probs = {c.request_id: probs for c in schedule.scheduled

@@ -34,7 +34,8 @@ class ModelRunner:
     def __init__(self, model: Any, backend: AttentionBackend, num_blocks: int, block_size: int,
                  layout: KVCacheLayout, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: tuple[int, ...], seed: int = 0, tier_slots: int = 0,
-                 tier_folder: Optional[str] = None, request_seed: Callable[[int], int] = lambda seed: seed) -> None:
+                 tier_folder: Optional[str] = None, request_seed: Callable[[int], int] = lambda seed: seed,
+                 swap_slots: int = 0) -> None:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -54,6 +55,11 @@ class ModelRunner:
             self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, spec.num_kv_heads, spec.head_dim,
                                                            spec.planes),
                                     len(self.kv_pages), dtype, device, tier_folder)
+        self.swap = None  # preempted requests' blocks (core/swap_space.py): the same store, in its own slots
+        if swap_slots:
+            self.swap = KVTierStore(backend.kv_cache_shape(swap_slots, block_size, spec.num_kv_heads, spec.head_dim,
+                                                           spec.planes),
+                                    len(self.kv_pages), dtype, device, tier_folder)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
@@ -70,10 +76,14 @@ class ModelRunner:
         if schedule.kv_saves:
             assert self.tier is not None, "second-tier copies scheduled without a second tier"
             self.tier.save(self.kv_pages, schedule.kv_saves)  # saves before loads: see SecondaryTier
+        if schedule.swap_outs:  # before anything is written into the blocks they free
+            self.swap.save(self.kv_pages, schedule.swap_outs)
         for path, blocks, file_blocks in schedule.kv_imports:  # after the saves: see KVCacheManager.adopt
             import_blocks(self.kv_pages, path, file_blocks, blocks)
         if schedule.kv_loads:
             self.tier.load(self.kv_pages, schedule.kv_loads)
+        if schedule.swap_ins:
+            self.swap.load(self.kv_pages, schedule.swap_ins)
         result = ModelRunnerOutput()
         if schedule.is_empty:
             return result

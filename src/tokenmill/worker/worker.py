@@ -38,6 +38,7 @@ class WorkerSpec:
     tier_slots: int
     tier_folder: Optional[str]
     eos_token_ids: tuple[int, ...]
+    swap_slots: int = 0  # host slots for preempted requests' blocks (core/swap_space.py)
     rank: int = 0
     tp_size: int = 1
     pp_size: int = 1
@@ -84,7 +85,8 @@ class Worker:
                                          stage=stage)
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size)
         self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size, layout, dtype,
-                                  self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder)
+                                  self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
+                                  swap_slots=spec.swap_slots)
         self.description = (f"{dtype}, {type(backend).__name__} attention; {self.model.describe_weights()}")
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
