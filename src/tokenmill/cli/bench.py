@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from tokenmill.bench import linear_products
 from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
@@ -37,6 +37,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokenmill, or HF transformers generate() as a baseline (default: tokenmill)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf backend (default: 64)")
     p.add_argument("--output-json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (with --enable-lora) the prompts take in turn, round robin; the cost of "
+                        "serving them is this run against one without (scripts/random_loras.py writes some)")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
 
@@ -55,9 +58,12 @@ def run_throughput(args: argparse.Namespace) -> int:
         elapsed = _run_hf(engine, prompts, args.output_len, args.hf_batch_size)
         results = [RequestResult(ok=True, prompt_tokens=len(p), output_tokens=args.output_len) for p in prompts]
     else:
-        results, elapsed = _run_tokenmill(llm, prompts, args.output_len)
+        adapters = _adapters(args.lora_modules)
+        results, elapsed = _run_tokenmill(llm, prompts, args.output_len,
+                                          [adapters[i % len(adapters)] for i in range(len(prompts))] if adapters else None)
     summary = {"backend": args.backend, **describe_dataset(args, len(prompts)),
                "dtype": str(engine.dtype).replace("torch.", ""),
+               **({"lora_adapters": len(args.lora_modules)} if args.lora_modules else {}),
                **summarise(results, elapsed), "peak_rss_gib": round(own_peak_rss_gib(), 3)}
     if engine.speculation is not None:
         summary["speculative"] = describe_speculation(engine)
@@ -80,11 +86,19 @@ def describe_speculation(engine: Any) -> dict[str, Any]:
             "mean_acceptance_length": round(1 + totals.accepted_tokens / rounds, 3)}
 
 
-def _run_tokenmill(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[list[RequestResult], float]:
+def _adapters(modules: Optional[list[str]]) -> list[Any]:
+    """LoRARequests of `--lora-modules` entries."""
+    from tokenmill.lora.request import LoRARequest
+    from tokenmill.server.lora_routes import parse_lora_modules
+    return [LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(parse_lora_modules(modules))]
+
+
+def _run_tokenmill(llm: Any, prompts: list[list[int]], output_len: int,
+                   adapters: Optional[list[Any]] = None) -> tuple[list[RequestResult], float]:
     from tokenmill.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=adapters)
     elapsed = time.perf_counter() - started
     results = []
     for output in outputs:

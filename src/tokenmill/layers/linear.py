@@ -51,7 +51,7 @@ class _ShardedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to the last dimension of x (plus the step's LoRA deltas, if any)."""
         y = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self._local_bias())
-        if self.lora is not None and self.lora.state.groups:
+        if self.lora is not None and self.lora.state.active:
             y = self.lora.apply(x, y)
         return y
 

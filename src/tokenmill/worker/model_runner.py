@@ -92,7 +92,7 @@ class ModelRunner:
             self._run(schedule, batch, result)
         finally:
             if self.model.lora is not None:
-                self.model.lora.set_step({}, self.device)
+                self.model.lora.set_step({}, 0, self.device)
         for request_id, exc in adapter_failures.items():  # its rows ran without the adapter: drop them
             fail_request(result, request_id, exc)
         return result
@@ -115,7 +115,7 @@ class ModelRunner:
                 except (OSError, ValueError) as exc:
                     failures[item.request_id] = exc
             start += item.num_tokens
-        lora.set_step(rows, self.device)
+        lora.set_step(rows, start, self.device)
         return failures
 
     def _run(self, schedule: SchedulerOutput, batch: list[BatchItem], result: ModelRunnerOutput) -> None:
