@@ -15,13 +15,14 @@ from tokenmill import envs as _envs  # noqa: E402
 # of it), so that a capped machine runs PyTorch's products as a machine of that level would.
 _envs.cap_onednn_to_capability()
 
+from tokenmill.engine.beam_search import BeamSearchParams
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "LoRARequest", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput",
            "__version__"]
 
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_step_params,
+                                          top_logprobs)
 from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
@@ -136,6 +138,33 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (engine/beam_search.py: Hugging Face's algorithm and scores); each
+        output's `sequences` are its finished hypotheses, best first, with their text."""
+        engine = self._generating_model("beam_search")
+        batch = _as_batch(prompts)
+        searches = []
+        for prompt in batch:
+            text, token_ids = _split_prompt(prompt)
+            ids = token_ids if token_ids is not None else engine.tokenize(text)
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids))
+        step = beam_step_params(searches[0].num_candidates) if searches else None
+        bar = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
+        with bar:
+            while any(not search.done for search in searches):
+                live = [search for search in searches if not search.done]
+                beams = [beam for search in live for beam in search.beam_prompts()]
+                outputs = iter(self.generate(beams, step, use_tqdm=False))
+                for search in live:
+                    search.advance([top_logprobs(next(outputs)) for _ in search.running])
+                bar.update(1)
+        results = [search.output() for search in searches]
+        for result in results:
+            for sequence in result.sequences:
+                sequence.text = engine.tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+        return results
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
