@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tokenmill.engine.beam_search import BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
 
@@ -88,6 +89,11 @@ class _SamplingFields(_Body):
     # accepted at the values that change nothing here, refused by name at any other
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    # beam search (vLLM's fields; engine/beam_search.py): `best_of` beams (default n), the n best returned
+    use_beam_search: bool = False
+    best_of: Optional[int] = Field(None, ge=1, le=10)
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (docs/scale-out.md)
 
     @model_validator(mode="after")
@@ -125,6 +131,8 @@ class _SamplingFields(_Body):
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """The engine's SamplingParams (raises ValueError naming a bad field)."""
+        if not self.use_beam_search:
+            self.check_no_beam_fields()
         bias = None
         if self.logit_bias:
             try:
@@ -144,6 +152,36 @@ class _SamplingFields(_Body):
             structured_output=self.structured_output(), cache_salt=self.cache_salt, output_kind="delta",
             kv_transfer_params=self.kv_transfer_params,
         )
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """The beam search this body asks for (use_beam_search); ValueError naming every field it sets that
+        beam search cannot honour (sampling controls, penalties, stop conditions, constraints, streaming)."""
+        defaults = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0, "seed": None, "stop": None, "stop_token_ids": None, "min_tokens": 0,
+                    "logit_bias": None, "stream": False, "logprobs": None, "echo": False, "top_logprobs": None,
+                    "kv_transfer_params": None}
+        refused = [name for name, default in defaults.items()
+                   if hasattr(self, name) and getattr(self, name) not in (default, [], {})]
+        if self.logprobs is False:  # chat's logprobs: false is the default
+            refused = [name for name in refused if name != "logprobs"]
+        if self.structured_output() is not None:
+            refused.append("response_format/guided_*")
+        if refused:
+            raise ValueError(f"beam search cannot honour {', '.join(refused)}: leave them unset with use_beam_search")
+        width = self.best_of if self.best_of is not None else self.n
+        if self.n > width:
+            raise ValueError(f"n ({self.n}) must be <= best_of ({width}), the number of beams")
+        return BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=self.temperature,
+                                length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+
+    def check_no_beam_fields(self) -> None:
+        """ValueError naming the beam-search fields set without use_beam_search (they would change nothing)."""
+        set_fields = [name for name, default in (("best_of", None), ("length_penalty", 1.0), ("early_stopping", False))
+                      if getattr(self, name) != default and not (name == "best_of" and self.best_of == self.n)]
+        if set_fields:
+            raise ValueError(f"{', '.join(set_fields)} apply to beam search only: set use_beam_search, or leave "
+                             "them unset")
 
     @property
     def include_usage(self) -> bool:

@@ -12,6 +12,7 @@ from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, mer
 from tokenmill.server.chat_prompt import chat_prompt_ids
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.request_limits import RequestLimits
+from tokenmill.server.serving_beam import run_beam_search
 from tokenmill.server.serving_common import (
     SSE_DONE, STREAM_ERRORS, AdapterLookup, APIError, ChoiceTracker, bad_request, new_id, now, primed, sse_error, stream_chunk,
     top_entries, usage, cached_tokens, with_adapter)
@@ -60,6 +61,9 @@ class ChatHandler:
                      ) -> tuple[str, list[int], AsyncIterator[RequestOutput], Optional[ToolMode], Ticket]:
         """Check the request, hold admission room for it, render and tokenise its prompt off the event
         loop and start its engine request. The caller releases the ticket when the response ends."""
+        if body.use_beam_search:  # a streamed one: beam search answers whole
+            raise APIError(400, "beam search cannot honour stream: leave it unset with use_beam_search",
+                           param="stream")
         self.limits.check(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -87,6 +91,8 @@ class ChatHandler:
 
     async def complete(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """The whole response."""
+        if body.use_beam_search:
+            return await self._beam_search(body)
         response_id, token_ids, stream, tools, ticket = await self._start(body)
         final: Optional[RequestOutput] = None
         try:
@@ -114,6 +120,32 @@ class ChatHandler:
         if final.kv_transfer_params is not None:
             response["kv_transfer_params"] = final.kv_transfer_params
         return response
+
+    async def _beam_search(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """A use_beam_search response: the n best hypotheses of the assistant's reply (engine/beam_search.py)."""
+        self.limits.check(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        try:
+            if body.tools:
+                raise ValueError("beam search cannot honour tools: leave them unset with use_beam_search")
+            params = body.beam_search_params(max_tokens if max_tokens is not None else 16)
+            ticket = self.engine.reserve(params.beam_width)
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        try:
+            _, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt)
+            (result,) = await run_beam_search(self.engine, [token_ids], params, self.adapter_of(body.model))
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        finally:
+            ticket.release()
+        choices = [{"index": rank, "message": {"role": "assistant", "content": sequence.text}, "logprobs": None,
+                    "finish_reason": sequence.finish_reason, "stop_reason": None}
+                   for rank, sequence in enumerate(result.sequences[:body.n])]
+        completion_tokens = sum(len(s.tokens) for s in result.sequences[:body.n])
+        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
+                "model": self.answering(body), "choices": choices,
+                "usage": usage(len(token_ids), completion_tokens)}
 
     def _logprobs(self, token_ids: list[int], entries: Optional[list[LogprobsDict]],
                   body: ChatCompletionRequest) -> Optional[dict[str, Any]]:

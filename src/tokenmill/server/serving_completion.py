@@ -10,6 +10,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, merge_outputs
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.request_limits import RequestLimits
+from tokenmill.server.serving_beam import run_beam_search
 from tokenmill.server.serving_common import (
     SSE_DONE, STREAM_ERRORS, AdapterLookup, APIError, ChoiceTracker, bad_request, merge, new_id, now, primed, sse_error,
     stream_chunk, top_entries, usage, cached_tokens, with_adapter)
@@ -68,6 +69,9 @@ class CompletionHandler:
                      ) -> tuple[str, list[CompletionPrompt], list[AsyncIterator[RequestOutput]], Ticket]:
         """Check the request, hold admission room for it, tokenise its prompts off the event loop and
         start its engine requests. The caller releases the ticket when the response ends."""
+        if body.use_beam_search:  # a streamed one: beam search answers whole
+            raise APIError(400, "beam search cannot honour stream: leave it unset with use_beam_search",
+                           param="stream")
         self.limits.check(body)
         items = prompt_items(body)
         self.limits.check_prompts(len(items))
@@ -91,6 +95,8 @@ class CompletionHandler:
 
     async def complete(self, body: CompletionRequest) -> dict[str, Any]:
         """The whole response."""
+        if body.use_beam_search:
+            return await self._beam_search(body)
         response_id, prompts, streams, ticket = await self._start(body)
         final: dict[int, RequestOutput] = {}
         try:
@@ -114,6 +120,34 @@ class CompletionHandler:
         if transfer is not None:
             response["kv_transfer_params"] = transfer
         return response
+
+    async def _beam_search(self, body: CompletionRequest) -> dict[str, Any]:
+        """A use_beam_search response: for each prompt, its n best hypotheses (engine/beam_search.py)."""
+        self.limits.check(body)
+        items = prompt_items(body)
+        self.limits.check_prompts(len(items))
+        try:
+            params = body.beam_search_params(body.max_tokens if body.max_tokens is not None else 16)
+            ticket = self.engine.reserve(len(items) * params.beam_width)
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        try:
+            prompts = await asyncio.to_thread(tokenize_prompts, items, self.engine.tokenizer)
+            results = await run_beam_search(self.engine, [p.token_ids for p in prompts], params,
+                                            self.adapter_of(body.model))
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        finally:
+            ticket.release()
+        choices, completion_tokens = [], 0
+        for index, result in enumerate(results):
+            for rank, sequence in enumerate(result.sequences[:body.n]):
+                completion_tokens += len(sequence.tokens)
+                choices.append({"index": index * body.n + rank, "text": sequence.text, "logprobs": None,
+                                "finish_reason": sequence.finish_reason, "stop_reason": None})
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.answering(body),
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     def _choice(self, body: CompletionRequest, prompt: CompletionPrompt, output: RequestOutput,
                 completion: CompletionOutput, index: int) -> dict[str, Any]:
