@@ -19,6 +19,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 RUNNERS = ("auto", "generate", "pooling")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -114,6 +115,10 @@ class CacheConfig:
     prefix_caching: bool = _opt(True, "reuse the KV blocks of earlier requests that share a prompt prefix")
     secondary_kv_gb: float = _opt(0.0, "size in GiB of the second KV tier, where evicted prefix blocks wait "
                                   "(a memory-mapped file on CPU, pinned host memory on GPU); 0 = off")
+    kv_cache_dtype: str = _opt("auto", "what the KV cache stores: auto = the compute dtype; int8 = per token and "
+                               "head symmetric int8 with a float32 scale (about half the bytes of bfloat16, so "
+                               "the pool holds ~2x the tokens; quality: docs/benchmarks.md); fp8 is refused "
+                               "(no CPU path reads it)", choices=KV_CACHE_DTYPES)
     swap_space_gb: float = _opt(4.0, "host memory in GiB for the KV blocks of preempted requests (a memory-mapped "
                                 "file on CPU, pinned memory on GPU; see --preemption-mode); 0 = always recompute")
     secondary_kv_folder: Optional[str] = _opt(None, "folder for the second tier's file (default: the temp folder)")
@@ -144,6 +149,11 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype fp8 is not supported: no attention path of this engine reads fp8 "
+                             "(e4m3) rows; use int8, which halves the cache as fp8 would")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.secondary_kv_gb < 0:

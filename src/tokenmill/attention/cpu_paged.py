@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from tokenmill.attention.base import AttentionLayer, SequenceChunk, key_only
+from tokenmill.attention.kv_quant import is_quantized, write_tokens
 from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, prefill_entries,
                                           split_decodes)
 from tokenmill.kernels.cpu_kernels import CpuKernels, prefill_attention_fits
@@ -58,12 +59,17 @@ class CpuPagedBackend(TorchReferenceBackend):
         return meta
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        if is_quantized(kv_cache):  # rows quantised in PyTorch, one per token and head, written by slot
+            block_size = kv_cache.shape[3]
+            write_tokens(kv_cache, m.slots // block_size, m.slots % block_size, k, v)
+            return
         self.kernels.cache_write(kv_cache, k, None if key_only(kv_cache, k, v) else v, m.slots)
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,
                      layer: AttentionLayer) -> None:
-        self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
-                                      m.decode_lens, layer.scale, window=layer.sliding_window or 0)
+        decode = self.kernels.decode_attention_q8 if is_quantized(kv_cache) else self.kernels.decode_attention
+        decode(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32, m.decode_lens, layer.scale,
+               window=layer.sliding_window or 0)
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:
@@ -72,7 +78,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         chunk's context is longer than the window (there the two are the same attention)."""
         assert isinstance(m, CpuPagedMetadata)
         windowless = layer.sliding_window is None or all(p.context_len <= layer.sliding_window for p in m.prefills)
-        if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and windowless and \
+        if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and windowless and not is_quantized(kv_cache) and \
                 self.kernels.prefill_attention(out, q, kv_cache, m.prefill_chunks, m.prefill_tables, layer.scale):
             return
         super()._prefill_into(out, q, k, v, kv_cache, m, layer)

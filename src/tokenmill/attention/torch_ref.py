@@ -2,7 +2,9 @@
 
 Runs anywhere PyTorch does and is the oracle faster backends are tested against.
 
-Cache layout per layer: [2 (k, v), num_blocks, kv_heads, block_size, head_dim]. One (block, kv head)
+Cache layout per layer: [2 (k, v), num_blocks, kv_heads, block_size, head_dim] (int8 caches: rows of
+head_dim + 4 bytes, keys transposed within a block, attention/kv_quant.py; dequantised as they are
+gathered). One (block, kv head)
 pair is a contiguous [block_size, head_dim] tile, so a sequence's context for one head is gathered
 tile by tile — whole-tile copies — straight into [kv_heads, blocks * block_size, head_dim], the layout
 attention reads.
@@ -17,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk, key_only
+from tokenmill.attention.kv_quant import (dequantize_key_tiles, dequantize_rows, is_quantized, quantize_rows,
+                                         write_tokens)
 
 
 @dataclass
@@ -124,6 +128,31 @@ def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return tiles.view(*rows.shape[:-1], rows.shape[-1] * block_size, head_dim)
 
 
+def _keys(kv_cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The keys of [..., blocks] block tables as attention reads them: [..., kv_heads, blocks * block_size,
+    head_dim], dequantised from an int8 cache's transposed key tiles (attention/kv_quant.py)."""
+    if not is_quantized(kv_cache):
+        return _tiles(kv_cache[0], tables)
+    num_blocks, num_kv_heads, block_size, width = kv_cache[0].shape
+    heads = torch.arange(num_kv_heads, device=tables.device)
+    rows = tables.unsqueeze(-2) * num_kv_heads + heads.unsqueeze(-1)  # [..., KVH, blocks]
+    tiles = kv_cache[0].view(num_blocks * num_kv_heads, block_size * width).index_select(0, rows.reshape(-1))
+    keys = dequantize_key_tiles(tiles.view(*rows.shape, block_size * width), block_size, dtype)
+    return keys.flatten(-3, -2)
+
+
+def _values(kv_cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of [..., blocks] block tables, [..., kv_heads, blocks * block_size, head_dim]."""
+    tiles = _tiles(kv_cache[-1], tables)
+    return dequantize_rows(tiles, dtype) if is_quantized(kv_cache) else tiles
+
+
+def _as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """New K or V rows as the cache holds them (quantised and back for an int8 cache), so a chunk attends
+    to its own tokens exactly as later queries will."""
+    return dequantize_rows(quantize_rows(x), x.dtype) if is_quantized(kv_cache) else x
+
+
 def prefill_entries(prefills: list[SequenceChunk], block_size: int, device: torch.device) -> list[_Prefill]:
     """What SDPA needs per prefill chunk: nothing more for a chunk starting at position 0 (its own K/V,
     causal), else its block table (and a mask, built when first used)."""
@@ -182,11 +211,11 @@ class TorchReferenceBackend(AttentionBackend):
             rows = slice(p.query_start, p.query_start + p.query_len)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
             if p.block_table is None:
-                kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, KVH, Q, D]
-                vp = v[rows].transpose(0, 1).unsqueeze(0)
+                kp = _as_cached(k[rows], kv_cache).transpose(0, 1).unsqueeze(0)  # [1, KVH, Q, D]
+                vp = _as_cached(v[rows], kv_cache).transpose(0, 1).unsqueeze(0)
             else:
-                kp = _tiles(kv_cache[0], p.block_table)[:, :p.context_len].unsqueeze(0)
-                vp = _tiles(kv_cache[-1], p.block_table)[:, :p.context_len].unsqueeze(0)
+                kp = _keys(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
+                vp = _values(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
             mask = p.mask(layer.sliding_window)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                                 scale=layer.scale, enable_gqa=True)
@@ -194,6 +223,9 @@ class TorchReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
+        if is_quantized(kv_cache):
+            write_tokens(kv_cache, m.block_ids, m.offsets, k, v)
+            return
         kv_cache[0][m.block_ids, :, m.offsets] = k
         if not key_only(kv_cache, k, v):
             kv_cache[1][m.block_ids, :, m.offsets] = v
@@ -208,8 +240,8 @@ class TorchReferenceBackend(AttentionBackend):
         attention call, so K/V are gathered once and never repeated per query head."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[2]
-        k = _tiles(kv_cache[0], m.decode_tables)  # [B, KVH, L, D]
-        v = k if kv_cache.shape[0] == 1 else _tiles(kv_cache[1], m.decode_tables)
+        k = _keys(kv_cache, m.decode_tables, q.dtype)  # [B, KVH, L, D]
+        v = k if kv_cache.shape[0] == 1 else _values(kv_cache, m.decode_tables, q.dtype)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=m.decode_mask_for(layer.sliding_window),
                                              scale=layer.scale)

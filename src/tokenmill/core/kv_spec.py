@@ -30,6 +30,7 @@ class KVCacheSpec:
     dtype_bytes: int
     sliding_window: Optional[int] = None
     mla_latent: Optional[tuple[int, int]] = None  # (kv_lora_rank, qk_rope_head_dim) of an MLA layer
+    quantized: bool = False  # int8 rows: head_dim int8 values and a float32 scale (attention/kv_quant.py)
 
     @property
     def kind(self) -> str:
@@ -47,7 +48,8 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one layer of this spec keeps per cached token."""
-        return self.planes * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        row = self.head_dim + 4 if self.quantized else self.head_dim * self.dtype_bytes
+        return self.planes * self.num_kv_heads * row
 
     def describe(self) -> str:
         """The spec in words, e.g. "sliding window of 512 tokens"."""

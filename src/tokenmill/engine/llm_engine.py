@@ -104,7 +104,10 @@ class LLMEngine:
 
         block_size = config.cache.block_size
         # every rank's heads together: the budget is the whole run's
-        self.kv_layout = kv_cache_layout(self.arch, self.dtype.itemsize)
+        quantized_kv = config.cache.kv_cache_dtype == "int8"
+        if quantized_kv and self.arch.mla is not None:
+            raise ValueError("kv_cache_dtype int8: MLA latent caches are not quantised; use auto")
+        self.kv_layout = kv_cache_layout(self.arch, self.dtype.itemsize, quantized=quantized_kv)
         block_bytes = self.kv_layout.block_bytes(block_size)
         num_blocks = config.cache.num_kv_blocks or max(1, int(config.cache.kv_cache_memory_gb * _GIB) // block_bytes)
         tier_slots = 0
@@ -124,7 +127,8 @@ class LLMEngine:
                         parallel.pipeline_parallel_size, parallel.enable_expert_parallel)  # before any worker starts
         spec = WorkerSpec(config.model, source.path, str(self.device), str(self.dtype).removeprefix("torch."),
                           self.max_model_len, num_blocks, block_size, tier_slots, config.cache.secondary_kv_folder,
-                          self.eos_token_ids, swap_slots=swap_slots, tp_size=parallel.tensor_parallel_size,
+                          self.eos_token_ids, swap_slots=swap_slots, quantized_kv=quantized_kv,
+                          tp_size=parallel.tensor_parallel_size,
                           pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
                           expert_parallel=parallel.enable_expert_parallel)
         self.executor: Executor = make_executor(spec, config.parallel, source)

@@ -24,10 +24,12 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def load_model(source: ModelSource, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_model_len: int, num_layers: Optional[int] = None,
-               tp: TPGroup = TPGroup.single(), stage: PipelineStage = PipelineStage()) -> tuple[Any, AttentionBackend]:
+               tp: TPGroup = TPGroup.single(), stage: PipelineStage = PipelineStage(),
+               fused_decode: bool = True) -> tuple[Any, AttentionBackend]:
     """The model of `source` (rank `tp.rank`'s shard of pipeline stage `stage`'s layers) with its weights loaded and the kernels `config`
     asks for, and its attention backend. `num_layers` keeps only the first layers (with the final norm
-    and head): a shallow draft."""
+    and head): a shallow draft. `fused_decode` False keeps the per-layer path (an int8 KV cache, which the
+    native one-call step does not read)."""
     arch = source.arch
     if num_layers is not None:
         if num_layers > arch.num_hidden_layers:
@@ -56,7 +58,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin
         # down; quantised weights already part from those results, and gain the fused step
         model.use_fused_kernels(kernels)
-        if config.fused_decode and tp.size == 1 and stage.size == 1:  # one native call runs every layer
+        if config.fused_decode and fused_decode and tp.size == 1 and stage.size == 1:  # one native call runs every layer
             model.use_fused_decode()
     if config.enable_lora and num_layers is None:  # a draft model runs without adapters
         from tokenmill.lora.layers import ModelLoRA

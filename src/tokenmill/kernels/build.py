@@ -30,7 +30,8 @@ from tokenmill.kernels.isa import IsaLevel
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "prefill_attention.c",
+SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "decode_attention_q8.c",
+                                     "prefill_attention.c",
                                      "quant_kernels.c", "amx_kernels.c", "decode_step.c",
                                      "dense_kernels.c")]
 HEADERS = [_HERE / name for name in ("cpu_common.h", "cpu_avx2.h", "quant_cells.h", "amx_tiles.h")]

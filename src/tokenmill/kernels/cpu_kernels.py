@@ -1,4 +1,4 @@
-"""Load and call the C kernels: cpu_kernels.c, decode_attention.c, prefill_attention.c,
+"""Load and call the C kernels: cpu_kernels.c, decode_attention.c, decode_attention_q8.c, prefill_attention.c,
 quant_kernels.c, amx_kernels.c, decode_step.c and dense_kernels.c.
 
 The library of this process's instruction-set level (kernels/isa.py) is built on first use
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT],
+    "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT],
     "tm_cache_write": [_P] * 5 + [_I64] * 6 + [_INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
@@ -169,6 +170,26 @@ class CpuKernels:
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
             raise ValueError("decode_attention takes int32 block tables and lengths, int64 token indices")
         self.lib.tm_decode_attention(
+            _ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
+            _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
+            block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
+
+    def decode_attention_q8(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                            token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, window: int = 0) -> None:
+        """`decode_attention` over an int8 cache [planes, blocks, kv_heads, block_size, head_dim + 4], each row
+        head_dim int8 values and their float32 scale (attention/kv_quant.py)."""
+        bf16 = _storage_flag(out, q)
+        _, _, num_kv_heads, block_size, width = kv_cache.shape
+        head_dim = width - 4
+        if kv_cache.dtype != torch.int8 or q.shape[2] != head_dim:
+            raise ValueError(f"decode_attention_q8 needs an int8 cache of rows head_dim + 4, got {kv_cache.dtype} "
+                             f"rows of {width} for head_dim {q.shape[2]}")
+        if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != head_dim or not kv_cache.is_contiguous():
+            raise ValueError("decode_attention_q8 needs contiguous head rows, a contiguous out row and cache")
+        if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
+            raise ValueError("decode_attention_q8 takes int32 block tables and lengths, int64 token indices")
+        self.lib.tm_decode_attention_q8(
             _ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
             _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
             block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)

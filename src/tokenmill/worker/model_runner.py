@@ -8,6 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from tokenmill.attention.base import AttentionBackend, SequenceChunk
+from tokenmill.attention.kv_quant import row_width
 from tokenmill.core.kv_spec import KVCacheLayout
 from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling.batch import SamplingRow
@@ -40,26 +41,28 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         spec = layout.groups[0].spec
+        # an int8 cache holds rows of head_dim values and their scale's 4 bytes (attention/kv_quant.py)
+        cache_dtype, width = (torch.int8, row_width(spec.head_dim)) if spec.quantized else (dtype, spec.head_dim)
         first_layer = model.stage.first_layer
         # this pipeline stage's layers: (group, position) of each
         places = [layout.place(first_layer + i) for i in range(len(model.layers))]
         positions = sorted({position for _, position in places})
         pages = {position: torch.zeros(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
-                                                              spec.head_dim, spec.planes), dtype=dtype, device=device)
+                                                              width, spec.planes), dtype=cache_dtype, device=device)
                  for position in positions}
         self.kv_pages = [pages[position] for position in positions]
         self.kv_caches = [pages[position] for _, position in places]  # one per layer (layers share pages)
         self.layer_groups = [group for group, _ in places]
         self.tier = None
         if tier_slots:
-            self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, spec.num_kv_heads, spec.head_dim,
+            self.tier = KVTierStore(backend.kv_cache_shape(tier_slots, block_size, spec.num_kv_heads, width,
                                                            spec.planes),
-                                    len(self.kv_pages), dtype, device, tier_folder)
+                                    len(self.kv_pages), cache_dtype, device, tier_folder)
         self.swap = None  # preempted requests' blocks (core/swap_space.py): the same store, in its own slots
         if swap_slots:
-            self.swap = KVTierStore(backend.kv_cache_shape(swap_slots, block_size, spec.num_kv_heads, spec.head_dim,
+            self.swap = KVTierStore(backend.kv_cache_shape(swap_slots, block_size, spec.num_kv_heads, width,
                                                            spec.planes),
-                                    len(self.kv_pages), dtype, device, tier_folder)
+                                    len(self.kv_pages), cache_dtype, device, tier_folder)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed

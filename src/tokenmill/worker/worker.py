@@ -39,6 +39,7 @@ class WorkerSpec:
     tier_folder: Optional[str]
     eos_token_ids: tuple[int, ...]
     swap_slots: int = 0  # host slots for preempted requests' blocks (core/swap_space.py)
+    quantized_kv: bool = False  # an int8 KV cache (attention/kv_quant.py)
     rank: int = 0
     tp_size: int = 1
     pp_size: int = 1
@@ -82,8 +83,8 @@ class Worker:
             tp, stage = init_parallel(spec.rank, spec.tp_size, spec.pp_size, arch.num_hidden_layers, spec.init_method,
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
-                                         stage=stage)
-        layout = kv_cache_layout(arch, dtype.itemsize, tp.size)
+                                         stage=stage, fused_decode=not spec.quantized_kv)
+        layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
         self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
                                   swap_slots=spec.swap_slots)

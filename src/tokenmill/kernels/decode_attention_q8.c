@@ -1,0 +1,148 @@
+/* Decode attention over an int8 KV cache (--kv-cache-dtype int8).
+ *
+ * Cache layout (attention/kv_quant.py): per plane, a block_size x (head_dim + 4) byte tile per (block, kv
+ * head). Values: block_size rows of head_dim int8 values and the row's float32 scale. Keys: transposed,
+ * head_dim x block_size int8 values (a dimension's keys adjacent) then block_size float32 scales, so the
+ * scores of a block's keys run in the vector lanes, read straight from the cache, with no horizontal sums.
+ *
+ * Arithmetic per query: each key's score is (q . k_values), summed over the head dimension in order,
+ * times the key's scale and the softmax scale (the keys of a block sit in the vector lanes); softmax with
+ * fast_exp; the output sums p * (v_values * v_scale) in key order. A query's result depends only on its own context, never on
+ * the other rows of the batch, the thread count or the tiling.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#define Q8_LANES 16     /* keys scored together: a whole block at the default block size */
+#define Q8_MAX_GROUP 8  /* query heads per KV head whose scores stay in registers */
+
+/* First key a query at context length ctx sees with a window (0: every key). */
+static inline int64_t q8_window_first(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
+/* Rows [first, first + n) of one block of one head, widened: tile[t * head_dim + d] = value * row scale. */
+static inline void q8_load_rows(float *tile, const int8_t *plane, int64_t block, int64_t head, int64_t first,
+                                int64_t n, int64_t num_kv_heads, int64_t block_size, int64_t head_dim) {
+    const int64_t width = head_dim + 4;
+    const int8_t *rows = plane + ((block * num_kv_heads + head) * block_size + first) * width;
+    for (int64_t t = 0; t < n; t++) {
+        const int8_t *row = rows + t * width;
+        float row_scale;
+        memcpy(&row_scale, row + head_dim, sizeof(float));
+        float *dst = tile + t * head_dim;
+        #pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = (float)row[d] * row_scale;
+    }
+}
+
+void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, const int8_t *v_cache,
+                            const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
+                            int64_t out_row_stride, float scale, int64_t window, int bf16) {
+    const int64_t group = num_heads / num_kv_heads;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_seqs; b++) {
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            const int64_t ctx = context_lens[b], first = q8_window_first(ctx, window), len = ctx - first;
+            const int32_t *table = block_tables + b * max_blocks;
+            float *qf = (float *)malloc(sizeof(float) * (size_t)(group * head_dim * 2 + block_size * head_dim
+                                                                  + block_size + group * len));
+            float *acc = qf + group * head_dim;
+            float *tile = acc + group * head_dim;
+            float *key_scales = tile + block_size * head_dim;
+            float *scores = key_scales + block_size;
+            const int64_t qrow = token_index[b] * q_row_stride;
+            for (int64_t g = 0; g < group; g++)
+                load_row(qf + g * head_dim, q, qrow + (kvh * group + g) * q_head_stride, head_dim, bf16);
+            memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+            for (int64_t start = first, end; start < ctx; start = end) {
+                const int64_t block = table[start / block_size], offset = start % block_size;
+                end = start - offset + block_size < ctx ? start - offset + block_size : ctx;
+                const int64_t n = end - start;
+                const int8_t *keys = k_cache + (block * num_kv_heads + kvh) * block_size * (head_dim + 4);
+                memcpy(key_scales, keys + head_dim * block_size + 4 * offset, sizeof(float) * (size_t)n);
+                if (n == Q8_LANES && group <= Q8_MAX_GROUP) {
+                    /* a whole 16-key block: each dimension's 16 keys widened once for every query head, the
+                     * scores held in registers */
+                    float s[Q8_MAX_GROUP][Q8_LANES] = {{0.0f}};
+                    for (int64_t d = 0; d < head_dim; d++) {
+                        const int8_t *kd = keys + d * block_size + offset;
+                        float kf[Q8_LANES];
+                        #pragma omp simd
+                        for (int t = 0; t < Q8_LANES; t++) kf[t] = (float)kd[t];
+                        for (int64_t g = 0; g < group; g++) {
+                            const float qd = qf[g * head_dim + d];
+                            #pragma omp simd
+                            for (int t = 0; t < Q8_LANES; t++) s[g][t] += qd * kf[t];
+                        }
+                    }
+                    for (int64_t g = 0; g < group; g++) {
+                        float *sg = scores + g * len + (start - first);
+                        #pragma omp simd
+                        for (int t = 0; t < Q8_LANES; t++) sg[t] = s[g][t] * key_scales[t] * scale;
+                    }
+                    continue;
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qf + g * head_dim;
+                    float *sg = scores + g * len + (start - first);
+                    for (int64_t t = 0; t < n; t++) sg[t] = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++) {  /* each key's dot product, summed over d in order */
+                        const float qd = qg[d];
+                        const int8_t *kd = keys + d * block_size + offset;
+                        #pragma omp simd
+                        for (int64_t t = 0; t < n; t++) sg[t] += qd * (float)kd[t];
+                    }
+                    for (int64_t t = 0; t < n; t++) sg[t] = sg[t] * key_scales[t] * scale;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * len;
+                float mx = -INFINITY, sum = 0.0f;
+                #pragma omp simd reduction(max:mx)
+                for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+                #pragma omp simd reduction(+:sum)
+                for (int64_t t = 0; t < len; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
+                const float inv = 1.0f / sum;
+                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+            }
+            for (int64_t start = first, end; start < ctx; start = end) {
+                const int64_t block = table[start / block_size], offset = start % block_size;
+                end = start - offset + block_size < ctx ? start - offset + block_size : ctx;
+                const int64_t n = end - start;
+                q8_load_rows(tile, v_cache, block, kvh, offset, n, num_kv_heads, block_size, head_dim);
+                for (int64_t g = 0; g < group; g++) {
+                    float *a = acc + g * head_dim;
+                    const float *p = scores + g * len + (start - first);
+                    int64_t d0 = 0;
+                    for (; d0 + Q8_LANES <= head_dim; d0 += Q8_LANES) {  /* 16 dimensions held in a register */
+                        float av[Q8_LANES];
+                        for (int i = 0; i < Q8_LANES; i++) av[i] = a[d0 + i];
+                        for (int64_t t = 0; t < n; t++) {
+                            const float *r = tile + t * head_dim + d0;
+                            const float pt = p[t];
+                            #pragma omp simd
+                            for (int i = 0; i < Q8_LANES; i++) av[i] += pt * r[i];
+                        }
+                        for (int i = 0; i < Q8_LANES; i++) a[d0 + i] = av[i];
+                    }
+                    for (int64_t t = 0; t < n && d0 < head_dim; t++) {
+                        const float *r = tile + t * head_dim;
+                        const float pt = p[t];
+                        for (int64_t d = d0; d < head_dim; d++) a[d] += pt * r[d];
+                    }
+                }
+            }
+            const int64_t orow = token_index[b] * out_row_stride;
+            for (int64_t g = 0; g < group; g++)
+                store_row(out, orow + (kvh * group + g) * head_dim, acc + g * head_dim, head_dim, bf16);
+            free(qf);
+        }
+    }
+}

@@ -1,0 +1,84 @@
+"""The int8 KV cache (attention/kv_quant.py, kernels/decode_attention_q8.c): rows round-trip, the native
+decode matches the reference backend over the same int8 cache, and a row's result ignores the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.test_cpu_kernels import random_batch
+from tokenmill.attention.base import AttentionLayer, SequenceChunk
+from tokenmill.attention.cpu_paged import CpuPagedBackend
+from tokenmill.attention.kv_quant import (dequantize_key_tiles, dequantize_rows, quantize_rows, row_width,
+                                         write_tokens)
+from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+CPU = torch.device("cpu")
+
+
+def test_rows_round_trip_within_half_a_step():
+    x = torch.randn(50, 3, 64) * torch.linspace(0.01, 10, 50)[:, None, None]
+    x[7, 1] = 0.0  # an all-zero row keeps scale 0 and reads back as zeros
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (50, 3, 68)
+    back = dequantize_rows(rows, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert torch.all((back - x).abs() <= step / 2 + 1e-6)
+    assert torch.equal(back[7, 1], torch.zeros(64))
+
+
+def _int8_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The int8 cache holding a float cache's every token, written as the engine writes them."""
+    _, num_blocks, kv_heads, block_size, head_dim = cache.shape
+    int8 = torch.zeros(2, num_blocks, kv_heads, block_size, row_width(head_dim), dtype=torch.int8)
+    blocks = torch.arange(num_blocks).repeat_interleave(block_size)
+    offsets = torch.arange(block_size).repeat(num_blocks)
+    tokens = [plane.permute(0, 2, 1, 3).reshape(num_blocks * block_size, kv_heads, head_dim) for plane in cache]
+    write_tokens(int8, blocks, offsets, *tokens)
+    return int8
+
+
+def test_keys_are_stored_transposed_and_read_back_as_written():
+    cache = torch.randn(2, 3, 2, 4, 8)
+    int8 = _int8_cache(cache)
+    keys = dequantize_key_tiles(int8[0].view(3, 2, 4 * 12), 4, torch.float32)  # [blocks, heads, bs, D]
+    expected = dequantize_rows(quantize_rows(cache[0]), torch.float32)
+    assert torch.equal(keys, expected)
+    assert torch.equal(dequantize_rows(int8[1], torch.float32), dequantize_rows(quantize_rows(cache[1]), torch.float32))
+
+
+def _int8_batch(dtype, heads, kv_heads, head_dim, block_size, lengths):
+    cache, chunks, slots, q, k, v = random_batch(13, dtype, heads, kv_heads, head_dim, block_size, lengths,
+                                                 num_blocks=128)
+    return _int8_cache(cache.float()), chunks, slots, q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
+    (9, 3, 64, 16, None), (8, 2, 128, 8, None), (6, 1, 64, 5, None), (4, 4, 32, 16, 20)])
+def test_native_int8_decode_matches_the_reference_backend(kernels, dtype, heads, kv_heads, head_dim, block_size,
+                                                          window):
+    lengths = [2, 17, 40, 3 * block_size + 1, 130, 200]
+    cache, chunks, slots, q, k, v = _int8_batch(dtype, heads, kv_heads, head_dim, block_size, lengths)
+    ref_cache, fast_cache = cache.clone(), cache.clone()
+    ref, fast = TorchReferenceBackend(), CpuPagedBackend(kernels)
+    layer = AttentionLayer(head_dim ** -0.5, window)
+    expected = ref.forward(q.float(), k.float(), v.float(), ref_cache,
+                           ref.build_metadata(chunks, slots, block_size, CPU), layer)
+    got = fast.forward(q, k, v, fast_cache, fast.build_metadata(chunks, slots, block_size, CPU), layer)
+    assert torch.equal(fast_cache, ref_cache)  # both write the same quantised rows
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_an_int8_decode_does_not_depend_on_the_rest_of_the_batch(kernels):
+    lengths = [300, 5, 77, 140]
+    cache, chunks, slots, q, k, v = _int8_batch(torch.bfloat16, 9, 3, 64, 16, lengths)
+    backend, layer = CpuPagedBackend(kernels), AttentionLayer(64 ** -0.5)
+    together = backend.forward(q, k, v, cache.clone(), backend.build_metadata(chunks, slots, 16, CPU), layer)
+    for i, chunk in enumerate(chunks):
+        row = slice(i, i + 1)
+        out = backend.forward(q[row], k[row], v[row], cache.clone(),
+                              backend.build_metadata([SequenceChunk(0, 1, chunk.context_len, chunk.block_ids)],
+                                                     slots[row], 16, CPU), layer)
+        assert torch.equal(out[0], together[i])
