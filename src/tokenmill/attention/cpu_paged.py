@@ -67,9 +67,8 @@ class CpuPagedBackend(TorchReferenceBackend):
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,
                      layer: AttentionLayer) -> None:
-        decode = self.kernels.decode_attention_q8 if is_quantized(kv_cache) else self.kernels.decode_attention
-        decode(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32, m.decode_lens, layer.scale,
-               window=layer.sliding_window or 0)
+        self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
+                                      m.decode_lens, layer.scale, window=layer.sliding_window or 0)
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:

@@ -1,7 +1,8 @@
 /* Helpers shared by tokenmill's C kernels: bfloat16 <-> float32 as PyTorch converts them, row loads and
- * stores in the storage dtype, and the softmax's exp. */
+ * stores in the storage dtype, and the softmax (its exp). */
 #ifndef TOKENMILL_CPU_COMMON_H
 #define TOKENMILL_CPU_COMMON_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -91,6 +92,21 @@ static inline float fast_exp(float x) {
               + r * (0.0083333333333f + r * 0.0013888888889f)))));
     union { int32_t i; float f; } scale = { .i = ((int32_t)k + 127) << 23 };
     return p * scale.f;
+}
+
+/* Each of `rows` rows of `len` scores (rows adjacent) replaced by its softmax: the row's max, fast_exp of the
+ * differences (their sum taken along), then times the sum's reciprocal. */
+static inline void softmax_rows(float *scores, int64_t rows, int64_t len) {
+    for (int64_t g = 0; g < rows; g++) {
+        float *sg = scores + g * len;
+        float mx = -INFINITY, sum = 0.0f;
+        #pragma omp simd reduction(max:mx)
+        for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < len; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+    }
 }
 
 #ifdef __AVX512F__

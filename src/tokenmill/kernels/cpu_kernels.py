@@ -161,38 +161,24 @@ class CpuKernels:
         """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
         cached tokens, or with window > 0 over the last `window` of them only (the blocks before those are
         not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [planes, blocks, kv_heads,
-        block_size, head_dim] contiguous (values in the last plane); block_tables int32 [B, max_blocks];
-        context_lens int32 [B]."""
-        bf16 = _storage_flag(out, q, kv_cache)
-        _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        block_size, head_dim] contiguous (values in the last plane) of q's dtype, or an int8 cache of rows
+        head_dim + 4 (attention/kv_quant.py, read by decode_attention_q8.c); block_tables int32
+        [B, max_blocks]; context_lens int32 [B]."""
+        quantized = kv_cache.dtype == torch.int8
+        bf16 = _storage_flag(out, q, *([] if quantized else [kv_cache]))
+        _, _, num_kv_heads, block_size, width = kv_cache.shape
+        head_dim = width - 4 if quantized else width
+        if q.shape[2] != head_dim:
+            raise ValueError(f"decode_attention: the cache's rows ({width} {kv_cache.dtype}) do not hold "
+                             f"head_dim {q.shape[2]}")
         if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != head_dim or not kv_cache.is_contiguous():
             raise ValueError("decode_attention needs contiguous head rows, a contiguous out row and cache")
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
             raise ValueError("decode_attention takes int32 block tables and lengths, int64 token indices")
-        self.lib.tm_decode_attention(
-            _ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
-            _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
-            block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
-
-    def decode_attention_q8(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
-                            token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, window: int = 0) -> None:
-        """`decode_attention` over an int8 cache [planes, blocks, kv_heads, block_size, head_dim + 4], each row
-        head_dim int8 values and their float32 scale (attention/kv_quant.py)."""
-        bf16 = _storage_flag(out, q)
-        _, _, num_kv_heads, block_size, width = kv_cache.shape
-        head_dim = width - 4
-        if kv_cache.dtype != torch.int8 or q.shape[2] != head_dim:
-            raise ValueError(f"decode_attention_q8 needs an int8 cache of rows head_dim + 4, got {kv_cache.dtype} "
-                             f"rows of {width} for head_dim {q.shape[2]}")
-        if q.stride(2) != 1 or out.stride(2) != 1 or out.stride(1) != head_dim or not kv_cache.is_contiguous():
-            raise ValueError("decode_attention_q8 needs contiguous head rows, a contiguous out row and cache")
-        if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
-            raise ValueError("decode_attention_q8 takes int32 block tables and lengths, int64 token indices")
-        self.lib.tm_decode_attention_q8(
-            _ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
-            _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
-            block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
+        kernel = self.lib.tm_decode_attention_q8 if quantized else self.lib.tm_decode_attention
+        kernel(_ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
+               _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
+               block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
 
     def cache_write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                     slots: torch.Tensor) -> None:

@@ -496,16 +496,7 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                     }
                 }
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * len;
-                float mx = -INFINITY, sum = 0.0f;
-                #pragma omp simd reduction(max:mx)
-                for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-                #pragma omp simd reduction(+:sum)
-                for (int64_t t = 0; t < len; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-            }
+            softmax_rows(scores, group, len);
             for (int64_t start = first, block, end; start < ctx; start = end) {
                 const int64_t base = block_run(table, start, ctx, block_size, kvh, num_kv_heads, head_dim, &block, &end);
                 const int64_t n = end - start;

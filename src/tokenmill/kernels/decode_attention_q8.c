@@ -102,16 +102,7 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                     for (int64_t t = 0; t < n; t++) sg[t] = sg[t] * key_scales[t] * scale;
                 }
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * len;
-                float mx = -INFINITY, sum = 0.0f;
-                #pragma omp simd reduction(max:mx)
-                for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-                #pragma omp simd reduction(+:sum)
-                for (int64_t t = 0; t < len; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-            }
+            softmax_rows(scores, group, len);
             for (int64_t start = first, end; start < ctx; start = end) {
                 const int64_t block = table[start / block_size], offset = start % block_size;
                 end = start - offset + block_size < ctx ? start - offset + block_size : ctx;
