@@ -10,8 +10,8 @@ from tqdm import tqdm
 from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_step_params,
                                           top_logprobs)
-from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
 from tokenmill.sampling_params import SamplingParams
