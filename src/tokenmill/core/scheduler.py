@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from tokenmill.core.swap_space import PreemptionCosts, SwapSpace
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.sched_output import (
-    CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate, ScheduledChunk, SchedulerOutput)
+from tokenmill.core.runner_views import RunnerViews
+from tokenmill.core.sched_output import ModelRunnerOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
+from tokenmill.core.swap_space import PreemptionCosts, SwapSpace
 from tokenmill.request import Request, RequestStatus
 
 
@@ -42,25 +42,10 @@ class SchedulingLimits:
     costs: Optional[PreemptionCosts] = None
 
 
-@dataclass
-class _RunnerView:
-    """What the runner has been told of a request: how many output tokens, and which block table."""
-
-    num_output_tokens: int
-    block_ids: list[list[int]]  # per KV cache group
-
-
 def _adapter(request: Request) -> Optional[int]:
     """The request's LoRA adapter id (None: the base model)."""
     lora = request.sampling_params.lora_request
     return None if lora is None else lora.lora_int_id
-
-
-def _common_prefix(sent: list[int], table: list[int]) -> int:
-    """How many leading entries of `table` equal what the runner was sent."""
-    if len(table) >= len(sent) and table[:len(sent)] == sent:
-        return len(sent)
-    return next(i for i, (a, b) in enumerate(zip(sent, table + [None])) if a != b)
 
 
 @dataclass
@@ -85,8 +70,9 @@ class Scheduler:
     Every step hands out a token budget: running requests first (in priority order), then waiting
     ones. A request gets min(tokens it lacks, budget left), so long prompts are chunked and mixed
     with decode tokens of other requests in the same step. When the pool cannot hold a running
-    request's next tokens, the lowest-priority, latest-arriving running request is preempted:
-    its blocks are freed and it restarts from num_computed_tokens = 0 (recompute).
+    request's next tokens, the lowest-priority, latest-arriving running request is preempted: its
+    blocks are freed and it restarts from num_computed_tokens = 0 (recompute), or they wait in the
+    swap space and come back when it resumes (core/swap_space.py).
 
     Invariant: `running` and `waiting` are both sorted by Request.priority_key, so the preemption
     victim is always running[-1] and, under fcfs, the next admission is always waiting[0].
@@ -110,9 +96,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
-        # Invariant: a request is here from the step that first sends it to the runner until the step
-        # that reports it finished; the runner's state for it equals this view after each step.
-        self._runner_views: dict[str, _RunnerView] = {}
+        self._runner_views = RunnerViews()
         self.in_flight: set[str] = set()  # ids of requests in a step sent to the runner and not yet updated
         self.num_preemptions_total = 0
         self.spec_totals = SpecTotals()
@@ -224,7 +208,7 @@ class Scheduler:
                                  num_preempted=num_preempted, kv_saves=saves, kv_loads=loads,
                                  kv_imports=imports, kv_exports=exports, swap_outs=swap_outs, swap_ins=swap_ins)
         self.kv_cache.release_pins()
-        self._describe_for_runner(output)
+        self._runner_views.describe(output, self.requests, self.kv_cache)
         self.in_flight.update(chunk.request_id for chunk in scheduled)
         self._finished_since_last_step = []
         self.num_preemptions_total += num_preempted
@@ -352,34 +336,6 @@ class Scheduler:
         real = num_new - len(request.spec_token_ids)
         return ScheduledChunk(request.request_id, start, num_new, start + real == request.num_tokens,
                               list(request.spec_token_ids))
-
-    def _describe_for_runner(self, output: SchedulerOutput) -> None:
-        """Fill the step's request data: in full for a request the runner has not seen, else the diff
-        since it last saw it (new output tokens, block table changes)."""
-        for request_id in output.finished_request_ids:
-            self._runner_views.pop(request_id, None)
-        for chunk in output.scheduled:
-            request = self.requests[chunk.request_id]
-            tables = self.kv_cache.block_tables(chunk.request_id)
-            view = self._runner_views.get(chunk.request_id)
-            if view is None:
-                self._runner_views[chunk.request_id] = _RunnerView(len(request.output_token_ids),
-                                                                   [list(t) for t in tables])
-                output.new_requests.append(NewRequestData(chunk.request_id, request.prompt_token_ids,
-                                                          list(request.output_token_ids),
-                                                          request.sampling_params, [list(t) for t in tables]))
-                continue
-            keeps = [_common_prefix(sent, table) for sent, table in zip(view.block_ids, tables)]
-            new_tokens = request.output_token_ids[view.num_output_tokens:]
-            changed = any(keep < len(sent) or len(table) > keep
-                          for keep, sent, table in zip(keeps, view.block_ids, tables))
-            if new_tokens or changed:
-                output.cached_requests.append(CachedRequestData(
-                    chunk.request_id, new_tokens, [table[keep:] for keep, table in zip(keeps, tables)], keeps))
-                view.num_output_tokens = len(request.output_token_ids)
-                for keep, sent, table in zip(keeps, view.block_ids, tables):
-                    del sent[keep:]
-                    sent.extend(table[keep:])
 
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []

@@ -90,7 +90,7 @@ class PoolingEngine:
             if self._waiting + len(sequences) > self.max_waiting_sequences:
                 self._rejected += 1
                 raise QueueFullError(f"the server has {self._waiting} inputs waiting (limit "
-                                f"{self.max_waiting_sequences}); retry later")
+                                     f"{self.max_waiting_sequences}); retry later")
             self._jobs.append(job)
             self._waiting += len(sequences)
             self._wake.notify()
