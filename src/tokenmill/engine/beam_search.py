@@ -154,6 +154,14 @@ def beam_step_params(num_candidates: int) -> SamplingParams:
                           skip_special_tokens=False)
 
 
+def with_texts(results: list[BeamSearchOutput], tokenizer: Any) -> list[BeamSearchOutput]:
+    """`results` with every hypothesis' text decoded (special tokens skipped)."""
+    for result in results:
+        for sequence in result.sequences:
+            sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+    return results
+
+
 def top_logprobs(output: Any) -> dict[int, float]:
     """A finished one-token RequestOutput's top next tokens -> log-probability."""
     return {token: entry.logprob for token, entry in output.outputs[0].logprobs[0].items()}

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_step_params,
-                                          top_logprobs)
+                                          top_logprobs, with_texts)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
@@ -160,11 +160,7 @@ class LLM:
                 for search in live:
                     search.advance([top_logprobs(next(outputs)) for _ in search.running])
                 bar.update(1)
-        results = [search.output() for search in searches]
-        for result in results:
-            for sequence in result.sequences:
-                sequence.text = engine.tokenizer.decode(sequence.tokens, skip_special_tokens=True)
-        return results
+        return with_texts([search.output() for search in searches], engine.tokenizer)
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

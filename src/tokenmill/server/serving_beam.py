@@ -8,7 +8,8 @@ import itertools
 from typing import Any, Optional
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, beam_step_params, top_logprobs
+from tokenmill.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, beam_step_params,
+                                          top_logprobs, with_texts)
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.serving_common import new_id, with_adapter
 
@@ -32,9 +33,4 @@ async def run_beam_search(engine: AsyncEngine, prompts: list[list[int]], params:
         tops = iter(await asyncio.gather(*(next_tokens(beam) for search in live for beam in search.beam_prompts())))
         for search in live:
             search.advance([next(tops) for _ in search.running])
-    results = [search.output() for search in searches]
-    tokenizer = engine.tokenizer
-    for result in results:
-        for sequence in result.sequences:
-            sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=True)
-    return results
+    return with_texts([search.output() for search in searches], engine.tokenizer)
