@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-SCALE_BYTES = 4  # a float32 scale per token and head
+from tokenmill.core.kv_spec import QUANTIZED_SCALE_BYTES
+
+SCALE_BYTES = QUANTIZED_SCALE_BYTES  # a float32 scale per token and head
 
 
 def row_width(head_dim: int) -> int:

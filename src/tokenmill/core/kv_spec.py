@@ -18,6 +18,10 @@ from math import gcd
 from typing import Optional
 
 
+# an int8 cache row's float32 scale, after its head_dim values (attention/kv_quant.py)
+QUANTIZED_SCALE_BYTES = 4
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one layer caches per token: K and V of `num_kv_heads` x `head_dim` (for MLA, one head of
@@ -48,7 +52,7 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one layer of this spec keeps per cached token."""
-        row = self.head_dim + 4 if self.quantized else self.head_dim * self.dtype_bytes
+        row = self.head_dim + QUANTIZED_SCALE_BYTES if self.quantized else self.head_dim * self.dtype_bytes
         return self.planes * self.num_kv_heads * row
 
     def describe(self) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from tokenmill import envs
+from tokenmill.core.kv_spec import QUANTIZED_SCALE_BYTES
 from tokenmill.kernels.build import KernelBuildError, built_library
 from tokenmill.kernels.isa import IsaLevel, chosen_level, level_has
 from tokenmill.layers import quantized
@@ -167,7 +168,7 @@ class CpuKernels:
         quantized = kv_cache.dtype == torch.int8
         bf16 = _storage_flag(out, q, *([] if quantized else [kv_cache]))
         _, _, num_kv_heads, block_size, width = kv_cache.shape
-        head_dim = width - 4 if quantized else width
+        head_dim = width - QUANTIZED_SCALE_BYTES if quantized else width
         if q.shape[2] != head_dim:
             raise ValueError(f"decode_attention: the cache's rows ({width} {kv_cache.dtype}) do not hold "
                              f"head_dim {q.shape[2]}")

@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
 from tokenmill.lora.adapter_config import AdapterConfig
-from tokenmill.lora.weights import AdapterTensors, read_adapter
+from tokenmill.lora.weights import AdapterTensors, projection_shapes, read_adapter
 
 
 @dataclass
@@ -128,26 +128,18 @@ class ModelLoRA:
         self.dtype, self.native, self.batch_invariant = dtype, native, batch_invariant
         self.max_rank = max_rank
         self.num_layers = len(model.layers)
+        self.shapes = projection_shapes(model.arch)  # the engine's registry checked adapters against these
         self.deltas: list[tuple[int, LoRADeltas]] = []
-        self.shapes: dict[str, tuple[int, int]] = {}
         for index, projection, parts in _targets(model):
             deltas = LoRADeltas(parts, projection.in_features, self.state, dtype, native, batch_invariant)
             projection.lora = deltas
             self.deltas.append((index, deltas))
-            for name, _, size in parts:
-                self.shapes[name] = (size, projection.in_features)
         self.loaded: set[int] = set()
 
     @property
     def active(self) -> bool:
         """Whether this step has rows with an adapter."""
         return bool(self.state.active)
-
-    def check(self, folder: str) -> AdapterConfig:
-        """Read the adapter's config and tensor shapes (not its values); ValueError if it cannot run here."""
-        config = AdapterConfig.read(folder, self.max_rank)
-        read_adapter(folder, config, self.shapes, self.num_layers, shapes_only=True)
-        return config
 
     def load(self, adapter_id: int, folder: str) -> None:
         """Load the adapter in `folder` as `adapter_id` (a no-op if it is loaded)."""
