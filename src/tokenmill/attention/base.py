@@ -11,11 +11,13 @@ import torch
 
 @dataclass(frozen=True)
 class AttentionLayer:
-    """What one layer's attention adds to the step's metadata: its softmax scale and its sliding window
-    (a query at position p sees keys (p - sliding_window, p]; None: every earlier key)."""
+    """What one layer's attention adds to the step's metadata: its softmax scale, its sliding window
+    (a query at position p sees keys (p - sliding_window, p]; None: every earlier key) and its score
+    soft cap (scores -> cap * tanh(scores / cap) before the softmax, Gemma 2's; None: none)."""
 
     scale: float
     sliding_window: Optional[int] = None
+    logit_softcap: Optional[float] = None
 
 
 @dataclass(frozen=True)

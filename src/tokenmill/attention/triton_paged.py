@@ -1,0 +1,241 @@
+"""The Triton paged-attention backend (CUDA; Triton's interpreter on CPU tensors in the tests).
+
+Same cache layout as the reference backend, so the prefix cache, the second tier, swap and KV transfer
+work unchanged. Per layer: one kernel writes the step's K/V by slot, one unified kernel attends every
+query of a mixed batch (fresh prefills, prefix hits, decode, speculative rows, windows, GQA) over the
+block tables (attention/triton_kernels.py). Decode-only steps with few sequences and long contexts split
+each sequence's keys over several programs when batch invariance is off.
+
+Per step the host packs the metadata (query starts, context lengths, block tables, slots) into one
+reused pinned buffer and copies it to the device once, non-blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk, key_only
+from tokenmill.attention.triton_kernels import (INTERPRETED, kv_write_kernel, merge_splits_kernel,
+                                                split_decode_kernel, unified_attention_kernel)
+
+logger = logging.getLogger(__name__)
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; 256 keeps a tile within shared memory
+TILE = 32  # keys per inner tile: fixed, so every query reduces over the same tiles (batch invariance)
+SPLIT_MIN_TILES = 8  # a decode step splits a sequence's keys only past this many tiles
+
+
+def check_head_dim(head_dim: int) -> None:
+    """ValueError unless the Triton kernels take `head_dim`."""
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"attention backend triton_paged takes head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, "
+                         f"not {head_dim}; use torch_ref")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def query_tiling(queries_per_kv: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): a program's rows (at least 16, tl.dot's minimum) and the queries of one sequence
+    they hold (BLOCK_M // queries_per_kv, each with its group of query heads)."""
+    block_m = 16 if queries_per_kv <= 16 else _next_pow2(queries_per_kv)
+    return block_m, block_m // queries_per_kv
+
+
+@dataclass
+class TritonMetadata:
+    """One step's device-side metadata (int32): [B + 1] query starts, [B] context lengths,
+    [B, W] block tables, [T] slots (-1: a padding row that writes nothing); plus host-side counts."""
+
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+
+def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[int] = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query starts [B + 1], context lengths [B], block tables [B, width]) as int32 arrays, built per
+    sequence (no per-token work); `width` defaults to the widest table the step reads."""
+    lens = np.fromiter((c.context_len for c in chunks), dtype=np.int32, count=len(chunks))
+    starts = np.empty(len(chunks) + 1, dtype=np.int32)
+    starts[:-1] = [c.query_start for c in chunks]
+    starts[-1] = chunks[-1].query_start + chunks[-1].query_len if chunks else 0
+    used = -(-lens // block_size)
+    width = int(used.max(initial=1)) if width is None else width
+    tables = np.zeros((len(chunks), max(width, 1)), dtype=np.int32)
+    for row, (c, n) in enumerate(zip(chunks, used.tolist())):
+        tables[row, :n] = c.block_ids[:n]
+    return starts, lens, tables
+
+
+class _Staging:
+    """A reused pinned host buffer and its device twin: one non-blocking copy a step. The event of the
+    last copy is waited on before the host buffer is written again, so a copy in flight never reads
+    half-written data."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: Optional[torch.Tensor] = None
+        self.dev: Optional[torch.Tensor] = None
+        self.copied: Optional[torch.cuda.Event] = None
+
+    def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """The int32 arrays `parts` on the device, as views of one buffer."""
+        total = sum(p.size for p in parts)
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(p, dtype=np.int32)) for p in parts]
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.host is None or self.host.numel() < total:
+            self.host = torch.empty(_next_pow2(total), dtype=torch.int32, pin_memory=True)
+            self.dev = torch.empty(self.host.numel(), dtype=torch.int32, device=self.device)
+        host = self.host.numpy()
+        offset = 0
+        for p in parts:
+            host[offset:offset + p.size] = p.reshape(-1)
+            offset += p.size
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        views, offset = [], 0
+        for p in parts:
+            views.append(self.dev[offset:offset + p.size].view(p.shape))
+            offset += p.size
+        return views
+
+
+class TritonPagedBackend(AttentionBackend):
+    """Paged attention in Triton kernels; `batch_invariant` keeps every query on the unified kernel (the
+    split-KV decode reduces in another order)."""
+
+    def __init__(self, batch_invariant: bool = True, device: torch.device = torch.device("cuda")) -> None:
+        self.batch_invariant = batch_invariant
+        self.staging = _Staging(device)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       planes: int = 2) -> tuple[int, ...]:
+        """[planes, blocks, kv heads, block_size, head_dim], the reference backend's layout."""
+        check_head_dim(head_dim)
+        if planes not in (1, 2):
+            raise ValueError(f"a KV cache has 1 (key-only) or 2 planes, not {planes}")
+        return (planes, num_blocks, num_kv_heads, block_size, head_dim)
+
+    def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
+                       block_size: int, device: torch.device) -> TritonMetadata:
+        """The step's metadata on the device in one copy (query_by_query needs nothing: every query
+        already attends as a decode at its position would)."""
+        starts, lens, tables = host_metadata(chunks, block_size)
+        slots = slot_mapping.cpu().numpy()
+        query_start, seq_lens, block_tables, slot_dev = self.staging.upload([starts, lens, tables, slots])
+        return TritonMetadata(query_start, seq_lens, block_tables, slot_dev, len(chunks), int(starts[-1]),
+                              max((c.query_len for c in chunks), default=0), int(lens.max(initial=0)))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TritonMetadata, layer: AttentionLayer) -> torch.Tensor:
+        """Write K/V by slot, then attend (see AttentionBackend.forward)."""
+        if q.dtype not in TRITON_DTYPES or kv_cache.dtype != q.dtype:
+            raise ValueError(f"attention backend triton_paged takes float32, float16 or bfloat16 queries and "
+                             f"cache, not {q.dtype} and {kv_cache.dtype}")
+        write_kv(k, v if not key_only(kv_cache, k, v) else None, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        splits = self._splits(metadata, kv_cache.shape[2])
+        if splits > 1:
+            split_decode(out, q, kv_cache, metadata, layer, splits)
+        else:
+            unified_attention(out, q, kv_cache, metadata, layer)
+        return out
+
+    def _splits(self, m: TritonMetadata, num_kv_heads: int) -> int:
+        """How many programs share each sequence's keys: 1 (the unified kernel) for batch-invariant
+        steps and steps with prefill; for decode-only steps, enough to give ~128 programs."""
+        if self.batch_invariant or m.max_query_len != 1 or m.num_tokens != m.num_seqs:
+            return 1
+        tiles = -(-m.max_seq_len // TILE)
+        if tiles < SPLIT_MIN_TILES:
+            return 1
+        wanted = max(1, 128 // max(m.num_seqs * num_kv_heads, 1))
+        return min(_next_pow2(wanted), 16, _next_pow2(tiles) // 2 or 1)
+
+
+def _precision(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST, PRECISION): the interpreter computes 16-bit floats wrongly, so they are upcast after
+    loading there; float32 products are exact (no TF32), as the HF float32 comparisons need."""
+    upcast = INTERPRETED and dtype != torch.float32
+    return upcast, "ieee" if dtype == torch.float32 or upcast else "tf32"
+
+
+def write_kv(k: torch.Tensor, v: Optional[torch.Tensor], kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k [T, KVH, D] (and v) at `slots` of `kv_cache` (v None: a key-only cache)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(2) != 1 or (v is not None and v.stride(2) != 1):
+        raise ValueError("write_kv needs contiguous head dimensions")
+    vv = k if v is None else v
+    kv_write_kernel[(num_tokens, num_kv_heads)](
+        k, vv, kv_cache, slots, k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim), WRITE_V=v is not None)
+
+
+def _layer_args(layer: AttentionLayer) -> tuple[float, int, bool, bool]:
+    softcap = layer.logit_softcap or 0.0
+    window = layer.sliding_window or 0
+    return softcap, window, layer.sliding_window is not None, layer.logit_softcap is not None
+
+
+def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
+                      layer: AttentionLayer) -> None:
+    """Every query of the step, causally over its sequence's blocks, into `out` [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    block_m, block_q = query_tiling(queries_per_kv)
+    softcap, window, use_window, use_softcap = _layer_args(layer)
+    upcast, precision = _precision(q.dtype)
+    grid = (m.num_tokens // block_q + m.num_seqs, num_kv_heads)
+    unified_attention_kernel[grid](
+        out, q, kv_cache, m.block_tables, m.seq_lens, m.query_start, m.num_seqs, layer.scale, softcap, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), m.block_tables.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
+        TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
+        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, PRECISION=precision)
+
+
+def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
+                 layer: AttentionLayer, splits: int) -> None:
+    """A decode-only step (token i is sequence i's query) with each sequence's key tiles shared by
+    `splits` programs, then merged."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    head_dim_p = _next_pow2(head_dim)
+    softcap, window, use_window, use_softcap = _layer_args(layer)
+    upcast, precision = _precision(q.dtype)
+    span = min(m.max_seq_len, window) if use_window else m.max_seq_len
+    tiles_per_split = -(-(-(-span // TILE) + 1) // splits)  # +1: a window may start mid-tile
+    partial = torch.empty(num_seqs, num_heads, splits, head_dim_p, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    split_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        partial, lse, q, kv_cache, m.block_tables, m.seq_lens, layer.scale, softcap, window, tiles_per_split,
+        q.stride(0), q.stride(1), m.block_tables.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_HEADS=num_heads, NUM_SPLITS=splits, V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv,
+        BLOCK_M=max(16, _next_pow2(queries_per_kv)), TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, PRECISION=precision)
+    merge_splits_kernel[(num_seqs, num_heads)](
+        out, partial, lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits,
+        SPLITS_P=max(2, _next_pow2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
