@@ -14,7 +14,7 @@ from typing import Any, Optional
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_KERNELS = ("auto", "dense")
-ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged")
+ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged", "triton_paged")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 RUNNERS = ("auto", "generate", "pooling")
@@ -48,17 +48,23 @@ class ModelConfig:
                               choices=LINEAR_KERNELS)
     attention_backend: str = _opt("auto", "paged attention implementation; auto = cpu_paged (native kernels, "
                                   "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "
-                                  "when a C compiler is available, else torch_ref (the PyTorch reference)",
-                                  choices=ATTENTION_BACKENDS)
+                                  "when a C compiler is available, triton_paged (Triton kernels; 16-bit dtypes "
+                                  "also fuse RMSNorm and the gated activations) on CUDA when Triton is installed, "
+                                  "else torch_ref (the PyTorch reference); triton_paged on CPU runs Triton's "
+                                  "interpreter (tests only: slow)", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = _opt(False, "CUDA: run every step eagerly instead of replaying the CUDA graphs captured "
+                               "at start for decode-only steps (vLLM's flag)")
     fused_decode: bool = _opt(True, "run each step as one native call where every projection runs natively "
                               "(quantised, or bfloat16 in AMX tiles; cpu_paged): decode steps, and prefill chunks "
                               "in bfloat16 on AMX; its output is identical to the per-layer path")
-    batch_invariant: bool = _opt(True, "compute every token the same way whatever else shares its step, so "
-                                 "a request's output ids and logprobs do not depend on the batch, chunk size, "
-                                 "prefix-cache hits, preemption or speculation (same machine, version and flags): "
-                                 "quantised products take int8 dot products at every row count, every query "
-                                 "attends as a decode query; --no-batch-invariant lets many-row products "
-                                 "dequantise and prefill use SDPA/AMX attention (gain: docs/benchmarks.md)")
+    batch_invariant: Optional[bool] = _opt(
+        None, "compute every token the same way whatever else shares its step, so a request's output ids and "
+        "logprobs do not depend on the batch, chunk size, prefix-cache hits, preemption or speculation (same "
+        "machine, version and flags): quantised products take int8 dot products at every row count, every query "
+        "attends as a decode query; --no-batch-invariant lets many-row products dequantise and prefill use "
+        "SDPA/AMX attention (gain: docs/benchmarks.md). Default: on for CPU; off on CUDA, where the matrix "
+        "products run on cuBLAS, whose reduction order depends on the row count (said in the log; "
+        "--batch-invariant on CUDA is refused)")
     quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K, "
                              "Q6_K (as int8, Q6_K with its 16-weight scales) and Q4_0/Q4_1/Q4_K (as int4) weights "
                              "packed exactly (other encodings are dequantised), none = dequantise everything "
@@ -110,7 +116,12 @@ class CacheConfig:
     """Size and shape of the paged KV cache."""
 
     block_size: int = _opt(16, "tokens per KV cache block")
-    kv_cache_memory_gb: float = _opt(1.0, "memory budget of the KV cache in GiB")
+    kv_cache_memory_gb: Optional[float] = _opt(None, "memory budget of the KV cache in GiB (default: 1 on CPU; "
+                                               "on CUDA, what --gpu-memory-utilization leaves after the weights "
+                                               "and a profiling forward pass)")
+    gpu_memory_utilization: float = _opt(0.9, "CUDA: the share of the GPU's memory this engine may use (weights, "
+                                         "activations and KV cache); the KV cache gets what the weights and a "
+                                         "profiling forward pass of a full step leave (vLLM's flag and default)")
     num_kv_blocks: Optional[int] = _opt(None, "explicit number of KV blocks (overrides the memory budget)")
     prefix_caching: bool = _opt(True, "reuse the KV blocks of earlier requests that share a prompt prefix")
     secondary_kv_gb: float = _opt(0.0, "size in GiB of the second KV tier, where evicted prefix blocks wait "
@@ -145,7 +156,9 @@ class CacheConfig:
         KVTransferConfig.parse(self.kv_transfer_config)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_memory_gb <= 0:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

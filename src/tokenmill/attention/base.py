@@ -63,7 +63,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> Any:
-        """Precompute, once per step, whatever every layer's forward needs."""
+        """Precompute, once per step, whatever every layer's forward needs. `slot_mapping`: [T] int64 slots
+        of the new tokens, on the host or on `device` (the backend moves it where it reads it)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -178,6 +178,7 @@ class TorchReferenceBackend(AttentionBackend):
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> TorchRefMetadata:
         """Split chunks into decode (one query) and prefill groups and precompute their gather indices."""
+        slot_mapping = slot_mapping.to(device)
         decodes, prefill_chunks = split_decodes(chunks)
         prefills = prefill_entries(prefill_chunks, block_size, device)
         meta = TorchRefMetadata(slot_mapping // block_size, slot_mapping % block_size, prefills)

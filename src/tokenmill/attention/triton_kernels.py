@@ -260,3 +260,27 @@ def act_and_mul_kernel(out_ptr, x_ptr, width, x_stride, o_stride, GELU: tl.const
     else:
         act = gate / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + row * o_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, table_stride,
+                HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """Program (token, head): rotate x's halves in place by the token's row of the float32 cos/sin tables
+    ([positions, 2 * HALF]): x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_P)
+    mask = dims < HALF
+    row = x_ptr + token * x_stride_t + head * x_stride_h
+    x1 = tl.load(row + dims, mask=mask, other=0.0)
+    x2 = tl.load(row + HALF + dims, mask=mask, other=0.0)
+    table = position * table_stride
+    cos1 = tl.load(cos_ptr + table + dims, mask=mask, other=0.0)
+    cos2 = tl.load(cos_ptr + table + HALF + dims, mask=mask, other=0.0)
+    sin1 = tl.load(sin_ptr + table + dims, mask=mask, other=0.0)
+    sin2 = tl.load(sin_ptr + table + HALF + dims, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    tl.store(row + dims, (x1f * cos1 - x2f * sin1).to(x1.dtype), mask=mask)
+    tl.store(row + HALF + dims, (x2f * cos2 + x1f * sin2).to(x1.dtype), mask=mask)

@@ -29,7 +29,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, klass: type, title: str,
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
-        if hints[f.name] is bool:
+        if hints[f.name] in (bool, typing.Optional[bool]):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
             continue

@@ -35,7 +35,8 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         if num_layers > arch.num_hidden_layers:
             raise ValueError(f"draft_num_layers {num_layers} is more than the model's {arch.num_hidden_layers} layers")
         arch = dataclasses.replace(arch, num_hidden_layers=num_layers)
-    backend, kernels = get_attention_backend(config.attention_backend, device, dtype, config.batch_invariant)
+    invariant = resolve_batch_invariant(config.batch_invariant, device)
+    backend, kernels = get_attention_backend(config.attention_backend, device, dtype, invariant)
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -53,7 +54,10 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     if native is None and device.type == "cpu" and fast_linears:
         native = cpu_kernels()  # the linears use them whatever the attention backend
     model.use_linear_kernels(fast_linears and packing_applies(dtype, device),
-                             native if fast_linears else None, config.batch_invariant)
+                             native if fast_linears else None, invariant)
+    if device.type == "cuda" and dtype != torch.float32 and getattr(backend, "fuses_on_triton", False):
+        from tokenmill.layers.triton_fused import TritonFusedOps
+        model.use_fused_kernels(TritonFusedOps())  # float32 keeps PyTorch's ops, as on CPU
     if kernels is not None and (dtype == torch.bfloat16 or model.has_quantized_weights()):
         # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin
         # down; quantised weights already part from those results, and gain the fused step
@@ -62,13 +66,29 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
             model.use_fused_decode()
     if config.enable_lora and num_layers is None:  # a draft model runs without adapters
         from tokenmill.lora.layers import ModelLoRA
-        model.lora = ModelLoRA(model, dtype, native if fast_linears else None, config.batch_invariant,
+        model.lora = ModelLoRA(model, dtype, native if fast_linears else None, invariant,
                                config.max_lora_rank)
     model.rotary.to_device(device)
     model.eval()
     logger.info("kernels: %s", describe_model_paths(model, native if fast_linears else kernels, dtype, backend,
-                                                     config.batch_invariant))
+                                                     invariant))
     return model, backend
+
+
+def resolve_batch_invariant(asked: Optional[bool], device: torch.device) -> bool:
+    """Whether steps run batch-invariant: as asked on CPU (default on); on CUDA off, since the matrix
+    products run on cuBLAS, whose kernel and reduction order depend on the number of rows, so asking
+    for it there is refused rather than silently not honoured."""
+    if device.type == "cpu":
+        return True if asked is None else asked
+    if asked:
+        raise ValueError(f"batch_invariant on {device.type}: the matrix products run on cuBLAS, whose reduction "
+                         "order depends on the number of rows, so a request's output can depend on its batch; "
+                         "this engine has no batch-invariant GPU matmul yet (attention alone is invariant). "
+                         "Use --no-batch-invariant (the default on GPUs)")
+    logger.info("batch invariance is off on %s: cuBLAS products reduce in an order that depends on the batch, so "
+                "outputs can differ with the batch mix (attention alone is invariant)", device.type)
+    return False
 
 
 def _first_layers(weights: Iterator[tuple[str, Any]], num_layers: int) -> Iterator[tuple[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from tokenmill.attention.base import AttentionBackend, SequenceChunk
@@ -151,23 +152,26 @@ class ModelRunner:
 
     def _flatten(self, batch: list[BatchItem]) -> tuple[torch.Tensor, torch.Tensor]:
         ids: list[int] = []
-        pos: list[int] = []
         for item in batch:
             ids.extend(item.token_ids)
-            pos.extend(range(item.start, item.start + item.num_tokens))
-        return self._tensor(ids), self._tensor(pos)
+        positions = np.concatenate([np.arange(item.start, item.start + item.num_tokens) for item in batch])
+        return self._tensor(ids), torch.from_numpy(positions).to(self.device)
 
     def _group_chunks(self, batch: list[BatchItem], group: int) -> tuple[list[SequenceChunk], torch.Tensor]:
-        """The batch's chunks over group `group`'s block tables, and the slots their new tokens write."""
+        """The batch's chunks over group `group`'s block tables, and the (host) slots their new tokens
+        write, computed per request over the blocks its chunk touches (no per-token Python work)."""
         chunks, slots = [], []
         query_start, bs = 0, self.block_size
         for item in batch:
             start, end = item.start, item.start + item.num_tokens
             table = item.block_ids[group]
             chunks.append(SequenceChunk(query_start, item.num_tokens, end, table, bool(item.spec_token_ids)))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            first_block = start // bs
+            blocks = np.asarray(table[first_block:(end - 1) // bs + 1], dtype=np.int64)
+            positions = np.arange(start, end)
+            slots.append(blocks[positions // bs - first_block] * bs + positions % bs)
             query_start += item.num_tokens
-        return chunks, self._tensor(slots)
+        return chunks, torch.from_numpy(np.concatenate(slots))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

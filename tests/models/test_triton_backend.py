@@ -1,0 +1,50 @@
+"""The Triton backend end to end: tiny random models run on `triton_paged` in Triton's interpreter (CPU
+tensors) and give the reference backend's greedy tokens, through chunked prefill and prefix-cache hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.model_setup import resolve_batch_invariant
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
+           "A much longer prompt about nothing in particular, repeated. " * 3, "1 2 3 4 5 6 7"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+# a 16-token budget splits the long prompt into chunks that run beside the others' decodes
+ENGINE = dict(dtype="float32", linear_kernel="dense", block_size=8, num_kv_blocks=96, max_model_len=256,
+              max_num_batched_tokens=16)
+
+
+def run(path, backend, prompts=PROMPTS):
+    llm = LLM(path, attention_backend=backend, **ENGINE)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # the same prompt: a prefix-cache hit
+    return llm, first, again
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_tiny_models_give_the_reference_tokens_on_the_triton_backend(tmp_path, arch):
+    path = str(make_tiny_hf_model(tmp_path, arch=arch))
+    _, expected, _ = run(path, "torch_ref")
+    llm, got, again = run(path, "triton_paged")
+    assert type(llm.llm_engine.runner.backend).__name__ == "TritonPagedBackend"
+    assert llm.llm_engine.stats().prefix_cache_hits > 0
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            token = next(iter(le))
+            assert abs(le[token].logprob - lg[token].logprob) < 1e-4
+    assert again[0].outputs[0].token_ids == got[0].outputs[0].token_ids
+
+
+def test_batch_invariance_is_refused_on_cuda_and_off_by_default_there():
+    cuda = torch.device("cuda")
+    assert resolve_batch_invariant(None, cuda) is False
+    assert resolve_batch_invariant(False, cuda) is False
+    with pytest.raises(ValueError, match="batch_invariant on cuda: the matrix products run on cuBLAS"):
+        resolve_batch_invariant(True, cuda)
+    cpu = torch.device("cpu")
+    assert resolve_batch_invariant(None, cpu) is True and resolve_batch_invariant(False, cpu) is False
