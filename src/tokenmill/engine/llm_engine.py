@@ -109,7 +109,7 @@ class LLMEngine:
             raise ValueError("kv_cache_dtype int8: MLA latent caches are not quantised; use auto")
         self.kv_layout = kv_cache_layout(self.arch, self.dtype.itemsize, quantized=quantized_kv)
         block_bytes = self.kv_layout.block_bytes(block_size)
-        num_blocks = config.cache.num_kv_blocks or max(1, int(config.cache.kv_cache_memory_gb * _GIB) // block_bytes)
+        num_blocks = self._num_kv_blocks(block_bytes)
         tier_slots = 0
         if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
             tier_slots = max(1, int(config.cache.secondary_kv_gb * _GIB) // block_bytes)
@@ -130,8 +130,12 @@ class LLMEngine:
                           self.eos_token_ids, swap_slots=swap_slots, quantized_kv=quantized_kv,
                           tp_size=parallel.tensor_parallel_size,
                           pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
-                          expert_parallel=parallel.enable_expert_parallel)
+                          expert_parallel=parallel.enable_expert_parallel,
+                          profile_tokens=config.scheduler.max_num_batched_tokens,
+                          profile_logit_rows=config.scheduler.max_num_seqs,
+                          gpu_memory_utilization=config.cache.gpu_memory_utilization)
         self.executor: Executor = make_executor(spec, config.parallel, source)
+        num_blocks = self.executor.num_blocks
         events_config = KVEventsConfig.parse(config.cache.kv_events_config).for_rank(parallel.data_parallel_rank)
         if events_config.active and not config.cache.prefix_caching:
             self.executor.shutdown()
@@ -223,6 +227,16 @@ class LLMEngine:
         if events:
             medium = "GPU" if self.device.type == "cuda" else "CPU"
             self.kv_events.publish(to_wire(events, self.kv_cache.block_size, medium, self.kv_cache.num_groups > 1))
+
+    def _num_kv_blocks(self, block_bytes: int) -> int:
+        """The pool's size: num_kv_blocks, else kv_cache_memory_gb's budget, else on CUDA 0 (the ranks size
+        it from free GPU memory: worker/memory_profile.py), else 1 GiB's worth."""
+        cache = self.config.cache
+        if cache.num_kv_blocks:
+            return cache.num_kv_blocks
+        if cache.kv_cache_memory_gb is None and self.device.type == "cuda":
+            return 0
+        return max(1, int((cache.kv_cache_memory_gb or 1.0) * _GIB) // block_bytes)
 
     def _max_model_len(self) -> int:
         limit, reason = self.arch.max_position_embeddings, "the model's context length"

@@ -30,6 +30,7 @@ class Executor(ABC):
     """
 
     description: str
+    num_blocks: int  # KV blocks every rank's pool holds (sized by the ranks themselves when asked)
     max_steps_in_flight: int = 1
 
     @abstractmethod

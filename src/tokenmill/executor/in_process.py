@@ -17,6 +17,7 @@ class InProcessExecutor(Executor):
     def __init__(self, spec: WorkerSpec, source: Optional[ModelSource] = None) -> None:
         self.worker = Worker(spec, source)
         self.description = self.worker.description
+        self.num_blocks = self.worker.num_blocks
         self._outputs: deque[ModelRunnerOutput] = deque(maxlen=self.max_steps_in_flight)
 
     def submit(self, schedule: SchedulerOutput) -> None:

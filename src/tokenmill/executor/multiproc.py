@@ -76,10 +76,13 @@ class MultiprocExecutor(Executor):
                 from tokenmill.executor.nodes import accept_remote_ranks
 
                 accept_remote_ranks(spec, parallel, key, self.pipes)
-            descriptions = [self._receive(rank, [rank]) for rank in range(world_size)]
+            readies = [self._receive(rank, [rank]) for rank in range(world_size)]
         except BaseException:
             self.shutdown()
             raise
+        descriptions = [description for description, _ in readies]
+        # every rank's pool holds at least this many blocks (each sizes its own from GPU memory when asked)
+        self.num_blocks = min(blocks for _, blocks in readies)
         self.rank_descriptions = descriptions  # each rank's own (its shard: e.g. its experts)
         self.description = f"{descriptions[0]}; {world_size} worker process{'es' if world_size > 1 else ''}"
         if parallel.nnodes > 1:
@@ -235,7 +238,7 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -
     except BaseException as exc:
         _send(pipe, ("error", f"{type(exc).__name__}: {exc}"))
         return
-    _send(pipe, ("ready", worker.description))
+    _send(pipe, ("ready", (worker.description, worker.num_blocks)))
     receive = _pipe_reader(pipe) if spec.pp_size > 1 else pipe.recv_bytes
     while True:
         try:

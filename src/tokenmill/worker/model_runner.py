@@ -42,8 +42,8 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         spec = layout.groups[0].spec
-        # an int8 cache holds rows of head_dim values and their scale's 4 bytes (attention/kv_quant.py)
-        cache_dtype, width = (torch.int8, row_width(spec.head_dim)) if spec.quantized else (dtype, spec.head_dim)
+        cache_dtype, width = kv_cache_storage(layout, dtype)
+        self.num_blocks = num_blocks
         first_layer = model.stage.first_layer
         # this pipeline stage's layers: (group, position) of each
         places = [layout.place(first_layer + i) for i in range(len(model.layers))]
@@ -310,6 +310,13 @@ class ModelRunner:
                 fail_request(result, item.request_id, exc)
                 continue
             result.prompt_logprobs[item.request_id] = entries
+
+
+def kv_cache_storage(layout: KVCacheLayout, dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(element dtype, row width) of the cache's rows: the compute dtype and head_dim, or an int8 cache's
+    rows of head_dim values and their scale's 4 bytes (attention/kv_quant.py)."""
+    spec = layout.groups[0].spec
+    return (torch.int8, row_width(spec.head_dim)) if spec.quantized else (dtype, spec.head_dim)
 
 
 class _StepExtras(NamedTuple):

@@ -13,8 +13,8 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.moe import experts_per_rank
 from tokenmill.models.arch import ArchConfig, kv_cache_geometry, kv_cache_layout
 from tokenmill.models.loader import ModelSource, load_model_source
-from tokenmill.parallel.group import PipelineStage, TPGroup, init_parallel, stage_layers
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.parallel.group import PipelineStage, TPGroup, init_parallel, rank_device, stage_layers
+from tokenmill.worker.model_runner import ModelRunner, kv_cache_storage
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ class WorkerSpec:
     tier_folder: Optional[str]
     eos_token_ids: tuple[int, ...]
     swap_slots: int = 0  # host slots for preempted requests' blocks (core/swap_space.py)
+    # num_blocks 0: size the pool from free GPU memory after a profiling step of this many tokens
+    profile_tokens: int = 2048
+    profile_logit_rows: int = 128
+    gpu_memory_utilization: float = 0.9
     quantized_kv: bool = False  # an int8 KV cache (attention/kv_quant.py)
     rank: int = 0
     tp_size: int = 1
@@ -72,7 +76,7 @@ class Worker:
         from tokenmill.engine.model_setup import load_model
 
         self.spec = spec
-        self.device = torch.device(spec.device)
+        self.device = rank_device(spec.device, spec.rank, spec.ranks_per_node)
         dtype = DTYPES[spec.dtype]
         source = source or load_model_source(spec.model_path, with_tokenizer=False)
         arch = source.arch
@@ -85,10 +89,25 @@ class Worker:
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage, fused_decode=not spec.quantized_kv)
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
-        self.runner = ModelRunner(self.model, backend, spec.num_blocks, spec.block_size, layout, dtype,
+        self.num_blocks = spec.num_blocks or self._profile_blocks(backend, layout, dtype)
+        self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
                                   swap_slots=spec.swap_slots)
         self.description = (f"{dtype}, {type(backend).__name__} attention; {self.model.describe_weights()}")
+
+    def _profile_blocks(self, backend, layout, dtype: torch.dtype) -> int:
+        """The pool's size from free GPU memory (worker/memory_profile.py): num_blocks 0 asks for it."""
+        from tokenmill.worker.memory_profile import profile_kv_blocks
+
+        if self.device.type != "cuda":
+            raise ValueError("num_blocks 0 sizes the KV pool from GPU memory, which needs a CUDA device")
+        cache_dtype, width = kv_cache_storage(layout, dtype)
+        spec, group = self.spec, layout.groups[0].spec
+        scratch = backend.kv_cache_shape(-(-spec.profile_tokens // spec.block_size), spec.block_size,
+                                         group.num_kv_heads, width, group.planes)
+        return profile_kv_blocks(self.model, backend, scratch, cache_dtype, spec.profile_tokens,
+                                 spec.profile_logit_rows, spec.block_size, layout.block_bytes(spec.block_size),
+                                 spec.gpu_memory_utilization, self.device)
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on this rank."""
