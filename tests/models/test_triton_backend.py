@@ -48,3 +48,43 @@ def test_batch_invariance_is_refused_on_cuda_and_off_by_default_there():
         resolve_batch_invariant(True, cuda)
     cpu = torch.device("cpu")
     assert resolve_batch_invariant(None, cpu) is True and resolve_batch_invariant(False, cpu) is False
+
+
+def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(tmp_path):
+    # the graph runner's static buffers without capture (no GPU): three decode rows run in bucket 4
+    # with one padding row (slot -1, context 0), which must change no output and write no block
+    path = str(make_tiny_hf_model(tmp_path, arch="llama"))
+    prompts = PROMPTS[:3]
+    eager = LLM(path, attention_backend="triton_paged", **ENGINE)
+    expected = eager.generate(prompts, GREEDY, use_tqdm=False)
+    graphed = LLM(path, attention_backend="triton_paged", **ENGINE)
+    runner = graphed.llm_engine.runner
+    runner.use_decode_graphs(max_num_seqs=8, max_model_len=256, capture=False)
+    replays = []
+    original = runner.graphs.run
+    runner.graphs.run = lambda batch, bucket, *rest: replays.append((len(batch), bucket)) or original(batch, bucket,
+                                                                                                      *rest)
+    got = graphed.generate(prompts, GREEDY, use_tqdm=False)
+    assert (3, 4) in replays and all(bucket in (1, 2, 4) for _, bucket in replays)
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            token = next(iter(le))
+            assert abs(le[token].logprob - lg[token].logprob) < 1e-5
+
+
+def test_graph_buckets_cover_max_num_seqs_and_only_plain_decode_steps_take_them():
+    from tokenmill.worker.cuda_graphs import DecodeGraphs, bucket_sizes
+    from tokenmill.worker.request_state import BatchItem
+
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert bucket_sizes(256) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.sizes = bucket_sizes(20)
+    item = lambda n, spec=(): BatchItem("r", [5] * n, 10, [[0]], True, GREEDY, [1], [], list(spec))  # noqa: E731
+    assert graphs.bucket_for([item(1)] * 5, lora_active=False) == 8
+    assert graphs.bucket_for([item(1)] * 25, lora_active=False) is None  # past the largest bucket
+    assert graphs.bucket_for([item(1), item(3)], lora_active=False) is None  # a prefill chunk
+    assert graphs.bucket_for([item(2, [7])], lora_active=False) is None  # speculative proposals
+    assert graphs.bucket_for([item(1)], lora_active=True) is None

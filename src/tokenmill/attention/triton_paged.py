@@ -62,6 +62,7 @@ class TritonMetadata:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
+    allow_split: bool = True  # False in captured graphs: the split count cannot follow each step's lengths
 
 
 def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[int] = None
@@ -162,7 +163,7 @@ class TritonPagedBackend(AttentionBackend):
     def _splits(self, m: TritonMetadata, num_kv_heads: int) -> int:
         """How many programs share each sequence's keys: 1 (the unified kernel) for batch-invariant
         steps and steps with prefill; for decode-only steps, enough to give ~128 programs."""
-        if self.batch_invariant or m.max_query_len != 1 or m.num_tokens != m.num_seqs:
+        if self.batch_invariant or not m.allow_split or m.max_query_len != 1 or m.num_tokens != m.num_seqs:
             return 1
         tiles = -(-m.max_seq_len // TILE)
         if tiles < SPLIT_MIN_TILES:

@@ -132,7 +132,7 @@ class LLMEngine:
                           pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
                           expert_parallel=parallel.enable_expert_parallel,
                           profile_tokens=config.scheduler.max_num_batched_tokens,
-                          profile_logit_rows=config.scheduler.max_num_seqs,
+                          max_num_seqs=config.scheduler.max_num_seqs,
                           gpu_memory_utilization=config.cache.gpu_memory_utilization)
         self.executor: Executor = make_executor(spec, config.parallel, source)
         num_blocks = self.executor.num_blocks

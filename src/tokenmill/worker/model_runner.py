@@ -64,6 +64,7 @@ class ModelRunner:
             self.swap = KVTierStore(backend.kv_cache_shape(swap_slots, block_size, spec.num_kv_heads, width,
                                                            spec.planes),
                                     len(self.kv_pages), cache_dtype, device, tier_folder)
+        self.graphs = None  # DecodeGraphs, once use_decode_graphs is called
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
@@ -140,15 +141,29 @@ class ModelRunner:
 
     def forward(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[SequenceChunk]]:
         """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden],
-        and the chunks (with the tables of the first group this stage uses)."""
-        input_ids, positions = self._flatten(batch)
-        metadata, chunks = {}, None
+        and the chunks (with the tables of the first group this stage uses). A decode-only step replays
+        its CUDA graph where one is captured."""
+        chunks, slots = {}, {}
         for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
-            group_chunks, slots = self._group_chunks(batch, group)
-            metadata[group] = self.backend.build_metadata(group_chunks, slots, self.block_size, self.device)
-            chunks = chunks or group_chunks
+            chunks[group], slots[group] = self._group_chunks(batch, group)
+        first = chunks[self.layer_groups[0]]
+        lora_active = self.model.lora is not None and self.model.lora.active
+        bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(batch, bucket, chunks, slots), first
+        input_ids, positions = self._flatten(batch)
+        metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device)
+                    for group in chunks}
         per_layer = [metadata[group] for group in self.layer_groups]
-        return self.model(input_ids, positions, self.kv_caches, per_layer), chunks
+        return self.model(input_ids, positions, self.kv_caches, per_layer), first
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Run decode-only steps through CUDA graphs of the model (worker/cuda_graphs.py); `capture`
+        False runs their padded static buffers eagerly (CPU tests). Needs the Triton backend."""
+        from tokenmill.worker.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.layer_groups, max_num_seqs,
+                                   -(-max_model_len // self.block_size), self.device, capture)
 
     def _flatten(self, batch: list[BatchItem]) -> tuple[torch.Tensor, torch.Tensor]:
         ids: list[int] = []

@@ -41,7 +41,7 @@ class WorkerSpec:
     swap_slots: int = 0  # host slots for preempted requests' blocks (core/swap_space.py)
     # num_blocks 0: size the pool from free GPU memory after a profiling step of this many tokens
     profile_tokens: int = 2048
-    profile_logit_rows: int = 128
+    max_num_seqs: int = 128  # rows of the profiling step's head, and the largest decode graph's bucket
     gpu_memory_utilization: float = 0.9
     quantized_kv: bool = False  # an int8 KV cache (attention/kv_quant.py)
     rank: int = 0
@@ -93,7 +93,23 @@ class Worker:
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
                                   swap_slots=spec.swap_slots)
-        self.description = (f"{dtype}, {type(backend).__name__} attention; {self.model.describe_weights()}")
+        graphs = self._decode_graphs_apply(backend, tp, stage)
+        if graphs:
+            self.runner.use_decode_graphs(spec.max_num_seqs, spec.max_model_len)
+        self.description = (f"{dtype}, {type(backend).__name__} attention"
+                            f"{', CUDA graphs for decode' if graphs else ''}; {self.model.describe_weights()}")
+
+    def _decode_graphs_apply(self, backend, tp: TPGroup, stage: PipelineStage) -> bool:
+        """Whether decode steps replay CUDA graphs: on CUDA with the Triton backend, one rank, LoRA off,
+        unless --enforce-eager (each reason to run eagerly is logged)."""
+        if self.device.type != "cuda" or self.spec.model.enforce_eager:
+            return False
+        reason = ("the attention backend is not triton_paged" if not getattr(backend, "fuses_on_triton", False)
+                  else "the model runs on several ranks" if tp.size > 1 or stage.size > 1
+                  else "LoRA adapters are enabled" if self.spec.model.enable_lora else None)
+        if reason:
+            logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
+        return reason is None
 
     def _profile_blocks(self, backend, layout, dtype: torch.dtype) -> int:
         """The pool's size from free GPU memory (worker/memory_profile.py): num_blocks 0 asks for it."""
@@ -106,7 +122,7 @@ class Worker:
         scratch = backend.kv_cache_shape(-(-spec.profile_tokens // spec.block_size), spec.block_size,
                                          group.num_kv_heads, width, group.planes)
         return profile_kv_blocks(self.model, backend, scratch, cache_dtype, spec.profile_tokens,
-                                 spec.profile_logit_rows, spec.block_size, layout.block_bytes(spec.block_size),
+                                 spec.max_num_seqs, spec.block_size, layout.block_bytes(spec.block_size),
                                  spec.gpu_memory_utilization, self.device)
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:

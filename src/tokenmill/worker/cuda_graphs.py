@@ -1,0 +1,125 @@
+"""CUDA graphs for decode-only steps: the model's forward captured once per batch-size bucket over static
+input buffers, then replayed with the step's inputs copied in.
+
+A step of n decode rows runs in the smallest bucket b >= n. Rows n..b-1 are padding: token 0 at
+position 0, slot -1 (the KV write skips it) and context length 0 (attention writes zeros), so they
+touch no cache block and their outputs are dropped. Sampling stays outside the graph. Steps with
+prefill, speculative proposals or LoRA adapters, or more rows than the largest bucket, run eagerly.
+
+`capture=False` runs the same padded static-buffer path without capturing: on CPU (the Triton kernels
+interpreted) it checks that a padded bucket computes what the unpadded eager step does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from tokenmill.attention.base import SequenceChunk
+from tokenmill.attention.triton_paged import TritonMetadata
+from tokenmill.worker.request_state import BatchItem
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """The buckets captured for `max_num_seqs`: every bucket up to the first that holds it."""
+    sizes = [b for b in BUCKETS if b < max_num_seqs]
+    return sizes + [next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])]
+
+
+class DecodeGraphs:
+    """Static buffers and one graph per bucket; `run` replays the step's bucket (see module docstring).
+
+    `kv_caches` and `layer_groups` are the runner's (one cache and KV group per layer); `width` block
+    table entries per row cover max_model_len."""
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], layer_groups: list[int], max_num_seqs: int,
+                 width: int, device: torch.device, capture: bool = True) -> None:
+        self.model, self.kv_caches, self.layer_groups = model, kv_caches, layer_groups
+        self.sizes = bucket_sizes(max_num_seqs)
+        self.device, self.capture = device, capture
+        rows = self.sizes[-1]
+        groups = sorted(set(layer_groups))
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one query per row
+        self.seq_lens = {g: torch.zeros(rows, dtype=torch.int32, device=device) for g in groups}
+        self.slots = {g: torch.full((rows,), -1, dtype=torch.int32, device=device) for g in groups}
+        self.tables = {g: torch.zeros(rows, max(width, 1), dtype=torch.int32, device=device) for g in groups}
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def bucket_for(self, batch: list[BatchItem], lora_active: bool) -> Optional[int]:
+        """The bucket of a decode-only step that fits, else None (the step runs eagerly)."""
+        if lora_active or not batch or len(batch) > self.sizes[-1]:
+            return None
+        if any(item.num_tokens != 1 or item.spec_token_ids for item in batch):
+            return None
+        return next(b for b in self.sizes if b >= len(batch))
+
+    def run(self, batch: list[BatchItem], bucket: int, chunks: dict[int, list[SequenceChunk]],
+            slots: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Hidden states [len(batch), hidden] of a decode-only step: `chunks` and host `slots` per KV group."""
+        n = len(batch)
+        self.input_ids[:n].copy_(torch.tensor([item.token_ids[0] for item in batch]))
+        self.input_ids[n:bucket].zero_()
+        self.positions[:n].copy_(torch.tensor([item.start for item in batch]))
+        self.positions[n:bucket].zero_()
+        for group, group_chunks in chunks.items():
+            width = self.tables[group].shape[1]
+            lens = np.zeros(bucket, dtype=np.int32)
+            lens[:n] = [c.context_len for c in group_chunks]
+            table = np.zeros((bucket, width), dtype=np.int32)
+            for row, chunk in enumerate(group_chunks):
+                used = -(-chunk.context_len // self._block_size)
+                table[row, :used] = chunk.block_ids[:used]
+            padded_slots = np.full(bucket, -1, dtype=np.int32)
+            padded_slots[:n] = slots[group].numpy()
+            self.seq_lens[group][:bucket].copy_(torch.from_numpy(lens), non_blocking=True)
+            self.tables[group][:bucket].copy_(torch.from_numpy(table), non_blocking=True)
+            self.slots[group][:bucket].copy_(torch.from_numpy(padded_slots), non_blocking=True)
+        if self.capture:
+            self.graphs[bucket].replay()
+            return self.outputs[bucket][:n]
+        return self._forward(bucket)[:n]
+
+    @property
+    def _block_size(self) -> int:
+        return self.kv_caches[0].shape[3]
+
+    def _metadata(self, bucket: int, group: int) -> TritonMetadata:
+        return TritonMetadata(self.query_start[:bucket + 1], self.seq_lens[group][:bucket],
+                              self.tables[group][:bucket], self.slots[group][:bucket], bucket, bucket, 1, 0,
+                              allow_split=False)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        metadata = {g: self._metadata(bucket, g) for g in self.seq_lens}
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
+                          [metadata[g] for g in self.layer_groups])
+
+    def _capture_all(self) -> None:
+        """Capture the buckets, largest first, into one memory pool (each bucket run once eagerly first,
+        which compiles the kernels for its shapes)."""
+        started = time.perf_counter()
+        pool = None
+        with torch.inference_mode():
+            for bucket in reversed(self.sizes):
+                self._forward(bucket)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bucket] = self._forward(bucket)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("CUDA graphs captured for decode batch sizes %s in %.1fs (--enforce-eager turns them off)",
+                    ", ".join(map(str, self.sizes)), time.perf_counter() - started)
