@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Prove the GPU path on a GPU machine in one run (scripts/gpu_check.py says what it measures).
+#
+#   scripts/gpu-check.sh --prepare            here (with network): the wheels tokenmill needs that the GPU
+#                                             image lacks (.whl/, for Python 3.12) and the tokenizer files
+#                                             (.gpu-check/tokenizer); both folders are git-ignored, carried
+#   scripts/gpu-check.sh OUT_DIR              on the GPU machine: install the carried wheels, run the check,
+#                                             write OUT_DIR/gpu-check.json
+#   scripts/gpu-check.sh --dry-run OUT_DIR    on CPU: the same plumbing at tiny shapes in Triton's interpreter
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+
+# what tokenmill imports that the GPU image ('cuda': torch, triton, transformers, numpy, httpx, ...) lacks
+WHEELS="gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn xgrammar cbor2 pyzmq msgspec"
+
+if [ "${1:-}" = "--prepare" ]; then
+  rm -rf .whl && mkdir -p .whl .gpu-check
+  for name in $WHEELS; do
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$name"
+  done
+  PYTHONPATH=src $PY -c "
+from tokenmill.models.loader.resolve import resolve_model_path
+from tokenmill.models.loader.tokenizer import load_gguf_tokenizer
+load_gguf_tokenizer(resolve_model_path(None)).save_pretrained('.gpu-check/tokenizer')"
+  du -sh .whl .gpu-check
+  echo "carry .whl and .gpu-check; run: scripts/gpu-check.sh \$OUT"
+  exit 0
+fi
+
+if [ "${1:-}" = "--dry-run" ]; then
+  shift
+  exec env PYTHONPATH=src $PY scripts/gpu_check.py --dry-run "$@"
+fi
+
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+tokenizer=()
+[ -d .gpu-check/tokenizer ] && tokenizer=(--tokenizer .gpu-check/tokenizer)
+exec $PY scripts/gpu_check.py "$@" "${tokenizer[@]}"

