@@ -185,19 +185,30 @@ def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool
     return OneDnnPackedKernel(weight, bias)
 
 
+def dequantizes_once(device: torch.device) -> bool:
+    """Whether a quantised weight on `device` is dequantised once and multiplied as a dense weight: on
+    every device but the CPU, which has no int4/int8 product kernel of ours (GPU: `F.linear`, cuBLAS)."""
+    return device.type != "cpu"
+
+
 class QuantizedKernel:
     """A quantised weight times float32/bfloat16 inputs on CPU through the native kernel, which keeps
-    its own copy of the weight in its layout (other input dtypes are multiplied in float32); without
-    native kernels (no compiler, CUDA) through `reference_linear`, which dequantises the weight per
-    call."""
+    its own copy of the weight in its layout (other input dtypes are multiplied in float32); on CPU
+    without native kernels (no compiler) through `reference_linear`, which dequantises the weight per
+    call. Off the CPU (`dequantizes_once`) the weight is dequantised on the first call, to that call's
+    dtype, and multiplied as a dense weight from then on (the packed copy is dropped)."""
 
     _warned = False
+    _dequantized_logged = False
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor], native: Any,
                  batch_invariant: bool = True) -> None:
         self.format = weight.format
         self.bias = None if bias is None else bias.float().contiguous()
-        self.native = native.qlinear_op(weight, self.bias, batch_invariant) if native is not None else None
+        self.dense: Optional[DenseKernel] = None
+        self.dequantize_once = dequantizes_once(weight.data.device)
+        use_native = native is not None and not self.dequantize_once
+        self.native = native.qlinear_op(weight, self.bias, batch_invariant) if use_native else None
         self.weight = weight if self.native is None else None  # the reference's copy, only where it runs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,8 +220,28 @@ class QuantizedKernel:
             if x.dtype in (torch.float32, torch.bfloat16):
                 return self.native(x)
             return self.native(x.float()).to(x.dtype)
+        if self.dequantize_once:
+            dense = self._dense(x.dtype)
+            if x.dtype != dense.weight.dtype:
+                return dense(x.to(dense.weight.dtype)).to(x.dtype)
+            return dense(x)
         if not QuantizedKernel._warned:
             QuantizedKernel._warned = True
             logger.warning("quantised weights are multiplied by the PyTorch reference (dequantised per call: "
                            "slow); the native kernel needs a CPU and a C compiler")
         return reference_linear(x, self.weight, self.bias)
+
+    def _dense(self, dtype: torch.dtype) -> DenseKernel:
+        """The dense kernel, made from the quantised weight on the first call."""
+        if self.dense is None:
+            if self.weight.data.is_cuda and torch.cuda.is_current_stream_capturing():
+                # captured, the dequantisation would only run at replay, leaving the weight unwritten
+                raise RuntimeError("a quantised weight must multiply once eagerly before CUDA graph capture")
+            weight = self.weight.dequantize(dtype)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            self.dense, self.weight = DenseKernel(weight, bias), None
+            if not QuantizedKernel._dequantized_logged:
+                QuantizedKernel._dequantized_logged = True
+                logger.info("quantised weights dequantised once to %s on %s (no GPU int4/int8 kernel yet)",
+                            str(dtype).removeprefix("torch."), weight.device.type)
+        return self.dense

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -105,13 +105,32 @@ class TPGroup:
         return total // self.size
 
 
+def rank_device(device: Union[str, torch.device], rank: int, ranks_per_node: int) -> torch.device:
+    """The device global `rank` runs on: on CUDA its own GPU, that of its local rank (rank % ranks_per_node)
+    counted from the index `device` names (0 if none), so a host's ranks use one GPU each; else `device`."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank % ranks_per_node)
+
+
+def distributed_backend(device: torch.device) -> str:
+    """The torch.distributed backend for ranks on `device`: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device, exact: bool = True,
                          timeout_seconds: float = 120.0, expert_parallel: bool = False) -> TPGroup:
     """Join the run's rendezvous (torch.distributed, `init_method` e.g. tcp://host:port) as `rank`; a rank
-    that cannot reach it within `timeout_seconds` raises RuntimeError saying so, never hangs."""
+    that cannot reach it within `timeout_seconds` raises RuntimeError saying so, never hangs. A CUDA
+    `device` must name the rank's GPU (`rank_device`), which becomes the process's current device."""
     import torch.distributed as dist
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = distributed_backend(device)
+    if device.type == "cuda":
+        if device.index is None:
+            raise ValueError(f"rank {rank} needs its own GPU (rank_device), got {device}")
+        torch.cuda.set_device(device)  # before NCCL starts: its communicator binds the current device
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_seconds))

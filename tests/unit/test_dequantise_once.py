@@ -1,0 +1,75 @@
+"""Quantised weights off the CPU: dequantised once, on the first call, then multiplied as dense weights
+(the CPU keeps its per-call reference and native kernels)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import linear_kernels
+from tokenmill.layers.linear import ColumnParallelLinear
+from tokenmill.layers.linear_kernels import QuantizedKernel, dequantizes_once
+from tokenmill.layers.quantized import QuantizedWeight, quantize
+
+
+def test_only_the_cpu_keeps_weights_quantised():
+    assert not dequantizes_once(torch.device("cpu"))
+    assert dequantizes_once(torch.device("cuda", 1)) and dequantizes_once(torch.device("meta"))
+
+
+def _counting_dequantize(monkeypatch) -> list[torch.dtype]:
+    calls: list[torch.dtype] = []
+    original = QuantizedWeight.dequantize
+
+    def counted(self, dtype=torch.float32):
+        calls.append(dtype)
+        return original(self, dtype)
+
+    monkeypatch.setattr(QuantizedWeight, "dequantize", counted)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_an_off_cpu_quantised_linear_dequantises_once(monkeypatch, caplog, fmt):
+    monkeypatch.setattr(linear_kernels, "dequantizes_once", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(QuantizedKernel, "_dequantized_logged", False)
+    torch.manual_seed(0)
+    weights = [quantize(torch.randn(48, 96), fmt) for _ in range(2)]
+    bias = torch.randn(48).to(torch.bfloat16)
+    expected = [w.dequantize(torch.bfloat16) for w in weights]
+    calls = _counting_dequantize(monkeypatch)
+    kernels = [QuantizedKernel(w, bias, native=object()) for w in weights]  # no native kernel off the CPU
+    assert all(k.native is None for k in kernels)
+    with caplog.at_level(logging.INFO, logger=linear_kernels.__name__):
+        for rows in (1, 5, 40, 3):  # int8-product and dequantising row counts alike
+            x = torch.randn(2, rows, 96).to(torch.bfloat16)
+            for kernel, weight in zip(kernels, expected):
+                torch.testing.assert_close(kernel(x), F.linear(x, weight, bias), rtol=0, atol=0)
+    assert calls == [torch.bfloat16] * 2 and all(k.weight is None for k in kernels)
+    assert sum("dequantised once to bfloat16 on cpu" in r.message for r in caplog.records) == 1
+
+
+def test_a_layer_built_for_a_non_cpu_device_multiplies_a_dense_weight(monkeypatch):
+    monkeypatch.setattr(linear_kernels, "dequantizes_once", lambda device: True)
+    torch.manual_seed(1)
+    layer = ColumnParallelLinear(64, 32)
+    layer.quantized, layer.weight = quantize(torch.randn(32, 64), "int4"), None
+    expected = layer.quantized.dequantize(torch.float32)
+    calls = _counting_dequantize(monkeypatch)
+    layer.use_kernel(packed=False, native=None)
+    for rows in (1, 30, 2):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, expected), rtol=0, atol=0)
+    assert calls == [torch.float32]
+
+
+def test_cpu_weights_keep_the_per_call_reference(monkeypatch):
+    weight = quantize(torch.randn(16, 32), "int8")
+    calls = _counting_dequantize(monkeypatch)
+    kernel = QuantizedKernel(weight, None, native=None)
+    for _ in range(3):
+        kernel(torch.randn(30, 32))
+    assert len(calls) == 3 and kernel.dense is None
