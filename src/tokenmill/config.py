@@ -125,13 +125,15 @@ class CacheConfig:
     num_kv_blocks: Optional[int] = _opt(None, "explicit number of KV blocks (overrides the memory budget)")
     prefix_caching: bool = _opt(True, "reuse the KV blocks of earlier requests that share a prompt prefix")
     secondary_kv_gb: float = _opt(0.0, "size in GiB of the second KV tier, where evicted prefix blocks wait "
-                                  "(a memory-mapped file on CPU, pinned host memory on GPU); 0 = off")
+                                  "(a memory-mapped file on CPU; host memory on GPU, copied through a 64 MiB "
+                                  "pinned staging buffer); 0 = off")
     kv_cache_dtype: str = _opt("auto", "what the KV cache stores: auto = the compute dtype; int8 = per token and "
                                "head symmetric int8 with a float32 scale (about half the bytes of bfloat16, so "
                                "the pool holds ~2x the tokens; quality: docs/benchmarks.md); fp8 is refused "
                                "(no CPU path reads it)", choices=KV_CACHE_DTYPES)
     swap_space_gb: float = _opt(4.0, "host memory in GiB for the KV blocks of preempted requests (a memory-mapped "
-                                "file on CPU, pinned memory on GPU; see --preemption-mode); 0 = always recompute")
+                                "file on CPU; host memory on GPU, copied through a 64 MiB pinned staging buffer; "
+                                "see --preemption-mode); 0 = always recompute")
     secondary_kv_folder: Optional[str] = _opt(None, "folder for the second tier's file (default: the temp folder)")
     prefix_caching_hash_seed: Optional[str] = _opt(
         None, "seed of the prefix cache's block hashes, which are vLLM's sha256_cbor hashes (the same in every "

@@ -67,8 +67,8 @@ class _ShardedLinear(nn.Module):
         bias = self._local_bias()
         if self.quantized is not None:
             self.kernel = QuantizedKernel(self.quantized, bias, native, batch_invariant)
-            if self.kernel.native is not None:
-                self.quantized = None  # the native kernel keeps its own copy
+            if self.kernel.native is not None or self.kernel.dequantize_once:
+                self.quantized = None  # the kernel keeps its own copy (native, or dense once dequantised)
             return
         self.kernel = make_kernel(self.weight.data, bias, packed, native, batch_invariant)
         if not isinstance(self.kernel, DenseKernel):  # the kernel keeps its own copy

@@ -241,6 +241,8 @@ class DecoderForCausalLM(nn.Module):
                 if self.lm_head is None:
                     self.embed_quantized = self.logits_kernel.native
                 self.head_quantized = None
+            elif self.logits_kernel.dequantize_once and self.lm_head is not None:
+                self.head_quantized = None  # the kernel dequantises its own reference on first use
             return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_kernel = make_kernel(head.data, None, packed, native, batch_invariant)
