@@ -56,6 +56,8 @@ MIXED = [(20, 20, False), (7, 40, False), (1, 33, False), (1, 17, False), (3, 50
     (6, 2, 32, 16),   # group 3 (not a power of two)
     (8, 1, 64, 8),    # multi-query, group 8, smaller blocks
     (10, 2, 24, 5),   # head_dim padded to 32, block size not a power of two, group 5
+    (8, 2, 128, 16),  # Llama-3's head_dim, group 4
+    (4, 2, 256, 16),  # Gemma's head_dim 256
 ])
 @pytest.mark.parametrize("window", [None, 9])
 def test_mixed_batch_matches_the_reference_backend(heads, kv_heads, head_dim, block_size, window):

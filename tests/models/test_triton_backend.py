@@ -25,7 +25,7 @@ def run(path, backend, prompts=PROMPTS):
     return llm, first, again
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "deepseek_v2", "mixtral"])
 def test_tiny_models_give_the_reference_tokens_on_the_triton_backend(tmp_path, arch):
     path = str(make_tiny_hf_model(tmp_path, arch=arch))
     _, expected, _ = run(path, "torch_ref")
@@ -88,3 +88,9 @@ def test_graph_buckets_cover_max_num_seqs_and_only_plain_decode_steps_take_them(
     assert graphs.bucket_for([item(1), item(3)], lora_active=False) is None  # a prefill chunk
     assert graphs.bucket_for([item(2, [7])], lora_active=False) is None  # speculative proposals
     assert graphs.bucket_for([item(1)], lora_active=True) is None
+
+
+def test_an_int8_kv_cache_is_refused_at_start_on_the_triton_backend(tmp_path):
+    path = str(make_tiny_hf_model(tmp_path, arch="llama"))
+    with pytest.raises(ValueError, match="kv_cache_dtype int8: the triton_paged attention backend reads"):
+        LLM(path, attention_backend="triton_paged", kv_cache_dtype="int8", **ENGINE)

@@ -22,16 +22,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     is in the batch.
     """
     logits = adjust_logits(logits, rows)
-    check_some_allowed(logits)
+    allowed = (logits > float("-inf")).any(dim=-1)
+    on_host = logits.device.type == "cpu"
+    if on_host:
+        check_some_allowed(allowed)
     tokens = row_argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if not random_rows:
-        return tokens
-    probs = filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
-    noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], probs.device,
-                               default_generator)
-    tokens[random_rows] = row_argmax(probs / noise)
-    return tokens
+    if random_rows:
+        probs = filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
+        noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], probs.device,
+                                   default_generator)
+        tokens[random_rows] = row_argmax(probs / noise)
+    # on a GPU the check would wait for the device: a row with no allowed token is marked instead, and
+    # read with the sampled ids (the step's one device-to-host copy)
+    return tokens if on_host else torch.where(allowed, tokens, NO_TOKEN)
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -45,10 +49,12 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     return logits
 
 
-def check_some_allowed(logits: torch.Tensor) -> None:
-    """Raise ValueError when a row of adjusted logits allows no token (every entry -inf or NaN): its
-    output constraint, logit_bias and min_tokens together forbid everything."""
-    allowed = (logits > float("-inf")).any(dim=-1)
+NO_TOKEN = -1  # sample's id for a row that allows no token, on a GPU (on CPU it raises)
+
+
+def check_some_allowed(allowed: torch.Tensor) -> None:
+    """Raise ValueError when a row of adjusted logits allows no token (`allowed` [B] false: every entry
+    -inf or NaN): its output constraint, logit_bias and min_tokens together forbid everything."""
     if not bool(allowed.all()):
         rows = (~allowed).nonzero().flatten().tolist()
         raise ValueError(f"no token is allowed in rows {rows}: the output constraint, logit_bias and "

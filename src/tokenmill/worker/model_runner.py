@@ -15,7 +15,7 @@ from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, Schedul
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
-from tokenmill.sampling.sampler import sample
+from tokenmill.sampling.sampler import NO_TOKEN, sample
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_transfer_io import export_blocks, import_blocks
 from tokenmill.worker.request_state import BatchItem, RequestStates
@@ -265,11 +265,18 @@ class ModelRunner:
         entries = []
         if wanted:
             picked = torch.tensor(wanted, device=self.device)
-            entries = token_logprobs(sample_logits[picked], tokens[picked],
+            entries = token_logprobs(sample_logits[picked], tokens[picked].clamp(min=0),
                                      [batch[plain[k]].sampling_params.logprobs for k in wanted])
+        picked_ids = tokens.tolist()
         for k, entry in zip(wanted, entries):
-            result.logprobs[batch[plain[k]].request_id] = [entry]
-        for i, token in zip(plain, tokens.tolist()):
+            if picked_ids[k] != NO_TOKEN:
+                result.logprobs[batch[plain[k]].request_id] = [entry]
+        for i, token in zip(plain, picked_ids):
+            if token == NO_TOKEN:  # sampled on a GPU, which marks the row instead of raising
+                fail_request(result, batch[i].request_id, ValueError(
+                    "no token is allowed: the output constraint, logit_bias and min_tokens together forbid "
+                    "every token"))
+                continue
             result.sampled_token_ids[batch[i].request_id] = [token]
 
     def _verify(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], speculative: list[int],

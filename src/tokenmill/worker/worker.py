@@ -88,6 +88,9 @@ class Worker:
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage, fused_decode=not spec.quantized_kv)
+        if spec.quantized_kv and getattr(backend, "fuses_on_triton", False):
+            raise ValueError("kv_cache_dtype int8: the triton_paged attention backend reads float32, float16 and "
+                             "bfloat16 caches only; use kv_cache_dtype auto, or --attention-backend torch_ref")
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
         self.num_blocks = spec.num_blocks or self._profile_blocks(backend, layout, dtype)
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
