@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -117,12 +118,14 @@ def kernel_checks(device: str, dry: bool) -> dict[str, float]:
 
     dev = torch.device(device)
     cases = [(9, 3, 64, None), (32, 8, 64, None), (8, 2, 128, None), (16, 4, 256, 512)]
-    specs = [(300, 300), (37, 640), (1, 640), (1, 1000), (4, 900), (1, 17)]
+    batches = {"mixed": [(300, 300), (37, 640), (1, 640), (1, 1000), (4, 900), (1, 17)],
+               "decode": [(1, 4000), (1, 2500), (1, 700)]}  # few long sequences: split-KV without invariance
     if dry:
-        cases, specs = [(4, 2, 16, None), (6, 2, 32, 9)], [(20, 20), (5, 40), (1, 33)]
+        cases = [(4, 2, 16, None), (6, 2, 32, 9)]
+        batches = {"mixed": [(40, 40), (5, 40), (1, 33)], "decode": [(1, 300), (1, 280)]}
     dtypes = [torch.float32] if dry else [torch.float32, torch.bfloat16]
     results = {}
-    for heads, kv_heads, head_dim, window in cases:
+    for (heads, kv_heads, head_dim, window), (batch_name, specs) in itertools.product(cases, batches.items()):
         for dtype in dtypes:
             for invariant in (True, False):
                 gen = torch.Generator(device="cpu").manual_seed(heads * head_dim)
@@ -147,7 +150,8 @@ def kernel_checks(device: str, dry: bool) -> dict[str, float]:
                 expected = ref.forward(q.float(), k.float(), v.float(), c1.float(),
                                        ref.build_metadata(chunks, slot_tensor, block_size, dev), layer)
                 got = fast.forward(q, k, v, c2, fast.build_metadata(chunks, slot_tensor, block_size, dev), layer)
-                name = f"h{heads}_kv{kv_heads}_d{head_dim}_w{window}_{str(dtype)[6:]}_{'inv' if invariant else 'split'}"
+                name = (f"{batch_name}_h{heads}_kv{kv_heads}_d{head_dim}_w{window}_{str(dtype)[6:]}_"
+                        f"{'invariant' if invariant else 'fast'}")
                 results[name] = float((got.float() - expected).abs().max())
                 del cache, c1, c2
     free_memory()
@@ -216,7 +220,8 @@ def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    expected = hf_greedy(path, device, PROMPTS, 32)
+    tokens = 8 if dry else 32  # the interpreter is slow: the dry run proves the plumbing
+    expected = hf_greedy(path, device, PROMPTS, tokens)
 
     def score(got: list[list[int]]) -> str:
         return f"{sum(g == e for g, e in zip(got, expected))}/{len(expected)}"
@@ -225,19 +230,19 @@ def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
     llm = make_llm(path, device, dry, dtype="float32", enforce_eager=dry)
     if dry:  # no GPU to capture on: the graph runner's padded buffers, uncaptured
         llm.llm_engine.runner.use_decode_graphs(8, 256, capture=False)
-    result["graphs"] = score(tokenmill_greedy(llm, PROMPTS, 32))
-    result["prefix_hit"] = score(tokenmill_greedy(llm, PROMPTS, 32))  # the prompts' blocks are cached now
+    result["graphs"] = score(tokenmill_greedy(llm, PROMPTS, tokens))
+    result["prefix_hit"] = score(tokenmill_greedy(llm, PROMPTS, tokens))  # the prompts' blocks are cached now
     llm.shutdown()
     del llm
     free_memory()
     llm = make_llm(path, device, dry, dtype="float32", enforce_eager=True)
-    result["eager"] = score(tokenmill_greedy(llm, PROMPTS, 32))
+    result["eager"] = score(tokenmill_greedy(llm, PROMPTS, tokens))
     llm.shutdown()
     del llm
     free_memory()
     llm = make_llm(path, device, dry, dtype="float32", enforce_eager=True, max_num_batched_tokens=16,
                    prefix_caching=False)
-    result["chunked"] = score(tokenmill_greedy(llm, PROMPTS, 32))
+    result["chunked"] = score(tokenmill_greedy(llm, PROMPTS, tokens))
     llm.shutdown()
     del llm
     free_memory()
@@ -379,8 +384,12 @@ def hf_generate_tok_s(path: Path, device: str, dry: bool, ctx: int, steps: int, 
 def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
     """`tokenmill serve` on the device (its KV pool sized from GPU memory), a streamed chat through the
     OpenAI route, then `tokenmill bench serve` against it; its table is kept."""
+    import socket
+
     import httpx
-    port = 8765
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(path), "--port", str(port),
                "--device", device, "--served-model-name", "gpu-check"]

@@ -69,6 +69,18 @@ def test_mixed_batch_matches_the_reference_backend(heads, kv_heads, head_dim, bl
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
+@pytest.mark.parametrize("window", [None, 21])
+def test_wide_prefill_tiling_matches_the_reference_backend(window):
+    # without batch invariance a step with a long chunk takes 64-row programs over 64-key tiles
+    specs = [(70, 70, False), (40, 100, False), (1, 33, False), (3, 50, True)]
+    cache, chunks, slots, q, k, v = mixed_batch(8, 8, 2, 32, 16, specs)
+    layer = AttentionLayer(32 ** -0.5, window)
+    expected, ref_cache, got, got_cache = both(TritonPagedBackend(False, CPU), cache, chunks, slots, q, k, v,
+                                               layer, 16)
+    assert torch.equal(got_cache, ref_cache)
+    assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_split_kv_decode_matches_the_reference_backend(window):
     # decode only, long contexts and few sequences: without batch invariance the keys are split

@@ -29,6 +29,9 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; 256 keeps a tile within shared memory
 TILE = 32  # keys per inner tile: fixed, so every query reduces over the same tiles (batch invariance)
 SPLIT_MIN_TILES = 8  # a decode step splits a sequence's keys only past this many tiles
+# without batch invariance, a step with a chunk of at least WIDE_FROM queries runs programs of WIDE_ROWS
+# rows over tiles of WIDE_TILE keys: K/V tiles are read by 4x the queries (prefill-bound steps)
+WIDE_FROM, WIDE_ROWS, WIDE_TILE = 32, 64, 64
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -42,10 +45,10 @@ def _next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def query_tiling(queries_per_kv: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): a program's rows (at least 16, tl.dot's minimum) and the queries of one sequence
-    they hold (BLOCK_M // queries_per_kv, each with its group of query heads)."""
-    block_m = 16 if queries_per_kv <= 16 else _next_pow2(queries_per_kv)
+def query_tiling(queries_per_kv: int, rows: int = 16) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): a program's rows (at least `rows`; 16 is tl.dot's minimum) and the queries of
+    one sequence they hold (BLOCK_M // queries_per_kv, each with its group of query heads)."""
+    block_m = rows if queries_per_kv <= rows else _next_pow2(queries_per_kv)
     return block_m, block_m // queries_per_kv
 
 
@@ -82,14 +85,14 @@ def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[
 
 
 class _Staging:
-    """A reused pinned host buffer and its device twin: one non-blocking copy a step. The event of the
-    last copy is waited on before the host buffer is written again, so a copy in flight never reads
-    half-written data."""
+    """A reused pinned host buffer: one non-blocking copy a call into a fresh device buffer (a step may
+    build several metadata, one per KV group, each keeping its own). The event of the last copy is
+    waited on before the host buffer is written again, so a copy in flight never reads half-written
+    data."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.host: Optional[torch.Tensor] = None
-        self.dev: Optional[torch.Tensor] = None
         self.copied: Optional[torch.cuda.Event] = None
 
     def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
@@ -101,18 +104,18 @@ class _Staging:
             self.copied.synchronize()
         if self.host is None or self.host.numel() < total:
             self.host = torch.empty(_next_pow2(total), dtype=torch.int32, pin_memory=True)
-            self.dev = torch.empty(self.host.numel(), dtype=torch.int32, device=self.device)
         host = self.host.numpy()
         offset = 0
         for p in parts:
             host[offset:offset + p.size] = p.reshape(-1)
             offset += p.size
-        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        dev = torch.empty(total, dtype=torch.int32, device=self.device)
+        dev.copy_(self.host[:total], non_blocking=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
         views, offset = [], 0
         for p in parts:
-            views.append(self.dev[offset:offset + p.size].view(p.shape))
+            views.append(dev[offset:offset + p.size].view(p.shape))
             offset += p.size
         return views
 
@@ -157,7 +160,8 @@ class TritonPagedBackend(AttentionBackend):
         if splits > 1:
             split_decode(out, q, kv_cache, metadata, layer, splits)
         else:
-            unified_attention(out, q, kv_cache, metadata, layer)
+            wide = not self.batch_invariant and metadata.max_query_len >= WIDE_FROM
+            unified_attention(out, q, kv_cache, metadata, layer, wide)
         return out
 
     def _splits(self, m: TritonMetadata, num_kv_heads: int) -> int:
@@ -200,12 +204,13 @@ def _layer_args(layer: AttentionLayer) -> tuple[float, int, bool, bool]:
 
 
 def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
-                      layer: AttentionLayer) -> None:
-    """Every query of the step, causally over its sequence's blocks, into `out` [T, H, D]."""
+                      layer: AttentionLayer, wide: bool = False) -> None:
+    """Every query of the step, causally over its sequence's blocks, into `out` [T, H, D]; `wide`: the
+    prefill tiling (WIDE_ROWS, WIDE_TILE), whose sums over keys are grouped differently."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
-    block_m, block_q = query_tiling(queries_per_kv)
+    block_m, block_q = query_tiling(queries_per_kv, WIDE_ROWS if wide else 16)
     softcap, window, use_window, use_softcap = _layer_args(layer)
     upcast, precision = _precision(q.dtype)
     grid = (m.num_tokens // block_q + m.num_seqs, num_kv_heads)
@@ -214,8 +219,9 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), m.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
-        TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
-        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, PRECISION=precision)
+        TILE=WIDE_TILE if wide else TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
+        HEAD_DIM_P=_next_pow2(head_dim), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
+        PRECISION=precision)
 
 
 def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,

@@ -98,7 +98,11 @@ class Worker:
                                   swap_slots=spec.swap_slots)
         graphs = self._decode_graphs_apply(backend, tp, stage)
         if graphs:
-            self.runner.use_decode_graphs(spec.max_num_seqs, spec.max_model_len)
+            try:
+                self.runner.use_decode_graphs(spec.max_num_seqs, spec.max_model_len)
+            except RuntimeError as exc:  # e.g. a layer that reads the device from the host while captured
+                logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
+                self.runner.graphs, graphs = None, False
         self.description = (f"{dtype}, {type(backend).__name__} attention"
                             f"{', CUDA graphs for decode' if graphs else ''}; {self.model.describe_weights()}")
 
