@@ -71,7 +71,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     model.rotary.to_device(device)
     model.eval()
     logger.info("kernels: %s", describe_model_paths(model, native if fast_linears else kernels, dtype, backend,
-                                                     invariant))
+                                                     invariant, device.type))
     return model, backend
 
 

@@ -45,9 +45,11 @@ def _vector_path(kernels: Any) -> str:
 
 
 def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, float_kernel: Optional[str],
-                  batch_invariant: bool = False) -> str:
+                  batch_invariant: bool = False, device: str = "cpu") -> str:
     """How the projections multiply: quantised weights by row count, float weights by their kernel."""
     if quantized_weights:
+        if device != "cpu":
+            return f"quantised products: dequantised once to {str(dtype).removeprefix('torch.')}, then {device} matmuls"
         if kernels is None:
             return "quantised products: PyTorch reference, the weight dequantised per call"
         amx = kernels.amx and dtype == torch.bfloat16
@@ -68,6 +70,9 @@ def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, flo
 def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
     """How decode and prefill attention run."""
     name = type(backend).__name__
+    if name == "TritonPagedBackend":
+        return ("attention: Triton paged kernels, one unified kernel for every query" +
+                (" (batch-invariant)" if backend.batch_invariant else ", split-KV decode for few long sequences"))
     if kernels is None or name == "TorchReferenceBackend":
         return "attention: PyTorch reference (gather + SDPA)"
     features = kernels.compiled_features
@@ -81,13 +86,14 @@ def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
 
 
 def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: Any,
-                         batch_invariant: bool = False) -> str:
+                         batch_invariant: bool = False, device: str = "cpu") -> str:
     """The start-up line: level, products, attention and whether the fused step runs."""
     kernel_names = {type(getattr(m, "kernel", None)).__name__ for m in model.modules() if hasattr(m, "use_kernel")}
     kernel_names.discard("NoneType")
     kernel_names.discard("QuantizedKernel")
     float_kernel = ", ".join(sorted(kernel_names)) or None
-    parts = [kernels_line(kernels), product_paths(kernels, dtype, model.has_quantized_weights(), float_kernel, batch_invariant),
+    parts = [kernels_line(kernels) if device == "cpu" else f"device {device}",
+             product_paths(kernels, dtype, model.has_quantized_weights(), float_kernel, batch_invariant, device),
              attention_paths(kernels, dtype, backend),
              "fused step on" if getattr(model, "fused_decode", None) is not None else "fused step off"]
     return "; ".join(parts)
