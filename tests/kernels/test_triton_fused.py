@@ -1,0 +1,45 @@
+"""The CUDA path's fused element-wise Triton kernels (layers/triton_fused.py), in Triton's interpreter on
+CPU tensors, against the PyTorch ops they replace (float32)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.triton_fused import TritonFusedOps
+
+OPS = TritonFusedOps()
+
+
+def test_add_rms_norm_matches_pytorch_and_updates_the_residual_in_place():
+    gen = torch.Generator().manual_seed(0)
+    x, residual, weight = (torch.randn(5, 96, generator=gen) for _ in range(3))
+    weight = weight[0]
+    expected_residual = x + residual
+    expected = F.rms_norm(expected_residual, (96,), weight, 1e-6)
+    got = OPS.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(residual, expected_residual)
+    alone = OPS.add_rms_norm(x, None, weight, 1e-6)
+    assert torch.allclose(alone, F.rms_norm(x, (96,), weight, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_gated_activations_match_pytorch():
+    gate_up = torch.randn(4, 2 * 1500, generator=torch.Generator().manual_seed(1))  # two column blocks
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(OPS.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(OPS.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_rotates_strided_rows_in_place_as_the_pytorch_path():
+    rotary = RotaryEmbedding(64, 128, 10000.0, None)
+    qkv = torch.randn(6, 5, 64, generator=torch.Generator().manual_seed(2))  # q and k heads, then v
+    positions = torch.tensor([0, 3, 17, 64, 100, 127])
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    q_and_k = qkv[:, :4]  # rows strided (v's head follows), heads contiguous
+    expected = apply_rotary(q_and_k.clone(), cos, sin)
+    value = qkv[:, 4].clone()
+    OPS.rope(q_and_k, positions, rotary.cos, rotary.sin)
+    assert torch.allclose(q_and_k, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, 4], value)  # the row's other heads untouched
