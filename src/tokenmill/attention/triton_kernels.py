@@ -54,7 +54,7 @@ def _sequence_of(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     """The sequence whose query blocks hold global query block `q_block`: sequence s owns blocks from
     query_start[s] // BLOCK_Q + s on (an upper bound of the blocks before it, so the grid is known
     from the token and sequence counts alone)."""
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -72,7 +72,7 @@ def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_p
                   c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                   V_PLANE: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax of the rows of q over key tiles [first_tile, end_tile) (keys < kv_end, causal at
     each row's query_pos, within `window` when USE_WINDOW). Returns (acc, m_i, l_i)."""
     dims = tl.arange(0, HEAD_DIM_P)
@@ -88,7 +88,10 @@ def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_p
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale
+        if IEEE:  # float32 products exact (no TF32): greedy ids can match HF float32
+            s = tl.dot(q, k, input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, k) * scale
         if USE_SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
         allowed = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
@@ -100,7 +103,11 @@ def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_p
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
 
@@ -113,7 +120,7 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
                              V_PLANE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr,
                              BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr,
-                             USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                             USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Program (query block, kv head): BLOCK_Q consecutive queries of one sequence times the
     QUERIES_PER_KV query heads of the kv head, as BLOCK_M rows, attended causally over the sequence's
     block table. Prefill chunks, prefix hits, decode and speculative rows alike: a query at absolute
@@ -151,7 +158,7 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
                                       kv_head, query_pos, first_tile, tl.cdiv(kv_end, TILE), kv_end, scale, softcap,
                                       window, c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                                       V_PLANE, TILE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_WINDOW, USE_SOFTCAP,
-                                      UPCAST, PRECISION)
+                                      UPCAST, IEEE)
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_mask[None, :])
@@ -166,7 +173,7 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
                         V_PLANE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
                         TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                         HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Program (sequence, kv head, split) of a decode-only batch (token i is sequence i's one query):
     attends over its split's share of the key tiles and writes the normalised partial output and its
     log-sum-exp (-inf for an empty split) for `merge_splits_kernel`."""
@@ -196,7 +203,7 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
                                   kv_head, query_pos, start, end, seq_len, scale, softcap, window,
                                   c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                                   V_PLANE, TILE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_WINDOW, USE_SOFTCAP,
-                                  UPCAST, PRECISION)
+                                  UPCAST, IEEE)
     seen = l_i > 0
     result = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))

@@ -30,7 +30,8 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; 256 keeps a tile w
 TILE = 32  # keys per inner tile: fixed, so every query reduces over the same tiles (batch invariance)
 SPLIT_MIN_TILES = 8  # a decode step splits a sequence's keys only past this many tiles
 # without batch invariance, a step with a chunk of at least WIDE_FROM queries runs programs of WIDE_ROWS
-# rows over tiles of WIDE_TILE keys: K/V tiles are read by 4x the queries (prefill-bound steps)
+# rows over tiles of WIDE_TILE keys: K/V tiles are read by 4x the queries (prefill-bound steps); head_dim
+# up to 128, so that the q, k and v tiles stay well within shared memory
 WIDE_FROM, WIDE_ROWS, WIDE_TILE = 32, 64, 64
 
 
@@ -160,7 +161,7 @@ class TritonPagedBackend(AttentionBackend):
         if splits > 1:
             split_decode(out, q, kv_cache, metadata, layer, splits)
         else:
-            wide = not self.batch_invariant and metadata.max_query_len >= WIDE_FROM
+            wide = not self.batch_invariant and metadata.max_query_len >= WIDE_FROM and q.shape[2] <= 128
             unified_attention(out, q, kv_cache, metadata, layer, wide)
         return out
 
@@ -176,11 +177,11 @@ class TritonPagedBackend(AttentionBackend):
         return min(_next_pow2(wanted), 16, _next_pow2(tiles) // 2 or 1)
 
 
-def _precision(dtype: torch.dtype) -> tuple[bool, str]:
-    """(UPCAST, PRECISION): the interpreter computes 16-bit floats wrongly, so they are upcast after
-    loading there; float32 products are exact (no TF32), as the HF float32 comparisons need."""
+def _precision(dtype: torch.dtype) -> tuple[bool, bool]:
+    """(UPCAST, IEEE): the interpreter computes 16-bit floats wrongly, so they are upcast after loading
+    there; float32 products are exact (no TF32), as the HF float32 comparisons need."""
     upcast = INTERPRETED and dtype != torch.float32
-    return upcast, "ieee" if dtype == torch.float32 or upcast else "tf32"
+    return upcast, dtype == torch.float32 or upcast
 
 
 def write_kv(k: torch.Tensor, v: Optional[torch.Tensor], kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -212,7 +213,7 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
     queries_per_kv = num_heads // num_kv_heads
     block_m, block_q = query_tiling(queries_per_kv, WIDE_ROWS if wide else 16)
     softcap, window, use_window, use_softcap = _layer_args(layer)
-    upcast, precision = _precision(q.dtype)
+    upcast, ieee = _precision(q.dtype)
     grid = (m.num_tokens // block_q + m.num_seqs, num_kv_heads)
     unified_attention_kernel[grid](
         out, q, kv_cache, m.block_tables, m.seq_lens, m.query_start, m.num_seqs, layer.scale, softcap, window,
@@ -221,7 +222,7 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
         V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
         TILE=WIDE_TILE if wide else TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
         HEAD_DIM_P=_next_pow2(head_dim), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
-        PRECISION=precision)
+        IEEE=ieee)
 
 
 def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
@@ -233,7 +234,7 @@ def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: 
     queries_per_kv = num_heads // num_kv_heads
     head_dim_p = _next_pow2(head_dim)
     softcap, window, use_window, use_softcap = _layer_args(layer)
-    upcast, precision = _precision(q.dtype)
+    upcast, ieee = _precision(q.dtype)
     span = min(m.max_seq_len, window) if use_window else m.max_seq_len
     tiles_per_split = -(-(-(-span // TILE) + 1) // splits)  # +1: a window may start mid-tile
     partial = torch.empty(num_seqs, num_heads, splits, head_dim_p, dtype=torch.float32, device=q.device)
@@ -244,7 +245,7 @@ def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: 
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_SPLITS=splits, V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=max(16, _next_pow2(queries_per_kv)), TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, PRECISION=precision)
+        HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, IEEE=ieee)
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial, lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits,
         SPLITS_P=max(2, _next_pow2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
