@@ -13,7 +13,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 
 # what tokenmill imports that the GPU image ('cuda': torch, triton, transformers, numpy, httpx, ...) lacks
-WHEELS="gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn xgrammar cbor2 pyzmq msgspec"
+WHEELS="gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn xgrammar apache-tvm-ffi cbor2 pyzmq msgspec"
 
 if [ "${1:-}" = "--prepare" ]; then
   rm -rf .whl && mkdir -p .whl .gpu-check
