@@ -26,6 +26,8 @@ if [ "${1:-}" = "--prepare" ]; then
 from tokenmill.models.loader.resolve import resolve_model_path
 from tokenmill.models.loader.tokenizer import load_gguf_tokenizer
 load_gguf_tokenizer(resolve_model_path(None)).save_pretrained('.gpu-check/tokenizer')"
+  # the device gets a copy of the tree without git: the commit it checks goes along
+  echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- src scripts || echo -dirty)" > .gpu-check/commit
   du -sh .whl .gpu-check
   echo "carry .whl and .gpu-check; run: scripts/gpu-check.sh \$OUT"
   exit 0

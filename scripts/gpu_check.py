@@ -442,8 +442,9 @@ def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GPU_CHECK_COMMIT", "unknown")
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without git: --prepare wrote it
+        carried = REPO / ".gpu-check" / "commit"
+        return carried.read_text().strip() if carried.exists() else "unknown"
 
 
 def main() -> None:
