@@ -51,3 +51,28 @@ def test_serve_takes_the_model_as_vllm_does_positional_or_flag(tmp_path):
     assert "serve was given two models: 'one' and --model 'two'" in result.stderr and "Traceback" not in result.stderr
     result = tokenmill("serve", "--model", str(tmp_path / "nope"), "--port", "0")
     assert result.returncode == 2 and "nope" in result.stderr  # the flag reaches the loader
+
+
+def test_a_cpu_run_never_imports_triton_or_initialises_cuda(tmp_path):
+    # the GPU path imports lazily: a CPU-only install starts and generates without Triton or CUDA
+    path = str(make_tiny_hf_model(tmp_path, arch="llama"))
+    probe = ("import sys, torch; from tokenmill import LLM, SamplingParams; "
+             f"llm = LLM({path!r}, num_kv_blocks=64, device='cpu'); "
+             "llm.generate('Hi', SamplingParams(max_tokens=4), use_tqdm=False); "
+             "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')), "
+             "torch.cuda.is_initialized())")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[] False"
+
+
+def test_batch_invariant_flag_is_unset_on_or_off():
+    from tokenmill.cli.main import build_parser
+
+    parser = build_parser()
+    base = ["generate", "hi"]
+    assert parser.parse_args(base).batch_invariant is None  # on for CPU, off on CUDA (config.py)
+    assert parser.parse_args([*base, "--batch-invariant"]).batch_invariant is True
+    assert parser.parse_args([*base, "--no-batch-invariant"]).batch_invariant is False
+    assert parser.parse_args([*base, "--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args([*base, "--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
