@@ -53,6 +53,10 @@ def key_only(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 class AttentionBackend(ABC):
     """Computes causal attention over a paged KV cache for a flattened, unpadded token batch."""
 
+    # the Triton backend: its steps may replay CUDA graphs, and the model's norms, activations and RoPE
+    # may run on layers/triton_fused.py (set by attention/triton_paged.py, which alone imports Triton)
+    on_triton: bool = False
+
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        planes: int = 2) -> tuple[int, ...]:

@@ -125,7 +125,7 @@ class TritonPagedBackend(AttentionBackend):
     """Paged attention in Triton kernels; `batch_invariant` keeps every query on the unified kernel (the
     split-KV decode reduces in another order)."""
 
-    fuses_on_triton = True  # the model's norms, activations and RoPE may use layers/triton_fused.py
+    on_triton = True
 
     def __init__(self, batch_invariant: bool = True, device: torch.device = torch.device("cuda")) -> None:
         self.batch_invariant = batch_invariant

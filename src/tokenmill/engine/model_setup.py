@@ -55,7 +55,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         native = cpu_kernels()  # the linears use them whatever the attention backend
     model.use_linear_kernels(fast_linears and packing_applies(dtype, device),
                              native if fast_linears else None, invariant)
-    if device.type == "cuda" and dtype != torch.float32 and getattr(backend, "fuses_on_triton", False):
+    if device.type == "cuda" and dtype != torch.float32 and backend.on_triton:
         from tokenmill.layers.triton_fused import TritonFusedOps
         model.use_fused_kernels(TritonFusedOps())  # float32 keeps PyTorch's ops, as on CPU
     if kernels is not None and (dtype == torch.bfloat16 or model.has_quantized_weights()):

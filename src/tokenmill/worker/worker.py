@@ -88,7 +88,7 @@ class Worker:
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage, fused_decode=not spec.quantized_kv)
-        if spec.quantized_kv and getattr(backend, "fuses_on_triton", False):
+        if spec.quantized_kv and backend.on_triton:
             raise ValueError("kv_cache_dtype int8: the triton_paged attention backend reads float32, float16 and "
                              "bfloat16 caches only; use kv_cache_dtype auto, or --attention-backend torch_ref")
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
@@ -111,7 +111,7 @@ class Worker:
         unless --enforce-eager (each reason to run eagerly is logged)."""
         if self.device.type != "cuda" or self.spec.model.enforce_eager:
             return False
-        reason = ("the attention backend is not triton_paged" if not getattr(backend, "fuses_on_triton", False)
+        reason = ("the attention backend is not triton_paged" if not backend.on_triton
                   else "the model runs on several ranks" if tp.size > 1 or stage.size > 1
                   else "LoRA adapters are enabled" if self.spec.model.enable_lora else None)
         if reason:
