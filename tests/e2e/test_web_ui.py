@@ -203,14 +203,24 @@ def test_the_dashboard_moves_under_load_and_shows_cached_blocks(servers, page):
     page.wait_for_function("window.tokenmillDashboard.samples > 0", timeout=20_000)
     prompt = "the quick brown fox jumps over the lazy dog " * 10
     body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    load = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": body, "timeout": 60})
-            for _ in range(3)]
+    seen_running = threading.Event()
+
+    def keep_busy() -> None:  # requests until the dashboard has shown one running (a sample may fall between
+        for _ in range(50):  # short requests on a busy machine), at least one per thread, 50 at most
+            httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            if seen_running.is_set():
+                return
+
+    load = [threading.Thread(target=keep_busy) for _ in range(3)]
     for thread in load:
         thread.start()
-    page.wait_for_function("Number(document.querySelector('#fig-running').textContent.split(' ')[0]) > 0",
-                           timeout=30_000)
-    for thread in load:
-        thread.join()
+    try:
+        page.wait_for_function("Number(document.querySelector('#fig-running').textContent.split(' ')[0]) > 0",
+                               timeout=120_000)
+    finally:
+        seen_running.set()
+        for thread in load:
+            thread.join()
     page.wait_for_function("window.tokenmillDashboard.steps > 10 && "
                            "Number(document.querySelector('#timeline').dataset.requests) >= 3", timeout=30_000)
     page.wait_for_function("JSON.parse(document.querySelector('#kv-map').dataset.counts || '{}').evictable > 0",
