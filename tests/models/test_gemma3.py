@@ -51,13 +51,16 @@ def test_greedy_ids_and_logprobs_equal_hf(llm, hf):
 
 def test_long_prompts_chunked_and_prefix_cached_agree_with_the_plain_run(path):
     """Prompts several windows long: chunked prefill and prefix-cache hits see the same window. With the
-    native kernels the logprobs agree bit for bit (batch invariance); without them (PyTorch's products
-    change a row's arithmetic with the row count) the ids must still agree."""
+    native kernels the logprobs agree bit for bit in bfloat16 (batch invariance); without them PyTorch's
+    products change a row's arithmetic with the row count (oneDNN picks its AMX, AVX-512 or reference
+    path by shape), which in bfloat16 can flip a near-tie within 24 greedy steps, so there the ids are
+    compared in float32."""
     prompts = [list(range(200, 290)), list(range(200, 260)) + [5, 6, 7] * 10]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    dtype = "bfloat16" if cpu_kernels() is not None else "float32"
 
     def run(num_kv_blocks=256, **options):
-        llm = LLM(str(path), dtype="bfloat16", block_size=8, num_kv_blocks=num_kv_blocks, **options)
+        llm = LLM(str(path), dtype=dtype, block_size=8, num_kv_blocks=num_kv_blocks, **options)
         outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0] for p in prompts]
         outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                     use_tqdm=False)]  # the second time: prefix hits
