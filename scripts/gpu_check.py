@@ -304,6 +304,25 @@ def weight_bytes(llm: Any) -> int:
     return total
 
 
+def graph_replay_ms(llm: Any, bucket: int, device: str) -> Any:
+    """Median milliseconds of replaying the decode graph of `bucket` alone, over the last step's contexts
+    with the KV writes turned off (slots -1): the device's share of a decode step, so that the step's
+    wall time less this is the host's. None where no graph was captured (a dry run, --enforce-eager)."""
+    graphs = llm.llm_engine.runner.graphs
+    if graphs is None or not graphs.capture or bucket not in graphs.graphs:
+        return None
+    for slots in graphs.slots.values():
+        slots.fill_(-1)
+    times = []
+    for _ in range(25):
+        sync(device)
+        started = time.perf_counter()
+        graphs.graphs[bucket].replay()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times[5:]) * 1e3, 3)
+
+
 def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth_gbs: float) -> dict[str, Any]:
     """The decode, TTFT and graph figures (see the module docstring); tiny counts in a dry run."""
     out: dict[str, Any] = {}
@@ -317,9 +336,13 @@ def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth
     mean_context = ctx + steps / 2
     kv_bytes = batch * mean_context * arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2
     out["decode_1b_bs64_step_ms"] = round(step64 * 1e3, 3)
+    out["decode_1b_bs64_replay_ms"] = graph_replay_ms(llm, batch, device)
     out["decode_1b_bs64_bandwidth_fraction"] = round((weights + kv_bytes) / step64 / (bandwidth_gbs * 1e9), 3)
     step1 = decode_step_seconds(llm, random_prompts(1, ctx, 2), steps, device)
     out["decode_1b_bs1_step_ms"] = round(step1 * 1e3, 3)
+    replay1 = graph_replay_ms(llm, 1, device)
+    out["decode_1b_bs1_replay_ms"] = replay1
+    out["host_ms_per_step_bs1"] = None if replay1 is None else round(step1 * 1e3 - replay1, 3)
     out["decode_1b_bs1_over_floor"] = round(step1 / (weights / (bandwidth_gbs * 1e9)), 2)
     out["weights_1b_bytes"] = weights
     ttfts = []
