@@ -22,10 +22,10 @@ if [ "${1:-}" = "--prepare" ]; then
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$name"
   done
-  PYTHONPATH=src $PY -c "
-from tokenmill.models.loader.resolve import resolve_model_path
-from tokenmill.models.loader.tokenizer import load_gguf_tokenizer
-load_gguf_tokenizer(resolve_model_path(None)).save_pretrained('.gpu-check/tokenizer')"
+  PYTHONPATH=src:scripts $PY -c "
+from pathlib import Path
+from gpu_check import save_default_tokenizer
+save_default_tokenizer(Path('.gpu-check/tokenizer'))"
   # the device gets a copy of the tree without git: the commit it checks goes along
   echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- src scripts || echo -dirty)" > .gpu-check/commit
   du -sh .whl .gpu-check

@@ -96,12 +96,14 @@ def split_decodes(chunks: list[SequenceChunk], every_query: bool = False) -> tup
     return decodes, prefills
 
 
-def padded_block_tables(chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, max_blocks] block tables of the chunks' sequences, each row padded with block 0 past its context.
-    Each distinct block list is converted once, however many rows share it (a batch-invariant prefill
-    makes a row of every query of a chunk, `split_decodes`); the rows are then gathered from it in one go."""
+def padded_block_tables(chunks: list[SequenceChunk], block_size: int, dtype: torch.dtype,
+                        width: Optional[int] = None) -> torch.Tensor:
+    """[B, width] block tables of the chunks' sequences, each row padded with block 0 past its context;
+    `width` (at least the widest table) defaults to the widest. Each distinct block list is converted
+    once, however many rows share it (a batch-invariant prefill makes a row of every query of a chunk,
+    `split_decodes`); the rows are then gathered from it in one go."""
     used = [-(-c.context_len // block_size) for c in chunks]
-    width = max(used)
+    width = max(used) if width is None else width
     flat: list[int] = []
     starts: list[int] = []
     last = None

@@ -18,8 +18,10 @@ from typing import Optional
 
 import numpy as np
 import torch
+from triton import next_power_of_2
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk, key_only
+from tokenmill.attention.torch_ref import padded_block_tables
 from tokenmill.attention.triton_kernels import (INTERPRETED, kv_write_kernel, merge_splits_kernel,
                                                 split_decode_kernel, unified_attention_kernel)
 
@@ -42,14 +44,10 @@ def check_head_dim(head_dim: int) -> None:
                          f"not {head_dim}; use torch_ref")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 def query_tiling(queries_per_kv: int, rows: int = 16) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): a program's rows (at least `rows`; 16 is tl.dot's minimum) and the queries of
     one sequence they hold (BLOCK_M // queries_per_kv, each with its group of query heads)."""
-    block_m = rows if queries_per_kv <= rows else _next_pow2(queries_per_kv)
+    block_m = rows if queries_per_kv <= rows else next_power_of_2(queries_per_kv)
     return block_m, block_m // queries_per_kv
 
 
@@ -77,12 +75,9 @@ def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[
     starts = np.empty(len(chunks) + 1, dtype=np.int32)
     starts[:-1] = [c.query_start for c in chunks]
     starts[-1] = chunks[-1].query_start + chunks[-1].query_len if chunks else 0
-    used = -(-lens // block_size)
-    width = int(used.max(initial=1)) if width is None else width
-    tables = np.zeros((len(chunks), max(width, 1)), dtype=np.int32)
-    for row, (c, n) in enumerate(zip(chunks, used.tolist())):
-        tables[row, :n] = c.block_ids[:n]
-    return starts, lens, tables
+    if width is None:
+        width = max(int((-(-lens // block_size)).max(initial=1)), 1)
+    return starts, lens, padded_block_tables(chunks, block_size, torch.int32, width).numpy()
 
 
 class _Staging:
@@ -104,7 +99,7 @@ class _Staging:
         if self.copied is not None:
             self.copied.synchronize()
         if self.host is None or self.host.numel() < total:
-            self.host = torch.empty(_next_pow2(total), dtype=torch.int32, pin_memory=True)
+            self.host = torch.empty(next_power_of_2(total), dtype=torch.int32, pin_memory=True)
         host = self.host.numpy()
         offset = 0
         for p in parts:
@@ -174,7 +169,7 @@ class TritonPagedBackend(AttentionBackend):
         if tiles < SPLIT_MIN_TILES:
             return 1
         wanted = max(1, 128 // max(m.num_seqs * num_kv_heads, 1))
-        return min(_next_pow2(wanted), 16, _next_pow2(tiles) // 2 or 1)
+        return min(next_power_of_2(wanted), 16, next_power_of_2(tiles) // 2 or 1)
 
 
 def _precision(dtype: torch.dtype) -> tuple[bool, bool]:
@@ -195,7 +190,7 @@ def write_kv(k: torch.Tensor, v: Optional[torch.Tensor], kv_cache: torch.Tensor,
     kv_write_kernel[(num_tokens, num_kv_heads)](
         k, vv, kv_cache, slots, k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim), WRITE_V=v is not None)
+        BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim, HEAD_DIM_P=next_power_of_2(head_dim), WRITE_V=v is not None)
 
 
 def _layer_args(layer: AttentionLayer) -> tuple[float, int, bool, bool]:
@@ -221,7 +216,7 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
         TILE=WIDE_TILE if wide else TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
-        HEAD_DIM_P=_next_pow2(head_dim), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
+        HEAD_DIM_P=next_power_of_2(head_dim), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
         IEEE=ieee)
 
 
@@ -232,7 +227,7 @@ def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: 
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
-    head_dim_p = _next_pow2(head_dim)
+    head_dim_p = next_power_of_2(head_dim)
     softcap, window, use_window, use_softcap = _layer_args(layer)
     upcast, ieee = _precision(q.dtype)
     span = min(m.max_seq_len, window) if use_window else m.max_seq_len
@@ -244,8 +239,8 @@ def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: 
         q.stride(0), q.stride(1), m.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_SPLITS=splits, V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv,
-        BLOCK_M=max(16, _next_pow2(queries_per_kv)), TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
+        BLOCK_M=max(16, next_power_of_2(queries_per_kv)), TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, IEEE=ieee)
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial, lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits,
-        SPLITS_P=max(2, _next_pow2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+        SPLITS_P=max(2, next_power_of_2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)

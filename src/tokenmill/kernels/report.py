@@ -70,7 +70,7 @@ def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, flo
 def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
     """How decode and prefill attention run."""
     name = type(backend).__name__
-    if name == "TritonPagedBackend":
+    if backend.on_triton:
         return ("attention: Triton paged kernels, one unified kernel for every query" +
                 (" (batch-invariant)" if backend.batch_invariant else ", split-KV decode for few long sequences"))
     if kernels is None or name == "TorchReferenceBackend":

@@ -8,14 +8,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from triton import next_power_of_2
 
 from tokenmill.attention.triton_kernels import act_and_mul_kernel, add_rms_norm_kernel, rope_kernel
 
 _ACT_BLOCK = 1024
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 class TritonFusedOps:
@@ -32,7 +29,7 @@ class TritonFusedOps:
             add_rms_norm_kernel[(x.shape[0],)](out, x if residual is None else residual, x, weight, eps, width,
                                                x.stride(0), (x if residual is None else residual).stride(0),
                                                out.stride(0), HAS_RESIDUAL=residual is not None,
-                                               BLOCK=_next_pow2(width))
+                                               BLOCK=next_power_of_2(width))
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -52,7 +49,7 @@ class TritonFusedOps:
         if gate_up.shape[0]:
             grid = (gate_up.shape[0], -(-inner // _ACT_BLOCK))
             act_and_mul_kernel[grid](out, gate_up, inner, gate_up.stride(0), out.stride(0), GELU=gelu,
-                                     BLOCK=min(_ACT_BLOCK, _next_pow2(inner)))
+                                     BLOCK=min(_ACT_BLOCK, next_power_of_2(inner)))
         return out
 
     @staticmethod
@@ -65,4 +62,4 @@ class TritonFusedOps:
             raise ValueError("rope needs contiguous heads and contiguous float32 tables")
         if x.shape[0]:
             rope_kernel[(x.shape[0], x.shape[1])](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                                  HALF=head_dim // 2, HALF_P=_next_pow2(head_dim // 2))
+                                                  HALF=head_dim // 2, HALF_P=next_power_of_2(head_dim // 2))

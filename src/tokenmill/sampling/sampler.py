@@ -50,6 +50,7 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
 
 
 NO_TOKEN = -1  # sample's id for a row that allows no token, on a GPU (on CPU it raises)
+NOTHING_ALLOWED = "the output constraint, logit_bias and min_tokens together forbid every token"
 
 
 def check_some_allowed(allowed: torch.Tensor) -> None:
@@ -57,8 +58,7 @@ def check_some_allowed(allowed: torch.Tensor) -> None:
     -inf or NaN): its output constraint, logit_bias and min_tokens together forbid everything."""
     if not bool(allowed.all()):
         rows = (~allowed).nonzero().flatten().tolist()
-        raise ValueError(f"no token is allowed in rows {rows}: the output constraint, logit_bias and "
-                         f"min_tokens together forbid every token")
+        raise ValueError(f"no token is allowed in rows {rows}: {NOTHING_ALLOWED}")
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

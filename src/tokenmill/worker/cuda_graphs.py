@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.base import SequenceChunk
-from tokenmill.attention.triton_paged import TritonMetadata
+from tokenmill.attention.triton_paged import TritonMetadata, host_metadata
 from tokenmill.worker.request_state import BatchItem
 
 logger = logging.getLogger(__name__)
@@ -75,13 +75,9 @@ class DecodeGraphs:
         self.positions[:n].copy_(torch.tensor([item.start for item in batch]))
         self.positions[n:bucket].zero_()
         for group, group_chunks in chunks.items():
-            width = self.tables[group].shape[1]
             lens = np.zeros(bucket, dtype=np.int32)
-            lens[:n] = [c.context_len for c in group_chunks]
-            table = np.zeros((bucket, width), dtype=np.int32)
-            for row, chunk in enumerate(group_chunks):
-                used = -(-chunk.context_len // self._block_size)
-                table[row, :used] = chunk.block_ids[:used]
+            table = np.zeros((bucket, self.tables[group].shape[1]), dtype=np.int32)
+            _, lens[:n], table[:n] = host_metadata(group_chunks, self.kv_caches[0].shape[3], table.shape[1])
             padded_slots = np.full(bucket, -1, dtype=np.int32)
             padded_slots[:n] = slots[group].numpy()
             self.seq_lens[group][:bucket].copy_(torch.from_numpy(lens), non_blocking=True)
@@ -91,10 +87,6 @@ class DecodeGraphs:
             self.graphs[bucket].replay()
             return self.outputs[bucket][:n]
         return self._forward(bucket)[:n]
-
-    @property
-    def _block_size(self) -> int:
-        return self.kv_caches[0].shape[3]
 
     def _metadata(self, bucket: int, group: int) -> TritonMetadata:
         return TritonMetadata(self.query_start[:bucket + 1], self.seq_lens[group][:bucket],

@@ -15,7 +15,7 @@ from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, Schedul
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
-from tokenmill.sampling.sampler import NO_TOKEN, sample
+from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_transfer_io import export_blocks, import_blocks
 from tokenmill.worker.request_state import BatchItem, RequestStates
@@ -273,9 +273,7 @@ class ModelRunner:
                 result.logprobs[batch[plain[k]].request_id] = [entry]
         for i, token in zip(plain, picked_ids):
             if token == NO_TOKEN:  # sampled on a GPU, which marks the row instead of raising
-                fail_request(result, batch[i].request_id, ValueError(
-                    "no token is allowed: the output constraint, logit_bias and min_tokens together forbid "
-                    "every token"))
+                fail_request(result, batch[i].request_id, ValueError(f"no token is allowed: {NOTHING_ALLOWED}"))
                 continue
             result.sampled_token_ids[batch[i].request_id] = [token]
 
