@@ -7,6 +7,8 @@ bfloat16 numerics are proven on a GPU (scripts/gpu-check.sh).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,6 +94,26 @@ def test_split_kv_decode_matches_the_reference_backend(window):
     layer = AttentionLayer(32 ** -0.5, window)
     expected, _, got, _ = both(backend, cache, chunks, slots, q, k, v, layer, 16)
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_graphs_fixed_split_count_covers_short_and_empty_contexts(window):
+    # a captured graph splits every sequence's keys 16 ways whatever its length: contexts shorter
+    # than 16 tiles leave splits empty, and a padding row (context 0) comes out as zeros
+    specs = [(1, n, False) for n in (300, 5, 33)]
+    cache, chunks, slots, q, k, v = mixed_batch(2, 8, 2, 32, 16, specs, num_blocks=64)
+    backend = TritonPagedBackend(False, CPU)
+    meta = dataclasses.replace(backend.build_metadata(chunks, slots, 16, CPU), graph_splits=16)
+    assert backend._splits(meta, 2) == 16
+    layer = AttentionLayer(32 ** -0.5, window)
+    expected, _, _, _ = both(backend, cache, chunks, slots, q, k, v, layer, 16)
+    got = backend.forward(q, k, v, cache.clone(), meta, layer)
+    assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    padded = dataclasses.replace(meta, seq_lens=torch.tensor([300, 0, 33], dtype=torch.int32),
+                                 slot_mapping=torch.tensor([slots[0].item(), -1, slots[2].item()], dtype=torch.int32))
+    got = backend.forward(q, k, v, cache.clone(), padded, layer)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert torch.allclose(got[[0, 2]], expected[[0, 2]], atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def test_every_query_computes_the_same_bits_as_a_decode_at_its_position():

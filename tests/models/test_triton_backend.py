@@ -50,14 +50,17 @@ def test_batch_invariance_is_refused_on_cuda_and_off_by_default_there():
     assert resolve_batch_invariant(None, cpu) is True and resolve_batch_invariant(False, cpu) is False
 
 
-def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(tmp_path):
+@pytest.mark.parametrize("invariant", [True, False])
+def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(tmp_path, invariant):
     # the graph runner's static buffers without capture (no GPU): three decode rows run in bucket 4
-    # with one padding row (slot -1, context 0), which must change no output and write no block
+    # with one padding row (slot -1, context 0), which must change no output and write no block;
+    # without batch invariance (CUDA's default) the graph splits every sequence's keys, short ones too
     path = str(make_tiny_hf_model(tmp_path, arch="llama"))
     prompts = PROMPTS[:3]
-    eager = LLM(path, attention_backend="triton_paged", **ENGINE)
+    options = {**ENGINE, "batch_invariant": invariant}
+    eager = LLM(path, attention_backend="triton_paged", **options)
     expected = eager.generate(prompts, GREEDY, use_tqdm=False)
-    graphed = LLM(path, attention_backend="triton_paged", **ENGINE)
+    graphed = LLM(path, attention_backend="triton_paged", **options)
     runner = graphed.llm_engine.runner
     runner.use_decode_graphs(max_num_seqs=8, max_model_len=256, capture=False)
     replays = []

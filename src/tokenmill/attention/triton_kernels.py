@@ -166,7 +166,7 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
 
 @triton.jit
 def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        scale, softcap, window, tiles_per_split,
+                        scale, softcap, window,
                         q_stride_t, q_stride_h, bt_stride,
                         c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -175,7 +175,8 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
                         HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Program (sequence, kv head, split) of a decode-only batch (token i is sequence i's one query):
-    attends over its split's share of the key tiles and writes the normalised partial output and its
+    attends over its split's share of the sequence's key tiles (a ceil(tiles / NUM_SPLITS) run; past
+    the end a split is empty) and writes the normalised partial output and its
     log-sum-exp (-inf for an empty split) for `merge_splits_kernel`."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,8 +195,10 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
     first_tile = 0
     if USE_WINDOW:
         first_tile = tl.maximum(seq_len - window, 0) // TILE
+    end_tile = tl.cdiv(seq_len, TILE)
+    tiles_per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
     start = first_tile + split * tiles_per_split
-    end = tl.minimum(start + tiles_per_split, tl.cdiv(seq_len, TILE))
+    end = tl.minimum(start + tiles_per_split, end_tile)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)

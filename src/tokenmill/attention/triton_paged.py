@@ -64,7 +64,7 @@ class TritonMetadata:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
-    allow_split: bool = True  # False in captured graphs: the split count cannot follow each step's lengths
+    graph_splits: Optional[int] = None  # a captured graph's split count, fixed for its bucket (see _splits)
 
 
 def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[int] = None
@@ -162,14 +162,22 @@ class TritonPagedBackend(AttentionBackend):
 
     def _splits(self, m: TritonMetadata, num_kv_heads: int) -> int:
         """How many programs share each sequence's keys: 1 (the unified kernel) for batch-invariant
-        steps and steps with prefill; for decode-only steps, enough to give ~128 programs."""
-        if self.batch_invariant or not m.allow_split or m.max_query_len != 1 or m.num_tokens != m.num_seqs:
+        steps and steps with prefill; for decode-only steps, enough to give ~128 programs (a captured
+        graph's own count, which cannot follow each replay's lengths; short contexts leave splits empty)."""
+        if self.batch_invariant or m.max_query_len != 1 or m.num_tokens != m.num_seqs:
             return 1
+        if m.graph_splits is not None:
+            return m.graph_splits
         tiles = -(-m.max_seq_len // TILE)
         if tiles < SPLIT_MIN_TILES:
             return 1
-        wanted = max(1, 128 // max(m.num_seqs * num_kv_heads, 1))
-        return min(next_power_of_2(wanted), 16, next_power_of_2(tiles) // 2 or 1)
+        return min(decode_splits(m.num_seqs, num_kv_heads), next_power_of_2(tiles) // 2 or 1)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
+    """Splits of each sequence's keys that give a decode-only step ~128 programs (at most 16)."""
+    wanted = max(1, 128 // max(num_seqs * num_kv_heads, 1))
+    return min(next_power_of_2(wanted), 16)
 
 
 def _precision(dtype: torch.dtype) -> tuple[bool, bool]:
@@ -223,19 +231,17 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
 def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
                  layer: AttentionLayer, splits: int) -> None:
     """A decode-only step (token i is sequence i's query) with each sequence's key tiles shared by
-    `splits` programs, then merged."""
+    `splits` programs (each sequence's tiles divided evenly, in the kernel), then merged."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
     head_dim_p = next_power_of_2(head_dim)
     softcap, window, use_window, use_softcap = _layer_args(layer)
     upcast, ieee = _precision(q.dtype)
-    span = min(m.max_seq_len, window) if use_window else m.max_seq_len
-    tiles_per_split = -(-(-(-span // TILE) + 1) // splits)  # +1: a window may start mid-tile
     partial = torch.empty(num_seqs, num_heads, splits, head_dim_p, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     split_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        partial, lse, q, kv_cache, m.block_tables, m.seq_lens, layer.scale, softcap, window, tiles_per_split,
+        partial, lse, q, kv_cache, m.block_tables, m.seq_lens, layer.scale, softcap, window,
         q.stride(0), q.stride(1), m.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_SPLITS=splits, V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv,

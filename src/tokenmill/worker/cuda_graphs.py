@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.base import SequenceChunk
-from tokenmill.attention.triton_paged import TritonMetadata, host_metadata
+from tokenmill.attention.triton_paged import TritonMetadata, decode_splits, host_metadata
 from tokenmill.worker.request_state import BatchItem
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class DecodeGraphs:
     def _metadata(self, bucket: int, group: int) -> TritonMetadata:
         return TritonMetadata(self.query_start[:bucket + 1], self.seq_lens[group][:bucket],
                               self.tables[group][:bucket], self.slots[group][:bucket], bucket, bucket, 1, 0,
-                              allow_split=False)
+                              graph_splits=decode_splits(bucket, self.kv_caches[0].shape[2]))
 
     def _forward(self, bucket: int) -> torch.Tensor:
         metadata = {g: self._metadata(bucket, g) for g in self.seq_lens}
