@@ -10,11 +10,14 @@ interpreter, graphs in their no-capture mode; its figures prove the plumbing, no
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import gc
+import io
 import itertools
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -254,11 +257,55 @@ def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
     return result
 
 
-def bf16_agreement(path: Path, device: str, dry: bool) -> float:
+def training_text() -> tuple[str, str]:
+    """(training text, held-out text): the repository's sources and docs, and its README."""
+    sources = sorted((REPO / "src").rglob("*.py")) + sorted((REPO / "docs").rglob("*.md"))
+    return "\n".join(p.read_text() for p in sources), (REPO / "README.md").read_text()
+
+
+def train_briefly(path: Path, out: Path, device: str, dry: bool) -> dict[str, float]:
+    """A copy of the random-weight model at `path`, trained for a few hundred steps (AdamW, bf16 autocast)
+    on the repository's text, saved at `out`: its next-token distributions are peaked like a trained
+    model's, where a random model's are nearly flat (so that bf16 rounding alone flips its top-1 at
+    near-ties). Returns the first and last training loss."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(path, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor(tokenizer(training_text()[0]).input_ids, dtype=torch.long)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).train()
+    steps, batch, length = (3, 2, 32) if dry else (400, 32, 256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3 if not dry else 1e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"],
+                                                   total_steps=steps, pct_start=0.1)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - length - 1, (batch,), generator=gen)
+        tokens = torch.stack([ids[s:s + length + 1] for s in starts.tolist()]).to(device)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(input_ids=tokens, labels=tokens).loss  # HF shifts the labels
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    model.to(torch.bfloat16 if not dry else torch.float32).save_pretrained(out)
+    del model, optimizer
+    free_memory()
+    return {"first_loss": round(losses[0], 3), "last_loss": round(statistics.mean(losses[-10:]), 3)}
+
+
+def bf16_agreement(path: Path, device: str, dry: bool, text: Any = None) -> float:
     """Top-1 agreement of the Triton backend with the reference backend, both bfloat16, teacher-forced over
     the prompt positions of long texts (prompt_logprobs: each position's most likely token)."""
     from tokenmill import SamplingParams
-    text = [" ".join(PROMPTS) * (2 if dry else 12), " ".join(reversed(PROMPTS)) * (2 if dry else 12)]
+    if text is None:
+        text = [" ".join(PROMPTS) * (2 if dry else 12), " ".join(reversed(PROMPTS)) * (2 if dry else 12)]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     tops = {}
     for backend in ("triton_paged", "torch_ref"):
@@ -386,12 +433,18 @@ def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str
     from torch.profiler import ProfilerActivity, profile
     llm = make_llm(path, device, dry, dtype="bfloat16" if not dry else "float32", max_num_seqs=64,
                    max_num_batched_tokens=8192 if not dry else 64)
-    phases = {"decode_bs1_16_tokens": (random_prompts(1, 64 if dry else 576, 11), 17),
+    context = 64 if dry else 576
+    tokens = 5 if dry else 17  # the dry run proves the plumbing: one short decode
+    phases = {"decode_bs1_16_tokens": (random_prompts(1, context, 11), tokens),
+              "decode_bs64_16_tokens": (random_prompts(64, context, 14), tokens),
               "prefill_2048": (random_prompts(1, 16 if dry else 2048, 12), 1)}
+    if dry:
+        del phases["decode_bs64_16_tokens"]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    summary, tables = {}, []
+    summary, tables, host = {}, [], []
     for name, (prompts, tokens) in phases.items():
-        timed_generate(llm, random_prompts(1, len(prompts[0]), 13), tokens, device)  # warm: kernels compiled
+        shape = random_prompts(len(prompts), len(prompts[0]), 13)
+        timed_generate(llm, shape, tokens, device)  # warm: kernels compiled
         with profile(activities=activities) as prof:
             seconds = timed_generate(llm, prompts, tokens, device)
         events = prof.key_averages()
@@ -399,7 +452,16 @@ def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str
         summary[name] = {"wall_ms": round(seconds * 1e3, 2), "device_self_ms": round(device_us / 1e3, 2)}
         sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
         tables.append(f"## {name}: {summary[name]}\n{events.table(sort_by=sort, row_limit=30)}")
+        if name.startswith("decode"):  # where the host's share of a step goes, by Python function
+            profiler = cProfile.Profile()
+            profiler.enable()
+            timed_generate(llm, shape, tokens, device)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+            host.append(f"## {name}\n{text.getvalue()}")
     (out_dir / "profile.txt").write_text("\n\n".join(tables))
+    (out_dir / "profile-host.txt").write_text("\n\n".join(host))
     llm.shutdown()
     del llm
     free_memory()
@@ -493,12 +555,16 @@ def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, 
 
 
 def commit() -> str:
+    """The commit checked: the one --prepare recorded (the device's copy of the tree may carry an older
+    .git), else git's HEAD."""
+    carried = REPO / ".gpu-check" / "commit"
+    if carried.exists():
+        return carried.read_text().strip()
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without git: --prepare wrote it
-        carried = REPO / ".gpu-check" / "commit"
-        return carried.read_text().strip() if carried.exists() else "unknown"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main() -> None:
@@ -538,8 +604,15 @@ def main() -> None:
     if small and "hf" not in args.skip:
         r["hf_fp32_identical"] = check.step("hf_fp32_identical", lambda: hf_identical(small, device, args.dry_run))
     if small and "bf16" not in args.skip:
-        r["bf16_top1_agreement"] = check.step("bf16_top1_agreement",
-                                              lambda: bf16_agreement(small, device, args.dry_run))
+        trained = work / "m135_trained"
+        r["trained_135m"] = check.step("train_135m", lambda: train_briefly(small, trained, device, args.dry_run))
+        held_out = training_text()[1]
+        texts = [held_out[i:i + (400 if args.dry_run else 6000)] for i in (0, len(held_out) // 2)]
+        if r["trained_135m"]:
+            r["bf16_top1_agreement"] = check.step("bf16_top1_agreement",
+                                                  lambda: bf16_agreement(trained, device, args.dry_run, texts))
+        r["bf16_top1_agreement_random_weights"] = check.step(
+            "bf16_top1_agreement_random_weights", lambda: bf16_agreement(small, device, args.dry_run))
     if small and big and bandwidth and "throughput" not in args.skip:
         figures = check.step("throughput", lambda: throughput(big, small, device, args.dry_run, bandwidth))
         r.update(figures or {})
@@ -548,7 +621,8 @@ def main() -> None:
     if big and "profile" not in args.skip:
         r["profile"] = check.step("profile", lambda: profile_steps(big, device, args.dry_run, out_dir))
     check.save()
-    keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top1_agreement",
+    keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "trained_135m", "bf16_top1_agreement",
+            "bf16_top1_agreement_random_weights",
             "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
             "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64"]
     print("\n| figure | value |\n|---|---|")

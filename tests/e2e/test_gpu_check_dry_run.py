@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = ["device", "commit", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top1_agreement",
+KEYS = ["device", "commit", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top1_agreement", "trained_135m",
         "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
         "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64"]
 
@@ -30,3 +30,7 @@ def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
     served = result["served"]
     assert served["chat_stream_chunks"] > 0 and '"completed": 8' in served["bench_serve_table"]
     assert "| graphs_speedup_135m_bs1 |" in run.stdout
+    # the profile's device-op table and the host's Python functions per step
+    assert "decode_bs1_16_tokens" in (tmp_path / "profile.txt").read_text()
+    host = (tmp_path / "profile-host.txt").read_text()
+    assert "decode_bs1_16_tokens" in host and "function calls" in host

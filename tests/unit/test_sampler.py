@@ -4,7 +4,7 @@ import torch
 
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
-from tokenmill.sampling.sampler import row_argmax, sample
+from tokenmill.sampling.sampler import argmax_and_allowed, row_argmax, sample
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -84,3 +84,13 @@ def test_logit_bias_applies_to_greedy_and_bans_tokens():
     assert sample(logits, [row(temperature=0, logit_bias={1: 5.0})]).item() == 1
     picks = sample(logits.repeat(200, 1), [row(temperature=1.0, logit_bias={0: -100, 2: -100}) for _ in range(200)])
     assert set(picks.tolist()) == {1}
+
+
+def test_the_device_path_marks_rows_with_no_allowed_token_from_the_same_reduction_as_the_argmax():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0],
+                           [float("-inf")] * 4,
+                           [float("-inf"), float("-inf"), -3.0, float("-inf")],
+                           [1.0, float("nan"), 0.0, 0.0]])
+    tokens, allowed = argmax_and_allowed(logits)
+    assert tokens[[0, 2]].tolist() == [1, 2]  # the first of tied maxima, as argmax picks
+    assert allowed.tolist() == [True, False, True, False]  # all -inf, or a NaN maximum: nothing to pick

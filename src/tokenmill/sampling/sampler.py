@@ -22,11 +22,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     is in the batch.
     """
     logits = adjust_logits(logits, rows)
-    allowed = (logits > float("-inf")).any(dim=-1)
     on_host = logits.device.type == "cpu"
     if on_host:
-        check_some_allowed(allowed)
-    tokens = row_argmax(logits)
+        check_some_allowed((logits > float("-inf")).any(dim=-1))
+        tokens = row_argmax(logits)
+    else:
+        tokens, allowed = argmax_and_allowed(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         probs = filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
@@ -51,6 +52,13 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
 
 NO_TOKEN = -1  # sample's id for a row that allows no token, on a GPU (on CPU it raises)
 NOTHING_ALLOWED = "the output constraint, logit_bias and min_tokens together forbid every token"
+
+
+def argmax_and_allowed(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's argmax, whether the row allows any token) of logits [B, V] from one reduction, with no
+    wait for the device: a row allows a token iff its maximum is above -inf (a NaN maximum is not)."""
+    best, tokens = logits.max(dim=-1)
+    return tokens, best > float("-inf")
 
 
 def check_some_allowed(allowed: torch.Tensor) -> None:
