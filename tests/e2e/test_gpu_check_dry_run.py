@@ -26,6 +26,7 @@ def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
     # the Triton kernels in the interpreter give HF float32's greedy ids in every mode
     assert result["hf_fp32_identical"] == {"graphs": "8/8", "prefix_hit": "8/8", "eager": "8/8", "chunked": "8/8"}
     assert result["bf16_top1_agreement"] == 1.0  # float32 in the dry run: the two backends agree
+    assert result["bf16_agreement_trained"]["triton_vs_fp32"] >= 0.99  # and HF float32 with them
     assert all(error < 1e-5 for error in result["kernel_max_abs_error"].values())
     served = result["served"]
     assert served["chat_stream_chunks"] > 0 and '"completed": 8' in served["bench_serve_table"]
