@@ -3,6 +3,7 @@ CPU tensors, against the PyTorch ops they replace (float32)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -32,14 +33,15 @@ def test_gated_activations_match_pytorch():
     assert torch.allclose(OPS.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up, atol=1e-5, rtol=1e-5)
 
 
-def test_rope_rotates_strided_rows_in_place_as_the_pytorch_path():
+@pytest.mark.parametrize("rotated", [4, 3])  # one program rotates all of a token's heads, padded to 4
+def test_rope_rotates_strided_rows_in_place_as_the_pytorch_path(rotated):
     rotary = RotaryEmbedding(64, 128, 10000.0, None)
     qkv = torch.randn(6, 5, 64, generator=torch.Generator().manual_seed(2))  # q and k heads, then v
     positions = torch.tensor([0, 3, 17, 64, 100, 127])
     cos, sin = rotary.cos_sin(positions, torch.float32)
-    q_and_k = qkv[:, :4]  # rows strided (v's head follows), heads contiguous
+    q_and_k = qkv[:, :rotated]  # rows strided (v's head follows), heads contiguous
     expected = apply_rotary(q_and_k.clone(), cos, sin)
-    value = qkv[:, 4].clone()
+    value = qkv[:, rotated:].clone()
     OPS.rope(q_and_k, positions, rotary.cos, rotary.sin)
     assert torch.allclose(q_and_k, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(qkv[:, 4], value)  # the row's other heads untouched
+    assert torch.equal(qkv[:, rotated:], value)  # the row's other heads untouched

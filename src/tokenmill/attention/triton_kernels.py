@@ -273,24 +273,26 @@ def act_and_mul_kernel(out_ptr, x_ptr, width, x_stride, o_stride, GELU: tl.const
 
 
 @triton.jit
-def rope_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, table_stride,
-                HALF: tl.constexpr, HALF_P: tl.constexpr):
-    """Program (token, head): rotate x's halves in place by the token's row of the float32 cos/sin tables
-    ([positions, 2 * HALF]): x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2."""
+def rope_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, table_stride, num_heads,
+                HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
+    """Program (token): rotate the halves of every head of the token's x in place by its row of the
+    float32 cos/sin tables ([positions, 2 * HALF]): x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2. One
+    program a token (not a head): a head's 2 * HALF values are too little work for a program."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)
     dims = tl.arange(0, HALF_P)
-    mask = dims < HALF
-    row = x_ptr + token * x_stride_t + head * x_stride_h
-    x1 = tl.load(row + dims, mask=mask, other=0.0)
-    x2 = tl.load(row + HALF + dims, mask=mask, other=0.0)
+    dim_mask = dims < HALF
+    mask = (heads < num_heads)[:, None] & dim_mask[None, :]
+    row = x_ptr + token * x_stride_t + heads[:, None] * x_stride_h + dims[None, :]
+    x1 = tl.load(row, mask=mask, other=0.0)
+    x2 = tl.load(row + HALF, mask=mask, other=0.0)
     table = position * table_stride
-    cos1 = tl.load(cos_ptr + table + dims, mask=mask, other=0.0)
-    cos2 = tl.load(cos_ptr + table + HALF + dims, mask=mask, other=0.0)
-    sin1 = tl.load(sin_ptr + table + dims, mask=mask, other=0.0)
-    sin2 = tl.load(sin_ptr + table + HALF + dims, mask=mask, other=0.0)
+    cos1 = tl.load(cos_ptr + table + dims, mask=dim_mask, other=0.0)[None, :]
+    cos2 = tl.load(cos_ptr + table + HALF + dims, mask=dim_mask, other=0.0)[None, :]
+    sin1 = tl.load(sin_ptr + table + dims, mask=dim_mask, other=0.0)[None, :]
+    sin2 = tl.load(sin_ptr + table + HALF + dims, mask=dim_mask, other=0.0)[None, :]
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    tl.store(row + dims, (x1f * cos1 - x2f * sin1).to(x1.dtype), mask=mask)
-    tl.store(row + HALF + dims, (x2f * cos2 + x1f * sin2).to(x1.dtype), mask=mask)
+    tl.store(row, (x1f * cos1 - x2f * sin1).to(x1.dtype), mask=mask)
+    tl.store(row + HALF, (x2f * cos2 + x1f * sin2).to(x1.dtype), mask=mask)

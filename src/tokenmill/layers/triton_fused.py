@@ -61,5 +61,6 @@ class TritonFusedOps:
                 or not sin.is_contiguous():
             raise ValueError("rope needs contiguous heads and contiguous float32 tables")
         if x.shape[0]:
-            rope_kernel[(x.shape[0], x.shape[1])](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                                  HALF=head_dim // 2, HALF_P=next_power_of_2(head_dim // 2))
+            rope_kernel[(x.shape[0],)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0), x.shape[1],
+                                       HALF=head_dim // 2, HALF_P=next_power_of_2(head_dim // 2),
+                                       HEADS_P=next_power_of_2(x.shape[1]))
