@@ -263,9 +263,9 @@ def training_text() -> tuple[str, str]:
     return "\n".join(p.read_text() for p in sources), (REPO / "README.md").read_text()
 
 
-def train_briefly(path: Path, out: Path, device: str, dry: bool) -> dict[str, float]:
+def train_briefly(path: Path, out: Path, text: str, device: str, dry: bool) -> dict[str, float]:
     """A copy of the random-weight model at `path`, trained for a few hundred steps (AdamW, bf16 autocast)
-    on the repository's text, saved at `out`: its next-token distributions are peaked like a trained
+    on `text` (the repository's, from training_text), saved at `out`: its next-token distributions are peaked like a trained
     model's, where a random model's are nearly flat (so that bf16 rounding alone flips its top-1 at
     near-ties). Returns the first and last training loss."""
     import shutil
@@ -275,7 +275,7 @@ def train_briefly(path: Path, out: Path, device: str, dry: bool) -> dict[str, fl
 
     shutil.copytree(path, out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    ids = torch.tensor(tokenizer(training_text()[0]).input_ids, dtype=torch.long)
+    ids = torch.tensor(tokenizer(text).input_ids, dtype=torch.long)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).train()
     steps, batch, length = (3, 2, 32) if dry else (400, 32, 256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3 if not dry else 1e-3, weight_decay=0.0)
@@ -623,8 +623,9 @@ def main() -> None:
         r["hf_fp32_identical"] = check.step("hf_fp32_identical", lambda: hf_identical(small, device, args.dry_run))
     if small and "bf16" not in args.skip:
         trained = work / "m135_trained"
-        r["trained_135m"] = check.step("train_135m", lambda: train_briefly(small, trained, device, args.dry_run))
-        held_out = training_text()[1]
+        train_text, held_out = training_text()
+        r["trained_135m"] = check.step("train_135m", lambda: train_briefly(small, trained, train_text, device,
+                                                                          args.dry_run))
         texts = [held_out[i:i + (400 if args.dry_run else 6000)] for i in (0, len(held_out) // 2)]
         if r["trained_135m"]:
             r["bf16_agreement_trained"] = check.step("bf16_agreement_trained",
