@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 typedef struct {
     uint8_t palette_id;
     uint8_t start_row;
@@ -27,30 +29,6 @@ static inline void tm_configure_tiles(void) {
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-}
-
-/* Transpose a 16 x 16 matrix of 32-bit elements held as 16 rows: afterwards r[i] lane j = old r[j] lane i. */
-static inline void tm_transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int half = 0; half < 16; half += 8)
-        for (int i = 0; i < 4; i++) {
-            t[half + i] = _mm512_shuffle_i32x4(r[half + i], r[half + i + 4], 0x88);
-            t[half + i + 4] = _mm512_shuffle_i32x4(r[half + i], r[half + i + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
 }
 
 /* The B tile of 16 rows of 32 bfloat16, row j giving the tile's column j: tile[kp][j][e] = rows[j][2 kp + e]

@@ -30,11 +30,11 @@ from tokenmill.kernels.isa import IsaLevel
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "decode_attention_q8.c",
+SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "attention_tiles.c", "decode_attention_q8.c",
                                      "prefill_attention.c",
                                      "quant_kernels.c", "amx_kernels.c", "decode_step.c",
                                      "dense_kernels.c")]
-HEADERS = [_HERE / name for name in ("cpu_common.h", "cpu_avx2.h", "quant_cells.h", "amx_tiles.h")]
+HEADERS = [_HERE / name for name in ("cpu_common.h", "cpu_avx2.h", "quant_cells.h", "amx_tiles.h", "paged_queries.h")]
 # -ffp-contract=off: a * b + c rounds as PyTorch's separate element-wise ops do; explicit fmas stay.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-Wall")
 # -z defs: an undefined symbol fails the link, not the load; -Bsymbolic: the kernels call their own

@@ -155,6 +155,30 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Transpose a 16 x 16 matrix of 32-bit elements held as 16 rows: afterwards r[i] lane j = old r[j] lane i. */
+static inline void tm_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int half = 0; half < 16; half += 8)
+        for (int i = 0; i < 4; i++) {
+            t[half + i] = _mm512_shuffle_i32x4(r[half + i], r[half + i + 4], 0x88);
+            t[half + i + 4] = _mm512_shuffle_i32x4(r[half + i], r[half + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 #endif
 
 #endif

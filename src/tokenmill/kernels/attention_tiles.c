@@ -1,0 +1,481 @@
+/* Paged attention on AVX-512 in tiles of queries, with one arithmetic per query: a query's result
+ * depends only on its q row, its context length, the window and the cached K/V, never on the other
+ * queries of its step, so it attends alike as a lone decode, in a prefill chunk of any size, after a
+ * prefix-cache hit or as a speculative verification row.
+ *
+ * A query's keys [first, ctx) are cut into spans at multiples of `span_keys` from key 0 (64 keys,
+ * rounded to whole cache blocks), and each (query head, span) runs alone:
+ *   1. scores: per key, q . k in 16 lanes (bfloat16 pairs on AVX512-BF16 with bfloat16 storage, else
+ *      float32 fused multiply-adds), the lanes summed by one fixed tree (sum_each_of_16), times scale;
+ *   2. top = the span's largest score; e = fast_exp16(score - top) 16 keys at a time from the span's first
+ *      key, their total summed lane-wise in key order and then by _mm512_reduce_add_ps;
+ *   3. part = the sum over the span's keys in order of e * v (a fused multiply-add chain per dimension).
+ * The spans are then folded in order (fold_span): (m, l, o) starts as the first span's (top, total, part)
+ * and each later span rescales both sides by fast_exp of their tops less the new maximum; the output is
+ * o / l, rounded once to the storage dtype.
+ *
+ * How the work is shared changes none of those operations. A tile is up to TILE_QUERIES consecutive
+ * queries of one sequence (a prefill chunk's, `query_tiles`) and one kv head: its rows (query x query
+ * head of the group) take each span in turn while its keys and values are in L1, V rows loaded once
+ * for PV_ROWS rows. A row's chain skips the keys outside its own range by a masked fused multiply-add,
+ * which leaves its accumulator exactly as it was. A tile of one query (a decode) takes its spans as
+ * separate work items, so that one long sequence keeps every core busy, keeps their partial results
+ * and folds them afterwards in the same order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+#include "paged_queries.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+#define SPAN_KEYS 64
+#define TILE_QUERIES 16
+#define PV_ROWS 6   /* rows whose PV accumulators share one load of a V row: 6 x 4 vectors in registers */
+#define PV_VECTORS 4
+
+typedef struct {
+    void *out;
+    const void *q, *k_cache, *v_cache;
+    const int64_t *token_index;
+    const int32_t *block_tables, *context_lens;
+    int64_t num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride;
+    int64_t window, span_keys;
+    float scale;
+    int bf16;
+} paged_args;
+
+/* One tile: queries [b0, b0 + n), `table` the block table of its last (longest) query. */
+typedef struct {
+    int64_t b0, n;
+    const int32_t *table;
+} query_tile;
+
+/* Keys per span: SPAN_KEYS rounded down to whole blocks, at least one. A fixed length, so that a query's
+ * spans are a function of its own context. */
+static inline int64_t span_length(int64_t block_size) {
+    return (SPAN_KEYS / block_size > 1 ? SPAN_KEYS / block_size : 1) * block_size;
+}
+
+/* Query b's keys in span c: [*key0, *key1), empty when *key0 >= *key1. */
+static inline void span_keys_of(const paged_args *a, int64_t b, int64_t c, int64_t *key0, int64_t *key1) {
+    const int64_t ctx = a->context_lens[b], first = window_first(ctx, a->window);
+    const int64_t start = c * a->span_keys, end = start + a->span_keys;
+    *key0 = start > first ? start : first;
+    *key1 = end < ctx ? end : ctx;
+}
+
+/* Whether the scores take bfloat16 dot products of dimension pairs (bfloat16 storage on AVX512-BF16). */
+#ifdef __AVX512BF16__
+#define PAIRED(bf16) (bf16)
+#else
+#define PAIRED(bf16) 0
+#endif
+
+/* Keys [span_start + 16 v0, span_start + 16 v1) of the span transposed, 16 keys to a vector, into kt:
+ * paired, kt[v][p] holds the 16 keys' dimension pair p (bfloat16 k[2p], k[2p + 1] in each 32-bit lane);
+ * else kt[v][d] their dimension d as float32. Keys outside [u0, u1) are zeros. */
+static inline __attribute__((always_inline)) void transpose_keys(
+    __m512i *kt, const paged_args *a, const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1,
+    int64_t v0, int64_t v1, const int NV) {
+    const int64_t head_dim = 16 * NV, block_size = a->block_size;
+    const int paired = PAIRED(a->bf16), columns = paired ? NV / 2 : NV, lanes = 16 * columns;
+    for (int64_t v = v0; v < v1; v++) {
+        int64_t at[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t key = span_start + 16 * v + j;
+            at[j] = key >= u0 && key < u1 ? ((int64_t)table[key / block_size] * a->num_kv_heads + kvh) * block_size * head_dim
+                                            + (key % block_size) * head_dim : -1;
+        }
+        for (int h = 0; h < columns; h++) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = at[j] < 0 ? _mm512_setzero_si512()
+                       : paired ? _mm512_loadu_si512((const uint16_t *)a->k_cache + at[j] + 32 * h)
+                                : _mm512_castps_si512(load16(a->k_cache, at[j] + 16 * h, a->bf16));
+            tm_transpose16(r);
+            for (int i = 0; i < 16; i++) kt[v * lanes + 16 * h + i] = r[i];
+        }
+    }
+}
+
+/* Scores of R <= SCORE_ROWS rows (q[r]: paired, the row's bfloat16 q; else its float32 q) against the
+ * key vectors [v0, v1) of kt (SCORE_KEYS vectors at a time, rounded up: kt has room), times scale, into
+ * s[r][16 v ..]: per key, one chain over the dimensions (pairs) in order, in that key's lane. */
+#define SCORE_ROWS 4
+#define SCORE_KEYS 4
+static inline __attribute__((always_inline)) void rows_scores(
+    float *const *s, const void *const *q, int R, const __m512i *kt, int64_t v0, int64_t v1, float scale, int paired,
+    const int NV) {
+    const int64_t head_dim = 16 * NV, lanes = paired ? 8 * NV : 16 * NV;
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t v = v0; v < v1; v += SCORE_KEYS) {
+        __m512 acc[SCORE_ROWS][SCORE_KEYS];
+        for (int r = 0; r < SCORE_ROWS; r++)
+            for (int k = 0; k < SCORE_KEYS; k++) acc[r][k] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+        if (paired) {
+            for (int64_t p = 0; p < head_dim / 2; p++)
+                for (int k = 0; k < SCORE_KEYS; k++) {
+                    const __m512bh keys = (__m512bh)_mm512_load_si512(kt + (v + k) * lanes + p);
+                    for (int r = 0; r < SCORE_ROWS; r++)
+                        acc[r][k] = _mm512_dpbf16_ps(acc[r][k], keys,
+                                                     (__m512bh)_mm512_set1_epi32(((const int32_t *)q[r < R ? r : 0])[p]));
+                }
+        } else
+#endif
+        for (int64_t d = 0; d < head_dim; d++)
+            for (int k = 0; k < SCORE_KEYS; k++) {
+                const __m512 keys = _mm512_castsi512_ps(_mm512_load_si512(kt + (v + k) * lanes + d));
+                for (int r = 0; r < SCORE_ROWS; r++)
+                    acc[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)q[r < R ? r : 0])[d]), keys, acc[r][k]);
+            }
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < SCORE_KEYS; k++) _mm512_storeu_ps(s[r] + 16 * (v + k), _mm512_mul_ps(acc[r][k], scale_v));
+    }
+}
+
+/* The largest of s[0 .. len). */
+static inline float row_max(const float *s, int64_t len) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 valid = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_maskz_loadu_ps(valid, s + t));
+    }
+    return _mm512_reduce_max_ps(mx);
+}
+
+/* s[0 .. len) <- fast_exp16(s - top), 16 at a time from s[0]; returns their total (lane-wise in order,
+ * then _mm512_reduce_add_ps). */
+static inline float row_exponentials(float *s, int64_t len, float top) {
+    const __m512 top_v = _mm512_set1_ps(top);
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 valid = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, s + t), top_v));
+        _mm512_mask_storeu_ps(s + t, valid, e);
+        sums = _mm512_mask_add_ps(sums, valid, sums, e);
+    }
+    return _mm512_reduce_add_ps(sums);
+}
+
+/* One key's V row (PV_VECTORS vectors from column vector c0) into the R <= PV_ROWS rows' accumulators:
+ * acc[r] += e[r][key] * v, or, `masked`, only for the rows whose range [key0[r], key1[r]) holds the key
+ * (a masked fused multiply-add leaves the others exactly as they were). */
+static inline __attribute__((always_inline)) void add_value(
+    __m512 acc[PV_ROWS][PV_VECTORS], const float *const *e, const int64_t *key0, const int64_t *key1, int R,
+    const void *v_cache, int64_t at, int64_t key, int64_t offset, int bf16, const int masked) {
+    __m512 row[PV_VECTORS];
+    for (int v = 0; v < PV_VECTORS; v++) row[v] = load16(v_cache, at + 16 * v, bf16);
+    for (int r = 0; r < PV_ROWS; r++) {
+        if (r >= R)
+            break;
+        const __m512 p = _mm512_set1_ps(e[r][offset]);
+        if (masked) {
+            const __mmask16 mine = (__mmask16)(-(int)(key >= key0[r] && key < key1[r]));
+            for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm512_mask3_fmadd_ps(p, row[v], acc[r][v], mine);
+        } else {
+            for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm512_fmadd_ps(p, row[v], acc[r][v]);
+        }
+    }
+}
+
+/* part[r][16 c0 .. 16 (c0 + PV_VECTORS)) = the sum over row r's keys [key0[r], key1[r]) in order of
+ * e[r][key - span_start] * v[key], for the R <= PV_ROWS rows given; the V rows of keys [u0, u1) are read
+ * once for all of them, and masks are only taken outside the keys every row has. */
+static inline __attribute__((always_inline)) void rows_values(
+    float *const *part, const float *const *e, const int64_t *key0, const int64_t *key1, int R, const paged_args *a,
+    const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1, int64_t c0, const int NV) {
+    const int64_t head_dim = 16 * NV;
+    int64_t all0 = key0[0], all1 = key1[0];  /* the keys every row has */
+    for (int r = 1; r < R; r++) {
+        all0 = key0[r] > all0 ? key0[r] : all0;
+        all1 = key1[r] < all1 ? key1[r] : all1;
+    }
+    __m512 acc[PV_ROWS][PV_VECTORS];
+    for (int r = 0; r < PV_ROWS; r++)
+        for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t start = u0, block, end; start < u1; start = end) {
+        const int64_t base = block_run(table, start, u1, a->block_size, kvh, a->num_kv_heads, head_dim, &block, &end)
+                             + 16 * c0;
+        for (int64_t key = start; key < end; key++) {
+            const int64_t at = base + (key - start) * head_dim;
+            if (key >= all0 && key < all1)
+                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 0);
+            else
+                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 1);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < PV_VECTORS; v++) _mm512_storeu_ps(part[r] + 16 * (c0 + v), acc[r][v]);
+}
+
+/* One thread's scratch: for a tile's rows, their scores (a row of padded_span floats each), span
+ * partials and float32 q rows; the span's transposed keys. */
+typedef struct {
+    float *scores, *parts, *tops, *totals, *q;
+    __m512i *kt;
+} span_scratch;
+
+/* Scores row length: the span rounded up to whole SCORE_KEYS vectors of 16. */
+static inline int64_t padded_span(int64_t span_keys) {
+    return (span_keys + 16 * SCORE_KEYS - 1) / (16 * SCORE_KEYS) * (16 * SCORE_KEYS);
+}
+
+/* The span partials (top, total, part) of the tile's rows in span c, for kv head kvh: row r = (query
+ * r / group, head r % group) into tops[r], totals[r], parts[r]; rows whose query has no key in the span
+ * are left untouched. */
+static inline __attribute__((always_inline)) void tile_span(const paged_args *a, const query_tile *t, int64_t kvh,
+                                                           int64_t c, span_scratch *ws, const int NV) {
+    const int64_t group = a->group, head_dim = 16 * NV, sk = a->span_keys, stride = padded_span(sk);
+    const int64_t span_start = c * sk;
+    const int paired = PAIRED(a->bf16);
+    int64_t key0[TILE_QUERIES], key1[TILE_QUERIES], u0 = INT64_MAX, u1 = 0;
+    for (int64_t i = 0; i < t->n; i++) {
+        span_keys_of(a, t->b0 + i, c, &key0[i], &key1[i]);
+        if (key0[i] < key1[i]) {
+            u0 = key0[i] < u0 ? key0[i] : u0;
+            u1 = key1[i] > u1 ? key1[i] : u1;
+        }
+    }
+    if (u0 >= u1)
+        return;
+    const int64_t v0 = (u0 - span_start) / 16, v1 = (u1 - span_start + 15) / 16;
+    transpose_keys(ws->kt, a, t->table, kvh, span_start, u0, u1, v0, v1, NV);
+    int64_t rows[TILE_QUERIES * 8], row_key0[TILE_QUERIES * 8], row_key1[TILE_QUERIES * 8];
+    const void *q_rows[TILE_QUERIES * 8];
+    int live = 0;
+    for (int64_t i = 0; i < t->n; i++) {
+        if (key0[i] >= key1[i])
+            continue;
+        const int64_t q_row = a->token_index[t->b0 + i] * a->q_row_stride;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = i * group + g, q_at = q_row + (kvh * group + g) * a->q_head_stride;
+            if (paired) {
+                q_rows[live] = (const uint16_t *)a->q + q_at;
+            } else if (a->bf16) {
+                load_row(ws->q + r * head_dim, a->q, q_at, head_dim, 1);
+                q_rows[live] = ws->q + r * head_dim;
+            } else {
+                q_rows[live] = (const float *)a->q + q_at;
+            }
+            rows[live] = r;
+            row_key0[live] = key0[i];
+            row_key1[live] = key1[i];
+            live++;
+        }
+    }
+    for (int first = 0; first < live; first += SCORE_ROWS) {
+        const int R = live - first < SCORE_ROWS ? live - first : SCORE_ROWS;
+        float *s[SCORE_ROWS];
+        for (int r = 0; r < R; r++) s[r] = ws->scores + rows[first + r] * stride;
+        /* from a whole SCORE_KEYS group: the vectors before v0 hold no key of any row (their lanes are never read) */
+        rows_scores(s, q_rows + first, R, ws->kt, v0 / SCORE_KEYS * SCORE_KEYS, v1, a->scale, paired, NV);
+    }
+    for (int x = 0; x < live; x++) {
+        const int64_t r = rows[x], from = row_key0[x] - span_start, len = row_key1[x] - row_key0[x];
+        float *sr = ws->scores + r * stride;
+        ws->tops[r] = row_max(sr + from, len);
+        ws->totals[r] = row_exponentials(sr + from, len, ws->tops[r]);
+    }
+    for (int first = 0; first < live; first += PV_ROWS) {
+        const int R = live - first < PV_ROWS ? live - first : PV_ROWS;
+        float *part[PV_ROWS];
+        const float *e[PV_ROWS];
+        for (int r = 0; r < R; r++) {
+            part[r] = ws->parts + rows[first + r] * head_dim;
+            e[r] = ws->scores + rows[first + r] * stride;
+        }
+        for (int64_t c0 = 0; c0 < NV; c0 += PV_VECTORS)
+            rows_values(part, e, row_key0 + first, row_key1 + first, R, a, t->table, kvh, span_start, u0, u1, c0, NV);
+    }
+}
+
+/* tile_span for head_dim 64, 128, 192 and 256 */
+#define DEFINE_TILE_SPAN(NV)                                                                                   \
+    static void tile_span_##NV(const paged_args *a, const query_tile *t, int64_t kvh, int64_t c, span_scratch *ws) { \
+        tile_span(a, t, kvh, c, ws, NV);                                                                       \
+    }
+DEFINE_TILE_SPAN(4)
+DEFINE_TILE_SPAN(8)
+DEFINE_TILE_SPAN(12)
+DEFINE_TILE_SPAN(16)
+static void (*const tile_spans[4])(const paged_args *, const query_tile *, int64_t, int64_t, span_scratch *) = {
+    tile_span_4, tile_span_8, tile_span_12, tile_span_16};
+
+/* A row's state (m, l, o) with one more span's partial folded in; `first`: the row's first span, which
+ * the state becomes. The spans of a row are folded in key order. */
+static inline void fold_span(float *m, float *l, float *o, float top, float total, const float *part,
+                             int64_t head_dim, int first) {
+    if (first) {
+        *m = top;
+        *l = total;
+        memcpy(o, part, sizeof(float) * (size_t)head_dim);
+        return;
+    }
+    const float m_new = top > *m ? top : *m;
+    const float keep = fast_exp(*m - m_new), add = fast_exp(top - m_new);
+    *l = *l * keep + total * add;
+    *m = m_new;
+    const __m512 kv = _mm512_set1_ps(keep), av = _mm512_set1_ps(add);
+    for (int64_t d = 0; d < head_dim; d += 16)
+        _mm512_storeu_ps(o + d, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o + d), kv),
+                                              _mm512_mul_ps(_mm512_loadu_ps(part + d), av)));
+}
+
+/* out row = o / l in the storage dtype. */
+static inline void write_row(const paged_args *a, int64_t out_at, float *o, float l) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l);
+    for (int64_t d = 0; d < a->head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+    store_row(a->out, out_at, o, a->head_dim, a->bf16);
+}
+
+/* Span range of query b: [first span, last span]. */
+static inline void query_spans(const paged_args *a, int64_t b, int64_t *c_first, int64_t *c_last) {
+    const int64_t ctx = a->context_lens[b];
+    *c_first = window_first(ctx, a->window) / a->span_keys;
+    *c_last = (ctx - 1) / a->span_keys;
+}
+
+/* A whole tile for one kv head: every span in order, folded as it comes, then the rows written. */
+static void attend_tile(const paged_args *a, const query_tile *t, int64_t kvh, span_scratch *ws, float *state) {
+    const int64_t group = a->group, head_dim = a->head_dim, rows = t->n * group;
+    float *m = state, *l = m + rows, *o = l + rows;
+    int64_t c_begin = INT64_MAX, c_end = 0;
+    for (int64_t i = 0; i < t->n; i++) {
+        int64_t c_first, c_last;
+        query_spans(a, t->b0 + i, &c_first, &c_last);
+        c_begin = c_first < c_begin ? c_first : c_begin;
+        c_end = c_last + 1 > c_end ? c_last + 1 : c_end;
+    }
+    for (int64_t c = c_begin; c < c_end; c++) {
+        tile_spans[head_dim / 64 - 1](a, t, kvh, c, ws);
+        for (int64_t i = 0; i < t->n; i++) {
+            int64_t c_first, c_last;
+            query_spans(a, t->b0 + i, &c_first, &c_last);
+            if (c < c_first || c > c_last)
+                continue;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = i * group + g;
+                fold_span(&m[r], &l[r], o + r * head_dim, ws->tops[r], ws->totals[r], ws->parts + r * head_dim,
+                          head_dim, c == c_first);
+            }
+        }
+    }
+    for (int64_t i = 0; i < t->n; i++) {
+        const int64_t out_row = a->token_index[t->b0 + i] * a->out_row_stride + kvh * group * head_dim;
+        for (int64_t g = 0; g < group; g++)
+            write_row(a, out_row + g * head_dim, o + (i * group + g) * head_dim, l[i * group + g]);
+    }
+}
+
+/* Attention of every query (see tm_decode_attention) on AVX-512: head_dim a multiple of 64 up to 256,
+ * group at most 8. */
+void tm_attention_tiles(void *out, const void *q, const void *k_cache, const void *v_cache,
+                        const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                        int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                        int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
+                        float scale, int64_t window, int bf16) {
+    const paged_args a = {out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_kv_heads, group,
+                          head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride, window,
+                          span_length(block_size), scale, bf16};
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    const int64_t tiles = query_tiles(starts, token_index, block_tables, context_lens, num_seqs, max_blocks,
+                                      block_size, TILE_QUERIES);
+    /* work items: a tile of several queries whole; a lone query's spans one by one (first_split[i] is
+     * where tile i's spans start among the split items, -1 for a whole tile) */
+    int64_t *first_split = malloc(sizeof(int64_t) * (size_t)(tiles + 1));
+    int64_t split = 0, whole = 0;
+    for (int64_t i = 0; i < tiles; i++) {
+        if (starts[i + 1] - starts[i] == 1) {
+            int64_t c_first, c_last;
+            query_spans(&a, starts[i], &c_first, &c_last);
+            first_split[i] = split;
+            split += c_last - c_first + 1;
+        } else {
+            first_split[i] = -1;
+            whole++;
+        }
+    }
+    /* items [0, whole): whole tiles, longest (latest) first; [whole, whole + split): single spans, item it
+     * being span span_of[it] of tile items[it] */
+    int64_t *items = malloc(sizeof(int64_t) * (size_t)(2 * (whole + split) + 1)), *span_of = items + whole + split;
+    for (int64_t i = tiles - 1, w = 0, s = whole; i >= 0; i--) {
+        if (first_split[i] < 0) {
+            items[w++] = i;
+            continue;
+        }
+        int64_t c_first, c_last;
+        query_spans(&a, starts[i], &c_first, &c_last);
+        for (int64_t c = c_first; c <= c_last; c++, s++) {
+            items[s] = i;
+            span_of[s] = c - c_first;
+        }
+    }
+    const int64_t item_count = whole + split, part_row = head_dim + 2;
+    float *partials = malloc(sizeof(float) * (size_t)((split + 1) * num_kv_heads * group * part_row));
+    const int64_t tile_rows = TILE_QUERIES * group, sk = a.span_keys;
+    #pragma omp parallel
+    {
+        /* per tile row: scores, part, top, total, float32 q, state (m, l, o); then the transposed keys */
+        const int64_t stride = padded_span(sk), floats = tile_rows * (stride + 3 * head_dim + 4);
+        float *buffer = aligned_alloc(64, sizeof(float) * (size_t)(floats + stride * head_dim));
+        span_scratch ws;
+        ws.scores = buffer;
+        ws.parts = ws.scores + tile_rows * stride;
+        ws.tops = ws.parts + tile_rows * head_dim;
+        ws.totals = ws.tops + tile_rows;
+        ws.q = ws.totals + tile_rows;
+        float *state = ws.q + tile_rows * head_dim;
+        ws.kt = (__m512i *)(buffer + floats);
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t it = 0; it < item_count; it++)
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                if (it < whole) {
+                    const int64_t i = items[it];
+                    const query_tile t = {starts[i], starts[i + 1] - starts[i], block_tables + (starts[i + 1] - 1) * max_blocks};
+                    attend_tile(&a, &t, kvh, &ws, state);
+                    continue;
+                }
+                const int64_t i = items[it], offset = span_of[it];
+                const query_tile t = {starts[i], 1, block_tables + starts[i] * max_blocks};
+                int64_t c_first, c_last;
+                query_spans(&a, starts[i], &c_first, &c_last);
+                tile_spans[head_dim / 64 - 1](&a, &t, kvh, c_first + offset, &ws);
+                float *slot = partials + ((first_split[i] + offset) * num_kv_heads + kvh) * group * part_row;
+                for (int64_t g = 0; g < group; g++) {
+                    slot[g * part_row] = ws.tops[g];
+                    slot[g * part_row + 1] = ws.totals[g];
+                    memcpy(slot + g * part_row + 2, ws.parts + g * head_dim, sizeof(float) * (size_t)head_dim);
+                }
+            }
+        /* the lone queries' spans folded in order */
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t i = 0; i < tiles; i++)
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                if (first_split[i] < 0)
+                    continue;
+                int64_t c_first, c_last;
+                query_spans(&a, starts[i], &c_first, &c_last);
+                const int64_t out_row = token_index[starts[i]] * out_row_stride + kvh * group * head_dim;
+                for (int64_t g = 0; g < group; g++) {
+                    float m = 0.0f, l = 0.0f;
+                    for (int64_t c = c_first; c <= c_last; c++) {
+                        const float *slot = partials + (((first_split[i] + c - c_first) * num_kv_heads + kvh) * group + g) * part_row;
+                        fold_span(&m, &l, state, slot[0], slot[1], slot + 2, head_dim, c == c_first);
+                    }
+                    write_row(&a, out_row + g * head_dim, state, l);
+                }
+            }
+        free(buffer);
+    }
+    free(partials);
+    free(items);
+    free(first_split);
+    free(starts);
+}
+#endif

@@ -1,0 +1,54 @@
+/* What the paged attention kernels share about their queries: the keys a query attends, the walk over
+ * a sequence's cache blocks, and the grouping of consecutive queries of one sequence into tiles. */
+#ifndef TOKENMILL_PAGED_QUERIES_H
+#define TOKENMILL_PAGED_QUERIES_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The first key a query of context `ctx` attends: window <= 0 is full attention. */
+static inline int64_t window_first(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
+/* One step of a walk over keys [start, last) block by block, from any offset: sets *block (its index in
+ * the table) and *end (that block's end, or last if sooner) and returns where key `start`'s row of kv
+ * head kvh sits in the cache. */
+static inline int64_t block_run(const int32_t *table, int64_t start, int64_t last, int64_t block_size,
+                                int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t *block, int64_t *end) {
+    *block = start / block_size;
+    *end = (*block + 1) * block_size < last ? (*block + 1) * block_size : last;
+    return ((int64_t)table[*block] * num_kv_heads + kvh) * block_size * head_dim
+           + (start - *block * block_size) * head_dim;
+}
+
+/* Whether query b + 1 continues query b's sequence at the next position: its block table extends b's
+ * (a table lists the blocks of its own context only, so a tile's last query's table serves them all). */
+static inline int continues(const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                            int64_t b, int64_t max_blocks, int64_t block_size) {
+    if (token_index[b + 1] != token_index[b] + 1 || context_lens[b + 1] != context_lens[b] + 1)
+        return 0;
+    const int64_t used = (context_lens[b] + block_size - 1) / block_size;
+    return memcmp(block_tables + b * max_blocks, block_tables + (b + 1) * max_blocks, sizeof(int32_t) * (size_t)used) == 0;
+}
+
+/* The queries in tiles of at most `most` consecutive positions of one sequence: tile i is queries
+ * [starts[i], starts[i + 1]). Returns the tile count; `starts` holds num_seqs + 1 values. */
+static inline int64_t query_tiles(int64_t *starts, const int64_t *token_index, const int32_t *block_tables,
+                                  const int32_t *context_lens, int64_t num_seqs, int64_t max_blocks,
+                                  int64_t block_size, int64_t most) {
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < num_seqs;) {
+        starts[tiles++] = b;
+        int64_t end = b + 1;
+        while (end < num_seqs && end - b < most
+               && continues(token_index, block_tables, context_lens, end - 1, max_blocks, block_size))
+            end++;
+        b = end;
+    }
+    starts[tiles] = num_seqs;
+    return tiles;
+}
+
+#endif
