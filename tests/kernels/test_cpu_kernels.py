@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,6 +207,40 @@ def test_a_windowed_decode_result_does_not_depend_on_the_rest_of_the_batch(kerne
         half = list(range(rows - 5, rows))
         assert torch.equal(call.run(kernels, half, window=window), together[half])
         assert torch.equal(call.run(kernels, [3, 8] + half, window=window)[2:], together[half])
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", WINDOWED_SHAPES)
+def test_a_prefill_chunks_queries_attend_alike_however_the_chunk_is_cut(kernels, dtype, heads, kv_heads, head_dim,
+                                                                       block_size, window):
+    """Batch invariance of attention: a 150-query chunk from position 1 (tiles of many queries, spans cut
+    mid-tile, odd and even edges) gives every query the bits it gets in pieces cut at random, behind
+    other sequences' decodes, and alone."""
+    call = DecodeCall(15, dtype, heads, kv_heads, head_dim, block_size, [5, 90], chunk=150, chunk_start=1)
+    rows = len(call.lens)
+    together = call.run(kernels, window=window)
+    cuts = [2] + sorted(random.Random(head_dim + window).sample(range(3, rows), 7)) + [rows]
+    for first, last in zip(cuts, cuts[1:]):
+        piece = list(range(first, last))
+        assert torch.equal(call.run(kernels, piece, window=window), together[piece]), (first, last)
+        assert torch.equal(call.run(kernels, [1, 0] + piece, window=window)[2:], together[piece]), (first, last)
+    for row in (2, 3, 18, 65, 66, rows - 1):
+        assert torch.equal(call.run(kernels, [row], window=window)[0], together[row]), row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", WINDOWED_SHAPES)
+def test_cache_slots_past_a_context_do_not_reach_its_result(kernels, dtype, heads, kv_heads, head_dim, block_size):
+    """NaN in the slots of each sequence's last block past its context (as a reused block may hold): a
+    lone decode's result stays bit-identical."""
+    call = DecodeCall(16, dtype, heads, kv_heads, head_dim, block_size, WINDOWED_LENGTHS)
+    poisoned = call.cache.clone()
+    for row, length in enumerate(call.lens):
+        last = call.tables[row][-1]
+        poisoned[:, last, :, (length - 1) % block_size + 1:] = float("nan")
+    for row in range(len(call.lens)):
+        assert torch.equal(call.run(kernels, [row], cache=poisoned), call.run(kernels, [row])), row
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", WINDOWED_SHAPES)
