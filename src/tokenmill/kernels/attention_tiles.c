@@ -103,36 +103,36 @@ static inline __attribute__((always_inline)) void transpose_keys(
     }
 }
 
-/* Scores of R <= SCORE_ROWS rows (q[r]: paired, the row's bfloat16 q; else its float32 q) against the
+/* Scores of R <= SCORE_ROWS rows (a constant; q[r]: paired, the row's bfloat16 q; else its float32 q) against the
  * key vectors [v0, v1) of kt (SCORE_KEYS vectors at a time, rounded up: kt has room), times scale, into
  * s[r][16 v ..]: per key, one chain over the dimensions (pairs) in order, in that key's lane. */
 #define SCORE_ROWS 4
 #define SCORE_KEYS 4
 static inline __attribute__((always_inline)) void rows_scores(
-    float *const *s, const void *const *q, int R, const __m512i *kt, int64_t v0, int64_t v1, float scale, int paired,
-    const int NV) {
+    float *const *s, const void *const *q, const int R, const __m512i *kt, int64_t v0, int64_t v1, float scale,
+    int paired, const int NV) {
     const int64_t head_dim = 16 * NV, lanes = paired ? 8 * NV : 16 * NV;
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t v = v0; v < v1; v += SCORE_KEYS) {
         __m512 acc[SCORE_ROWS][SCORE_KEYS];
-        for (int r = 0; r < SCORE_ROWS; r++)
+        for (int r = 0; r < R; r++)
             for (int k = 0; k < SCORE_KEYS; k++) acc[r][k] = _mm512_setzero_ps();
 #ifdef __AVX512BF16__
         if (paired) {
             for (int64_t p = 0; p < head_dim / 2; p++)
                 for (int k = 0; k < SCORE_KEYS; k++) {
                     const __m512bh keys = (__m512bh)_mm512_load_si512(kt + (v + k) * lanes + p);
-                    for (int r = 0; r < SCORE_ROWS; r++)
+                    for (int r = 0; r < R; r++)
                         acc[r][k] = _mm512_dpbf16_ps(acc[r][k], keys,
-                                                     (__m512bh)_mm512_set1_epi32(((const int32_t *)q[r < R ? r : 0])[p]));
+                                                     (__m512bh)_mm512_set1_epi32(((const int32_t *)q[r])[p]));
                 }
         } else
 #endif
         for (int64_t d = 0; d < head_dim; d++)
             for (int k = 0; k < SCORE_KEYS; k++) {
                 const __m512 keys = _mm512_castsi512_ps(_mm512_load_si512(kt + (v + k) * lanes + d));
-                for (int r = 0; r < SCORE_ROWS; r++)
-                    acc[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)q[r < R ? r : 0])[d]), keys, acc[r][k]);
+                for (int r = 0; r < R; r++)
+                    acc[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)q[r])[d]), keys, acc[r][k]);
             }
         for (int r = 0; r < R; r++)
             for (int k = 0; k < SCORE_KEYS; k++) _mm512_storeu_ps(s[r] + 16 * (v + k), _mm512_mul_ps(acc[r][k], scale_v));
@@ -273,8 +273,14 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
         const int R = live - first < SCORE_ROWS ? live - first : SCORE_ROWS;
         float *s[SCORE_ROWS];
         for (int r = 0; r < R; r++) s[r] = ws->scores + rows[first + r] * stride;
-        /* from a whole SCORE_KEYS group: the vectors before v0 hold no key of any row (their lanes are never read) */
-        rows_scores(s, q_rows + first, R, ws->kt, v0 / SCORE_KEYS * SCORE_KEYS, v1, a->scale, paired, NV);
+        /* from a whole SCORE_KEYS group: the vectors before v0 hold no key of any row (their lanes are never
+         * read); R as a constant, so that a decode's group of 3 rows computes no fourth */
+        const int64_t vs = v0 / SCORE_KEYS * SCORE_KEYS;
+        const void *const *qr = q_rows + first;
+        if (R == 4) rows_scores(s, qr, 4, ws->kt, vs, v1, a->scale, paired, NV);
+        else if (R == 3) rows_scores(s, qr, 3, ws->kt, vs, v1, a->scale, paired, NV);
+        else if (R == 2) rows_scores(s, qr, 2, ws->kt, vs, v1, a->scale, paired, NV);
+        else rows_scores(s, qr, 1, ws->kt, vs, v1, a->scale, paired, NV);
     }
     for (int x = 0; x < live; x++) {
         const int64_t r = rows[x], from = row_key0[x] - span_start, len = row_key1[x] - row_key0[x];
