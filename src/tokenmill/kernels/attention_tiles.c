@@ -246,6 +246,7 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
         return;
     const int64_t v0 = (u0 - span_start) / 16, v1 = (u1 - span_start + 15) / 16;
     transpose_keys(ws->kt, a, t->table, kvh, span_start, u0, u1, v0, v1, NV);
+    /* at most 8 query heads a kv head: tm_decode_attention sends larger groups to the portable loop */
     int64_t rows[TILE_QUERIES * 8], row_key0[TILE_QUERIES * 8], row_key1[TILE_QUERIES * 8];
     const void *q_rows[TILE_QUERIES * 8];
     int live = 0;
