@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers.tiny_gguf import encode
-from tokenmill.kernels.isa import runnable_levels
+from tokenmill.kernels.isa import level_named, runnable_levels
 from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, load_kernels
 from tokenmill.layers import quantized
 from tokenmill.layers.quantized import (DEQUANTIZE_FROM_ROWS, EXACT_GGUF_FORMATS, QuantizedWeight, cat_rows,
@@ -213,3 +213,18 @@ def test_quantised_products_give_the_same_numbers_at_every_level(monkeypatch, fm
     first = results[levels[0].name]
     for name, result in results.items():
         assert torch.equal(result, first), f"{name} differs from {levels[0].name}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8+sub"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_int8_tiles_give_the_vector_products_bits(amx_kernels, fmt, dtype):
+    """From 16 rows the amx level's int8 product takes its integer dots on AMX-INT8 tiles (where the CPU
+    has them): every row count gives the AVX512-VNNI level's bits, bias or none."""
+    vnni = load_kernels(level_named("avx512_vnni"))
+    torch.manual_seed(7)
+    packed = packed_weight(torch.randn(45, 576) * 0.1, fmt)
+    for bias in (torch.randn(45), None):
+        tiles, vectors = amx_kernels.qlinear_op(packed, bias), vnni.qlinear_op(packed, bias)
+        for rows in (15, 16, 17, 33, 100):
+            x = torch.randn(rows, 576).to(dtype)
+            assert torch.equal(tiles(x), vectors(x)), (rows, bias is None)

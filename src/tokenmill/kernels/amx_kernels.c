@@ -258,10 +258,14 @@ static void amx_product(uint16_t *y, const uint16_t *x, const uint16_t *packed, 
 }
 #endif
 
+/* Whether tm_amx_init has been granted the tile data state (amx_int8.c reads it before using tiles). */
+int tm_amx_permitted = 0;
+
 /* 0 when the AMX products can run here (compiled in and tile data permitted), else -1. */
 int tm_amx_init(void) {
 #ifdef TM_AMX
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+    tm_amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return tm_amx_permitted ? 0 : -1;
 #else
     return -1;
 #endif

@@ -11,7 +11,7 @@ x86-64 levels, lowest first (each includes the ones before it):
   avx512       x86-64-v4: AVX-512 F/BW/DQ/VL/CD
   avx512_vnni  + AVX512-VNNI (int8 dot products)
   avx512_bf16  + AVX512-BF16 (bfloat16 dot products)
-  amx          + AMX-TILE and AMX-BF16 tiles
+  amx          + AMX-TILE and AMX-BF16 tiles (AMX-INT8 too where CPUID has it: checked at run time)
 Elsewhere (aarch64, ...) the one level `generic` compiles the portable C with the target's defaults.
 No torch here: the level is a fact about the CPU, read from /proc/cpuinfo.
 """
@@ -43,7 +43,8 @@ X86_LEVELS: tuple[IsaLevel, ...] = (
     IsaLevel("avx512_vnni", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni"), _V4_FLAGS + ("avx512_vnni",)),
     IsaLevel("avx512_bf16", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni", "-mavx512bf16"),
              _V4_FLAGS + ("avx512_vnni", "avx512_bf16")),
-    IsaLevel("amx", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    IsaLevel("amx", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+                     "-mamx-int8"),
              _V4_FLAGS + ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")),
 )
 GENERIC = IsaLevel("generic", (), ())

@@ -30,6 +30,13 @@
 #define TM_VNNI 1
 #endif
 
+/* amx_int8.c: the same product's integer dots on AMX-INT8 tiles, bit-identical; -1 where it cannot run. */
+int tm_amx_int8_qlinear(void *y, int64_t y_stride, const uint8_t *cells, const float *bias, const int8_t *q,
+                        const float *dx, const float *s, int64_t m, int64_t padded_k, int64_t n, int bits, int scales,
+                        int bf16);
+/* Input rows from which tm_qlinear takes the AMX-INT8 tiles where they run (either path gives the same bits). */
+#define AMX_INT8_FROM_ROWS 16
+
 /* Bytes of the cells of an [n, k] weight. */
 int64_t tm_qcells_bytes(int64_t n, int64_t k, int bits, int scales) {
     return qgroups(n) * (qpadded_k(k) / QBLOCK) * qcell_bytes(bits, scales);
@@ -167,24 +174,6 @@ void tm_quantize_activations(int8_t *q, float *dx, float *s, const void *x, int6
 }
 
 #ifdef TM_VNNI
-static inline __m512 load_scales16(const uint8_t *p, const int scales) {
-    return (scales & QS_HALF) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
-}
-
-/* 16 float32 lanes -> bfloat16, rounded to nearest even as f32_to_bf16 rounds. */
-static inline __m256i bf16_lanes(__m512 v) {
-#ifdef __AVX512BF16__
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
-#endif
-}
-
 /* Outputs of groups [g0, g0 + G) for input rows [r0, r0 + R) (+ bias) -> y. Always inlined with
  * constant G, R, bits and scales, so the accumulators acc[g][r] (16 lanes: the group's rows) live in
  * registers. */
@@ -395,11 +384,22 @@ static inline __attribute__((always_inline)) void cells_tile8(
 void tm_qlinear(void *y, const void *x, const uint8_t *cells, const float *bias, int64_t m, int64_t k, int64_t n,
                 int64_t x_stride, int64_t y_stride, int bits, int scales, int bf16) {
     const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK, groups = qgroups(n);
-    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)(m * padded_k));
-    float *dx = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
-    float *s = (float *)malloc(sizeof(float) * (size_t)(m * blocks));
+    /* rows padded with zeros to a multiple of 16: AMX-INT8 tiles read 16 rows at a time */
+    const int64_t padded_m = (m + 15) / 16 * 16;
+    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)(padded_m * padded_k));
+    memset(q + m * padded_k, 0, (size_t)((padded_m - m) * padded_k));
+    float *dx = (float *)calloc((size_t)(padded_m * blocks), sizeof(float));
+    float *s = (float *)calloc((size_t)(padded_m * blocks), sizeof(float));
     int32_t *qhalf = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * 2 * blocks));
     quantize_rows(q, dx, s, qhalf, x, m, k, x_stride, bf16);
+    if (m >= AMX_INT8_FROM_ROWS
+        && tm_amx_int8_qlinear(y, y_stride, cells, bias, q, dx, s, m, padded_k, n, bits, scales, bf16) == 0) {
+        free(q);
+        free(dx);
+        free(s);
+        free(qhalf);
+        return;
+    }
     const quantized_rows in = {q, dx, s, qhalf, padded_k, blocks};
     const int64_t tiles = (groups + 3) / 4;
     #pragma omp parallel for schedule(static)
