@@ -124,3 +124,44 @@ def test_output_does_not_depend_on_what_else_runs(engines, scenario):
 @given(scenario=scenarios())
 def test_output_with_float_weights_does_not_depend_on_what_else_runs(float_engines, scenario):
     check(float_engines, scenario)
+
+
+@pytest.fixture(scope="module")
+def bfloat16_engines(make_smollm2):
+    """Float weights in bfloat16 (every weight dequantised): on AMX the tiles at every row count, elsewhere
+    the invariant float product."""
+    return Engines(make_smollm2, quantization="none", dtype="bfloat16")
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_output_with_bfloat16_weights_does_not_depend_on_what_else_runs(bfloat16_engines, scenario):
+    check(bfloat16_engines, scenario)
+
+
+def long_prompt_ids(llm, length: int) -> list[int]:
+    """`length` token ids of the shipped passages, from the model's own tokenizer."""
+    from tokenmill.bench.datasets import quote_passages
+    ids = llm.get_tokenizer().encode(" ".join(quote_passages()))
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(budget=st.integers(16, 1024), other=st.integers(1, 300), cache=st.booleans())
+def test_a_2048_token_prompt_gives_its_own_result_however_it_is_chunked(make_smollm2, budget, other, cache):
+    """A 2,048-token prompt on the default configuration, its prefill cut into chunks of a drawn budget
+    and sharing steps with another prompt of a drawn length: ids and logprobs equal those of the prompt
+    run alone with the whole prompt in one step."""
+    alone = make_smollm2(max_model_len=2100, max_num_batched_tokens=2048)
+    prompt = long_prompt_ids(alone, 2048 - MAX_TOKENS)
+    params = sampling("greedy", 0)
+    expected = result(alone.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
+    del alone
+    llm = make_smollm2(max_model_len=2100, max_num_batched_tokens=budget, prefix_caching=cache)
+    if cache:  # a partial hit: the first half of the prompt is cached by an earlier request
+        llm.generate([{"prompt_token_ids": prompt[:1024]}], sampling("greedy", 0), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": prompt[other:other + 2 * other]}, {"prompt_token_ids": prompt}],
+                           [sampling("seeded", 3), params], use_tqdm=False)
+    assert result(outputs[1]) == expected
