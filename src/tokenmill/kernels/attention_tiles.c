@@ -1,18 +1,21 @@
-/* Paged attention on AVX-512 in tiles of queries, with one arithmetic per query: a query's result
- * depends only on its q row, its context length, the window and the cached K/V, never on the other
- * queries of its step, so it attends alike as a lone decode, in a prefill chunk of any size, after a
- * prefix-cache hit or as a speculative verification row.
+/* Paged attention on AVX-512 and AVX2 in tiles of queries, with one arithmetic per query: a query's
+ * result depends only on its q row, its context length, the window and the cached K/V, never on the
+ * other queries of its step, so it attends alike as a lone decode, in a prefill chunk of any size, after
+ * a prefix-cache hit or as a speculative verification row.
  *
  * A query's keys [first, ctx) are cut into spans at multiples of `span_keys` from key 0 (64 keys,
  * rounded to whole cache blocks), and each (query head, span) runs alone:
- *   1. scores: per key, q . k in 16 lanes (bfloat16 pairs on AVX512-BF16 with bfloat16 storage, else
- *      float32 fused multiply-adds), the lanes summed by one fixed tree (sum_each_of_16), times scale;
- *   2. top = the span's largest score; e = fast_exp16(score - top) 16 keys at a time from the span's first
- *      key, their total summed lane-wise in key order and then by _mm512_reduce_add_ps;
- *   3. part = the sum over the span's keys in order of e * v (a fused multiply-add chain per dimension).
+ *   1. scores: the span's keys transposed LANES (16, or 8 on AVX2) to a vector, so that each key's
+ *      score is one chain over the dimensions in order in its own lane (AVX512-BF16 dot products of
+ *      dimension pairs on bfloat16 caches, else float32 fused multiply-adds), times scale;
+ *   2. top = the row's largest score in the span; e = fast_exp16 / fast_exp8 (score - top), LANES keys
+ *      at a time from the row's first key there, their total summed lane-wise in key order and then by
+ *      one fixed tree;
+ *   3. part = the sum over the row's keys in order of e * v (a fused multiply-add chain per dimension).
  * The spans are then folded in order (fold_span): (m, l, o) starts as the first span's (top, total, part)
  * and each later span rescales both sides by fast_exp of their tops less the new maximum; the output is
- * o / l, rounded once to the storage dtype.
+ * o / l, rounded once to the storage dtype. The two levels' results differ (other lanes, other trees);
+ * within a level they never depend on the batch.
  *
  * How the work is shared changes none of those operations. A tile is up to TILE_QUERIES consecutive
  * queries of one sequence (a prefill chunk's, `query_tiles`) and one kv head: its rows (query x query
@@ -27,15 +30,25 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_avx2.h"
 #include "cpu_common.h"
 #include "paged_queries.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(TM_AVX2)
 #include <immintrin.h>
 
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
 #define SPAN_KEYS 64
 #define TILE_QUERIES 16
+#ifdef __AVX512F__
 #define PV_ROWS 6   /* rows whose PV accumulators share one load of a V row: 6 x 4 vectors in registers */
+#else
+#define PV_ROWS 3   /* AVX2's 16 registers: 3 x 4 accumulators */
+#endif
 #define PV_VECTORS 4
 
 typedef struct {
@@ -69,161 +82,22 @@ static inline void span_keys_of(const paged_args *a, int64_t b, int64_t c, int64
     *key1 = end < ctx ? end : ctx;
 }
 
-/* Whether the scores take bfloat16 dot products of dimension pairs (bfloat16 storage on AVX512-BF16). */
-#ifdef __AVX512BF16__
-#define PAIRED(bf16) (bf16)
+#ifdef __AVX512F__
+#include "attention_tiles_avx512.h"
 #else
-#define PAIRED(bf16) 0
+#include "attention_tiles_avx2.h"
 #endif
-
-/* Keys [span_start + 16 v0, span_start + 16 v1) of the span transposed, 16 keys to a vector, into kt:
- * paired, kt[v][p] holds the 16 keys' dimension pair p (bfloat16 k[2p], k[2p + 1] in each 32-bit lane);
- * else kt[v][d] their dimension d as float32. Keys outside [u0, u1) are zeros. */
-static inline __attribute__((always_inline)) void transpose_keys(
-    __m512i *kt, const paged_args *a, const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1,
-    int64_t v0, int64_t v1, const int NV) {
-    const int64_t head_dim = 16 * NV, block_size = a->block_size;
-    const int paired = PAIRED(a->bf16), columns = paired ? NV / 2 : NV, lanes = 16 * columns;
-    for (int64_t v = v0; v < v1; v++) {
-        int64_t at[16];
-        for (int j = 0; j < 16; j++) {
-            const int64_t key = span_start + 16 * v + j;
-            at[j] = key >= u0 && key < u1 ? ((int64_t)table[key / block_size] * a->num_kv_heads + kvh) * block_size * head_dim
-                                            + (key % block_size) * head_dim : -1;
-        }
-        for (int h = 0; h < columns; h++) {
-            __m512i r[16];
-            for (int j = 0; j < 16; j++)
-                r[j] = at[j] < 0 ? _mm512_setzero_si512()
-                       : paired ? _mm512_loadu_si512((const uint16_t *)a->k_cache + at[j] + 32 * h)
-                                : _mm512_castps_si512(load16(a->k_cache, at[j] + 16 * h, a->bf16));
-            tm_transpose16(r);
-            for (int i = 0; i < 16; i++) kt[v * lanes + 16 * h + i] = r[i];
-        }
-    }
-}
-
-/* Scores of R <= SCORE_ROWS rows (a constant; q[r]: paired, the row's bfloat16 q; else its float32 q) against the
- * key vectors [v0, v1) of kt (SCORE_KEYS vectors at a time, rounded up: kt has room), times scale, into
- * s[r][16 v ..]: per key, one chain over the dimensions (pairs) in order, in that key's lane. */
-#define SCORE_ROWS 4
-#define SCORE_KEYS 4
-static inline __attribute__((always_inline)) void rows_scores(
-    float *const *s, const void *const *q, const int R, const __m512i *kt, int64_t v0, int64_t v1, float scale,
-    int paired, const int NV) {
-    const int64_t head_dim = 16 * NV, lanes = paired ? 8 * NV : 16 * NV;
-    const __m512 scale_v = _mm512_set1_ps(scale);
-    for (int64_t v = v0; v < v1; v += SCORE_KEYS) {
-        __m512 acc[SCORE_ROWS][SCORE_KEYS];
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < SCORE_KEYS; k++) acc[r][k] = _mm512_setzero_ps();
-#ifdef __AVX512BF16__
-        if (paired) {
-            for (int64_t p = 0; p < head_dim / 2; p++)
-                for (int k = 0; k < SCORE_KEYS; k++) {
-                    const __m512bh keys = (__m512bh)_mm512_load_si512(kt + (v + k) * lanes + p);
-                    for (int r = 0; r < R; r++)
-                        acc[r][k] = _mm512_dpbf16_ps(acc[r][k], keys,
-                                                     (__m512bh)_mm512_set1_epi32(((const int32_t *)q[r])[p]));
-                }
-        } else
-#endif
-        for (int64_t d = 0; d < head_dim; d++)
-            for (int k = 0; k < SCORE_KEYS; k++) {
-                const __m512 keys = _mm512_castsi512_ps(_mm512_load_si512(kt + (v + k) * lanes + d));
-                for (int r = 0; r < R; r++)
-                    acc[r][k] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)q[r])[d]), keys, acc[r][k]);
-            }
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < SCORE_KEYS; k++) _mm512_storeu_ps(s[r] + 16 * (v + k), _mm512_mul_ps(acc[r][k], scale_v));
-    }
-}
-
-/* The largest of s[0 .. len). */
-static inline float row_max(const float *s, int64_t len) {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < len; t += 16) {
-        const __mmask16 valid = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_maskz_loadu_ps(valid, s + t));
-    }
-    return _mm512_reduce_max_ps(mx);
-}
-
-/* s[0 .. len) <- fast_exp16(s - top), 16 at a time from s[0]; returns their total (lane-wise in order,
- * then _mm512_reduce_add_ps). */
-static inline float row_exponentials(float *s, int64_t len, float top) {
-    const __m512 top_v = _mm512_set1_ps(top);
-    __m512 sums = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t += 16) {
-        const __mmask16 valid = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, s + t), top_v));
-        _mm512_mask_storeu_ps(s + t, valid, e);
-        sums = _mm512_mask_add_ps(sums, valid, sums, e);
-    }
-    return _mm512_reduce_add_ps(sums);
-}
-
-/* One key's V row (PV_VECTORS vectors from column vector c0) into the R <= PV_ROWS rows' accumulators:
- * acc[r] += e[r][key] * v, or, `masked`, only for the rows whose range [key0[r], key1[r]) holds the key
- * (a masked fused multiply-add leaves the others exactly as they were). */
-static inline __attribute__((always_inline)) void add_value(
-    __m512 acc[PV_ROWS][PV_VECTORS], const float *const *e, const int64_t *key0, const int64_t *key1, int R,
-    const void *v_cache, int64_t at, int64_t key, int64_t offset, int bf16, const int masked) {
-    __m512 row[PV_VECTORS];
-    for (int v = 0; v < PV_VECTORS; v++) row[v] = load16(v_cache, at + 16 * v, bf16);
-    for (int r = 0; r < PV_ROWS; r++) {
-        if (r >= R)
-            break;
-        const __m512 p = _mm512_set1_ps(e[r][offset]);
-        if (masked) {
-            const __mmask16 mine = (__mmask16)(-(int)(key >= key0[r] && key < key1[r]));
-            for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm512_mask3_fmadd_ps(p, row[v], acc[r][v], mine);
-        } else {
-            for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm512_fmadd_ps(p, row[v], acc[r][v]);
-        }
-    }
-}
-
-/* part[r][16 c0 .. 16 (c0 + PV_VECTORS)) = the sum over row r's keys [key0[r], key1[r]) in order of
- * e[r][key - span_start] * v[key], for the R <= PV_ROWS rows given; the V rows of keys [u0, u1) are read
- * once for all of them, and masks are only taken outside the keys every row has. */
-static inline __attribute__((always_inline)) void rows_values(
-    float *const *part, const float *const *e, const int64_t *key0, const int64_t *key1, int R, const paged_args *a,
-    const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1, int64_t c0, const int NV) {
-    const int64_t head_dim = 16 * NV;
-    int64_t all0 = key0[0], all1 = key1[0];  /* the keys every row has */
-    for (int r = 1; r < R; r++) {
-        all0 = key0[r] > all0 ? key0[r] : all0;
-        all1 = key1[r] < all1 ? key1[r] : all1;
-    }
-    __m512 acc[PV_ROWS][PV_VECTORS];
-    for (int r = 0; r < PV_ROWS; r++)
-        for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t start = u0, block, end; start < u1; start = end) {
-        const int64_t base = block_run(table, start, u1, a->block_size, kvh, a->num_kv_heads, head_dim, &block, &end)
-                             + 16 * c0;
-        for (int64_t key = start; key < end; key++) {
-            const int64_t at = base + (key - start) * head_dim;
-            if (key >= all0 && key < all1)
-                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 0);
-            else
-                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 1);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < PV_VECTORS; v++) _mm512_storeu_ps(part[r] + 16 * (c0 + v), acc[r][v]);
-}
 
 /* One thread's scratch: for a tile's rows, their scores (a row of padded_span floats each), span
  * partials and float32 q rows; the span's transposed keys. */
 typedef struct {
     float *scores, *parts, *tops, *totals, *q;
-    __m512i *kt;
+    void *kt;
 } span_scratch;
 
-/* Scores row length: the span rounded up to whole SCORE_KEYS vectors of 16. */
+/* Scores row length: the span rounded up to a multiple of 64 (whole SCORE_KEYS vectors on either level). */
 static inline int64_t padded_span(int64_t span_keys) {
-    return (span_keys + 16 * SCORE_KEYS - 1) / (16 * SCORE_KEYS) * (16 * SCORE_KEYS);
+    return (span_keys + 63) / 64 * 64;
 }
 
 /* The span partials (top, total, part) of the tile's rows in span c, for kv head kvh: row r = (query
@@ -244,7 +118,7 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
     }
     if (u0 >= u1)
         return;
-    const int64_t v0 = (u0 - span_start) / 16, v1 = (u1 - span_start + 15) / 16;
+    const int64_t v0 = (u0 - span_start) / LANES, v1 = (u1 - span_start + LANES - 1) / LANES;
     transpose_keys(ws->kt, a, t->table, kvh, span_start, u0, u1, v0, v1, NV);
     /* at most 8 query heads a kv head: tm_decode_attention sends larger groups to the portable loop */
     int64_t rows[TILE_QUERIES * 8], row_key0[TILE_QUERIES * 8], row_key1[TILE_QUERIES * 8];
@@ -278,8 +152,11 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
          * read); R as a constant, so that a decode's group of 3 rows computes no fourth */
         const int64_t vs = v0 / SCORE_KEYS * SCORE_KEYS;
         const void *const *qr = q_rows + first;
+#if SCORE_ROWS == 4
         if (R == 4) rows_scores(s, qr, 4, ws->kt, vs, v1, a->scale, paired, NV);
-        else if (R == 3) rows_scores(s, qr, 3, ws->kt, vs, v1, a->scale, paired, NV);
+        else
+#endif
+        if (R == 3) rows_scores(s, qr, 3, ws->kt, vs, v1, a->scale, paired, NV);
         else if (R == 2) rows_scores(s, qr, 2, ws->kt, vs, v1, a->scale, paired, NV);
         else rows_scores(s, qr, 1, ws->kt, vs, v1, a->scale, paired, NV);
     }
@@ -297,7 +174,7 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
             part[r] = ws->parts + rows[first + r] * head_dim;
             e[r] = ws->scores + rows[first + r] * stride;
         }
-        for (int64_t c0 = 0; c0 < NV; c0 += PV_VECTORS)
+        for (int64_t c0 = 0; c0 < head_dim / LANES; c0 += PV_VECTORS)
             rows_values(part, e, row_key0 + first, row_key1 + first, R, a, t->table, kvh, span_start, u0, u1, c0, NV);
     }
 }
@@ -328,16 +205,13 @@ static inline void fold_span(float *m, float *l, float *o, float top, float tota
     const float keep = fast_exp(*m - m_new), add = fast_exp(top - m_new);
     *l = *l * keep + total * add;
     *m = m_new;
-    const __m512 kv = _mm512_set1_ps(keep), av = _mm512_set1_ps(add);
-    for (int64_t d = 0; d < head_dim; d += 16)
-        _mm512_storeu_ps(o + d, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o + d), kv),
-                                              _mm512_mul_ps(_mm512_loadu_ps(part + d), av)));
+    for (int64_t d = 0; d < head_dim; d++) o[d] = o[d] * keep + part[d] * add;
 }
 
 /* out row = o / l in the storage dtype. */
 static inline void write_row(const paged_args *a, int64_t out_at, float *o, float l) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l);
-    for (int64_t d = 0; d < a->head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < a->head_dim; d++) o[d] *= inv;
     store_row(a->out, out_at, o, a->head_dim, a->bf16);
 }
 
@@ -380,8 +254,8 @@ static void attend_tile(const paged_args *a, const query_tile *t, int64_t kvh, s
     }
 }
 
-/* Attention of every query (see tm_decode_attention) on AVX-512: head_dim a multiple of 64 up to 256,
- * group at most 8. */
+/* Attention of every query (see tm_decode_attention) on AVX-512 or AVX2: head_dim a multiple of 64 up to
+ * 256, group at most 8. */
 void tm_attention_tiles(void *out, const void *q, const void *k_cache, const void *v_cache,
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
@@ -438,7 +312,7 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
         ws.totals = ws.tops + tile_rows;
         ws.q = ws.totals + tile_rows;
         float *state = ws.q + tile_rows * head_dim;
-        ws.kt = (__m512i *)(buffer + floats);
+        ws.kt = buffer + floats;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t it = 0; it < item_count; it++)
             for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
