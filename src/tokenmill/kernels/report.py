@@ -36,7 +36,9 @@ def kernels_line(kernels: Any) -> str:
 def _vector_path(kernels: Any) -> str:
     features = kernels.compiled_features
     if "avx512_vnni" in features:
-        return "AVX512-VNNI"
+        # kernels/amx_int8.c: the same bits, its integer dots on tiles (CPUID checked again in C)
+        tiles = kernels.amx and kernels.level.name == "amx" and "amx_int8" in cpu_flags()
+        return "AVX512-VNNI" + ("; integer dots on AMX-INT8 tiles from 16 rows" if tiles else "")
     if "avx512f" in features:
         return "AVX-512 (int8 products on AVX2)"
     if "avx2" in features:
@@ -76,8 +78,8 @@ def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
     if kernels is None or name == "TorchReferenceBackend":
         return "attention: PyTorch reference (gather + SDPA)"
     features = kernels.compiled_features
-    decode = "native paged decode (" + ("AVX-512" if "avx512f" in features else "AVX2" if "avx2" in features
-                                        else "portable C") + ")"
+    level = "AVX-512" if "avx512f" in features else "AVX2" if "avx2" in features else None
+    decode = f"native paged attention in query tiles ({level})" if level else "native paged decode (portable C)"
     if getattr(backend, "batch_invariant", False):
         return f"attention: {decode} for every query, prefill included (batch-invariant)"
     prefill = ("AMX flash attention" if kernels.amx and dtype == torch.bfloat16 else
