@@ -100,9 +100,21 @@ static inline int64_t padded_span(int64_t span_keys) {
     return (span_keys + 63) / 64 * 64;
 }
 
+/* Where the scores take float32 q from bfloat16 storage: the tile's q rows widened into ws->q (row r =
+ * query r / group, head r % group), once per tile and kv head, before its spans. */
+static void widen_q(const paged_args *a, const query_tile *t, int64_t kvh, span_scratch *ws) {
+    if (PAIRED(a->bf16) || !a->bf16)
+        return;
+    for (int64_t i = 0; i < t->n; i++)
+        for (int64_t g = 0; g < a->group; g++)
+            load_row(ws->q + (i * a->group + g) * a->head_dim, a->q,
+                     a->token_index[t->b0 + i] * a->q_row_stride + (kvh * a->group + g) * a->q_head_stride,
+                     a->head_dim, 1);
+}
+
 /* The span partials (top, total, part) of the tile's rows in span c, for kv head kvh: row r = (query
  * r / group, head r % group) into tops[r], totals[r], parts[r]; rows whose query has no key in the span
- * are left untouched. */
+ * are left untouched. widen_q has run for this tile and kv head. */
 static inline __attribute__((always_inline)) void tile_span(const paged_args *a, const query_tile *t, int64_t kvh,
                                                            int64_t c, span_scratch *ws, const int NV) {
     const int64_t group = a->group, head_dim = 16 * NV, sk = a->span_keys, stride = padded_span(sk);
@@ -130,14 +142,12 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
         const int64_t q_row = a->token_index[t->b0 + i] * a->q_row_stride;
         for (int64_t g = 0; g < group; g++) {
             const int64_t r = i * group + g, q_at = q_row + (kvh * group + g) * a->q_head_stride;
-            if (paired) {
+            if (paired)
                 q_rows[live] = (const uint16_t *)a->q + q_at;
-            } else if (a->bf16) {
-                load_row(ws->q + r * head_dim, a->q, q_at, head_dim, 1);
+            else if (a->bf16)  /* widened once per tile by widen_q */
                 q_rows[live] = ws->q + r * head_dim;
-            } else {
+            else
                 q_rows[live] = (const float *)a->q + q_at;
-            }
             rows[live] = r;
             row_key0[live] = key0[i];
             row_key1[live] = key1[i];
@@ -233,6 +243,7 @@ static void attend_tile(const paged_args *a, const query_tile *t, int64_t kvh, s
         c_begin = c_first < c_begin ? c_first : c_begin;
         c_end = c_last + 1 > c_end ? c_last + 1 : c_end;
     }
+    widen_q(a, t, kvh, ws);
     for (int64_t c = c_begin; c < c_end; c++) {
         tile_spans[head_dim / 64 - 1](a, t, kvh, c, ws);
         for (int64_t i = 0; i < t->n; i++) {
@@ -326,6 +337,7 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                 const query_tile t = {starts[i], 1, block_tables + starts[i] * max_blocks};
                 int64_t c_first, c_last;
                 query_spans(&a, starts[i], &c_first, &c_last);
+                widen_q(&a, &t, kvh, &ws);
                 tile_spans[head_dim / 64 - 1](&a, &t, kvh, c_first + offset, &ws);
                 float *slot = partials + ((first_split[i] + offset) * num_kv_heads + kvh) * group * part_row;
                 for (int64_t g = 0; g < group; g++) {
