@@ -47,7 +47,7 @@ _SIGNATURES = {
     "tm_amx_qlinear": [_P] * 4 + [_I64] * 5 + [_INT, _INT],
     "tm_prefill_attention": [_P] * 8 + [_I64] * 7 + [_F],
     "tm_dense_pack": [_P, _P, _I64, _I64, _INT],
-    "tm_dense_linear": [_P] * 4 + [_I64] * 5 + [_INT, _INT],
+    "tm_dense_linear": [_P] * 4 + [_I64] * 5 + [_INT],
 }
 # The features a library was compiled with (tm_compiled_features' bits), as cpuinfo names them.
 COMPILED_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16")
@@ -147,7 +147,7 @@ class CpuKernels:
         lib.tm_prefill_attention.restype = _INT  # -1: not supported here, nothing done
         lib.tm_decode_step.restype = _INT  # -1: the prefill attention did not take the chunks, hidden untouched
         lib.tm_qcells_bytes.argtypes, lib.tm_qcells_bytes.restype = [_I64, _I64, _INT, _INT], _I64
-        lib.tm_dense_packed_values.argtypes, lib.tm_dense_packed_values.restype = [_I64, _I64], _I64
+        lib.tm_dense_packed_values.argtypes, lib.tm_dense_packed_values.restype = [_I64, _I64, _INT], _I64
         self.lib = lib
         lib.tm_amx_init.argtypes, lib.tm_amx_init.restype = [], _INT
         # AMX bfloat16 tiles: compiled in (the CPU has them) and the OS lets this process use them
@@ -289,23 +289,27 @@ class CpuKernels:
         _storage_flag(weight)
         n, k = weight.shape
         weight = weight.contiguous()
-        packed = torch.empty(self.lib.tm_dense_packed_values(n, k), dtype=weight.dtype)
-        self.lib.tm_dense_pack(_ptr(packed), _ptr(weight), n, k, int(weight.dtype == torch.bfloat16))
+        bf16 = int(weight.dtype == torch.bfloat16)
+        packed = torch.empty(self.lib.tm_dense_packed_values(n, k, bf16), dtype=weight.dtype)
+        self.lib.tm_dense_pack(_ptr(packed), _ptr(weight), n, k, bf16)
         return packed
 
     def dense_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [m, k] (float32 or bfloat16, contiguous rows) times a weight from `dense_pack` (+ a float32
-        bias): each output one chain of fused multiply-adds over k in order, whatever m is."""
-        x_bf16 = _storage_flag(x)
+        """x [m, k] (float32 or bfloat16, contiguous rows, the weight's dtype) times a weight from
+        `dense_pack` (+ a float32 bias): each output one chain over k in order, whatever m is (fused
+        multiply-adds, or bfloat16 pair dot products where the level has them: dense_kernels.c)."""
+        bf16 = _storage_flag(x)
         m, k = x.shape
-        if x.stride(1) != 1 or packed.numel() != self.lib.tm_dense_packed_values(out_features, k):
+        if x.dtype != packed.dtype:
+            raise ValueError(f"dense_linear takes inputs of the weight's dtype ({packed.dtype}), not {x.dtype}")
+        if x.stride(1) != 1 or packed.numel() != self.lib.tm_dense_packed_values(out_features, k, bf16):
             raise ValueError("dense_linear takes contiguous rows and a weight packed for their width")
         if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features):
             raise ValueError("dense_linear takes a float32 bias of one value per output")
         out = torch.empty(m, out_features, dtype=x.dtype)
         self.lib.tm_dense_linear(_ptr(out), _ptr(x), _ptr(packed), None if bias is None else _ptr(bias), m, k,
-                                 out_features, x.stride(0), out_features, int(packed.dtype == torch.bfloat16), x_bf16)
+                                 out_features, x.stride(0), out_features, bf16)
         return out
 
     def qlinear_op(self, weight: "QuantizedWeight", bias: Optional[torch.Tensor],

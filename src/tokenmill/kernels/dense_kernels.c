@@ -1,13 +1,19 @@
-/* Batch-invariant products with float weights: y = x W^T (+ bias), W float32 or bfloat16.
+/* Batch-invariant products with float weights: y = x W^T (+ bias), x and W both float32 or both bfloat16.
  *
- * Every output is one chain of fused multiply-adds over the input features in order, from zero:
- *   y[r, j] = fma(x[r, k-1], w[j, k-1], ... fma(x[r, 1], w[j, 1], x[r, 0] * w[j, 0]) ...) (+ bias[j])
- * then rounded once to the storage dtype. The tiles only decide which outputs share loads, never an
- * output's operations, so a row's result does not depend on how many rows the product has, the tiling
- * or the thread count, nor, with fmaf in the portable path, on the instruction-set level. (BLAS gemm
- * changes its summation order with the row count: a gemv for one row, other kernels for others.)
+ * Every output is one chain over the input features in order, from zero, then (+ bias) rounded once to
+ * the storage dtype. The chain's step is the level's fastest exact one:
+ * - float32 weights, and bfloat16 weights where the CPU has no bfloat16 dot product: one fused
+ *   multiply-add per feature, y[r, j] = fma(x[r, k-1], w[j, k-1], ... fma(x[r, 0], w[j, 0], 0) ...), the
+ *   same operations on every level (widening bfloat16 is exact), so the levels agree to the bit;
+ * - bfloat16 weights on AVX512-BF16: one vdpbf16ps per feature pair (both products are exact in float32
+ *   and added to the chain by the instruction), twice the multiply-adds of an FMA per instruction.
+ * The tiles only decide which outputs share loads, never an output's operations, so a row's result does
+ * not depend on how many rows the product has, the tiling or the thread count. (BLAS gemm changes its
+ * summation order with the row count: a gemv for one row, other kernels for others.)
  * The weight is packed once into panels of 16 outputs: panel p holds w[16p .. 16p + 15, k] for each k in
- * turn, so one step of a chain loads 16 weights, one per output, from one line.
+ * turn, so one step of a chain loads 16 weights, one per output, from one line; for vdpbf16ps, panel p
+ * holds feature pairs instead, w[16p + c, 2i .. 2i + 1] at ((p * pairs + i) * 16 + c) * 2 (an odd last
+ * feature paired with a zero).
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,29 +27,40 @@
 /* rows of x per block: their K values stay in L2 while every panel streams past them */
 #define ROW_BLOCK 96
 
-/* Values in the packed weight of an [n, k] weight. */
-int64_t tm_dense_packed_values(int64_t n, int64_t k) {
-    return (n + PANEL - 1) / PANEL * PANEL * k;
+#ifdef __AVX512BF16__
+#define PAIRED_BF16 1 /* bfloat16 weights are packed in feature pairs, for vdpbf16ps */
+#else
+#define PAIRED_BF16 0
+#endif
+
+static inline int64_t dense_panels(int64_t n) { return (n + PANEL - 1) / PANEL; }
+
+/* Values in the packed weight of an [n, k] weight of float32 or bfloat16 (`bf16`). */
+int64_t tm_dense_packed_values(int64_t n, int64_t k, int bf16) {
+    return dense_panels(n) * PANEL * (bf16 && PAIRED_BF16 ? (k + 1) / 2 * 2 : k);
 }
 
 /* w [n, k] (row stride k, float32 or bfloat16 per `bf16`) -> panels (tm_dense_packed_values values of the
- * same dtype; outputs past n are zero). */
+ * same dtype; outputs past n, and the pair of an odd last feature, are zero). */
 void tm_dense_pack(void *packed, const void *w, int64_t n, int64_t k, int bf16) {
-    const int64_t panels = (n + PANEL - 1) / PANEL, elem = bf16 ? 2 : 4;
+    const int64_t panels = dense_panels(n), elem = bf16 ? 2 : 4;
+    const int pairs = bf16 && PAIRED_BF16;
+    const int64_t depth = pairs ? (k + 1) / 2 * 2 : k;
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
-        for (int64_t i = 0; i < k; i++)
+        for (int64_t i = 0; i < depth; i++)
             for (int64_t c = 0; c < PANEL; c++) {
                 const int64_t j = p * PANEL + c;
-                char *dst = (char *)packed + ((p * k + i) * PANEL + c) * elem;
-                if (j < n)
+                const int64_t at = pairs ? (p * depth + i / 2 * 2) * PANEL + 2 * c + i % 2 : (p * depth + i) * PANEL + c;
+                char *dst = (char *)packed + at * elem;
+                if (j < n && i < k)
                     memcpy(dst, (const char *)w + (j * k + i) * elem, (size_t)elem);
                 else
                     memset(dst, 0, (size_t)elem);
             }
 }
 
-#ifdef TM_AVX2
+#if defined(TM_AVX2) && !defined(__AVX512F__)
 /* Rows [r0, r0 + R) x panels [p0, p0 + P) of the product, R * P <= 6 * 1 or 1 * 4: accumulators in
  * registers, one fused multiply-add per (row, output, k). */
 static inline __attribute__((always_inline)) void dense_tile(
@@ -76,57 +93,190 @@ static inline __attribute__((always_inline)) void dense_tile(
             }
         }
 }
+#define ROWS_PER_TILE 6
+#define PANELS_PER_TILE 1
+#define LONE_ROW_PANELS 4
+#endif
+
+#ifdef __AVX512F__
+/* 16 float32 lanes -> bfloat16 bits, rounded to nearest even as f32_to_bf16 rounds (subnormals kept, so
+ * every level rounds a chain's result alike). */
+static inline __m256i bf16_bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* The accumulators of rows [r0, r0 + R) x panels [p0, p0 + P), plus the bias, stored in the storage dtype;
+ * outputs past n untouched. */
+static inline __attribute__((always_inline)) void store_tile(
+    void *y, __m512 acc[8][8], const float *bias, int64_t r0, const int R, int64_t p0, const int P, int64_t n,
+    int64_t y_stride, int y_bf16) {
+    for (int p = 0; p < P; p++) {
+        const int64_t j = (p0 + p) * PANEL;
+        if (j >= n)
+            continue;
+        const __mmask16 mask = n - j >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m512 v = bias ? _mm512_add_ps(acc[r][p], b) : acc[r][p];
+            if (y_bf16)
+                _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * y_stride + j, mask, bf16_bits16(v));
+            else
+                _mm512_mask_storeu_ps((float *)y + (r0 + r) * y_stride + j, mask, v);
+        }
+    }
+}
+
+/* Rows [r0, r0 + R) x panels [p0, p0 + P) of the product (R * P <= 16), one fused multiply-add per
+ * (row, output, k) in 16-lane registers: the chains of the avx2 tile, lane for lane. */
+static inline __attribute__((always_inline)) void dense_tile(
+    void *y, const void *x, const void *packed, const float *bias, int64_t r0, const int R, int64_t p0, const int P,
+    int64_t k, int64_t n, int64_t x_stride, int64_t y_stride, int w_bf16, int x_bf16, int y_bf16, int64_t w_p0) {
+    __m512 acc[8][8];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m512 w[8];
+        for (int p = 0; p < P; p++) w[p] = load16(packed, ((w_p0 + p) * k + i) * PANEL, w_bf16);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_set1_ps(load_value(x, (r0 + r) * x_stride + i, x_bf16));
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+        }
+    }
+    store_tile(y, acc, bias, r0, R, p0, P, n, y_stride, y_bf16);
+}
+#define ROWS_PER_TILE 8
+#define PANELS_PER_TILE 2
+#define LONE_ROW_PANELS 8
+#endif
+
+#ifdef __AVX512BF16__
+/* Rows [r0, r0 + R) x panels [p0, p0 + P) (R * P <= 16) of a bfloat16 product on paired panels: one
+ * vdpbf16ps per (row, 16 outputs, feature pair), x's pair broadcast to every lane. */
+static inline __attribute__((always_inline)) void pair_tile(
+    uint16_t *y, const uint16_t *x, const uint16_t *packed, const float *bias, int64_t r0, const int R, int64_t p0,
+    const int P, int64_t k, int64_t n, int64_t x_stride, int64_t y_stride) {
+    const int64_t pairs = (k + 1) / 2;
+    __m512 acc[8][8];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; i++) {
+        __m512bh w[8];
+        for (int p = 0; p < P; p++) w[p] = (__m512bh)_mm512_loadu_si512(packed + ((p0 + p) * pairs + i) * 2 * PANEL);
+        const int whole = 2 * i + 1 < k;
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xr = x + (r0 + r) * x_stride + 2 * i;
+            uint32_t two;  /* x's pair; an odd last feature pairs with zero, as in the packing */
+            if (__builtin_expect(whole, 1))
+                memcpy(&two, xr, 4);
+            else
+                two = xr[0];
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)two);
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);
+        }
+    }
+    store_tile(y, acc, bias, r0, R, p0, P, n, y_stride, 1);
+}
+
+/* tm_dense_linear for bfloat16 on paired panels: a lone row takes 8 panels a tile (eight chains hide each
+ * one's latency); more rows go in blocks of ROW_BLOCK, each thread running its panel pairs over a block. */
+static void pair_tiles(uint16_t *y, const uint16_t *x, const uint16_t *packed, const float *bias, int64_t m, int64_t k,
+                       int64_t n, int64_t x_stride, int64_t y_stride) {
+    const int64_t panels = dense_panels(n);
+    if (m == 1) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t q = 0; q < (panels + 7) / 8; q++) {
+            int64_t p = 8 * q;
+            if (panels - p >= 8)
+                pair_tile(y, x, packed, bias, 0, 1, p, 8, k, n, x_stride, y_stride);
+            else
+                for (; p < panels; p++) pair_tile(y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride);
+        }
+        return;
+    }
+    #pragma omp parallel
+    for (int64_t b0 = 0; b0 < m; b0 += ROW_BLOCK) {
+        const int64_t b1 = b0 + ROW_BLOCK < m ? b0 + ROW_BLOCK : m;
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < (panels + 1) / 2; q++) {
+            const int64_t p = 2 * q;
+            int64_t r = b0;
+            if (panels - p >= 2) {
+                for (; r + 8 <= b1; r += 8) pair_tile(y, x, packed, bias, r, 8, p, 2, k, n, x_stride, y_stride);
+                for (; r + 2 <= b1; r += 2) pair_tile(y, x, packed, bias, r, 2, p, 2, k, n, x_stride, y_stride);
+                for (; r < b1; r++) pair_tile(y, x, packed, bias, r, 1, p, 2, k, n, x_stride, y_stride);
+            } else {
+                for (; r + 8 <= b1; r += 8) pair_tile(y, x, packed, bias, r, 8, p, 1, k, n, x_stride, y_stride);
+                for (; r < b1; r++) pair_tile(y, x, packed, bias, r, 1, p, 1, k, n, x_stride, y_stride);
+            }
+        }
+    }
+}
 #endif
 
 #ifdef TM_AVX2
-/* The tiles of tm_dense_linear, with the dtypes as constants so that each inlined tile loads directly.
- * Several rows: bfloat16 inputs are widened to float32 once, and each weight panel once per block of
- * rows into a per-thread buffer (widening is exact, so the chains are the same ones). */
+/* The tiles of tm_dense_linear's fused multiply-add chains, with the dtype as a constant so that each
+ * inlined tile loads directly. A lone row takes LONE_ROW_PANELS panels a tile (independent chains hide
+ * each one's latency). More rows: bfloat16 inputs are widened to float32 once, and each tile's weight
+ * panels once per block of rows into a per-thread buffer (widening is exact, so the chains are the same). */
 static inline __attribute__((always_inline)) void dense_tiles(
     void *y, const void *x, const void *packed, const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride,
-    int64_t y_stride, const int w_bf16, const int x_bf16) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    if (m == 1) {  /* four panels per tile: eight independent chains hide the latency of each */
+    int64_t y_stride, const int bf16) {
+    const int64_t panels = dense_panels(n);
+    if (m == 1) {
         #pragma omp parallel for schedule(static)
-        for (int64_t q = 0; q < (panels + 3) / 4; q++) {
-            int64_t p = 4 * q;
-            if (panels - p >= 4)
-                dense_tile(y, x, packed, bias, 0, 1, p, 4, k, n, x_stride, y_stride, w_bf16, x_bf16, x_bf16, p);
+        for (int64_t q = 0; q < (panels + LONE_ROW_PANELS - 1) / LONE_ROW_PANELS; q++) {
+            int64_t p = LONE_ROW_PANELS * q;
+            if (panels - p >= LONE_ROW_PANELS)
+                dense_tile(y, x, packed, bias, 0, 1, p, LONE_ROW_PANELS, k, n, x_stride, y_stride, bf16, bf16, bf16, p);
             else
                 for (; p < panels; p++)
-                    dense_tile(y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride, w_bf16, x_bf16, x_bf16, p);
+                    dense_tile(y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride, bf16, bf16, bf16, p);
         }
         return;
     }
     float *xf = NULL;
-    if (x_bf16) {
+    if (bf16) {
         xf = (float *)malloc(sizeof(float) * (size_t)(m * k));
         #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < m; r++) load_row(xf + r * k, x, r * x_stride, k, 1);
     }
-    const void *xs = x_bf16 ? (const void *)xf : x;
-    const int64_t xs_stride = x_bf16 ? k : x_stride;
+    const void *xs = bf16 ? (const void *)xf : x;
+    const int64_t xs_stride = bf16 ? k : x_stride;
     #pragma omp parallel
     {
-        float *wf = w_bf16 ? (float *)malloc(sizeof(float) * (size_t)(k * PANEL)) : NULL;
+        float *wf = bf16 ? (float *)malloc(sizeof(float) * (size_t)(k * PANEL * PANELS_PER_TILE)) : NULL;
         for (int64_t b0 = 0; b0 < m; b0 += ROW_BLOCK) {
             const int64_t b1 = b0 + ROW_BLOCK < m ? b0 + ROW_BLOCK : m;
             #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
+            for (int64_t q = 0; q < (panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE; q++) {
+                const int64_t p = PANELS_PER_TILE * q;
                 const void *w = packed;
                 int64_t w_p0 = p;
-                if (w_bf16) {
-                    load_row(wf, packed, p * k * PANEL, k * PANEL, 1);
+                if (bf16) {  /* the tile's panels are contiguous */
+                    const int64_t count = panels - p < PANELS_PER_TILE ? panels - p : PANELS_PER_TILE;
+                    load_row(wf, packed, p * k * PANEL, count * k * PANEL, 1);
                     w = wf;
                     w_p0 = 0;
                 }
                 int64_t r = b0;
-                for (; r + 6 <= b1; r += 6)
-                    dense_tile(y, xs, w, bias, r, 6, p, 1, k, n, xs_stride, y_stride, 0, 0, x_bf16, w_p0);
-                for (; r + 2 <= b1; r += 2)
-                    dense_tile(y, xs, w, bias, r, 2, p, 1, k, n, xs_stride, y_stride, 0, 0, x_bf16, w_p0);
-                for (; r < b1; r++)
-                    dense_tile(y, xs, w, bias, r, 1, p, 1, k, n, xs_stride, y_stride, 0, 0, x_bf16, w_p0);
+                if (panels - p >= PANELS_PER_TILE) {
+                    for (; r + ROWS_PER_TILE <= b1; r += ROWS_PER_TILE)
+                        dense_tile(y, xs, w, bias, r, ROWS_PER_TILE, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                    for (; r + 2 <= b1; r += 2)
+                        dense_tile(y, xs, w, bias, r, 2, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                    for (; r < b1; r++)
+                        dense_tile(y, xs, w, bias, r, 1, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                } else {
+                    for (; r + ROWS_PER_TILE <= b1; r += ROWS_PER_TILE)
+                        dense_tile(y, xs, w, bias, r, ROWS_PER_TILE, p, 1, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                    for (; r < b1; r++)
+                        dense_tile(y, xs, w, bias, r, 1, p, 1, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                }
             }
         }
         free(wf);
@@ -135,27 +285,31 @@ static inline __attribute__((always_inline)) void dense_tiles(
 }
 #endif
 
-/* y [m, n] = x [m, k] W^T (+ bias, float32, may be NULL), W from tm_dense_pack. x and y share the storage
- * dtype (`x_bf16`); the weight's is `w_bf16`. Rows of x at x_stride, of y at y_stride (elements). */
+/* y [m, n] = x [m, k] W^T (+ bias, float32, may be NULL), W from tm_dense_pack. x, y and W share the
+ * storage dtype (`bf16`). Rows of x at x_stride, of y at y_stride (elements). */
 void tm_dense_linear(void *y, const void *x, const void *packed, const float *bias, int64_t m, int64_t k,
-                     int64_t n, int64_t x_stride, int64_t y_stride, int w_bf16, int x_bf16) {
+                     int64_t n, int64_t x_stride, int64_t y_stride, int bf16) {
+#if PAIRED_BF16
+    if (bf16) {
+        pair_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride);
+        return;
+    }
+#endif
 #ifdef TM_AVX2
-    if (!w_bf16 && !x_bf16)
-        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 0, 0);
-    else if (w_bf16 && x_bf16)
-        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 1, 1);
+    if (bf16)
+        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 1);
     else
-        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, w_bf16, x_bf16);
+        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 0);
 #else
-    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int64_t panels = dense_panels(n);
     #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t r = 0; r < m; r++)
             for (int64_t c = 0; c < PANEL && p * PANEL + c < n; c++) {
                 float acc = 0.0f;
                 for (int64_t i = 0; i < k; i++)
-                    acc = fmaf(load_value(x, r * x_stride + i, x_bf16), load_value(packed, (p * k + i) * PANEL + c, w_bf16), acc);
-                store_value(y, r * y_stride + p * PANEL + c, bias ? acc + bias[p * PANEL + c] : acc, x_bf16);
+                    acc = fmaf(load_value(x, r * x_stride + i, bf16), load_value(packed, (p * k + i) * PANEL + c, bf16), acc);
+                store_value(y, r * y_stride + p * PANEL + c, bias ? acc + bias[p * PANEL + c] : acc, bf16);
             }
 #endif
 }
