@@ -3,6 +3,8 @@ mixed batches of fresh prompts, chunks continuing a cached context and decodes."
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -128,3 +130,79 @@ def test_a_key_only_cache_gives_what_its_keys_repeated_as_values_give(amx_kernel
     assert torch.equal(got, expected)
     direct = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
     assert amx_kernels.prefill_attention(direct, q, one_plane, meta.prefill_chunks, meta.prefill_tables, 64 ** -0.5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 1, 32)])
+def test_every_query_gets_the_same_bits_however_its_chunk_is_cut(amx_kernels, heads, kv_heads, head_dim):
+    """The batch-invariant default on AMX attends every query on these tiles: a 150-query chunk after 180
+    cached positions gives each query the bits it gets in pieces cut at random (tiles of 16 queries and
+    items of a few queries times the group's heads), behind another sequence's decode, and one query at
+    a time as decodes; NaN in the cache slots past the context never reaches it."""
+    block_size, context, length = 16, 330, 150
+    start = context - length
+    gen = torch.Generator().manual_seed(head_dim)
+    blocks = -(-context // block_size)
+    cache = torch.randn(2, 2 * blocks + 2, kv_heads, block_size, head_dim, generator=gen).bfloat16()
+    order = torch.randperm(2 * blocks + 2, generator=gen)
+    table, other_table = order[:blocks].int(), order[blocks:2 * blocks].int()
+    cache[:, table[-1], :, context % block_size:] = float("nan")
+    q = torch.randn(length, heads, head_dim, generator=gen).bfloat16()
+    other_q = torch.randn(1, heads, head_dim, generator=gen).bfloat16()
+
+    def run(pieces, behind_a_decode=False):
+        rows, lens, contexts, tables = [], [], [], []
+        if behind_a_decode:
+            rows, lens, contexts, tables = [other_q], [1], [200], [other_table]
+        for first, last in pieces:
+            rows.append(q[first:last])
+            lens.append(last - first)
+            contexts.append(start + last)
+            tables.append(table)
+        lens_t = torch.tensor(lens)
+        chunks = torch.stack([torch.cumsum(lens_t, 0) - lens_t, lens_t, torch.tensor(contexts)]).contiguous()
+        queries = torch.cat(rows)
+        out = torch.full(queries.shape, float("nan"), dtype=torch.bfloat16)
+        assert amx_kernels.prefill_attention(out, queries, cache, chunks, torch.stack(tables).contiguous(),
+                                             head_dim ** -0.5)
+        return out[1:] if behind_a_decode else out
+
+    together = run([(0, length)])
+    assert not together.isnan().any()
+    cuts = [0] + sorted(random.Random(head_dim).sample(range(1, length), 9)) + [length]
+    pieces = list(zip(cuts, cuts[1:]))
+    assert torch.equal(run(pieces), together)
+    assert torch.equal(run(pieces, behind_a_decode=True), together)
+    assert torch.equal(run([(0, 17), (17, 33), (33, 34), (34, 50), (50, length)]), together)
+    assert torch.equal(run([(i, i + 1) for i in range(length)]), together)
+
+
+def test_the_batch_invariant_backend_puts_every_chunk_on_the_tiles_but_windowed_layers(amx_kernels):
+    """Batch-invariant with AMX: decodes and prefills alike go to the tiles, so a query's bits do not
+    depend on whether it comes in its prompt or alone; a windowed layer takes the decode kernel for every
+    query instead, the same for every batch."""
+    cache, chunks, slots, q, k, v = mixed_batch(16, 9, 3, 64, 16, MIXED)
+    backend = CpuPagedBackend(amx_kernels, batch_invariant=True)
+    meta = backend.build_metadata(chunks, slots, 16, CPU)
+    assert meta.prefill_chunks.shape[1] == len(chunks) and meta.decode_token_index is None
+    got = backend.forward(q, k, v, cache.clone(), meta, layer_for(q))
+    direct = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    assert amx_kernels.prefill_attention(direct, q, cache_after(cache, backend, chunks, slots, q, k, v),
+                                         meta.prefill_chunks, meta.prefill_tables, 64 ** -0.5)
+    assert torch.equal(got, direct)
+    expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), TorchReferenceBackend().build_metadata(
+        chunks, slots, 16, CPU), layer_for(q))
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=1e-2)
+    windowed = AttentionLayer(64 ** -0.5, sliding_window=50)
+    meta = backend.build_metadata(chunks, slots, 16, CPU)
+    got = backend.forward(q, k, v, cache.clone(), meta, windowed)
+    assert meta.decode_token_index.numel() == q.shape[0]  # every query as a one-token decode
+    expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), TorchReferenceBackend().build_metadata(
+        chunks, slots, 16, CPU), windowed)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=1e-2)
+
+
+def cache_after(cache, backend, chunks, slots, q, k, v):
+    """The cache once the step's K/V are written."""
+    written = cache.clone()
+    backend.forward(q, k, v, written, backend.build_metadata(chunks, slots, 16, CPU), layer_for(q))
+    return written

@@ -6,6 +6,13 @@ Bfloat16 prefill chunks, where the CPU has AMX, run as one call per layer for al
 (kernels/prefill_attention.c: flash attention on tiles over the cache blocks); other prefills go
 through the reference backend's SDPA path. Same cache layout as the reference, which stays the
 oracle the tests compare this backend with.
+
+Batch-invariant (the default), every query must attend alike wherever it comes: with AMX, every chunk
+of the step, decodes included, goes to the AMX tiles, whose arithmetic is lane-wise per query
+(prefill_attention.c); elsewhere, and for the layers those tiles do not take (a sliding window, float32,
+a quantised cache, other head sizes), every query attends as a one-token decode at its position
+(kernels/decode_attention.c). Which of the two a layer takes depends on the layer alone, never on the
+batch.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ class CpuPagedMetadata(TorchRefMetadata):
     decode_tables_i32: Optional[torch.Tensor] = None  # [B, max_blocks] int32
     prefill_chunks: Optional[torch.Tensor] = None  # [3, P] int64: query starts, query lengths, context lengths
     prefill_tables: Optional[torch.Tensor] = None  # [P, max_blocks] int32
+    # batch-invariant with AMX: prefill_chunks holds every chunk, decodes included (`every_chunk`), and the
+    # one-token decode rows of every query are built only for a layer the tiles do not take
+    every_chunk: Optional[list[SequenceChunk]] = None
+    block_size: int = 0
 
 
 class CpuPagedBackend(TorchReferenceBackend):
@@ -38,25 +49,61 @@ class CpuPagedBackend(TorchReferenceBackend):
 
     def __init__(self, kernels: CpuKernels, batch_invariant: bool = True) -> None:
         self.kernels = kernels
-        # every query attends as a one-token decode at its position: one arithmetic per query, whether it
-        # arrives in a prefill, a chunk, after a prefix-cache hit or alone (kernels/decode_attention.c)
+        # one arithmetic per query, whether it arrives in a prefill, a chunk, after a prefix-cache hit or
+        # alone: on AMX tiles lane by lane, else as a one-token decode at its position (module docstring)
         self.batch_invariant = batch_invariant
 
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
                        block_size: int, device: torch.device) -> CpuPagedMetadata:
         """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
+        tiles = self.kernels.amx and prefill_attention_fits(block_size=block_size)
+        if self.batch_invariant and tiles:
+            meta = CpuPagedMetadata(None, None, [], slots=slot_mapping, every_chunk=chunks, block_size=block_size)
+            self._add_prefill_chunks(meta, chunks, block_size)
+            return meta
         decodes, prefills = split_decodes(chunks, every_query=self.batch_invariant)
         # the cache writes take the slots themselves: no block ids and offsets
         meta = CpuPagedMetadata(None, None, prefill_entries(prefills, block_size, device), slots=slot_mapping)
-        if prefills and self.kernels.amx and prefill_attention_fits(block_size=block_size):
-            meta.prefill_chunks = torch.tensor([[c.query_start for c in prefills], [c.query_len for c in prefills],
-                                                [c.context_len for c in prefills]], dtype=torch.int64)
-            meta.prefill_tables = padded_block_tables(prefills, block_size, torch.int32)
+        if prefills and tiles:
+            self._add_prefill_chunks(meta, prefills, block_size)
         if decodes:
-            meta.decode_tables_i32 = padded_block_tables(decodes, block_size, torch.int32)
-            meta.decode_token_index = torch.tensor([c.query_start for c in decodes], dtype=torch.int64)
-            meta.decode_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.int32)
+            self._add_decodes(meta, decodes, block_size)
         return meta
+
+    @staticmethod
+    def _add_prefill_chunks(meta: CpuPagedMetadata, chunks: list[SequenceChunk], block_size: int) -> None:
+        meta.prefill_chunks = torch.tensor([[c.query_start for c in chunks], [c.query_len for c in chunks],
+                                            [c.context_len for c in chunks]], dtype=torch.int64)
+        meta.prefill_tables = padded_block_tables(chunks, block_size, torch.int32)
+
+    @staticmethod
+    def _add_decodes(meta: CpuPagedMetadata, decodes: list[SequenceChunk], block_size: int) -> None:
+        meta.decode_tables_i32 = padded_block_tables(decodes, block_size, torch.int32)
+        meta.decode_token_index = torch.tensor([c.query_start for c in decodes], dtype=torch.int64)
+        meta.decode_lens = torch.tensor([c.context_len for c in decodes], dtype=torch.int32)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: TorchRefMetadata, layer: AttentionLayer) -> torch.Tensor:
+        """Write K/V, then attend (see AttentionBackend.forward)."""
+        m = metadata
+        if not isinstance(m, CpuPagedMetadata) or m.every_chunk is None:
+            return super().forward(q, k, v, kv_cache, m, layer)
+        self._write(k, v, kv_cache, m)
+        out = q.new_empty(q.shape)
+        if self.tiles_take(q, kv_cache, layer) and \
+                self.kernels.prefill_attention(out, q, kv_cache, m.prefill_chunks, m.prefill_tables, layer.scale):
+            return out
+        if m.decode_token_index is None:
+            self._add_decodes(m, split_decodes(m.every_chunk, every_query=True)[0], m.block_size)
+        self._decode_into(out, q, kv_cache, m, layer)
+        return out
+
+    @staticmethod
+    def tiles_take(q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> bool:
+        """Whether the AMX tiles attend every query of this layer (batch-invariant, with AMX): bfloat16,
+        no sliding window or soft cap, a bfloat16 cache, a head size they take. A property of the layer."""
+        return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and layer.sliding_window is None
+                and layer.logit_softcap is None and prefill_attention_fits(head_dim=q.shape[-1]))
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
         if is_quantized(kv_cache):  # rows quantised in PyTorch, one per token and head, written by slot

@@ -118,12 +118,13 @@ class FusedDecode:
     def applies(self, metadata: Any, num_tokens: int) -> bool:
         """True for a step of fewer rows than the products' dequantising threshold (none when every product
         is batch-invariant) whose prefill chunks, if any, the AMX prefill attention takes (bfloat16;
-        `prefill_chunks` are built only with AMX; a batch-invariant backend makes every query a decode)."""
+        `prefill_chunks` are built only with AMX, where a batch-invariant backend puts every chunk in them;
+        without AMX it makes every query a decode)."""
         below = (ALWAYS_INT8 if self.batch_invariant else
                  quantized.AMX_BELOW_ROWS if self.all_amx else quantized.DEQUANTIZE_FROM_ROWS)
         if not isinstance(metadata, CpuPagedMetadata) or num_tokens >= below:
             return False
-        if metadata.prefills:
+        if metadata.prefills or metadata.every_chunk is not None:
             return self.prefills and metadata.prefill_chunks is not None
         return metadata.decode_token_index is not None and metadata.decode_token_index.numel() == num_tokens
 
@@ -148,7 +149,7 @@ class FusedDecode:
             tables = metadata.decode_tables_i32
             step.num_decodes, step.token_index = metadata.decode_token_index.numel(), metadata.decode_token_index.data_ptr()
             step.block_tables, step.context_lens, step.max_blocks = tables.data_ptr(), metadata.decode_lens.data_ptr(), tables.shape[1]
-        if metadata.prefills:
+        if metadata.prefill_chunks is not None:
             step.num_prefills, step.prefill_chunks = metadata.prefill_chunks.shape[1], metadata.prefill_chunks.data_ptr()
             step.prefill_tables, step.prefill_max_blocks = metadata.prefill_tables.data_ptr(), metadata.prefill_tables.shape[1]
         hidden = hidden.contiguous()
