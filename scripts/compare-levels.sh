@@ -5,8 +5,8 @@
 #
 # Usage: [CONFIGS="default bf16"] scripts/compare-levels.sh LEVEL [OUT_DIR]
 #   LEVEL  a tokenmill level (`tokenmill env` lists this CPU's): avx2, avx512, avx512_vnni, ...; tokenmill
-#          runs with TOKENMILL_CPU_CAPABILITY=LEVEL, which also caps oneDNN (ONEDNN_MAX_CPU_ISA), so an
-#          AMX machine measures the lower levels too. llama.cpp is built for the host (its own dispatch):
+#          runs with TOKENMILL_CPU_CAPABILITY=LEVEL, which also caps oneDNN and MKL (ONEDNN_MAX_CPU_ISA,
+#          MKL_ENABLE_INSTRUCTIONS), so an AMX machine measures the lower levels too. llama.cpp is built for the host (its own dispatch):
 #          cap it yourself with a build of the same level where the host is above it.
 # Needs the peers' start scripts (PEERS, default ../shared/peers) and tokenmill on PATH; about 10 minutes.
 set -uo pipefail

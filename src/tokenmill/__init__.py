@@ -11,9 +11,9 @@ _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from tokenmill import envs as _envs  # noqa: E402
 
-# A TOKENMILL_CPU_CAPABILITY cap also caps oneDNN (read at its first use, so set before torch runs any
-# of it), so that a capped machine runs PyTorch's products as a machine of that level would.
-_envs.cap_onednn_to_capability()
+# A TOKENMILL_CPU_CAPABILITY cap also caps oneDNN and MKL (read at their first use, so set before torch
+# runs any of them), so that a capped machine runs PyTorch's products as a machine of that level would.
+_envs.cap_libraries_to_capability()
 
 from tokenmill.engine.beam_search import BeamSearchParams
 from tokenmill.lora.request import LoRARequest

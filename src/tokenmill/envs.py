@@ -7,7 +7,8 @@ TOKENMILL_CPU_CAPABILITY   cap the kernels' instruction-set level (kernels/isa.p
                            avx512, avx512_vnni, avx512_bf16, amx; generic off x86), as PyTorch's
                            ATEN_CPU_CAPABILITY caps ATen's. Also decides what the level implies
                            elsewhere: bfloat16 as the default dtype, oneDNN's packed bfloat16 weights,
-                           and oneDNN's own cap (ONEDNN_MAX_CPU_ISA, unless that is set).
+                           and oneDNN's and MKL's own caps (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS,
+                           each unless it is set). PyTorch's CPU flash attention keeps the host's speed.
 TOKENMILL_CACHE_DIR        where built kernels and converted tokenizers are kept (default ~/.cache/tokenmill).
 TOKENMILL_KERNEL_CFLAGS    extra compiler flags for the kernels (e.g. -fsanitize=address; they enter
                            the build's cache key).
@@ -75,10 +76,15 @@ def distributed_key() -> bytes:
 # oneDNN's ONEDNN_MAX_CPU_ISA for each capped level (amx and generic: no cap)
 _ONEDNN_ISA = {"x86-64-v2": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_vnni": "AVX512_CORE_VNNI",
                "avx512_bf16": "AVX512_CORE_BF16"}
+# MKL's MKL_ENABLE_INSTRUCTIONS (PyTorch's float32 BLAS) for each capped level: its float32 kernels use
+# none of VNNI, BF16 or AMX, so the AVX-512 levels share one value
+_MKL_ISA = {"x86-64-v2": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512", "avx512_vnni": "AVX512", "avx512_bf16": "AVX512"}
 
 
-def cap_onednn_to_capability() -> None:
-    """Set ONEDNN_MAX_CPU_ISA to match TOKENMILL_CPU_CAPABILITY, unless it is set already."""
-    isa = _ONEDNN_ISA.get(cpu_capability_cap() or "")
-    if isa is not None:
-        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", isa)
+def cap_libraries_to_capability() -> None:
+    """Set ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS to match TOKENMILL_CPU_CAPABILITY, each unless it is
+    set already (both libraries read them at their first use)."""
+    cap = cpu_capability_cap() or ""
+    for variable, table in (("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA), ("MKL_ENABLE_INSTRUCTIONS", _MKL_ISA)):
+        if cap in table:
+            os.environ.setdefault(variable, table[cap])

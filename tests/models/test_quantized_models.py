@@ -120,3 +120,18 @@ def test_fused_decode_step_gives_the_tokens_of_the_layer_by_layer_path(tmp_path,
         # fused steps of 1-2 rows take the int8 products and of 3-4 the AMX ones (on a CPU with AMX)
         assert min(fused_rows) < quantized.AMX_FROM_ROWS <= max(fused_rows)
     assert outputs == greedy(build(path, dtype="bfloat16", fused_decode=False, batch_invariant=batch_invariant))
+
+
+def test_a_float32_fused_step_attends_every_query_as_the_layer_by_layer_path_does(tmp_path):
+    """Float32, batch-invariant: on AMX the step's chunks are built for the bfloat16 tiles, which float32
+    does not take; the fused step then attends every query as a decode, as the module path's layers
+    do, and still runs every step."""
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "Q4_1")
+    fused = build(path, dtype="float32", batch_invariant=True)
+    model = fused.llm_engine.model
+    assert model.fused_decode is not None
+    applies, decisions = model.fused_decode.applies, []
+    model.fused_decode.applies = lambda metadata, rows: decisions.append(applies(metadata, rows)) or decisions[-1]
+    outputs = greedy(fused)
+    assert decisions and all(decisions)
+    assert outputs == greedy(build(path, dtype="float32", fused_decode=False, batch_invariant=True))

@@ -81,14 +81,16 @@ def test_no_cpuinfo_still_runs_the_baseline(cpu):
     assert isa.chosen_level().name == "x86-64-v2"
 
 
-@pytest.mark.parametrize("cap, preset, expected", [("avx2", None, "AVX2"), ("x86-64-v2", None, "SSE41"),
-                                                   ("avx512_bf16", None, "AVX512_CORE_BF16"), ("amx", None, None),
-                                                   ("avx2", "AVX512_CORE", "AVX512_CORE")])
-def test_the_cap_also_caps_onednn_unless_it_is_capped_already(cap, preset, expected):
-    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+@pytest.mark.parametrize("cap, preset, expected", [("avx2", None, "AVX2 AVX2"), ("x86-64-v2", None, "SSE41 SSE4_2"),
+                                                   ("avx512_bf16", None, "AVX512_CORE_BF16 AVX512"),
+                                                   ("amx", None, "None None"),
+                                                   ("avx2", "AVX512_CORE", "AVX512_CORE AVX2")])
+def test_the_cap_also_caps_onednn_and_mkl_unless_capped_already(cap, preset, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
     env["TOKENMILL_CPU_CAPABILITY"] = cap
     if preset:
         env["ONEDNN_MAX_CPU_ISA"] = preset
-    code = "import os, tokenmill; print(os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+    code = ("import os, tokenmill; "
+            "print(os.environ.get('ONEDNN_MAX_CPU_ISA'), os.environ.get('MKL_ENABLE_INSTRUCTIONS'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert done.stdout.strip() == str(expected)
+    assert done.stdout.strip() == expected

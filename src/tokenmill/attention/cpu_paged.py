@@ -93,10 +93,16 @@ class CpuPagedBackend(TorchReferenceBackend):
         if self.tiles_take(q, kv_cache, layer) and \
                 self.kernels.prefill_attention(out, q, kv_cache, m.prefill_chunks, m.prefill_tables, layer.scale):
             return out
-        if m.decode_token_index is None:
-            self._add_decodes(m, split_decodes(m.every_chunk, every_query=True)[0], m.block_size)
+        self.add_query_decodes(m)
         self._decode_into(out, q, kv_cache, m, layer)
         return out
+
+    @classmethod
+    def add_query_decodes(cls, meta: CpuPagedMetadata) -> None:
+        """Batch-invariant with AMX: the one-token decode rows of every query of `meta.every_chunk`, for
+        what the tiles do not take (built on first need, once per step)."""
+        if meta.decode_token_index is None:
+            cls._add_decodes(meta, split_decodes(meta.every_chunk, every_query=True)[0], meta.block_size)
 
     @staticmethod
     def tiles_take(q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> bool:

@@ -81,6 +81,9 @@ def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
     level = "AVX-512" if "avx512f" in features else "AVX2" if "avx2" in features else None
     decode = f"native paged attention in query tiles ({level})" if level else "native paged decode (portable C)"
     if getattr(backend, "batch_invariant", False):
+        if kernels.amx and dtype == torch.bfloat16:  # attention/cpu_paged.py: CpuPagedBackend.tiles_take
+            return ("attention: AMX flash attention for every query, decodes included (batch-invariant; "
+                    f"{decode} for layers with a sliding window or a soft cap, or an int8/fp8 cache)")
         return f"attention: {decode} for every query, prefill included (batch-invariant)"
     prefill = ("AMX flash attention" if kernels.amx and dtype == torch.bfloat16 else
                "PyTorch SDPA over gathered blocks")

@@ -124,7 +124,9 @@ class FusedDecode:
                  quantized.AMX_BELOW_ROWS if self.all_amx else quantized.DEQUANTIZE_FROM_ROWS)
         if not isinstance(metadata, CpuPagedMetadata) or num_tokens >= below:
             return False
-        if metadata.prefills or metadata.every_chunk is not None:
+        if metadata.every_chunk is not None and not self.prefills:
+            CpuPagedBackend.add_query_decodes(metadata)  # as the module path's layers attend them
+        elif metadata.prefills or metadata.every_chunk is not None:
             return self.prefills and metadata.prefill_chunks is not None
         return metadata.decode_token_index is not None and metadata.decode_token_index.numel() == num_tokens
 
@@ -149,7 +151,7 @@ class FusedDecode:
             tables = metadata.decode_tables_i32
             step.num_decodes, step.token_index = metadata.decode_token_index.numel(), metadata.decode_token_index.data_ptr()
             step.block_tables, step.context_lens, step.max_blocks = tables.data_ptr(), metadata.decode_lens.data_ptr(), tables.shape[1]
-        if metadata.prefill_chunks is not None:
+        if metadata.prefill_chunks is not None and (metadata.prefills or self.prefills):
             step.num_prefills, step.prefill_chunks = metadata.prefill_chunks.shape[1], metadata.prefill_chunks.data_ptr()
             step.prefill_tables, step.prefill_max_blocks = metadata.prefill_tables.data_ptr(), metadata.prefill_tables.shape[1]
         hidden = hidden.contiguous()
