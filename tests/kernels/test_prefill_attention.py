@@ -174,6 +174,8 @@ def test_every_query_gets_the_same_bits_however_its_chunk_is_cut(amx_kernels, he
     assert torch.equal(run(pieces, behind_a_decode=True), together)
     assert torch.equal(run([(0, 17), (17, 33), (33, 34), (34, 50), (50, length)]), together)
     assert torch.equal(run([(i, i + 1) for i in range(length)]), together)
+    for row in (0, 17, length - 1):  # a lone decode: with one kv head, an item per query head
+        assert torch.equal(run([(row, row + 1)]), together[row:row + 1]), row
 
 
 def test_the_batch_invariant_backend_puts_every_chunk_on_the_tiles_but_windowed_layers(amx_kernels):

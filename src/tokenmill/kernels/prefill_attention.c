@@ -18,8 +18,10 @@
  * (a chunk, a kv head, up to 16 lane sets of 16) runs over the keys its last lane sees, KEY_BLOCK at a time
  * from key 0, each block for all its sets (the block's tiles stay in L1). A chunk of over 16 queries is cut
  * into tiles of 16 queries, a set per query head, its V^T packed once for all of them; a smaller chunk (a
- * decode, a verification, a short chunk) is one item whose lanes are its queries times the group's heads,
- * its V^T packed a key block at a time as it goes. A lane's output is O / l, rounded to bfloat16.
+ * decode, a verification, a short chunk) is one item per kv head whose lanes are its queries times the
+ * group's heads, its V^T packed a key block at a time as it goes; where that would leave threads idle
+ * (a lone decode of few kv heads), its heads are split over as many items as there are idle threads,
+ * sharing V^T packed beforehand. A lane's output is O / l, rounded to bfloat16.
  *
  * Invariant: a lane's arithmetic does not depend on the other lanes, sets or items. Its scores, maxima,
  * probabilities and sums are its own column of every tile; the key blocks are the same ones (from key
@@ -304,15 +306,17 @@ static void attend(scratch *ws, const work_item *w, int64_t head_dim, float scal
  * kv head, a lane per (query, query head). */
 #define SMALL_CHUNK 16
 
-/* The lane sets of chunk c's item `tile` (SMALL_CHUNK: the whole chunk) for kv head h into ws->sets;
- * returns their number. */
+/* The lane sets of an item of a chunk for kv head h into ws->sets; returns their number. A small chunk's
+ * item (row0 0, all its rows) takes the group's heads [g0, g1); a tile, every head of the group. */
 static int chunk_lanes(scratch *ws, uint16_t *out, const uint16_t *q, int64_t q_stride, int64_t row0, int64_t rows,
-                       int64_t start, int64_t h, int64_t group, int64_t num_heads, int64_t head_dim, int small) {
+                       int64_t start, int64_t h, int64_t group, int64_t g0, int64_t g1, int64_t num_heads,
+                       int64_t head_dim, int small) {
     int sets = 0;
-    if (small) {  /* lane (i, g) = query i, head g, in that order */
-        for (int64_t lane = 0; lane < rows * group; lane++) {
+    if (small) {  /* lane (i, g) = query i, head g0 + g, in that order */
+        const int64_t heads = g1 - g0;
+        for (int64_t lane = 0; lane < rows * heads; lane++) {
             lane_set *set = ws->sets + lane / 16;
-            const int64_t i = lane / group, g = lane % group, j = lane % 16, head = h * group + g;
+            const int64_t i = lane / heads, g = g0 + lane % heads, j = lane % 16, head = h * group + g;
             set->q[j] = q + (row0 + i) * q_stride + head * head_dim;
             set->out[j] = out + ((row0 + i) * num_heads + head) * head_dim;
             set->position[j] = (int32_t)(start + row0 + i);
@@ -355,11 +359,18 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cac
         free(first_item);
         return -1;
     }
+    /* a small chunk's lanes are one item per kv head, or, where that leaves threads idle (a lone decode of
+     * few kv heads), `parts` items of a share of its heads each: the same lanes, so the same arithmetic */
+    int64_t items = 0;
+    for (int64_t c = 0; c < num_chunks; c++) items += (query_lens[c] <= SMALL_CHUNK ? 1 : (query_lens[c] + 15) / 16) * num_kv_heads;
+    const int64_t threads = omp_get_max_threads(), wanted = items < threads ? (threads + items - 1) / items : 1;
+    const int64_t parts = wanted < group ? wanted : group;
     first_tile[0] = first_item[0] = 0;
     for (int64_t c = 0; c < num_chunks; c++) {
-        const int small = query_lens[c] <= SMALL_CHUNK;  /* packs its V^T as it goes */
-        first_tile[c + 1] = first_tile[c] + (small ? 0 : (context_lens[c] + 31) / 32 * num_kv_heads * dim_tiles);
-        first_item[c + 1] = first_item[c] + (small ? 1 : (query_lens[c] + 15) / 16) * num_kv_heads;
+        /* packs its V^T as it goes, unless its heads' items share it */
+        const int small = query_lens[c] <= SMALL_CHUNK, shared = !small || parts > 1;
+        first_tile[c + 1] = first_tile[c] + (shared ? (context_lens[c] + 31) / 32 * num_kv_heads * dim_tiles : 0);
+        first_item[c + 1] = first_item[c] + (small ? parts : (query_lens[c] + 15) / 16) * num_kv_heads;
     }
     /* a small chunk's lanes fill at most SMALL_CHUNK * group / 16 sets, a tile's group sets */
     const int64_t max_sets = group > (SMALL_CHUNK * group + 15) / 16 ? group : (SMALL_CHUNK * group + 15) / 16;
@@ -386,7 +397,7 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cac
         #pragma omp barrier
         if (!failed) {
             for (int64_t c = 0; c < num_chunks; c++) {
-                if (query_lens[c] <= SMALL_CHUNK)
+                if (query_lens[c] <= SMALL_CHUNK && parts == 1)
                     continue;
                 const int64_t key_blocks = (context_lens[c] + 31) / 32;
                 const int32_t *blocks = block_tables + c * max_blocks;
@@ -404,15 +415,17 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cac
                 while (first_item[c + 1] <= i) c++;
                 const int small = query_lens[c] <= SMALL_CHUNK;
                 const int64_t local = i - first_item[c], tiles_in_chunk = small ? 1 : (query_lens[c] + 15) / 16;
-                const int64_t h = local % num_kv_heads, tile = tiles_in_chunk - 1 - local / num_kv_heads;
+                const int64_t h = local % num_kv_heads, tile = small ? 0 : tiles_in_chunk - 1 - local / num_kv_heads;
+                const int64_t part = small ? local / num_kv_heads : 0;
                 const int64_t key_blocks = (context_lens[c] + 31) / 32, row0 = 16 * tile;
                 const int64_t start = context_lens[c] - query_lens[c];
                 const int64_t rows = small ? query_lens[c] : (query_lens[c] - row0 < 16 ? query_lens[c] - row0 : 16);
                 const work_item w = {
                     .kv = &kv, .blocks = block_tables + c * max_blocks, .kv_head = h, .context = context_lens[c],
-                    .value_tiles = small ? NULL : head_tiles(tiles, first_tile, c, h, key_blocks, dim_tiles),
-                    .sets = chunk_lanes(ws, out + query_starts[c] * num_heads * head_dim, q + query_starts[c] * q_stride, q_stride, row0, rows, start, h, group,
-                                        num_heads, head_dim, small),
+                    .value_tiles = small && parts == 1 ? NULL : head_tiles(tiles, first_tile, c, h, key_blocks, dim_tiles),
+                    .sets = chunk_lanes(ws, out + query_starts[c] * num_heads * head_dim, q + query_starts[c] * q_stride,
+                                        q_stride, row0, rows, start, h, group, small ? part * group / parts : 0,
+                                        small ? (part + 1) * group / parts : group, num_heads, head_dim, small),
                     .keys = start + row0 + rows,
                 };
                 if (w.sets)
