@@ -67,8 +67,8 @@ def both_backends(amx_kernels, batch, block_size):
 def test_prefill_attention_on_tiles_matches_sdpa(amx_kernels, heads, kv_heads, head_dim, block_size):
     batch = mixed_batch(11, heads, kv_heads, head_dim, block_size, MIXED)
     got, expected, meta, cache = both_backends(amx_kernels, batch, block_size)
-    # scores and sums in float32 on both sides; the probabilities are rounded to bfloat16 before
-    # P V on both sides too, in different orders: a few bfloat16 units of the last place
+    # scores and sums in float32 on both sides; SDPA rounds the probabilities to bfloat16 before P V,
+    # the kernel keeps about 16 bits of them (two bfloat16 parts): a few bfloat16 units of the last place
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=1e-2)
     # and the kernel did run (rather than the reference path behind it)
     q = batch[3]

@@ -10,10 +10,11 @@
  * rescaling) is lane-wise with no horizontal reduction per row:
  *   S^T = K Q^T: the A operand is 16 keys x 32 dims read straight from the cache (a block's keys are
  *       rows head_dim apart; block_size is a multiple of 16), the B operand Q^T is built once per work item;
- *   P^T = 2^(scale log2(e) S^T - m), a key per 16-lane vector, rounded to bfloat16 into B tiles (two keys'
+ *   P^T = 2^(scale log2(e) S^T - m), a key per 16-lane vector, as two bfloat16 parts, its rounding and
+ *       what that rounding left (together about 16 bits, as exact as the exp), each in B tiles (two keys'
  *       vectors interleaved per tile row);
- *   O^T += V^T P^T, V^T in A tiles (16 dims x 32 keys, keys past the context zero), the float32
- *       O^T [head_dim][16 lanes] rescaled lane-wise by 2^(m_old - m_new).
+ *   O^T += V^T P^T, V^T in A tiles (16 dims x 32 keys, keys past the context zero), a product for each
+ *       part, the float32 O^T [head_dim][16 lanes] rescaled lane-wise by 2^(m_old - m_new).
  * A lane is one (query, query head) of a chunk and kv head; it sees keys 0 .. its position. A work item
  * (a chunk, a kv head, up to 16 lane sets of 16) runs over the keys its last lane sees, KEY_BLOCK at a time
  * from key 0, each block for all its sets (the block's tiles stay in L1). A chunk of over 16 queries is cut
@@ -105,7 +106,8 @@ typedef struct {
 /* One thread's scratch; q, o, m and l hold every set of the item (set g at g * their size). */
 typedef struct {
     float s[KEY_BLOCK][16];                           /* one set's S^T of a key block: a key per row */
-    uint16_t p[KEY_BLOCK / 32][16 * 32];              /* B tiles of its P^T */
+    uint16_t p[KEY_BLOCK / 32][16 * 32];              /* B tiles of its P^T, rounded to bfloat16 ... */
+    uint16_t p_rest[KEY_BLOCK / 32][16 * 32];         /* ... and of what that rounding left, P^T - p */
     float pv[64][16];                                 /* V^T P^T of 4 dim tiles */
     uint16_t vt[KEY_BLOCK / 32 * MAX_HEAD_DIM / 16 * 512];  /* [32 keys][dim tile] V^T tiles of a key block, packed as it goes */
     uint16_t *q;                                      /* [set][dim step] B tiles of Q^T */
@@ -125,8 +127,8 @@ typedef struct {
 } work_item;
 
 /* 2^x in 16 lanes for the probabilities, x <= 0 (a lane above is masked out after): x = n + f with
- * |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error (2.7e-6, far below the bfloat16 the
- * probabilities are rounded to), times 2^n, which goes to 0 without a clamp. */
+ * |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error (2.7e-6, about what the probabilities'
+ * two bfloat16 parts hold), times 2^n, which goes to 0 without a clamp. */
 static inline __m512 exp2_probability(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
@@ -158,6 +160,11 @@ static void scores(scratch *ws, const work_item *w, int64_t g, int64_t steps, in
         if (k_b)
             _tile_stored(1, ws->s[16 * (i + 1)], 64);
     }
+}
+
+/* 16 bfloat16 values widened to float32 (exactly). */
+static inline __m512 widen_bf16(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
 /* Softmax step of head g over the block's `span` keys from k0, in base 2 (scale2 = scale * log2(e), so
@@ -203,8 +210,12 @@ static void softmax_block(scratch *ws, const work_item *w, int64_t g, int64_t k0
             p[e] = _mm512_maskz_mov_ps(LIVE(key), exp2_probability(_mm512_fmadd_ps(_mm512_load_ps(ws->s[key]), scale, neg_m)));
             sums[e] = _mm512_add_ps(sums[e], p[e]);
         }
-        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-        _mm512_store_si512((__m512i *)(ws->p[i / 32] + (i % 32) / 2 * 32), pair);
+        const __m512i high = (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]);
+        const __m512 rest0 = _mm512_sub_ps(p[0], widen_bf16(_mm512_castsi512_si256(high)));
+        const __m512 rest1 = _mm512_sub_ps(p[1], widen_bf16(_mm512_extracti64x4_epi64(high, 1)));
+        const __m512i low = (__m512i)_mm512_cvtne2ps_pbh(rest1, rest0);
+        _mm512_store_si512((__m512i *)(ws->p[i / 32] + (i % 32) / 2 * 32), _mm512_permutexvar_epi16(interleave, high));
+        _mm512_store_si512((__m512i *)(ws->p_rest[i / 32] + (i % 32) / 2 * 32), _mm512_permutexvar_epi16(interleave, low));
     }
 #undef LIVE
     /* 2^-inf would be clamped to 2^-126, not 0: a row's first block has nothing to rescale anyway */
@@ -229,7 +240,8 @@ static void add_values(scratch *ws, const work_item *w, int64_t g, int64_t head_
             const uint16_t *v = (w->value_tiles ? w->value_tiles + (k0 / 32 + b) * dim_tiles * 512 : ws->vt + b * dim_tiles * 512)
                                 + t0 * 512;
             _tile_loadd(6, ws->p[b], 64);
-            /* the tile numbers must be constants: one load and product per accumulator */
+            /* the tile numbers must be constants: one load and product per accumulator; then the same
+             * products with what the probabilities' rounding left, the V tiles still loaded taken first */
             _tile_loadd(4, v, 64);
             _tile_dpbf16ps(0, 4, 6);
             if (n > 1) {
@@ -244,6 +256,16 @@ static void add_values(scratch *ws, const work_item *w, int64_t g, int64_t head_
                 _tile_loadd(4, v + 1536, 64);
                 _tile_dpbf16ps(3, 4, 6);
             }
+            _tile_loadd(6, ws->p_rest[b], 64);
+            if (n > 3)
+                _tile_dpbf16ps(3, 4, 6);
+            if (n > 2)
+                _tile_dpbf16ps(2, 7, 6);
+            if (n > 1)
+                _tile_dpbf16ps(1, 5, 6);
+            if (n > 3)
+                _tile_loadd(4, v, 64);
+            _tile_dpbf16ps(0, 4, 6);
         }
         _tile_stored(0, ws->pv[0], 64);
         _tile_stored(1, ws->pv[16], 64);
