@@ -155,6 +155,17 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 16 float32 lanes -> bfloat16 bits, rounded to nearest even as f32_to_bf16 rounds (NaN kept quiet,
+ * subnormals kept: the same bits on every level, where AVX512-BF16's conversion flushes subnormals). */
+static inline __m256i bf16_round16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
 /* Transpose a 16 x 16 matrix of 32-bit elements held as 16 rows: afterwards r[i] lane j = old r[j] lane i. */
 static inline void tm_transpose16(__m512i r[16]) {
     __m512i t[16];

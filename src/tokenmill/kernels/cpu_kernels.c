@@ -82,12 +82,7 @@ static inline __m256i bf16_bits16(__m512 v) {
 #ifdef __AVX512BF16__
     return (__m256i)_mm512_cvtneps_pbh(v);
 #else
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    __m512i bits = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+    return bf16_round16(v);
 #endif
 }
 

@@ -99,17 +99,6 @@ static inline __attribute__((always_inline)) void dense_tile(
 #endif
 
 #ifdef __AVX512F__
-/* 16 float32 lanes -> bfloat16 bits, rounded to nearest even as f32_to_bf16 rounds (subnormals kept, so
- * every level rounds a chain's result alike). */
-static inline __m256i bf16_bits16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-
 /* The accumulators of rows [r0, r0 + R) x panels [p0, p0 + P), plus the bias, stored in the storage dtype;
  * outputs past n untouched. */
 static inline __attribute__((always_inline)) void store_tile(
@@ -124,7 +113,7 @@ static inline __attribute__((always_inline)) void store_tile(
         for (int r = 0; r < R; r++) {
             const __m512 v = bias ? _mm512_add_ps(acc[r][p], b) : acc[r][p];
             if (y_bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * y_stride + j, mask, bf16_bits16(v));
+                _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * y_stride + j, mask, bf16_round16(v));
             else
                 _mm512_mask_storeu_ps((float *)y + (r0 + r) * y_stride + j, mask, v);
         }
