@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "cpu_avx2.h"
 #include "cpu_common.h"
 
@@ -170,75 +172,66 @@ static inline __attribute__((always_inline)) void pair_tile(
     }
     store_tile(y, acc, bias, r0, R, p0, P, n, y_stride, 1);
 }
-
-/* tm_dense_linear for bfloat16 on paired panels: a lone row takes 8 panels a tile (eight chains hide each
- * one's latency); more rows go in blocks of ROW_BLOCK, each thread running its panel pairs over a block. */
-static void pair_tiles(uint16_t *y, const uint16_t *x, const uint16_t *packed, const float *bias, int64_t m, int64_t k,
-                       int64_t n, int64_t x_stride, int64_t y_stride) {
-    const int64_t panels = dense_panels(n);
-    if (m == 1) {
-        #pragma omp parallel for schedule(static)
-        for (int64_t q = 0; q < (panels + 7) / 8; q++) {
-            int64_t p = 8 * q;
-            if (panels - p >= 8)
-                pair_tile(y, x, packed, bias, 0, 1, p, 8, k, n, x_stride, y_stride);
-            else
-                for (; p < panels; p++) pair_tile(y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride);
-        }
-        return;
-    }
-    #pragma omp parallel
-    for (int64_t b0 = 0; b0 < m; b0 += ROW_BLOCK) {
-        const int64_t b1 = b0 + ROW_BLOCK < m ? b0 + ROW_BLOCK : m;
-        #pragma omp for schedule(static)
-        for (int64_t q = 0; q < (panels + 1) / 2; q++) {
-            const int64_t p = 2 * q;
-            int64_t r = b0;
-            if (panels - p >= 2) {
-                for (; r + 8 <= b1; r += 8) pair_tile(y, x, packed, bias, r, 8, p, 2, k, n, x_stride, y_stride);
-                for (; r + 2 <= b1; r += 2) pair_tile(y, x, packed, bias, r, 2, p, 2, k, n, x_stride, y_stride);
-                for (; r < b1; r++) pair_tile(y, x, packed, bias, r, 1, p, 2, k, n, x_stride, y_stride);
-            } else {
-                for (; r + 8 <= b1; r += 8) pair_tile(y, x, packed, bias, r, 8, p, 1, k, n, x_stride, y_stride);
-                for (; r < b1; r++) pair_tile(y, x, packed, bias, r, 1, p, 1, k, n, x_stride, y_stride);
-            }
-        }
-    }
-}
 #endif
 
+/* The calling thread's share [*first, *last) of `panels` panels, contiguous and within one of every other
+ * thread's size (a lone row's work: whole tiles of panels would leave a thread idle on narrow weights). */
+static inline void thread_panels(int64_t panels, int64_t *first, int64_t *last) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    *first = panels * t / threads;
+    *last = panels * (t + 1) / threads;
+}
+
 #ifdef TM_AVX2
-/* The tiles of tm_dense_linear's fused multiply-add chains, with the dtype as a constant so that each
- * inlined tile loads directly. A lone row takes LONE_ROW_PANELS panels a tile (independent chains hide
- * each one's latency). More rows: bfloat16 inputs are widened to float32 once, and each tile's weight
- * panels once per block of rows into a per-thread buffer (widening is exact, so the chains are the same). */
+/* One tile of either chain: vdpbf16ps on paired panels (`paired`: bfloat16 x and y, w the packed weight
+ * itself), else dense_tile's fused multiply-adds. */
+static inline __attribute__((always_inline)) void any_tile(
+    const int paired, void *y, const void *x, const void *w, const float *bias, int64_t r0, const int R, int64_t p0,
+    const int P, int64_t k, int64_t n, int64_t x_stride, int64_t y_stride, int w_bf16, int x_bf16, int y_bf16,
+    int64_t w_p0) {
+#if PAIRED_BF16
+    if (paired) {
+        pair_tile(y, x, w, bias, r0, R, p0, P, k, n, x_stride, y_stride);
+        return;
+    }
+#endif
+    (void)paired;
+    dense_tile(y, x, w, bias, r0, R, p0, P, k, n, x_stride, y_stride, w_bf16, x_bf16, y_bf16, w_p0);
+}
+
+/* The tiles of tm_dense_linear, with the dtype and the chain (`paired`: vdpbf16ps on paired panels) as
+ * constants so that each inlined tile loads directly. A lone row takes LONE_ROW_PANELS panels a tile
+ * (independent chains hide each one's latency), each thread an even share of the panels. More rows go in
+ * blocks of ROW_BLOCK, each thread running its tiles of panels over a block; for fused multiply-adds on
+ * bfloat16, the inputs are widened to float32 once and each tile's weight panels once per block into a
+ * per-thread buffer (widening is exact, so the chains are the same). */
 static inline __attribute__((always_inline)) void dense_tiles(
     void *y, const void *x, const void *packed, const float *bias, int64_t m, int64_t k, int64_t n, int64_t x_stride,
-    int64_t y_stride, const int bf16) {
+    int64_t y_stride, const int bf16, const int paired) {
     const int64_t panels = dense_panels(n);
     if (m == 1) {
-        #pragma omp parallel for schedule(static)
-        for (int64_t q = 0; q < (panels + LONE_ROW_PANELS - 1) / LONE_ROW_PANELS; q++) {
-            int64_t p = LONE_ROW_PANELS * q;
-            if (panels - p >= LONE_ROW_PANELS)
-                dense_tile(y, x, packed, bias, 0, 1, p, LONE_ROW_PANELS, k, n, x_stride, y_stride, bf16, bf16, bf16, p);
-            else
-                for (; p < panels; p++)
-                    dense_tile(y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride, bf16, bf16, bf16, p);
+        #pragma omp parallel
+        {
+            int64_t p, last;
+            thread_panels(panels, &p, &last);
+            for (; p + LONE_ROW_PANELS <= last; p += LONE_ROW_PANELS)
+                any_tile(paired, y, x, packed, bias, 0, 1, p, LONE_ROW_PANELS, k, n, x_stride, y_stride, bf16, bf16, bf16, p);
+            for (; p < last; p++) any_tile(paired, y, x, packed, bias, 0, 1, p, 1, k, n, x_stride, y_stride, bf16, bf16, bf16, p);
         }
         return;
     }
+    const int widen = bf16 && !paired;
     float *xf = NULL;
-    if (bf16) {
+    if (widen) {
         xf = (float *)malloc(sizeof(float) * (size_t)(m * k));
         #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < m; r++) load_row(xf + r * k, x, r * x_stride, k, 1);
     }
-    const void *xs = bf16 ? (const void *)xf : x;
-    const int64_t xs_stride = bf16 ? k : x_stride;
+    const void *xs = widen ? (const void *)xf : x;
+    const int64_t xs_stride = widen ? k : x_stride;
     #pragma omp parallel
     {
-        float *wf = bf16 ? (float *)malloc(sizeof(float) * (size_t)(k * PANEL * PANELS_PER_TILE)) : NULL;
+        float *wf = widen ? (float *)malloc(sizeof(float) * (size_t)(k * PANEL * PANELS_PER_TILE)) : NULL;
         for (int64_t b0 = 0; b0 < m; b0 += ROW_BLOCK) {
             const int64_t b1 = b0 + ROW_BLOCK < m ? b0 + ROW_BLOCK : m;
             #pragma omp for schedule(static)
@@ -246,7 +239,7 @@ static inline __attribute__((always_inline)) void dense_tiles(
                 const int64_t p = PANELS_PER_TILE * q;
                 const void *w = packed;
                 int64_t w_p0 = p;
-                if (bf16) {  /* the tile's panels are contiguous */
+                if (widen) {  /* the tile's panels are contiguous */
                     const int64_t count = panels - p < PANELS_PER_TILE ? panels - p : PANELS_PER_TILE;
                     load_row(wf, packed, p * k * PANEL, count * k * PANEL, 1);
                     w = wf;
@@ -255,16 +248,16 @@ static inline __attribute__((always_inline)) void dense_tiles(
                 int64_t r = b0;
                 if (panels - p >= PANELS_PER_TILE) {
                     for (; r + ROWS_PER_TILE <= b1; r += ROWS_PER_TILE)
-                        dense_tile(y, xs, w, bias, r, ROWS_PER_TILE, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                        any_tile(paired, y, xs, w, bias, r, ROWS_PER_TILE, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
                     for (; r + 2 <= b1; r += 2)
-                        dense_tile(y, xs, w, bias, r, 2, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                        any_tile(paired, y, xs, w, bias, r, 2, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
                     for (; r < b1; r++)
-                        dense_tile(y, xs, w, bias, r, 1, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                        any_tile(paired, y, xs, w, bias, r, 1, p, PANELS_PER_TILE, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
                 } else {
                     for (; r + ROWS_PER_TILE <= b1; r += ROWS_PER_TILE)
-                        dense_tile(y, xs, w, bias, r, ROWS_PER_TILE, p, 1, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                        any_tile(paired, y, xs, w, bias, r, ROWS_PER_TILE, p, 1, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
                     for (; r < b1; r++)
-                        dense_tile(y, xs, w, bias, r, 1, p, 1, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
+                        any_tile(paired, y, xs, w, bias, r, 1, p, 1, k, n, xs_stride, y_stride, 0, 0, bf16, w_p0);
                 }
             }
         }
@@ -278,17 +271,13 @@ static inline __attribute__((always_inline)) void dense_tiles(
  * storage dtype (`bf16`). Rows of x at x_stride, of y at y_stride (elements). */
 void tm_dense_linear(void *y, const void *x, const void *packed, const float *bias, int64_t m, int64_t k,
                      int64_t n, int64_t x_stride, int64_t y_stride, int bf16) {
-#if PAIRED_BF16
-    if (bf16) {
-        pair_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride);
-        return;
-    }
-#endif
 #ifdef TM_AVX2
-    if (bf16)
-        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 1);
+    if (bf16 && PAIRED_BF16)
+        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 1, 1);
+    else if (bf16)
+        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 1, 0);
     else
-        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 0);
+        dense_tiles(y, x, packed, bias, m, k, n, x_stride, y_stride, 0, 0);
 #else
     const int64_t panels = dense_panels(n);
     #pragma omp parallel for schedule(static)
