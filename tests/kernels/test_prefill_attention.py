@@ -186,10 +186,10 @@ def test_the_batch_invariant_backend_puts_every_chunk_on_the_tiles_but_windowed_
     backend = CpuPagedBackend(amx_kernels, batch_invariant=True)
     meta = backend.build_metadata(chunks, slots, 16, CPU)
     assert meta.prefill_chunks.shape[1] == len(chunks) and meta.decode_token_index is None
-    got = backend.forward(q, k, v, cache.clone(), meta, layer_for(q))
+    written = cache.clone()  # holds the step's K/V once the forward has run
+    got = backend.forward(q, k, v, written, meta, layer_for(q))
     direct = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
-    assert amx_kernels.prefill_attention(direct, q, cache_after(cache, backend, chunks, slots, q, k, v),
-                                         meta.prefill_chunks, meta.prefill_tables, 64 ** -0.5)
+    assert amx_kernels.prefill_attention(direct, q, written, meta.prefill_chunks, meta.prefill_tables, 64 ** -0.5)
     assert torch.equal(got, direct)
     expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), TorchReferenceBackend().build_metadata(
         chunks, slots, 16, CPU), layer_for(q))
@@ -202,9 +202,3 @@ def test_the_batch_invariant_backend_puts_every_chunk_on_the_tiles_but_windowed_
         chunks, slots, 16, CPU), windowed)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=1e-2)
 
-
-def cache_after(cache, backend, chunks, slots, q, k, v):
-    """The cache once the step's K/V are written."""
-    written = cache.clone()
-    backend.forward(q, k, v, written, backend.build_metadata(chunks, slots, 16, CPU), layer_for(q))
-    return written

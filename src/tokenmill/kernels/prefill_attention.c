@@ -328,6 +328,17 @@ static void attend(scratch *ws, const work_item *w, int64_t head_dim, float scal
  * kv head, a lane per (query, query head). */
 #define SMALL_CHUNK 16
 
+/* A chunk's items per kv head: its query tiles, or for a small chunk `parts` shares of its heads. */
+static inline int64_t chunk_items(int64_t query_len, int64_t parts) {
+    return query_len <= SMALL_CHUNK ? parts : (query_len + 15) / 16;
+}
+
+/* Whether a chunk's V^T is packed before its items run, for all of them to share: a chunk of tiles, or a
+ * small chunk split into parts; a single small item packs its own as it goes. */
+static inline int shares_values(int64_t query_len, int64_t parts) {
+    return query_len > SMALL_CHUNK || parts > 1;
+}
+
 /* The lane sets of an item of a chunk for kv head h into ws->sets; returns their number. A small chunk's
  * item (row0 0, all its rows) takes the group's heads [g0, g1); a tile, every head of the group. */
 static int chunk_lanes(scratch *ws, uint16_t *out, const uint16_t *q, int64_t q_stride, int64_t row0, int64_t rows,
@@ -384,15 +395,14 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cac
     /* a small chunk's lanes are one item per kv head, or, where that leaves threads idle (a lone decode of
      * few kv heads), `parts` items of a share of its heads each: the same lanes, so the same arithmetic */
     int64_t items = 0;
-    for (int64_t c = 0; c < num_chunks; c++) items += (query_lens[c] <= SMALL_CHUNK ? 1 : (query_lens[c] + 15) / 16) * num_kv_heads;
+    for (int64_t c = 0; c < num_chunks; c++) items += chunk_items(query_lens[c], 1) * num_kv_heads;
     const int64_t threads = omp_get_max_threads(), wanted = items < threads ? (threads + items - 1) / items : 1;
     const int64_t parts = wanted < group ? wanted : group;
     first_tile[0] = first_item[0] = 0;
     for (int64_t c = 0; c < num_chunks; c++) {
-        /* packs its V^T as it goes, unless its heads' items share it */
-        const int small = query_lens[c] <= SMALL_CHUNK, shared = !small || parts > 1;
-        first_tile[c + 1] = first_tile[c] + (shared ? (context_lens[c] + 31) / 32 * num_kv_heads * dim_tiles : 0);
-        first_item[c + 1] = first_item[c] + (small ? parts : (query_lens[c] + 15) / 16) * num_kv_heads;
+        const int64_t key_blocks = shares_values(query_lens[c], parts) ? (context_lens[c] + 31) / 32 : 0;
+        first_tile[c + 1] = first_tile[c] + key_blocks * num_kv_heads * dim_tiles;
+        first_item[c + 1] = first_item[c] + chunk_items(query_lens[c], parts) * num_kv_heads;
     }
     /* a small chunk's lanes fill at most SMALL_CHUNK * group / 16 sets, a tile's group sets */
     const int64_t max_sets = group > (SMALL_CHUNK * group + 15) / 16 ? group : (SMALL_CHUNK * group + 15) / 16;
@@ -419,7 +429,7 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cac
         #pragma omp barrier
         if (!failed) {
             for (int64_t c = 0; c < num_chunks; c++) {
-                if (query_lens[c] <= SMALL_CHUNK && parts == 1)
+                if (!shares_values(query_lens[c], parts))
                     continue;
                 const int64_t key_blocks = (context_lens[c] + 31) / 32;
                 const int32_t *blocks = block_tables + c * max_blocks;
@@ -436,15 +446,16 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cac
                 int64_t c = 0;
                 while (first_item[c + 1] <= i) c++;
                 const int small = query_lens[c] <= SMALL_CHUNK;
-                const int64_t local = i - first_item[c], tiles_in_chunk = small ? 1 : (query_lens[c] + 15) / 16;
-                const int64_t h = local % num_kv_heads, tile = small ? 0 : tiles_in_chunk - 1 - local / num_kv_heads;
+                const int64_t local = i - first_item[c], h = local % num_kv_heads;
+                const int64_t tile = small ? 0 : chunk_items(query_lens[c], parts) - 1 - local / num_kv_heads;
                 const int64_t part = small ? local / num_kv_heads : 0;
                 const int64_t key_blocks = (context_lens[c] + 31) / 32, row0 = 16 * tile;
                 const int64_t start = context_lens[c] - query_lens[c];
                 const int64_t rows = small ? query_lens[c] : (query_lens[c] - row0 < 16 ? query_lens[c] - row0 : 16);
                 const work_item w = {
                     .kv = &kv, .blocks = block_tables + c * max_blocks, .kv_head = h, .context = context_lens[c],
-                    .value_tiles = small && parts == 1 ? NULL : head_tiles(tiles, first_tile, c, h, key_blocks, dim_tiles),
+                    .value_tiles = shares_values(query_lens[c], parts) ? head_tiles(tiles, first_tile, c, h, key_blocks, dim_tiles)
+                                                                       : NULL,
                     .sets = chunk_lanes(ws, out + query_starts[c] * num_heads * head_dim, q + query_starts[c] * q_stride,
                                         q_stride, row0, rows, start, h, group, small ? part * group / parts : 0,
                                         small ? (part + 1) * group / parts : group, num_heads, head_dim, small),
