@@ -222,9 +222,14 @@ def test_amx_int8_tiles_give_the_vector_products_bits(amx_kernels, fmt, dtype):
     has them): every row count gives the AVX512-VNNI level's bits, bias or none."""
     vnni = load_kernels(level_named("avx512_vnni"))
     torch.manual_seed(7)
-    packed = packed_weight(torch.randn(45, 576) * 0.1, fmt)
-    for bias in (torch.randn(45), None):
-        tiles, vectors = amx_kernels.qlinear_op(packed, bias), vnni.qlinear_op(packed, bias)
-        for rows in (15, 16, 17, 33, 100):
-            x = torch.randn(rows, 576).to(dtype)
-            assert torch.equal(tiles(x), vectors(x)), (rows, bias is None)
+    # (outputs, features, row counts): 1,000 outputs of 576 features span several panels of expanded
+    # tiles per thread; 32 and 160 features leave fewer than four blocks in the last step; 300 rows
+    # span several row chunks
+    for outputs, features, row_counts in ((45, 576, (15, 16, 17, 33, 100)), (1000, 576, (16, 300)),
+                                          (45, 32, (17,)), (45, 160, (40,))):
+        packed = packed_weight(torch.randn(outputs, features) * 0.1, fmt)
+        for bias in (torch.randn(outputs), None):
+            tiles, vectors = amx_kernels.qlinear_op(packed, bias), vnni.qlinear_op(packed, bias)
+            for rows in row_counts:
+                x = torch.randn(rows, features).to(dtype)
+                assert torch.equal(tiles(x), vectors(x)), (outputs, features, rows, bias is None)

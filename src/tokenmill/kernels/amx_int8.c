@@ -46,81 +46,123 @@ static int amx_int8_present(void) {
     return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1);
 }
 
-/* The group's B tiles, one per block: its cells' data for int8 (read in place: returns them), else the
- * int4 nibbles expanded into `buffer` (blocks x 512 bytes). */
-static const uint8_t *group_tiles(uint8_t *buffer, const uint8_t *cells, int64_t g, int64_t blocks, int bits,
-                                  int scales, int64_t *tile_stride) {
+/* The B tiles of `count` consecutive cells, one per block: int8 cells are read in place (returns them,
+ * *tile_stride = the cell size); int4 nibbles are expanded into `buffer` (count x 512 bytes, *tile_stride
+ * = 512). */
+static const uint8_t *expanded_tiles(uint8_t *buffer, const uint8_t *cells, int64_t count, int bits, int scales,
+                                     int64_t *tile_stride) {
     const int64_t cell_bytes = qcell_bytes(bits, scales);
     if (bits == 8) {
         *tile_stride = cell_bytes;
-        return cells + g * blocks * cell_bytes;
+        return cells;
     }
     const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *cell = cells + (g * blocks + b) * cell_bytes;
+    for (int64_t t = 0; t < count; t++) {
+        const uint8_t *cell = cells + t * cell_bytes;
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(cell + 64 * c);
-            _mm512_store_si512((__m512i *)(buffer + b * 512 + 64 * c), _mm512_and_si512(v, low));
-            _mm512_store_si512((__m512i *)(buffer + b * 512 + 64 * (c + 4)), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            _mm512_store_si512((__m512i *)(buffer + t * 512 + 64 * c), _mm512_and_si512(v, low));
+            _mm512_store_si512((__m512i *)(buffer + t * 512 + 64 * (c + 4)), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         }
     }
     *tile_stride = 512;
     return buffer;
 }
 
-/* y rows [0, m) x outputs of group g: the rows 16 at a time, every block's dots on the tiles, then
- * cells_tile's float steps for each row. q holds the rows padded with zeros to a multiple of 16. */
-static void group_product(void *y, int64_t y_stride, const uint8_t *cells, const uint8_t *tiles, int64_t tile_stride,
-                          int64_t g, const float *bias, const int8_t *q, const float *dx, const float *s, int64_t m,
-                          int64_t padded_k, int64_t n, int bits, int scales, int bf16) {
+/* This thread's buffer for expanded tiles, grown as needed and kept for later calls (OpenMP's threads
+ * persist between parallel regions). */
+static uint8_t *thread_buffer(size_t bytes) {
+    static __thread uint8_t *buffer;
+    static __thread size_t capacity;
+    if (bytes > capacity) {
+        free(buffer);
+        capacity = (bytes + 65535) / 65536 * 65536;
+        buffer = aligned_alloc(64, capacity);
+    }
+    return buffer;
+}
+
+/* The dots of blocks [b0, b0 + count) (count <= 4) for the 16 rows at q_rows, on tiles 0-3, stored to
+ * `dots`. The tile numbers must be constants. */
+#define BLOCK_DOTS(C, A, B, i)                                                  \
+    if (i < count) {                                                            \
+        _tile_zero(C);                                                          \
+        _tile_loadd(A, q_rows + (b0 + i) * QBLOCK, padded_k);                   \
+        _tile_loadd(B, tiles + (b0 + i) * tile_stride, 64);                      \
+        _tile_dpbsud(C, A, B);                                                  \
+    }
+#define ISSUE_DOTS(b0, count)                                                   \
+    do {                                                                        \
+        BLOCK_DOTS(0, 4, 5, 0)                                                  \
+        BLOCK_DOTS(1, 6, 7, 1)                                                  \
+        BLOCK_DOTS(2, 4, 5, 2)                                                  \
+        BLOCK_DOTS(3, 6, 7, 3)                                                  \
+    } while (0)
+#define STORE_DOTS(dots, count)                                                 \
+    do {                                                                        \
+        _tile_stored(0, dots[0], 64);                                           \
+        if (count > 1) _tile_stored(1, dots[1], 64);                            \
+        if (count > 2) _tile_stored(2, dots[2], 64);                            \
+        if (count > 3) _tile_stored(3, dots[3], 64);                            \
+    } while (0)
+
+/* y rows [r0, r0 + 16) (those below m) x the outputs of group g: the dots of four blocks at a time
+ * on the tiles, then cells_tile's float steps for each row, block after block. The tiles compute the
+ * next four blocks' dots while the vector units take the current four. */
+static inline void rows_product(void *y, int64_t y_stride, const uint8_t *group_cells, const uint8_t *tiles,
+                                int64_t tile_stride, int64_t j, __m512 add, __mmask16 valid, const int8_t *q,
+                                const float *dx, const float *s, int64_t r0, int64_t m, int64_t padded_k, int bits,
+                                int scales, int bf16) {
     const int64_t blocks = padded_k / QBLOCK, cell_bytes = qcell_bytes(bits, scales);
-    const int64_t data_bytes = qcell_data_bytes(bits), sb = qcell_scale_bytes(scales), j = g * QGROUP;
-    const __mmask16 valid = n - j >= QGROUP ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-    const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + j) : _mm512_setzero_ps();
-    int32_t dots[4][16][16] __attribute__((aligned(64)));
-    for (int64_t r0 = 0; r0 < m; r0 += 16) {
-        __m512 acc[16];
-        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
-            const int count = blocks - b0 < 4 ? (int)(blocks - b0) : 4;
-            /* the tile numbers must be constants */
-#define BLOCK_DOTS(C, A, B, i)                                                          \
-            if (i < count) {                                                            \
-                _tile_zero(C);                                                          \
-                _tile_loadd(A, q + r0 * padded_k + (b0 + i) * QBLOCK, padded_k);        \
-                _tile_loadd(B, tiles + (b0 + i) * tile_stride, 64);                      \
-                _tile_dpbsud(C, A, B);                                                  \
-            }
-            BLOCK_DOTS(0, 4, 5, 0)
-            BLOCK_DOTS(1, 6, 7, 1)
-            BLOCK_DOTS(2, 4, 5, 2)
-            BLOCK_DOTS(3, 6, 7, 3)
-#undef BLOCK_DOTS
-            _tile_stored(0, dots[0], 64);
-            if (count > 1) _tile_stored(1, dots[1], 64);
-            if (count > 2) _tile_stored(2, dots[2], 64);
-            if (count > 3) _tile_stored(3, dots[3], 64);
-            for (int i = 0; i < count; i++) {
-                const int64_t b = b0 + i;
-                const uint8_t *cell = cells + (g * blocks + b) * cell_bytes;
-                const __m512 scale = load_scales16(cell + data_bytes, scales);
-                const __m512 offset = load_scales16(cell + data_bytes + QGROUP * sb, scales);
-                for (int r = 0; r < 16; r++) {
-                    const __m512 weight = _mm512_mul_ps(scale, _mm512_set1_ps(dx[(r0 + r) * blocks + b]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i][r])), weight, acc[r]);
-                    acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[(r0 + r) * blocks + b]), acc[r]);
-                }
+    const int64_t data_bytes = qcell_data_bytes(bits), sb = qcell_scale_bytes(scales);
+    const int8_t *q_rows = q + r0 * padded_k;
+    int32_t dots[2][4][16][16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    int count = blocks < 4 ? (int)blocks : 4;
+    {
+        const int64_t b0 = 0;
+        ISSUE_DOTS(b0, count);
+        STORE_DOTS(dots[0], count);
+    }
+    for (int64_t b0 = 0, cur = 0; b0 < blocks; b0 += 4, cur ^= 1) {
+        const int64_t next = b0 + 4;
+        const int next_count = blocks - next < 4 ? (int)(blocks - next) : 4;
+        if (next_count > 0) {
+            const int64_t b0 = next;
+            const int count = next_count;
+            ISSUE_DOTS(b0, count);
+        }
+        for (int i = 0; i < count; i++) {
+            const int64_t b = b0 + i;
+            const uint8_t *cell = group_cells + b * cell_bytes;
+            const __m512 scale = load_scales16(cell + data_bytes, scales);
+            const __m512 offset = load_scales16(cell + data_bytes + QGROUP * sb, scales);
+            for (int r = 0; r < 16; r++) {
+                const __m512 weight = _mm512_mul_ps(scale, _mm512_set1_ps(dx[(r0 + r) * blocks + b]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[cur][i][r])), weight, acc[r]);
+                acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[(r0 + r) * blocks + b]), acc[r]);
             }
         }
-        for (int r = 0; r < 16 && r0 + r < m; r++) {
-            const __m512 v = _mm512_add_ps(acc[r], add);
-            if (bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * y_stride + j, valid, bf16_lanes(v));
-            else
-                _mm512_mask_storeu_ps((float *)y + (r0 + r) * y_stride + j, valid, v);
-        }
+        if (next_count > 0) STORE_DOTS(dots[cur ^ 1], next_count);
+        count = next_count;
+    }
+    for (int r = 0; r < 16 && r0 + r < m; r++) {
+        const __m512 v = _mm512_add_ps(acc[r], add);
+        if (bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * y_stride + j, valid, bf16_lanes(v));
+        else
+            _mm512_mask_storeu_ps((float *)y + (r0 + r) * y_stride + j, valid, v);
     }
 }
+#undef BLOCK_DOTS
+#undef ISSUE_DOTS
+#undef STORE_DOTS
+
+/* Bytes of B tiles a thread expands at a time (they stay in L2), and rows that pass over a group's
+ * tiles together (their inputs stay in L2, the group's tiles in L1). */
+#define PANEL_BYTES (256 << 10)
+#define ROWS_CHUNK 128
 #endif
 
 /* tm_qlinear's product from its quantised rows (q [ceil(m / 16) * 16, padded_k], the rows past m zero;
@@ -135,18 +177,36 @@ int tm_amx_int8_qlinear(void *y, int64_t y_stride, const uint8_t *cells, const f
         present = amx_int8_present();
     if (!present || !tm_amx_permitted || (scales & QS_SUB))
         return -1;
-    const int64_t groups = qgroups(n), blocks = padded_k / QBLOCK;
+    const int64_t groups = qgroups(n), blocks = padded_k / QBLOCK, cell_bytes = qcell_bytes(bits, scales);
+    const int64_t elem = bf16 ? 2 : 4;
     #pragma omp parallel
     {
         configure_int8_tiles();
-        uint8_t *buffer = bits == 4 ? aligned_alloc(64, (size_t)(blocks * 512)) : NULL;
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
+        /* each thread its contiguous share of the groups, a panel of them at a time */
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
+        int64_t panel = PANEL_BYTES / (blocks * 512);
+        if (panel < 1) panel = 1;
+        uint8_t *buffer = bits == 4 ? thread_buffer((size_t)(panel * blocks * 512)) : NULL;
+        for (int64_t p0 = g0; p0 < g1; p0 += panel) {
+            const int64_t p1 = p0 + panel < g1 ? p0 + panel : g1;
             int64_t tile_stride;
-            const uint8_t *tiles = group_tiles(buffer, cells, g, blocks, bits, scales, &tile_stride);
-            group_product(y, y_stride, cells, tiles, tile_stride, g, bias, q, dx, s, m, padded_k, n, bits, scales, bf16);
+            const uint8_t *tiles = expanded_tiles(buffer, cells + p0 * blocks * cell_bytes, (p1 - p0) * blocks, bits,
+                                                  scales, &tile_stride);
+            for (int64_t c0 = 0; c0 < m; c0 += ROWS_CHUNK)
+                for (int64_t g = p0; g < p1; g++) {
+                    const int64_t j = g * QGROUP;
+                    const __mmask16 valid = n - j >= QGROUP ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+                    const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + j) : _mm512_setzero_ps();
+                    /* the outputs' lines, owned before the rows are done: a store that misses would hold
+                     * up the tile loads behind it */
+                    for (int64_t r = c0; r < c0 + ROWS_CHUNK && r < m; r++)
+                        _m_prefetchw((char *)y + (r * y_stride + j) * elem);
+                    for (int64_t r0 = c0; r0 < c0 + ROWS_CHUNK && r0 < m; r0 += 16)
+                        rows_product(y, y_stride, cells + g * blocks * cell_bytes, tiles + (g - p0) * blocks * tile_stride,
+                                     tile_stride, j, add, valid, q, dx, s, r0, m, padded_k, bits, scales, bf16);
+                }
         }
-        free(buffer);
         _tile_release();
     }
     return 0;

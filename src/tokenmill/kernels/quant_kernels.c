@@ -159,6 +159,8 @@ static void quantize_rows(int8_t *q, float *dx, float *s, int32_t *qhalf, const 
                           int64_t x_stride, int bf16) {
     const int64_t padded_k = qpadded_k(k), blocks = padded_k / QBLOCK;
     const int64_t elem = bf16 ? 2 : 4;
+    /* rows are independent: threads change no result */
+    #pragma omp parallel for schedule(static) if (m >= 64)
     for (int64_t r = 0; r < m; r++)
         quantize_row(q + r * padded_k, dx + r * blocks, s + r * blocks, qhalf + r * 2 * blocks,
                      (const char *)x + r * x_stride * elem, k, padded_k, bf16);
