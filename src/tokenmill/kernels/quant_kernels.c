@@ -9,7 +9,7 @@
  *   y[r, j] = sum_b t (scale[j, b] dx[r, b]) + z (offset[j, b] dx[r, b]),
  * t and z exact integers (|t| < 2^28).
  * The integer dot products are exact (vpdpbusd on AVX512-VNNI, 16 outputs in the lanes of one vector;
- * on AVX2, and AVX-512 without VNNI, vpmaddubsw + vpmaddwd over 8 outputs, which gives the same
+ * on AVX-512 without VNNI, vpmaddubsw + vpmaddwd over 16 outputs, on AVX2 over 8, which give the same
  * integers); the float sums run over the blocks in order, two fused multiply-adds per block, per
  * output, on every level (the portable C path with fmaf). A row's result therefore does not depend on
  * the other rows of the batch, the tiling or the thread count, nor, for a given input, on the level.
@@ -28,6 +28,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TM_VNNI 1
+#endif
+/* cells_tile's 16 outputs a vector: AVX-512 with BW, with or without VNNI */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TM_WIDE_CELLS 1
 #endif
 
 /* amx_int8.c: the same product's integer dots on AMX-INT8 tiles, bit-identical; -1 where it cannot run. */
@@ -175,10 +179,11 @@ void tm_quantize_activations(int8_t *q, float *dx, float *s, const void *x, int6
     free(qhalf);
 }
 
-#ifdef TM_VNNI
+#ifdef TM_WIDE_CELLS
 /* Outputs of groups [g0, g0 + G) for input rows [r0, r0 + R) (+ bias) -> y. Always inlined with
  * constant G, R, bits and scales, so the accumulators acc[g][r] (16 lanes: the group's rows) live in
- * registers. */
+ * registers. Without VNNI the dots are cells_tile8's (vpmaddubsw, 16-bit sums for int4, |w| x sign(q, w)
+ * for int8), 16 lanes at a time: the same exact integers. */
 static inline __attribute__((always_inline)) void cells_tile(
     void *y, int64_t y_stride, const uint8_t *cells, int64_t g0, const int G, int64_t r0, const int R,
     const int bits, const int scales, const quantized_rows *in, const float *bias, int64_t n, int bf16) {
@@ -199,6 +204,7 @@ static inline __attribute__((always_inline)) void cells_tile(
             if (b + 4 < blocks)
                 for (int64_t line = 0; line < cell_bytes; line += 64) _mm_prefetch((const char *)cell + 4 * cell_bytes + line, _MM_HINT_T0);
             __m512i dot[2][4];  /* [feature half (with sub-scales; else all in 0)][row] */
+#ifdef TM_VNNI
             for (int f = 0; f < 2; f++)
                 for (int r = 0; r < R; r++) dot[f][r] = _mm512_setzero_si512();
             for (int c = 0; c < (bits == 4 ? 4 : 8); c++) {
@@ -217,6 +223,45 @@ static inline __attribute__((always_inline)) void cells_tile(
                     }
                 }
             }
+#else
+            const __m512i ones = _mm512_set1_epi16(1);
+            if (bits == 4) {
+                /* a block's pair sums add up in 16 bits without overflow (|sum| <= 8 x 2 x 15 x 127) */
+                __m512i pairs[4];
+                for (int r = 0; r < R; r++) pairs[r] = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    const __m512i v = _mm512_loadu_si512(cell + c * 64);
+                    const __m512i first = _mm512_and_si512(v, nibble);
+                    const __m512i second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *qb = q + r * padded_k + b * QBLOCK;
+                        pairs[r] = _mm512_add_epi16(pairs[r], _mm512_maddubs_epi16(first, _mm512_set1_epi32(*(const int32_t *)(qb + 4 * c))));
+                        pairs[r] = _mm512_add_epi16(pairs[r], _mm512_maddubs_epi16(second, _mm512_set1_epi32(*(const int32_t *)(qb + 16 + 4 * c))));
+                    }
+                }
+                for (int r = 0; r < R; r++) dot[0][r] = _mm512_madd_epi16(pairs[r], ones);
+            } else {
+                /* w = u - 128 as |w| x sign(q, w) (each pair within 2 x 128 x 127), and u . q = w . q + 128 sum(q) */
+                const __m512i bias128 = _mm512_set1_epi8((char)0x80);
+                for (int r = 0; r < R; r++) {
+                    const int32_t *qh = qhalf + r * 2 * blocks + 2 * b;
+                    dot[0][r] = _mm512_set1_epi32(128 * (sub ? qh[0] : qh[0] + qh[1]));
+                    dot[1][r] = _mm512_set1_epi32(128 * qh[1]);
+                }
+                for (int c = 0; c < 8; c++) {
+                    const int f = sub && c >= 4;
+                    const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(cell + c * 64), bias128);
+                    const __m512i magnitude = _mm512_abs_epi8(w);
+                    const __mmask64 negative = _mm512_movepi8_mask(w);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *qb = q + r * padded_k + b * QBLOCK;
+                        const __m512i qs = _mm512_set1_epi32(*(const int32_t *)(qb + 4 * c));
+                        const __m512i signed_q = _mm512_mask_sub_epi8(qs, negative, _mm512_setzero_si512(), qs);
+                        dot[f][r] = _mm512_add_epi32(dot[f][r], _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed_q), ones));
+                    }
+                }
+            }
+#endif
             const __m512 scale = load_scales16(cell + data_bytes, scales);
             const __m512 offset = load_scales16(cell + data_bytes + QGROUP * sb, scales);
             if (sub) {
@@ -256,7 +301,7 @@ static inline __attribute__((always_inline)) void cells_tile(
 }
 #endif
 
-#if !defined(TM_VNNI) && defined(TM_AVX2)
+#if !defined(TM_WIDE_CELLS) && defined(TM_AVX2)
 static inline __m256 load_scales8(const uint8_t *p, const int scales) {
     return (scales & QS_HALF) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
 }
@@ -359,7 +404,7 @@ static inline __attribute__((always_inline)) void cells_tile8(
         }
 }
 #define TM_CELLS_TILE cells_tile8
-#elif defined(TM_VNNI)
+#elif defined(TM_WIDE_CELLS)
 #define TM_CELLS_TILE cells_tile
 #endif
 
