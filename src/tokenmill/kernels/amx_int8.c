@@ -82,33 +82,10 @@ static uint8_t *thread_buffer(size_t bytes) {
     return buffer;
 }
 
-/* The dots of blocks [b0, b0 + count) (count <= 4) for the 16 rows at q_rows, on tiles 0-3, stored to
- * `dots`. The tile numbers must be constants. */
-#define BLOCK_DOTS(C, A, B, i)                                                  \
-    if (i < count) {                                                            \
-        _tile_zero(C);                                                          \
-        _tile_loadd(A, q_rows + (b0 + i) * QBLOCK, padded_k);                   \
-        _tile_loadd(B, tiles + (b0 + i) * tile_stride, 64);                      \
-        _tile_dpbsud(C, A, B);                                                  \
-    }
-#define ISSUE_DOTS(b0, count)                                                   \
-    do {                                                                        \
-        BLOCK_DOTS(0, 4, 5, 0)                                                  \
-        BLOCK_DOTS(1, 6, 7, 1)                                                  \
-        BLOCK_DOTS(2, 4, 5, 2)                                                  \
-        BLOCK_DOTS(3, 6, 7, 3)                                                  \
-    } while (0)
-#define STORE_DOTS(dots, count)                                                 \
-    do {                                                                        \
-        _tile_stored(0, dots[0], 64);                                           \
-        if (count > 1) _tile_stored(1, dots[1], 64);                            \
-        if (count > 2) _tile_stored(2, dots[2], 64);                            \
-        if (count > 3) _tile_stored(3, dots[3], 64);                            \
-    } while (0)
-
-/* y rows [r0, r0 + 16) (those below m) x the outputs of group g: the dots of four blocks at a time
- * on the tiles, then cells_tile's float steps for each row, block after block. The tiles compute the
- * next four blocks' dots while the vector units take the current four. */
+/* y rows [r0, r0 + 16) (those below m) x the outputs of group g: every block's dots on the tiles (four
+ * blocks in flight, so a block's dots are stored only after the next three are issued), then
+ * cells_tile's float steps for each row. (Issuing the next four blocks' dots before the float steps of
+ * the current four measured no faster.) */
 static inline void rows_product(void *y, int64_t y_stride, const uint8_t *group_cells, const uint8_t *tiles,
                                 int64_t tile_stride, int64_t j, __m512 add, __mmask16 valid, const int8_t *q,
                                 const float *dx, const float *s, int64_t r0, int64_t m, int64_t padded_k, int bits,
@@ -116,23 +93,28 @@ static inline void rows_product(void *y, int64_t y_stride, const uint8_t *group_
     const int64_t blocks = padded_k / QBLOCK, cell_bytes = qcell_bytes(bits, scales);
     const int64_t data_bytes = qcell_data_bytes(bits), sb = qcell_scale_bytes(scales);
     const int8_t *q_rows = q + r0 * padded_k;
-    int32_t dots[2][4][16][16] __attribute__((aligned(64)));
+    int32_t dots[4][16][16] __attribute__((aligned(64)));
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-    int count = blocks < 4 ? (int)blocks : 4;
-    {
-        const int64_t b0 = 0;
-        ISSUE_DOTS(b0, count);
-        STORE_DOTS(dots[0], count);
-    }
-    for (int64_t b0 = 0, cur = 0; b0 < blocks; b0 += 4, cur ^= 1) {
-        const int64_t next = b0 + 4;
-        const int next_count = blocks - next < 4 ? (int)(blocks - next) : 4;
-        if (next_count > 0) {
-            const int64_t b0 = next;
-            const int count = next_count;
-            ISSUE_DOTS(b0, count);
+    for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+        const int count = blocks - b0 < 4 ? (int)(blocks - b0) : 4;
+        /* the tile numbers must be constants */
+#define BLOCK_DOTS(C, A, B, i)                                                  \
+        if (i < count) {                                                        \
+            _tile_zero(C);                                                      \
+            _tile_loadd(A, q_rows + (b0 + i) * QBLOCK, padded_k);               \
+            _tile_loadd(B, tiles + (b0 + i) * tile_stride, 64);                  \
+            _tile_dpbsud(C, A, B);                                              \
         }
+        BLOCK_DOTS(0, 4, 5, 0)
+        BLOCK_DOTS(1, 6, 7, 1)
+        BLOCK_DOTS(2, 4, 5, 2)
+        BLOCK_DOTS(3, 6, 7, 3)
+#undef BLOCK_DOTS
+        _tile_stored(0, dots[0], 64);
+        if (count > 1) _tile_stored(1, dots[1], 64);
+        if (count > 2) _tile_stored(2, dots[2], 64);
+        if (count > 3) _tile_stored(3, dots[3], 64);
         for (int i = 0; i < count; i++) {
             const int64_t b = b0 + i;
             const uint8_t *cell = group_cells + b * cell_bytes;
@@ -140,12 +122,10 @@ static inline void rows_product(void *y, int64_t y_stride, const uint8_t *group_
             const __m512 offset = load_scales16(cell + data_bytes + QGROUP * sb, scales);
             for (int r = 0; r < 16; r++) {
                 const __m512 weight = _mm512_mul_ps(scale, _mm512_set1_ps(dx[(r0 + r) * blocks + b]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[cur][i][r])), weight, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i][r])), weight, acc[r]);
                 acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[(r0 + r) * blocks + b]), acc[r]);
             }
         }
-        if (next_count > 0) STORE_DOTS(dots[cur ^ 1], next_count);
-        count = next_count;
     }
     for (int r = 0; r < 16 && r0 + r < m; r++) {
         const __m512 v = _mm512_add_ps(acc[r], add);
@@ -155,9 +135,6 @@ static inline void rows_product(void *y, int64_t y_stride, const uint8_t *group_
             _mm512_mask_storeu_ps((float *)y + (r0 + r) * y_stride + j, valid, v);
     }
 }
-#undef BLOCK_DOTS
-#undef ISSUE_DOTS
-#undef STORE_DOTS
 
 /* Bytes of B tiles a thread expands at a time (they stay in L2), and rows that pass over a group's
  * tiles together (their inputs stay in L2, the group's tiles in L1). */
@@ -185,7 +162,8 @@ int tm_amx_int8_qlinear(void *y, int64_t y_stride, const uint8_t *cells, const f
         /* each thread its contiguous share of the groups, a panel of them at a time */
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
-        int64_t panel = PANEL_BYTES / (blocks * 512);
+        /* one chunk of rows reuses no group's tiles: each is expanded just before its use (L1) */
+        int64_t panel = m <= ROWS_CHUNK ? 1 : PANEL_BYTES / (blocks * 512);
         if (panel < 1) panel = 1;
         uint8_t *buffer = bits == 4 ? thread_buffer((size_t)(panel * blocks * 512)) : NULL;
         for (int64_t p0 = g0; p0 < g1; p0 += panel) {
