@@ -40,7 +40,7 @@ def _vector_path(kernels: Any) -> str:
         tiles = kernels.amx and kernels.level.name == "amx" and "amx_int8" in cpu_flags()
         return "AVX512-VNNI" + ("; integer dots on AMX-INT8 tiles from 16 rows" if tiles else "")
     if "avx512f" in features:
-        return "AVX-512 (int8 products on AVX2)"
+        return "AVX-512 without VNNI (vpmaddubsw, 16 outputs a vector)"
     if "avx2" in features:
         return "AVX2"
     return "portable C"
