@@ -51,17 +51,19 @@ serve_tm() {  # name model [args...] -> TM (pid)
 
 # tokenmill (each config in turn) against vLLM bf16: burst, long prefill, single stream, shared prefix
 "$PEERS/start-vllm-cpu.sh" 8036 >"$OUT/vllm.log" 2>&1 & VL=$!
+shift_seed=0  # each config its own prompts: vLLM's prefix cache outlives a config's runs
 for config in ${CONFIGS:-bf16}; do
   args=(); [ "$config" = bf16 ] && args=(--quantization none)
   serve_tm "tm-$config" smollm2-135m-instruct "${args[@]}"
   wait_up 8034 && wait_up 8036 || exit 1
   grep -m1 "kernels:" "$OUT/tm-$config.log"
   run 8034 smollm2 "$TM" "tm-$config-warmup" 300 "${WARM[@]}"; run 8036 default "$VL" "vllm-warmup-$config" 300 "${WARM[@]}"
-  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row1 311 "${ROW1[@]}"
-  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row2 321 "${ROW2[@]}"
-  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row3 331 "${ROW3[@]}"
-  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row4 341 "${ROW4[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row1 $((311 + shift_seed)) "${ROW1[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row2 $((321 + shift_seed)) "${ROW2[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row3 $((331 + shift_seed)) "${ROW3[@]}"
+  pairs 8034 smollm2 "$TM" "tm-$config" 8036 default "$VL" "vllm-$config" row4 $((341 + shift_seed)) "${ROW4[@]}"
   kill "$TM"; wait "$TM" 2>/dev/null; sleep 3
+  shift_seed=$((shift_seed + 1000))
 done
 kill "$VL"; wait "$VL" 2>/dev/null; sleep 5
 [ "$Q80" = - ] && { summarise; exit 0; }
