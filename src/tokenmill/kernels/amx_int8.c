@@ -5,7 +5,7 @@
  * every quantised input row; vpdpbusd computes them 64 multiply-adds an instruction, a tile 8,192. The
  * cell layout (quant_cells.h) is already an AMX "B" operand: an int8 cell's 8 chunks of 64 bytes are 8
  * tile rows, chunk c holding features 4c .. 4c + 3 of each of the 16 weight rows; an int4 cell's low
- * nibbles are rows 0-3 and its high nibbles rows 4-7, expanded to bytes once per group. The "A"
+ * nibbles are rows 0-3 and its high nibbles rows 4-7, expanded to bytes a panel of groups at a time. The "A"
  * operand is 16 quantised input rows' 32 bytes of the block, read in place. TDPBSUD (signed A,
  * unsigned B) gives C[row][output] = (u . q)_b, an exact int32 as vpdpbusd's sum is.
  *
