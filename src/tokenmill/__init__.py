@@ -1,15 +1,13 @@
 """tokenmill: an LLM inference and serving engine."""
 
-import os as _os
-
 # PyTorch's CPU allocator puts tensors of 2 MB and more on transparent huge pages when this is set; it
 # reads it once, at its first allocation, so it is set before anything imports torch. A 2048-token
 # prefill writes activations spread over thousands of 4 KB pages, and the TLB misses of those writes
 # cost up to a third of an AMX projection (docs/benchmarks.md, "Huge pages"). THP_MEM_ALLOC_ENABLE=0
 # in the environment keeps 4 KB pages.
-_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from tokenmill import envs as _envs
 
-from tokenmill import envs as _envs  # noqa: E402
+_envs.prefer_huge_pages()
 
 # A TOKENMILL_CPU_CAPABILITY cap also caps oneDNN and MKL (read at their first use, so set before torch
 # runs any of them), so that a capped machine runs PyTorch's products as a machine of that level would.
@@ -20,8 +18,8 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
+from tokenmill.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput",
            "__version__"]
 

@@ -7,9 +7,10 @@ keyword form (`LLM(dtype=..., block_size=...)`) and routes each keyword to its s
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from tokenmill import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -79,14 +80,6 @@ class ModelConfig:
     max_lora_rank: int = _opt(16, "largest LoRA rank an adapter may have (a larger one is refused)")
     max_cpu_loras: Optional[int] = _opt(None, "most LoRA adapters loaded at once (default: 4 x max_loras, at "
                                         "least 8); loading one more is refused until one is unloaded")
-
-    def runs_pooling(self) -> bool:
-        """Whether this model embeds (the pooling runner) rather than generates; ValueError if the path is bad."""
-        if self.runner != "auto":
-            return self.runner == "pooling"
-        from tokenmill.models.loader.resolve import resolve_model_path
-        from tokenmill.pooling.model import is_pooling_model
-        return is_pooling_model(resolve_model_path(self.model))
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -421,7 +414,7 @@ class ServerConfig:
     otlp_traces_endpoint: Optional[str] = _opt(
         None, "send an OpenTelemetry trace of every request (a span from arrival to end with its queue, prefill "
         "and decode phases, continuing the caller's W3C traceparent) to this OTLP/HTTP collector, e.g. "
-        "http://localhost:4318 (docs/observability.md)")
+        "http://localhost:4318 (docs/scale-out.md, Traces)")
     lora_modules: Optional[list[str]] = _opt(
         None, "LoRA adapters to serve from the start (needs --enable-lora), each as name=path or vLLM's JSON "
         "'{\"name\": ..., \"path\": ...}'; requests choose one by its name as `model`", nargs="+")
@@ -462,4 +455,4 @@ class ServerConfig:
             if not key:
                 raise ValueError(f"api_key_file {self.api_key_file!r} is empty")
             return key
-        return os.environ.get("TOKENMILL_API_KEY") or None
+        return envs.api_key()

@@ -16,6 +16,15 @@ CC                         the C compiler (default: gcc, else cc, on PATH).
 OMP_NUM_THREADS            read only to report it (`tokenmill env`); OpenMP and PyTorch act on it.
 TOKENMILL_DIST_KEY         the shared secret of a multi-node run (--nnodes > 1): the engine and the other
                            nodes' workers authenticate each other with it before any step crosses.
+TOKENMILL_API_KEY          the server's API key when --api-key / --api-key-file give none.
+PYTHONHASHSEED             the prefix cache's hash seed when none is configured (vLLM's rule).
+XDG_CACHE_HOME             where the all-MiniLM-L6-v2 alias unpacks its model (default ~/.cache).
+OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_SERVICE_NAME
+                           OpenTelemetry's own: the traces' protocol (only http/protobuf) and service name.
+TRITON_INTERPRET           Triton's: 1 runs its kernels in the interpreter (set for a CPU triton_paged run).
+THP_MEM_ALLOC_ENABLE       PyTorch's: 1 puts CPU tensors of 2 MB and more on transparent huge pages;
+                           importing tokenmill sets it to 1 unless it is set.
+Set for others: the oneDNN and MKL caps below, and a data-parallel replica's OMP_NUM_THREADS.
 """
 
 from __future__ import annotations
@@ -71,6 +80,51 @@ def distributed_key() -> bytes:
         raise ValueError("a multi-node run (nnodes > 1) needs TOKENMILL_DIST_KEY: the same secret on every node "
                          "(e.g. export TOKENMILL_DIST_KEY=$(openssl rand -hex 16) and copy it to the others)")
     return key.encode()
+
+
+def api_key() -> Optional[str]:
+    """TOKENMILL_API_KEY, or None when unset or empty."""
+    return os.environ.get("TOKENMILL_API_KEY") or None
+
+
+def python_hash_seed() -> Optional[str]:
+    """PYTHONHASHSEED, or None when unset."""
+    return os.environ.get("PYTHONHASHSEED")
+
+
+def xdg_cache_home() -> Path:
+    """XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+
+
+def otlp_traces_protocol() -> str:
+    """OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (default http/protobuf)."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+
+
+def otel_service_name() -> str:
+    """OTEL_SERVICE_NAME (default tokenmill)."""
+    return os.environ.get("OTEL_SERVICE_NAME", "tokenmill")
+
+
+def triton_interpreted() -> bool:
+    """Whether TRITON_INTERPRET is 1 (Triton reads it when first imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpret_triton() -> None:
+    """Set TRITON_INTERPRET=1, for a Triton not yet imported."""
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def prefer_huge_pages() -> None:
+    """THP_MEM_ALLOC_ENABLE=1 unless set: PyTorch's CPU allocator reads it once, at its first allocation."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def environment_with(**overrides: str) -> dict[str, str]:
+    """This process's environment with `overrides`: a child process's."""
+    return {**os.environ, **overrides}
 
 
 # oneDNN's ONEDNN_MAX_CPU_ISA for each capped level (amx and generic: no cap)

@@ -9,7 +9,7 @@ import torch
 
 from helpers.tiny_gguf import encode
 from tokenmill.layers.linear_kernels import AmxPackedKernel, OneDnnPackedKernel, make_kernel
-from tokenmill.layers.quantized import AMX_BELOW_ROWS, AMX_FROM_ROWS, from_gguf, quantize, reference_linear
+from tokenmill.kernels.quantized import AMX_BELOW_ROWS, AMX_FROM_ROWS, from_gguf, quantize, reference_linear
 
 
 def bf16_close(got: torch.Tensor, expected: torch.Tensor) -> None:

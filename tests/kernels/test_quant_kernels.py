@@ -11,8 +11,8 @@ import torch
 from helpers.tiny_gguf import encode
 from tokenmill.kernels.isa import level_named, runnable_levels
 from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, load_kernels
-from tokenmill.layers import quantized
-from tokenmill.layers.quantized import (DEQUANTIZE_FROM_ROWS, EXACT_GGUF_FORMATS, QuantizedWeight, cat_rows,
+from tokenmill.kernels import quantized
+from tokenmill.kernels.quantized import (DEQUANTIZE_FROM_ROWS, EXACT_GGUF_FORMATS, QuantizedWeight, cat_rows,
                                         from_gguf, quantize, quantize_activations, reference_linear)
 from tokenmill.models.loader.gguf_tensors import undo_llama_rope_permute
 

@@ -15,7 +15,7 @@ from helpers.tiny_models import make_tiny_hf_model
 from tokenmill.cli.main import build_parser
 from tokenmill.config import ModelConfig
 from tokenmill.engine.llm import LLM
-from tokenmill.engine.model_setup import load_model
+from tokenmill.worker.model_setup import load_model
 from tokenmill.layers.moe import MoEBlock
 from tokenmill.models.arch import MoEConfig
 from tokenmill.models.decoder import GatedMLP

@@ -12,7 +12,7 @@ from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import _ShardedLinear
-from tokenmill.layers import quantized
+from tokenmill.kernels import quantized
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
            "A much longer prompt about nothing in particular, repeated. " * 4, "1 2 3 4 5 6 7"]

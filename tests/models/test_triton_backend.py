@@ -8,7 +8,7 @@ import torch
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.model_setup import resolve_batch_invariant
+from tokenmill.worker.model_setup import resolve_batch_invariant
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
            "A much longer prompt about nothing in particular, repeated. " * 3, "1 2 3 4 5 6 7"]

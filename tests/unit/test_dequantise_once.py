@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tokenmill.layers import linear_kernels
 from tokenmill.layers.linear import ColumnParallelLinear
 from tokenmill.layers.linear_kernels import QuantizedKernel, dequantizes_once
-from tokenmill.layers.quantized import QuantizedWeight, quantize
+from tokenmill.kernels.quantized import QuantizedWeight, quantize
 
 
 def test_only_the_cpu_keeps_weights_quantised():

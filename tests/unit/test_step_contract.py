@@ -64,3 +64,19 @@ def test_finished_requests_are_named_once_and_their_ids_can_return():
     schedule = step(scheduler, runner)
     assert schedule.finished_request_ids == ["a"] and [n.request_id for n in schedule.new_requests] == ["a"]
     assert run_to_completion(scheduler, runner)["a"]  # the runner rebuilt the new "a", not the old one
+
+
+def test_a_step_has_work_when_any_of_its_lists_is_filled():
+    from dataclasses import fields
+
+    from tokenmill.core.sched_output import SchedulerOutput
+
+    assert not SchedulerOutput().has_work()
+    # every list of the step is work for the runner (tokens, request state, block copies, adapters): a list
+    # added to the contract and forgotten by has_work() fails here
+    lists = [f.name for f in fields(SchedulerOutput) if f.default_factory is list]
+    assert len(lists) >= 11
+    for name in lists:
+        step = SchedulerOutput()
+        getattr(step, name).append(object())
+        assert step.has_work(), name

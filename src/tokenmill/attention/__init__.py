@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Optional
 
 import torch
 
+from tokenmill import envs
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.config import ATTENTION_BACKENDS
@@ -63,7 +63,7 @@ def _triton_backend(device: torch.device, dtype: torch.dtype, batch_invariant: b
         raise ValueError(f"attention backend triton_paged runs on cuda (or cpu, interpreted), not {device.type}")
     interpret = device.type == "cpu"
     if interpret and "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
+        envs.interpret_triton()
     try:
         from tokenmill.attention.triton_paged import TritonPagedBackend
         from tokenmill.attention.triton_kernels import INTERPRETED

@@ -18,12 +18,12 @@ split-KV decode kernel reduces in another order and is used only when batch inva
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tokenmill import envs
+
+INTERPRETED = envs.triton_interpreted()
 
 
 @triton.jit

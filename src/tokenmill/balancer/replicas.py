@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tokenmill import envs
 from tokenmill.balancer.kv_index import EventSource
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.kv_events_config import KVEventsConfig
@@ -92,8 +93,8 @@ def plan_replicas(engine: EngineConfig, server: ServerConfig, ports: list[int], 
     if not events.active and engine.cache.prefix_caching:
         events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{workdir}/kv-events",
                                 replay_endpoint=f"ipc://{workdir}/kv-replay")
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // size))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+    threads = envs.omp_num_threads() or str(max(1, (os.cpu_count() or 1) // size))
+    env = envs.environment_with(OMP_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     if api_key:
         env["TOKENMILL_API_KEY"] = api_key
     replicas = []

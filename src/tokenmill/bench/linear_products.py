@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from tokenmill.engine.llm_engine import resolve_dtype
+from tokenmill.worker.model_setup import resolve_dtype
 from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, cpu_kernels, int8_rows_below
-from tokenmill.layers import quantized
+from tokenmill.kernels import quantized
 from tokenmill.layers.linear_kernels import (AmxPackedKernel, DenseKernel, Float32ComputeKernel, OneDnnPackedKernel,
                                           onednn_packing_available)
 

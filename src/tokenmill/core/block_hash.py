@@ -15,11 +15,12 @@ publishes them by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import cbor2
+
+from tokenmill import envs
 
 DEFAULT_SEED = "vllm-none-hash"
 ExtraKeys = Optional[tuple[tuple[str, ...], ...]]
@@ -34,7 +35,7 @@ def resolve_seed(seed: Optional[str]) -> str:
     """The seed given, else $PYTHONHASHSEED, else vLLM's default."""
     if seed is not None:
         return seed
-    return os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+    return envs.python_hash_seed() or DEFAULT_SEED
 
 
 def none_hash(seed: str) -> bytes:

@@ -117,6 +117,13 @@ class SchedulerOutput:
         """True when nothing is to be computed."""
         return not self.scheduled
 
+    def has_work(self) -> bool:
+        """Whether the runner has anything to do for this step: tokens to compute, requests to add, update
+        or forget, blocks to copy (tier, swap, transfer) or adapters to unload."""
+        return bool(self.scheduled or self.new_requests or self.cached_requests or self.finished_request_ids
+                    or self.kv_saves or self.kv_loads or self.swap_outs or self.swap_ins or self.kv_imports
+                    or self.kv_exports or self.lora_unloads)
+
 
 @dataclass(slots=True)
 class TokenLogprobs:

@@ -86,9 +86,8 @@ class Scheduler:
     def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager, swap_slots: int = 0) -> None:
         self.limits = limits
         self.kv_cache = kv_cache
-        if limits.preemption_mode != "recompute" and swap_slots and kv_cache.num_groups > 1:
-            raise ValueError("preemption_mode: swapping moves one KV cache group's blocks; this model has "
-                             f"{kv_cache.num_groups} (sliding-window layers): use recompute")
+        # swap slots come only with one KV cache group (config_checks.swaps_preempted)
+        assert not (swap_slots and kv_cache.num_groups > 1), "swapping moves one KV cache group's blocks"
         # preempted requests' blocks, while they wait (None: every preemption recomputes)
         self.swap = SwapSpace(swap_slots) if swap_slots and limits.preemption_mode != "recompute" else None
         self.num_recomputed_tokens = 0  # computed tokens dropped by preemptions, to be computed again

@@ -23,6 +23,7 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from tokenmill.engine.admission import AdmissionLimits, Ticket
+from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.live_sample import build_sample
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
@@ -82,7 +83,8 @@ class AsyncEngine:
                                                                    thread_name_prefix="tokenmill-grammar")
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
-        self.engine: LLMEngine
+        self.engine: LLMEngine  # the engine thread's alone (see the module's docstring)
+        self.info: EngineInfo  # what other threads read of it
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="tokenmill-engine",
                                         daemon=True)
         self._thread.start()
@@ -93,7 +95,7 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         """The model's tokenizer (thread-safe for encoding and decoding)."""
-        return self.engine.tokenizer
+        return self.info.tokenizer
 
     # ------------------------------------------------------------------ event-loop side
     def reserve(self, num_sequences: int) -> Ticket:
@@ -292,6 +294,7 @@ class AsyncEngine:
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
             self.engine = make_engine()
+            self.info = EngineInfo.of(self.engine)
         except BaseException as exc:
             self._startup_error = exc
             self._ready.set()

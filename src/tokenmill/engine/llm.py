@@ -14,6 +14,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
+from tokenmill.pooling.pooler_config import runs_pooling
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class LLM:
         self._ids = itertools.count()
         self.embedder: Optional[EmbeddingModel] = None  # an embedding model's (runner "pooling")
         self.llm_engine: Optional[LLMEngine] = None  # a generative model's
-        if config.model.runs_pooling():
+        if runs_pooling(config.model):
             from tokenmill.pooling.model import load_embedding_model
             m = config.model
             self.embedder = load_embedding_model(m.model, m.dtype, m.device, m.max_model_len, m.attention_backend,

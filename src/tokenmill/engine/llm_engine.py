@@ -6,12 +6,12 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
-import torch
-
 from tokenmill.config import EngineConfig
+from tokenmill.config_checks import check_kv_events, check_kv_transfer, check_lora, check_node_rank, swaps_preempted
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
@@ -22,7 +22,6 @@ from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
-from tokenmill.kernels.isa import native_bf16
 from tokenmill.kv_events_config import KVEventsConfig
 from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.lora.request import LoRARequest
@@ -34,32 +33,12 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.setup import make_speculation
 from tokenmill.structured.compiler import GrammarCache
 from tokenmill.structured.step_grammars import StepGrammars
+from tokenmill.worker.model_setup import resolve_device, resolve_dtype
 from tokenmill.worker.worker import WorkerSpec, check_divisible
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GIB = 1 << 30
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """'auto' -> on CPU, bfloat16 where the kernels' level computes it natively (`isa.native_bf16`), else
-    float32 (exact); on CUDA the
-    checkpoint's half dtype, bfloat16 for float32 checkpoints."""
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.bfloat16 if native_bf16() else torch.float32
-        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
-    return _DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -78,99 +57,126 @@ class EngineStats:
     spec: SpecTotals = field(default_factory=SpecTotals)
 
 
+@dataclass(frozen=True)
+class _KVPlan:
+    """The KV cache's sizes, decided before any worker starts (the pool's num_blocks is the asked-for size:
+    on CUDA the ranks may size it themselves, and the executor reports what they hold)."""
+
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+    tier_slots: int
+    swap_slots: int
+    quantized_kv: bool
+
+
 class LLMEngine:
     """Loads a model and runs requests through scheduler -> runner -> output processor, one step at a time."""
 
     def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None) -> None:
-        if config.parallel.node_rank != 0:
-            raise ValueError(f"node_rank {config.parallel.node_rank} runs only workers, and the engine runs on node 0: "
-                             f"start this node with `tokenmill serve MODEL --nnodes {config.parallel.nnodes} "
-                             f"--node-rank {config.parallel.node_rank} ...`")
+        check_node_rank(config.parallel)
+        check_lora(config)
         self.config = config
         started = time.perf_counter()
-        source = source or load_model_source(config.model.model)
+        self._read_model(source or load_model_source(config.model.model))
+        plan = self._plan_kv_cache()
+        events_config = KVEventsConfig.parse(config.cache.kv_events_config).for_rank(config.parallel.data_parallel_rank)
+        check_kv_events(config, events_config.active)
+        transfer_config = KVTransferConfig.parse(config.cache.kv_transfer_config)
+        if transfer_config is not None:
+            check_kv_transfer(config, len(self.kv_layout.groups))
+        check_divisible(self.arch, config.parallel.tensor_parallel_size, config.parallel.tensor_parallel_exact,
+                        config.parallel.pipeline_parallel_size, config.parallel.enable_expert_parallel)
+        # every check is done: what starts from here is stopped again if a later part fails
+        with ExitStack() as on_failure:
+            self.executor: Executor = make_executor(self._worker_spec(plan), config.parallel, self.source)
+            on_failure.callback(self.executor.shutdown)
+            self._build_kv_cache(plan, events_config, transfer_config, on_failure)
+            self._build_scheduler(plan)
+            self._build_step_state()
+            self.speculation = make_speculation(config, self) if config.speculative.enabled else None
+            on_failure.pop_all()
+        self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+                    time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
+                    self.kv_cache.num_blocks, plan.block_size, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each); %s", self.kv_cache.num_blocks,
+                    plan.block_size, self.kv_layout.layers_per_group, plan.block_bytes / 1024, self.kv_layout.describe())
+
+    def _read_model(self, source: ModelSource) -> None:
+        """The model's facts: source, tokenizer, architecture, device, dtype, context, adapters."""
+        config = self.config
         self.source, self.tokenizer, self.arch = source, source.tokenizer, source.arch
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.arch.checkpoint_dtype)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self.arch.eos_token_ids
-
         self.loras: Optional[LoRARegistry] = None  # the LoRA adapters served, with enable_lora
         if config.model.enable_lora:
             self.loras = LoRARegistry(self.arch, config.model.max_lora_rank, config.model.max_cpu_loras
                                       or max(8, 4 * config.model.max_loras))
-            if config.parallel.world_size > 1:
-                raise ValueError("enable_lora: LoRA adapters run at tensor and pipeline parallel size 1")
 
-        block_size = config.cache.block_size
-        # every rank's heads together: the budget is the whole run's
-        quantized_kv = config.cache.kv_cache_dtype == "int8"
+    def _plan_kv_cache(self) -> _KVPlan:
+        """The KV cache's layout and sizes: the pool (every rank's heads together: the budget is the whole
+        run's), the second tier and the swap space."""
+        cache = self.config.cache
+        quantized_kv = cache.kv_cache_dtype == "int8"
         if quantized_kv and self.arch.mla is not None:
             raise ValueError("kv_cache_dtype int8: MLA latent caches are not quantised; use auto")
         self.kv_layout = kv_cache_layout(self.arch, self.dtype.itemsize, quantized=quantized_kv)
-        block_bytes = self.kv_layout.block_bytes(block_size)
-        num_blocks = self._num_kv_blocks(block_bytes)
-        tier_slots = 0
-        if config.cache.prefix_caching and config.cache.secondary_kv_gb > 0:
-            tier_slots = max(1, int(config.cache.secondary_kv_gb * _GIB) // block_bytes)
-        preemption_mode = config.scheduler.preemption_mode
-        swap_slots = 0
-        if preemption_mode != "recompute" and config.cache.swap_space_gb > 0:
-            swap_slots = max(1, int(config.cache.swap_space_gb * _GIB) // block_bytes)
-            if len(self.kv_layout.groups) > 1:  # sliding-window layers: several tables to move
-                if preemption_mode == "swap":
-                    raise ValueError(f"preemption_mode swap: {self.arch.architecture} has sliding-window layers "
-                                     "(several KV cache groups), whose blocks are not swapped; use recompute")
-                swap_slots = 0
-        parallel = config.parallel
-        check_divisible(self.arch, parallel.tensor_parallel_size, parallel.tensor_parallel_exact,
-                        parallel.pipeline_parallel_size, parallel.enable_expert_parallel)  # before any worker starts
-        spec = WorkerSpec(config.model, source.path, str(self.device), str(self.dtype).removeprefix("torch."),
-                          self.max_model_len, num_blocks, block_size, tier_slots, config.cache.secondary_kv_folder,
-                          self.eos_token_ids, swap_slots=swap_slots, quantized_kv=quantized_kv,
-                          tp_size=parallel.tensor_parallel_size,
+        block_bytes = self.kv_layout.block_bytes(cache.block_size)
+        tier_slots = max(1, int(cache.secondary_kv_gb * _GIB) // block_bytes) \
+            if cache.prefix_caching and cache.secondary_kv_gb > 0 else 0
+        swap_slots = max(1, int(cache.swap_space_gb * _GIB) // block_bytes) \
+            if swaps_preempted(self.config, len(self.kv_layout.groups), self.arch.architecture) else 0
+        return _KVPlan(cache.block_size, block_bytes, self._num_kv_blocks(block_bytes), tier_slots, swap_slots,
+                       quantized_kv)
+
+    def _worker_spec(self, plan: _KVPlan) -> WorkerSpec:
+        """What every rank is built from."""
+        config, parallel = self.config, self.config.parallel
+        return WorkerSpec(config.model, self.source.path, str(self.device), str(self.dtype).removeprefix("torch."),
+                          self.max_model_len, plan.num_blocks, plan.block_size, plan.tier_slots,
+                          config.cache.secondary_kv_folder, self.eos_token_ids, swap_slots=plan.swap_slots,
+                          quantized_kv=plan.quantized_kv, tp_size=parallel.tensor_parallel_size,
                           pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
                           expert_parallel=parallel.enable_expert_parallel,
                           profile_tokens=config.scheduler.max_num_batched_tokens,
                           max_num_seqs=config.scheduler.max_num_seqs,
                           gpu_memory_utilization=config.cache.gpu_memory_utilization)
-        self.executor: Executor = make_executor(spec, config.parallel, source)
-        num_blocks = self.executor.num_blocks
-        events_config = KVEventsConfig.parse(config.cache.kv_events_config).for_rank(parallel.data_parallel_rank)
-        if events_config.active and not config.cache.prefix_caching:
-            self.executor.shutdown()
-            raise ValueError("kv_events_config: KV events describe the prefix cache's blocks; they need "
-                             "prefix_caching on")
-        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.prefix_caching,
-                                       hash_seed=config.cache.prefix_caching_hash_seed, secondary_slots=tier_slots,
+
+    def _build_kv_cache(self, plan: _KVPlan, events_config: KVEventsConfig,
+                        transfer_config: Optional[KVTransferConfig], on_failure: ExitStack) -> None:
+        """The KV cache manager over the blocks every rank holds, its transfers and its event publisher."""
+        cache = self.config.cache
+        self.kv_cache = KVCacheManager(self.executor.num_blocks, plan.block_size,
+                                       enable_prefix_caching=cache.prefix_caching,
+                                       hash_seed=cache.prefix_caching_hash_seed, secondary_slots=plan.tier_slots,
                                        windows=self.kv_layout.windows, record_events=events_config.active)
         self.kv_transfers: Optional[KVTransfers] = None
-        transfer_config = KVTransferConfig.parse(config.cache.kv_transfer_config)
         if transfer_config is not None:
-            problem = ("prefix_caching is off" if not config.cache.prefix_caching
-                       else "the model has several KV cache groups" if self.kv_cache.num_groups > 1
-                       else "the model runs on several ranks" if parallel.world_size > 1 else None)
-            if problem:
-                self.executor.shutdown()
-                raise ValueError(f"kv_transfer_config: transfers load blocks into the prefix cache of one rank's "
-                                 f"single KV group, but {problem}")
-            fingerprint = {"model": source.path, "architecture": self.arch.architecture,
-                           "dtype": str(self.dtype), "block_bytes": block_bytes}
+            fingerprint = {"model": self.source.path, "architecture": self.arch.architecture,
+                           "dtype": str(self.dtype), "block_bytes": plan.block_bytes}
             self.kv_transfers = KVTransfers(transfer_config, fingerprint, self.kv_cache)
         self.kv_events: Optional[ZmqEventPublisher] = None
         if events_config.active:
-            try:
-                self.kv_events = ZmqEventPublisher(events_config, parallel.data_parallel_rank)
-            except BaseException:
-                self.executor.shutdown()
-                raise
+            self.kv_events = ZmqEventPublisher(events_config, self.config.parallel.data_parallel_rank)
+            on_failure.callback(self.kv_events.shutdown)
             self._publish_kv_events()
-        limits = SchedulingLimits(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                  self.max_model_len, config.scheduler.schedule_policy,
+
+    def _build_scheduler(self, plan: _KVPlan) -> None:
+        scheduler = self.config.scheduler
+        limits = SchedulingLimits(scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
+                                  self.max_model_len, scheduler.schedule_policy,
                                   self.executor.max_steps_in_flight,
-                                  config.model.max_loras if config.model.enable_lora else 0, preemption_mode,
-                                  PreemptionCosts.for_model(self.arch, block_bytes / block_size, self.device.type))
-        self.scheduler = Scheduler(limits, self.kv_cache, swap_slots)
+                                  self.config.model.max_loras if self.config.model.enable_lora else 0,
+                                  scheduler.preemption_mode,
+                                  PreemptionCosts.for_model(self.arch, plan.block_bytes / plan.block_size,
+                                                            self.device.type))
+        self.scheduler = Scheduler(limits, self.kv_cache, plan.swap_slots)
+
+    def _build_step_state(self) -> None:
+        """What lives between steps: grammars, drafts, the steps in flight, telemetry."""
         self._grammar_cache: Optional[GrammarCache] = None
         self._grammar_lock = threading.Lock()
         self.step_grammars: Optional[StepGrammars] = None
@@ -180,17 +186,6 @@ class LLMEngine:
         # Each entry: the step, its grammar mask failures, when it was submitted and its chunks' telemetry.
         self._in_flight: deque[tuple[SchedulerOutput, dict, float, list[ChunkInfo]]] = deque()
         self.telemetry = Telemetry()
-        try:
-            self.speculation = make_speculation(config, self) if config.speculative.enabled else None
-        except BaseException:
-            self.shutdown()
-            raise
-        self.output_processor = OutputProcessor(self.tokenizer)
-        logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
-                    time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
-                    num_blocks, block_size, self.max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each); %s", num_blocks, block_size,
-                    self.kv_layout.layers_per_group, block_bytes / 1024, self.kv_layout.describe())
 
     @property
     def runner(self):
@@ -370,9 +365,7 @@ class LLMEngine:
     def _submit_next(self) -> bool:
         """Schedule a step and submit it; False when there is nothing to submit while others are in flight."""
         schedule = self.scheduler.schedule()
-        if self._in_flight and schedule.is_empty and not (schedule.finished_request_ids or schedule.kv_saves
-                                                          or schedule.kv_loads or schedule.kv_imports
-                                                          or schedule.swap_outs):
+        if self._in_flight and not schedule.has_work():
             return False
         if self._draft_probs:
             schedule.spec_probs = {c.request_id: probs for c in schedule.scheduled

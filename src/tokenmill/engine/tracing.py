@@ -10,10 +10,10 @@ by the SDK's background thread; the engine never waits for the collector.
 from __future__ import annotations
 
 import contextvars
-import os
 import time
 from typing import Any, Mapping, Optional
 
+from tokenmill import envs
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -35,7 +35,7 @@ class RequestTracer:
     """Turns finished requests into spans sent to an OTLP collector."""
 
     def __init__(self, endpoint: str, model_name: str) -> None:
-        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        protocol = envs.otlp_traces_protocol()
         if protocol != "http/protobuf":
             raise ValueError(f"otlp_traces_endpoint: only the http/protobuf protocol is supported, but "
                              f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is {protocol!r}")
@@ -50,7 +50,7 @@ class RequestTracer:
                              "pip install 'tokenmill[otel]'") from exc
         self.model_name = model_name
         self.url = traces_url(endpoint)
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "tokenmill")})
+        resource = Resource.create({"service.name": envs.otel_service_name()})
         self._provider = TracerProvider(resource=resource)
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.url)))
         self._tracer = self._provider.get_tracer("tokenmill")

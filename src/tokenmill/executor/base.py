@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from tokenmill.config import ParallelConfig
-    from tokenmill.models.loader import ModelSource
-    from tokenmill.worker.worker import WorkerSpec
 
 
 class ExecutorDiedError(RuntimeError):
@@ -52,15 +47,3 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
-
-
-def make_executor(spec: "WorkerSpec", parallel: "ParallelConfig", source: Optional["ModelSource"] = None) -> Executor:
-    """The executor `parallel.backend` names, its ranks built from `spec` (`source`, when given, is the
-    engine's already opened checkpoint, which the in-process executor reuses)."""
-    if parallel.backend == "mp":
-        from tokenmill.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(spec, parallel)
-    from tokenmill.executor.in_process import InProcessExecutor
-
-    return InProcessExecutor(spec, source)

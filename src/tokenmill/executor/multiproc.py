@@ -10,17 +10,16 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 import pickle
 import threading
 import time
-import traceback
 from multiprocessing import connection, get_context
-from typing import Any, Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from tokenmill.config import ParallelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError, WorkerStepError
+from tokenmill.executor.worker_process import StepDone, WorkerFailed, WorkerMessage, WorkerReady, worker_main
 from tokenmill.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -80,9 +79,11 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        descriptions = [description for description, _ in readies]
+        if not all(isinstance(ready, WorkerReady) for ready in readies):
+            raise ExecutorDiedError(f"a worker answered its start with {readies}")
+        descriptions = [ready.description for ready in readies]
         # every rank's pool holds at least this many blocks (each sizes its own from GPU memory when asked)
-        self.num_blocks = min(blocks for _, blocks in readies)
+        self.num_blocks = min(ready.num_blocks for ready in readies)
         self.rank_descriptions = descriptions  # each rank's own (its shard: e.g. its experts)
         self.description = f"{descriptions[0]}; {world_size} worker process{'es' if world_size > 1 else ''}"
         if parallel.nnodes > 1:
@@ -114,11 +115,13 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("collect() with no step in flight")
         with self._step_lock:
             try:
-                return self._receive(self.driver, range(len(self.pipes)))
+                done = self._receive(self.driver, range(len(self.pipes)))
+                assert isinstance(done, StepDone), f"a worker answered a step with {type(done).__name__}"
+                return done.output
             finally:
                 self._num_in_flight -= 1
 
-    def _receive(self, rank: int, listening: Iterable[int]) -> Any:
+    def _receive(self, rank: int, listening: Iterable[int]) -> WorkerMessage:
         """The next answer of `rank`, while watching the `listening` ranks' pipes (the others speak only
         to report a failed step) and every worker's sentinel. A step that fails on one rank of several
         leaves the ranks out of step (some may wait in a collective): the executor is then failed too."""
@@ -129,17 +132,17 @@ class MultiprocExecutor(Executor):
             for pipe in (p for p in ready if p in pipes):
                 speaker = pipes[pipe]
                 try:
-                    kind, value = pickle.loads(pipe.recv_bytes())
+                    message = pickle.loads(pipe.recv_bytes())
                 except (EOFError, OSError) as exc:
                     raise ExecutorDiedError(self._died(speaker, f"its pipe closed ({exc})")) from exc
-                if kind == "error":
-                    message = f"worker rank {speaker} failed: {value}"
+                if isinstance(message, WorkerFailed):
+                    message = f"worker rank {speaker} failed: {message.reason}"
                     if len(self.pipes) > 1:
                         self._failure = self._failure or message
                         raise ExecutorDiedError(message)
                     raise WorkerStepError(message)
                 if speaker == rank:
-                    return value
+                    return message
             for sentinel in (s for s in ready if s in sentinels):
                 gone = sentinels[sentinel]
                 raise ExecutorDiedError(self._died(gone, f"it exited{self._last_words(gone)}"))
@@ -149,9 +152,9 @@ class MultiprocExecutor(Executor):
         pipe = self.pipes[rank]
         try:
             if pipe.poll():
-                kind, value = pickle.loads(pipe.recv_bytes())
-                if kind == "error":
-                    return f" after reporting: {value}"
+                message = pickle.loads(pipe.recv_bytes())
+                if isinstance(message, WorkerFailed):
+                    return f" after reporting: {message.reason}"
         except (EOFError, OSError, pickle.UnpicklingError):
             pass
         return ""
@@ -220,73 +223,6 @@ class MultiprocExecutor(Executor):
             pipe.close()
 
 
-def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -> None:
-    """A worker process: build the rank, say ready (or why not), then run steps until told to stop or
-    until the engine's end of the pipe closes (the engine is gone)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
-    if spec.world_size > 1:  # the ranks share this host's cores
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
-    logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {spec.rank}] %(levelname)s %(name)s: %(message)s")
-    from tokenmill.worker.worker import Worker
-
-    try:
-        worker = Worker(spec)
-    except BaseException as exc:
-        _send(pipe, ("error", f"{type(exc).__name__}: {exc}"))
-        return
-    _send(pipe, ("ready", (worker.description, worker.num_blocks)))
-    receive = _pipe_reader(pipe) if spec.pp_size > 1 else pipe.recv_bytes
-    while True:
-        try:
-            schedule = pickle.loads(receive())
-        except (EOFError, OSError):
-            return
-        if schedule is None:
-            return
-        try:
-            output = worker.execute(schedule)
-        except Exception:
-            _send(pipe, ("error", traceback.format_exc()))
-            continue
-        if spec.rank == spec.driver_rank:
-            _send(pipe, ("ok", output))
-
-
-def _pipe_reader(pipe: connection.Connection) -> Callable[[], bytes]:
-    """A `recv_bytes` served by a thread that drains the pipe as steps arrive.
-
-    With steps in flight the engine may write a step to a rank that is blocked handing activations to a
-    stage that is itself blocked answering the engine; reading the pipe off the compute thread keeps
-    such a cycle from ever closing. The queue is bounded by the engine: at most one step per stage is
-    in flight, plus the stop message.
-    """
-    import queue
-
-    steps: "queue.Queue[bytes | BaseException]" = queue.Queue()
-
-    def drain() -> None:
-        while True:
-            try:
-                steps.put(pipe.recv_bytes())
-            except (EOFError, OSError) as exc:
-                steps.put(exc)
-                return
-
-    threading.Thread(target=drain, name="tokenmill-step-reader", daemon=True).start()
-
-    def receive() -> bytes:
-        item = steps.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    return receive
-
-
 def _free_port() -> int:
     """A TCP port free on this host right now, for a single-host rendezvous."""
     import socket
@@ -294,7 +230,3 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _send(pipe: connection.Connection, message: tuple[str, Any]) -> None:
-    pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))

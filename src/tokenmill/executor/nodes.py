@@ -176,8 +176,8 @@ def run_worker_node(config: "EngineConfig") -> int:
 def remote_worker_main(address: tuple[str, int], key: bytes, rank: int, model_path: str, timeout: float,
                        log_level: int) -> None:
     """A worker process of another node: connect to the engine, take the spec it sends, then serve steps
-    exactly as a local worker does (multiproc.worker_main)."""
-    from tokenmill.executor.multiproc import worker_main
+    exactly as a local worker does (worker_process.worker_main)."""
+    from tokenmill.executor.worker_process import worker_main
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {rank}] %(levelname)s %(name)s: %(message)s")
     try:

@@ -21,10 +21,10 @@ from tokenmill import envs
 from tokenmill.core.kv_spec import QUANTIZED_SCALE_BYTES
 from tokenmill.kernels.build import KernelBuildError, built_library
 from tokenmill.kernels.isa import IsaLevel, chosen_level, level_has
-from tokenmill.layers import quantized
+from tokenmill.kernels import quantized
 
 if TYPE_CHECKING:
-    from tokenmill.layers.quantized import QuantizedWeight
+    from tokenmill.kernels.quantized import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 /* The cell layout of a block-quantised weight, as the native kernels read it.
  *
  * A weight W [n, k] with w[j, i] = scale[j, b] * u[j, i] + offset[j, b] (b = i / 32, u an unsigned
- * byte value; layers/quantized.py's row layout, which tm_qcells_pack converts from) is held in cells
+ * byte value; kernels/quantized.py's row layout, which tm_qcells_pack converts from) is held in cells
  * of 16 weight rows ("a group") x 32 input features (one block), ordered [group][block]. Rows are
  * padded to whole groups with zero cells, features to padded_k (a multiple of 64) as in the row layout.
  * A cell holds its data, then the 16 rows' scales, then their offsets (float16 when `scales` has

@@ -46,7 +46,7 @@ int64_t tm_qcells_bytes(int64_t n, int64_t k, int bits, int scales) {
     return qgroups(n) * (qpadded_k(k) / QBLOCK) * qcell_bytes(bits, scales);
 }
 
-/* Row-layout weight (layers/quantized.py: row j's data at data + j * row_bytes, blocks scales and
+/* Row-layout weight (kernels/quantized.py: row j's data at data + j * row_bytes, blocks scales and
  * offsets per row, and with QS_SUB its sub-scales, padded_k / 16 per row) -> cells (tm_qcells_bytes of
  * them). */
 void tm_qcells_pack(uint8_t *cells, const uint8_t *data, const void *scale, const void *offset, const int8_t *sub,

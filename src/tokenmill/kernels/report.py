@@ -14,7 +14,7 @@ from tokenmill import envs
 from tokenmill.cpu_features import cpu_flags
 from tokenmill.kernels import build, isa
 from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, cpu_kernels, int8_rows_below
-from tokenmill.layers import quantized
+from tokenmill.kernels import quantized
 
 # the cpuinfo flags that decide a level or a library path
 INTERESTING_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx_ne_convert", "avx512f", "avx512bw",

@@ -5,7 +5,7 @@ checkpoint tensor (`weight_loader`). Column-parallel layers split output feature
 row-parallel layers split input features and all-reduce their partial outputs. At one rank the shard
 is the whole tensor and nothing is communicated.
 
-A layer's weight may instead be kept quantised (layers/quantized.py): when a checkpoint part arrives
+A layer's weight may instead be kept quantised (kernels/quantized.py): when a checkpoint part arrives
 quantised, or `quantize_to` names a format, the parts are gathered until every row is there and then
 packed into one `QuantizedWeight`; the float parameter is dropped without ever being written.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
-from tokenmill.layers.quantized import QuantizedWeight, cat_rows, quantize
+from tokenmill.kernels.quantized import QuantizedWeight, cat_rows, quantize
 from tokenmill.parallel.group import TPGroup
 
 _SINGLE = TPGroup.single()

@@ -6,7 +6,7 @@ matmuls on CPUs with AVX512-BF16/AMX skip the per-call weight reorder (measured 
 docs/benchmarks.md). `AmxPackedKernel` adds tokenmill's own AMX product for the row counts where it
 beats oneDNN's. A packed kernel owns its reordered copies; the layer drops the original.
 `Float32ComputeKernel` stands in for the packed kernels where the CPU has no native bfloat16 matmul.
-`QuantizedKernel` multiplies a weight kept quantised (layers/quantized.py).
+`QuantizedKernel` multiplies a weight kept quantised (kernels/quantized.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.cpu_kernels import AMX_FEATURE_TILE, scratch_buffer
 from tokenmill.kernels.isa import onednn_bf16_packing
-from tokenmill.layers import quantized
-from tokenmill.layers.quantized import QuantizedWeight, reference_linear
+from tokenmill.kernels import quantized
+from tokenmill.kernels.quantized import QuantizedWeight, reference_linear
 
 logger = logging.getLogger(__name__)
 

@@ -10,29 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenmill.core.kv_spec import KVCacheLayout, KVCacheSpec, group_layers
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling.
-
-    `kind` is "llama3" (Llama 3.1 smooth wavelength scaling, with the factors below), "linear"
-    (positions divided by `factor`), "yarn" (YaRN: frequencies interpolated by `factor` below a ramp
-    between `beta_fast` and `beta_slow` rotations over the original context, kept above it; cos and
-    sin times `attention_factor`) or "factors" (explicit per-frequency divisors, as GGUF stores them in
-    `rope_freqs.weight`; the divisors are loaded as a tensor, not kept here).
-    """
-
-    kind: str
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0
-    truncate: bool = True
-
+from tokenmill.layers.rotary import RopeScaling
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

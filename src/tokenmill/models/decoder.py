@@ -20,7 +20,7 @@ from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.layers.moe import MoEBlock, expert_checkpoint_names, local_experts
-from tokenmill.layers.quantized import QuantizedWeight, quantize
+from tokenmill.kernels.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention

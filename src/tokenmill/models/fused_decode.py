@@ -23,7 +23,7 @@ import torch
 
 from tokenmill.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, QLinearOp, prefill_attention_fits
-from tokenmill.layers import quantized
+from tokenmill.kernels import quantized
 from tokenmill.layers.linear_kernels import AmxPackedKernel, QuantizedKernel
 
 

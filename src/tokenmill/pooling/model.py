@@ -15,22 +15,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from tokenmill.pooling.pooler_config import (ENCODER_ARCHITECTURES, PoolerConfig, is_sentence_transformers_folder,
-                                             read_pooler_config)
+from tokenmill.pooling.pooler_config import ENCODER_ARCHITECTURES, PoolerConfig, is_pooling_model, read_pooler_config
 
 logger = logging.getLogger(__name__)
 
 _SCRATCH_BLOCK = 16  # tokens per block of a decoder's scratch KV cache
-
-
-def is_pooling_model(model_path: str) -> bool:
-    """Whether the checkpoint at `model_path` is an embedding model: an encoder's HF folder, or any HF
-    folder with sentence-transformers modules (a decoder trained for embeddings)."""
-    folder = Path(model_path)
-    if not (folder / "config.json").is_file():
-        return False
-    architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
-    return is_sentence_transformers_folder(model_path) or any(a in ENCODER_ARCHITECTURES for a in architectures)
 
 
 def pool(states: torch.Tensor, seq_lens: Sequence[int], method: str) -> torch.Tensor:
@@ -109,7 +98,7 @@ def load_embedding_model(model: str, dtype: str = "auto", device: str = "auto",
     without sentence-transformers files too (last-token pooling, normalised, as vLLM's default). `dtype`
     auto is float32: embedding models are small, and their users compare vectors to the float reference's
     (bfloat16 measured cosine 0.99990 against it on all-MiniLM-L6-v2)."""
-    from tokenmill.engine.llm_engine import resolve_device
+    from tokenmill.worker.model_setup import resolve_device
     from tokenmill.models.loader import load_model_source, resolve_model_path
     from tokenmill.models.loader.tokenizer import load_hf_tokenizer
 
@@ -168,7 +157,7 @@ class _DecoderStates:
     def __init__(self, source: Any, dtype: torch.dtype, device: torch.device, max_model_len: int,
                  attention_backend: str) -> None:
         from tokenmill.config import ModelConfig
-        from tokenmill.engine.model_setup import load_model
+        from tokenmill.worker.model_setup import load_model
         from tokenmill.models.arch import kv_cache_layout
 
         config = ModelConfig(model=source.path, attention_backend=attention_backend, quantization="none")

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill.config import ModelConfig
+from tokenmill.models.loader.resolve import resolve_model_path
+
 POOLING_METHODS = ("mean", "cls", "last")
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
 
@@ -74,3 +77,20 @@ def _pooling_method(config: dict[str, Any], folder: str) -> str:
     if len(modes) != 1 or modes[0] not in names:
         raise ValueError(f"{folder}: pooling {modes} is not supported (one of mean_tokens, cls_token, lasttoken)")
     return names[modes[0]]
+
+
+def is_pooling_model(model_path: str) -> bool:
+    """Whether the checkpoint at `model_path` is an embedding model: an encoder's HF folder, or any HF
+    folder with sentence-transformers modules (a decoder trained for embeddings)."""
+    folder = Path(model_path)
+    if not (folder / "config.json").is_file():
+        return False
+    architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    return is_sentence_transformers_folder(model_path) or any(a in ENCODER_ARCHITECTURES for a in architectures)
+
+
+def runs_pooling(model: ModelConfig) -> bool:
+    """Whether `model` embeds (the pooling runner) rather than generates; ValueError if its path is bad."""
+    if model.runner != "auto":
+        return model.runner == "pooling"
+    return is_pooling_model(resolve_model_path(model.model))

@@ -14,9 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill import __version__
 from tokenmill.config import ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
+from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.tracing import TRACE_HEADERS, incoming_trace
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
@@ -25,10 +24,11 @@ from tokenmill.server.lora_routes import ServedModels, add_lora_routes
 from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
-from tokenmill.server.serving_common import (APIError, ClientDisconnected, error_response, new_id,
-                                             unless_disconnected)
+from tokenmill.server.serving_common import (ENGINE_ERRORS, APIError, ClientDisconnected, engine_error_response,
+                                             error_response, new_id, unless_disconnected)
 from tokenmill.server.serving_completion import CompletionHandler, prompt_items, tokenize_prompts
 from tokenmill.server.tool_calls import tool_mode
+from tokenmill.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -159,17 +159,11 @@ def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, trac
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
-    @app.exception_handler(QueueFullError)
-    async def on_queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
+    async def on_engine_error(request: Request, exc: Exception) -> JSONResponse:
+        return engine_error_response(exc)
 
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error(503, str(exc), "service_unavailable")
-
-    @app.exception_handler(RequestFailedError)
-    async def on_request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
-        return _error(500, str(exc), "internal_error")
+    for engine_error in ENGINE_ERRORS:
+        app.add_exception_handler(engine_error, on_engine_error)
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -230,14 +224,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     /metrics, unless config.metrics_require_key) requires it."""
     model_name = engine.model_name
     limits = RequestLimits.from_config(config)
-    served = ServedModels(model_name, engine.engine.loras)
+    served = ServedModels(model_name, engine.info.loras)
     completions = CompletionHandler(engine, model_name, limits, served.adapter)
     chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter)
     live = EngineStream(engine)
     app, _ = base_app(
         config, api_key, model_name, engine.tracer is not None,
         lambda: None if engine.is_alive else engine.fault or "the engine is not running",
-        lambda created: served.cards(created, {"max_model_len": engine.engine.max_model_len}), engine.metrics.render)
+        lambda created: served.cards(created, {"max_model_len": engine.info.max_model_len}), engine.metrics.render)
     add_lora_routes(app, served)
 
     def check_model(name: Optional[str]) -> None:
@@ -261,12 +255,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         else:
             tokens = (await asyncio.to_thread(engine.tokenizer, body.prompt,
                                               add_special_tokens=body.add_special_tokens)).input_ids
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.info.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        vocab = engine.engine.arch.vocab_size
+        vocab = engine.info.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")

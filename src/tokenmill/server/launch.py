@@ -27,6 +27,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from tokenmill.engine.admission import AdmissionLimits
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.pooling.pooler_config import runs_pooling
     from tokenmill.server.api_server import build_app
 
     server_config.validate()
@@ -45,7 +46,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         for running in servers:
             running.should_exit = True
 
-    if engine_config.model.runs_pooling():
+    if runs_pooling(engine_config.model):
         app, stop_accepting, shutdown = _pooling_app(engine_config, server_config, name, api_key)
     else:
         tracer = None
@@ -54,7 +55,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
         async_engine = AsyncEngine(lambda: _with_adapters(LLMEngine(engine_config), server_config.lora_modules),
                                    name, limits, on_dead, tracer)
-        app = build_app(async_engine, server_config, async_engine.engine.source.chat_template, api_key)
+        app = build_app(async_engine, server_config, async_engine.info.chat_template, api_key)
         stop_accepting, shutdown = async_engine.stop_accepting, async_engine.shutdown
 
     class _GracefulServer(uvicorn.Server):

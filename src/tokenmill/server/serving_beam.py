@@ -18,7 +18,7 @@ async def run_beam_search(engine: AsyncEngine, prompts: list[list[int]], params:
                           adapter: Optional[LoRARequest] = None) -> list[BeamSearchOutput]:
     """Each prompt's finished hypotheses, best first, with their text. Engine errors (ValueError for a
     prompt that cannot run, QueueFullError, ...) propagate; the step's other requests are aborted."""
-    searches = [BeamSearch(ids, params, engine.engine.eos_token_ids) for ids in prompts]
+    searches = [BeamSearch(ids, params, engine.info.eos_token_ids) for ids in prompts]
     step = with_adapter(beam_step_params(searches[0].num_candidates), adapter)
     base, counter = new_id("beam"), itertools.count()
 

@@ -25,7 +25,7 @@ def make_speculation(config: EngineConfig, engine: "LLMEngine") -> SpeculationCo
 
 
 def _draft_proposer(config: EngineConfig, engine: "LLMEngine"):
-    from tokenmill.engine.model_setup import load_model
+    from tokenmill.worker.model_setup import load_model
     from tokenmill.models.loader import load_model_source
     from tokenmill.spec_decode.draft import DraftProposer
 

@@ -73,7 +73,7 @@ class Worker:
     """Loads its model and KV pool, then runs steps: `execute(SchedulerOutput) -> ModelRunnerOutput`."""
 
     def __init__(self, spec: WorkerSpec, source: Optional[ModelSource] = None) -> None:
-        from tokenmill.engine.model_setup import load_model
+        from tokenmill.worker.model_setup import load_model
 
         self.spec = spec
         self.device = rank_device(spec.device, spec.rank, spec.ranks_per_node)

@@ -26,7 +26,7 @@ from tokenmill.models.loader.tokenizer import load_gguf_tokenizer, load_hf_token
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tokenmill.layers.quantized import QuantizedWeight
+    from tokenmill.kernels.quantized import QuantizedWeight
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
-from tokenmill.layers.quantized import EXACT_GGUF_FORMATS, QuantizedWeight, from_gguf
+from tokenmill.kernels.quantized import EXACT_GGUF_FORMATS, QuantizedWeight, from_gguf
 from tokenmill.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, ArchConfig, MLAConfig, MoEConfig, RopeScaling
 from tokenmill.models.loader.hf_config import yarn_mscale
 from tokenmill.models.loader.gguf_tensors import (

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
-from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.kernels.quantized import QuantizedWeight
 
 T = GGMLQuantizationType
 FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}

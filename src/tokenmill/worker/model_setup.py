@@ -12,6 +12,7 @@ import torch
 from tokenmill.attention import AttentionBackend, get_attention_backend
 from tokenmill.config import ModelConfig
 from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.kernels.isa import native_bf16
 from tokenmill.kernels.report import describe_model_paths
 from tokenmill.layers.linear_kernels import packing_applies
 from tokenmill.models.loader import ModelSource
@@ -20,6 +21,27 @@ from tokenmill.parallel.group import PipelineStage, TPGroup
 
 logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """'auto' -> on CPU, bfloat16 where the kernels' level computes it natively (`isa.native_bf16`), else
+    float32 (exact); on CUDA the
+    checkpoint's half dtype, bfloat16 for float32 checkpoints."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.bfloat16 if native_bf16() else torch.float32
+        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
+    return _DTYPES[name]
 
 
 def load_model(source: ModelSource, config: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -1,0 +1,56 @@
+"""The rules between settings, and between settings and the model, as pure functions.
+
+Each takes plain values (what the config says, what the model's KV layout is) and raises ValueError
+naming the setting, or says what follows from the combination. The engine calls them all before it
+starts a worker, so a refused combination never leaves anything to clean up.
+"""
+
+from __future__ import annotations
+
+from tokenmill.config import EngineConfig, ParallelConfig
+
+
+def check_node_rank(parallel: ParallelConfig) -> None:
+    """The engine runs on node 0; another node's `tokenmill serve` runs only workers."""
+    if parallel.node_rank != 0:
+        raise ValueError(f"node_rank {parallel.node_rank} runs only workers, and the engine runs on node 0: "
+                         f"start this node with `tokenmill serve MODEL --nnodes {parallel.nnodes} "
+                         f"--node-rank {parallel.node_rank} ...`")
+
+
+def check_lora(config: EngineConfig) -> None:
+    """LoRA adapters run on one rank."""
+    if config.model.enable_lora and config.parallel.world_size > 1:
+        raise ValueError("enable_lora: LoRA adapters run at tensor and pipeline parallel size 1")
+
+
+def swaps_preempted(config: EngineConfig, num_kv_groups: int, architecture: str) -> bool:
+    """Whether preempted requests swap their blocks out (else they are recomputed). Swapping moves one
+    block table a request; a model with several KV cache groups (sliding-window layers) recomputes under
+    `auto` and is refused under `swap`."""
+    mode = config.scheduler.preemption_mode
+    if mode == "recompute" or config.cache.swap_space_gb <= 0:
+        return False
+    if num_kv_groups > 1:
+        if mode == "swap":
+            raise ValueError(f"preemption_mode swap: {architecture} has sliding-window layers "
+                             "(several KV cache groups), whose blocks are not swapped; use recompute")
+        return False
+    return True
+
+
+def check_kv_events(config: EngineConfig, events_active: bool) -> None:
+    """KV events describe the prefix cache's blocks."""
+    if events_active and not config.cache.prefix_caching:
+        raise ValueError("kv_events_config: KV events describe the prefix cache's blocks; they need "
+                         "prefix_caching on")
+
+
+def check_kv_transfer(config: EngineConfig, num_kv_groups: int) -> None:
+    """Transfers load blocks into the prefix cache of one rank's single KV cache group."""
+    problem = ("prefix_caching is off" if not config.cache.prefix_caching
+               else "the model has several KV cache groups" if num_kv_groups > 1
+               else "the model runs on several ranks" if config.parallel.world_size > 1 else None)
+    if problem:
+        raise ValueError(f"kv_transfer_config: transfers load blocks into the prefix cache of one rank's "
+                         f"single KV group, but {problem}")

@@ -1,0 +1,47 @@
+"""The rules between settings and the model (config_checks.py), as the engine applies them before any
+worker starts."""
+
+import pytest
+
+from tokenmill.config import EngineConfig
+from tokenmill.config_checks import (check_kv_events, check_kv_transfer, check_lora, check_node_rank,
+                                     swaps_preempted)
+
+
+def config(**options):
+    return EngineConfig.from_kwargs(**options)
+
+
+def test_swapping_needs_swap_space_and_one_kv_group():
+    assert swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), 1, "llama")
+    assert swaps_preempted(config(preemption_mode="auto", swap_space_gb=1), 1, "llama")
+    assert not swaps_preempted(config(preemption_mode="recompute", swap_space_gb=1), 1, "llama")
+    assert not swaps_preempted(config(preemption_mode="swap", swap_space_gb=0), 1, "llama")
+    # sliding-window layers: auto recomputes, swap is refused by name
+    assert not swaps_preempted(config(preemption_mode="auto", swap_space_gb=1), 6, "gemma3")
+    with pytest.raises(ValueError, match="preemption_mode swap: gemma3 has sliding-window layers"):
+        swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), 6, "gemma3")
+
+
+def test_transfers_need_the_prefix_cache_one_group_and_one_rank():
+    check_kv_transfer(config(), 1)
+    with pytest.raises(ValueError, match="but prefix_caching is off"):
+        check_kv_transfer(config(prefix_caching=False), 1)
+    with pytest.raises(ValueError, match="but the model has several KV cache groups"):
+        check_kv_transfer(config(), 2)
+    with pytest.raises(ValueError, match="but the model runs on several ranks"):
+        check_kv_transfer(config(tensor_parallel_size=2), 1)
+
+
+def test_events_lora_and_node_rank():
+    check_kv_events(config(), True)
+    check_kv_events(config(prefix_caching=False), False)
+    with pytest.raises(ValueError, match="kv_events_config: KV events describe the prefix cache"):
+        check_kv_events(config(prefix_caching=False), True)
+    check_lora(config(enable_lora=True))
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters run at tensor and pipeline parallel size 1"):
+        check_lora(config(enable_lora=True, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="node_rank 1 runs only workers"):
+        check_node_rank(config(nnodes=2, node_rank=1, tensor_parallel_size=2,
+                               distributed_executor_backend="mp").parallel)
+    check_node_rank(config().parallel)
