@@ -60,9 +60,10 @@ class FakeRunner:
                 assert (item.prompt_token_ids, item.output_token_ids) == \
                     (request.prompt_token_ids, request.output_token_ids), f"{item.request_id}: tokens drifted"
         out = ModelRunnerOutput()
-        for block, slot in schedule.kv_saves:  # saves first, then loads, then the forward pass
+        tier = schedule.copies("tier")
+        for block, slot in tier.out if tier else ():  # saves first, then loads, then the forward pass
             self.tier_contents[slot] = dict(self.block_contents.get(block, {}))
-        for slot, block in schedule.kv_loads:
+        for slot, block in tier.into if tier else ():
             self.block_contents[block] = dict(self.tier_contents[slot])
         for item in self.items:
             self._check_reads_and_write(item)

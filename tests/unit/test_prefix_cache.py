@@ -183,4 +183,4 @@ def test_evicted_prefix_comes_back_from_the_second_tier():
     assert kv.pool.num_evictions >= 4 and kv.tier.num_saves >= 4
     item = first_chunk(scheduler, runner, make_request("b", 0, prompt=SHARED + [2], max_tokens=1))
     assert item.start == 16, "the shared prefix came back from the second tier instead of being recomputed"
-    assert kv.tier.num_hits == 4 and len(runner.steps[-1].kv_loads) == 4
+    assert kv.tier.num_hits == 4 and len(runner.steps[-1].copies("tier").into) == 4

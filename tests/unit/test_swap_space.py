@@ -15,14 +15,14 @@ def test_swap_out_and_in_move_blocks_through_slots():
     blocks = list(kv.block_tables("a")[0])
     assert swap.swap_out(kv, "a") and swap.holds("a")
     assert kv.pool.num_free_blocks == 8 and swap.num_free_slots == 0
-    outs, ins = swap.take_copies()
-    assert outs == list(zip(blocks, [0, 1, 2])) and ins == []
+    copies = swap.take_copies()
+    assert copies.connector == "swap" and copies.out == list(zip(blocks, [0, 1, 2])) and copies.into == []
     assert kv.allocate_slots("b", 12)
     assert not swap.swap_out(kv, "b")  # no slot left: the caller recomputes
     assert kv.allocate_slots("a", 11)
     swap.swap_in(kv, "a", 10)
-    _, ins = swap.take_copies()
-    assert ins == list(zip([0, 1, 2], kv.block_tables("a")[0][:3])) and not swap.holds("a")
+    copies = swap.take_copies()
+    assert copies.into == list(zip([0, 1, 2], kv.block_tables("a")[0][:3])) and not swap.holds("a")
     assert swap.num_free_slots == 0  # read by the runner this step: free only after it
     swap.end_step()
     assert swap.num_free_slots == 3

@@ -8,7 +8,8 @@ from tokenmill.core.block_hash import KeySalt
 from tokenmill.core.block_keys import BlockKey, BlockKeys, CachedSequence
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_events import KVEventLog
-from tokenmill.core.secondary_tier import SecondaryTier
+from tokenmill.core.kv_transfer_connector import TransferConnector
+from tokenmill.core.secondary_tier import SecondaryTier, TierConnector
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,17 +50,12 @@ class KVCacheManager:
         self._keys: dict[str, list[BlockKey]] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found (in either tier)
-        # Second tier: cached blocks evicted from the pool are copied there and copied back on a hit.
-        # Copies are queued here while scheduling and carried out by the runner before the step's
-        # forward pass: all (block -> slot) saves first, then all (slot -> block) loads.
+        # Second tier: cached blocks evicted from the pool are copied there and copied back on a hit,
+        # by its connector (core/kv_connector.py): saves before the step's loads and forward pass.
         self.tier = SecondaryTier(secondary_slots) if enable_prefix_caching and secondary_slots > 0 else None
-        self._pending_saves: list[tuple[int, int]] = []
-        self._pending_loads: list[tuple[int, int]] = []
-        # Transferred blocks (prefill/decode disaggregation): adopted blocks wait, held by a pin, for the
-        # runner to read their file before the next step's forward pass; exports are written after it.
-        self._pending_imports: list[tuple[str, list[int], list[int]]] = []
-        self._pending_exports: list[tuple[str, list[int]]] = []
-        self._pins: list[int] = []
+        self.tier_connector = TierConnector(self.tier) if self.tier is not None else None
+        # prefill/decode transfer: blocks adopted from a file into the prefix cache, prompts exported to one
+        self.transfer = TransferConnector(self)
         # blocks made findable and evicted, for KV-cache events (drained by the engine every step)
         self.events = KVEventLog() if record_events and enable_prefix_caching else None
         self._salts: dict[str, Optional[KeySalt]] = {}  # the key salt of requests that start with hits
@@ -158,7 +154,7 @@ class KVCacheManager:
                 elif block is None:
                     (block,) = self.pool.allocate(1)
                     self.pool.register(block, (group, keys[index]))
-                    self._pending_loads.append((tier_slots[group, index], block))
+                    self.tier_connector.restore(tier_slots[group, index], block)
                     loaded.append(index)
                 table.append(block)
             self._record_stored(request_id, group, keys, loaded)
@@ -184,66 +180,14 @@ class KVCacheManager:
         group, content = key
         if self.events is not None:
             self.events.removed(group, content[0])
-        if self.tier is not None:
-            slot = self.tier.save(key)
-            if slot is not None:
-                self._pending_saves.append((block, slot))
+        if self.tier_connector is not None:
+            self.tier_connector.evicted(block, key)
 
-    def take_pending_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The second-tier copies this step needs: ((block, slot) saves, (slot, block) loads)."""
-        saves, loads = self._pending_saves, self._pending_loads
-        self._pending_saves, self._pending_loads = [], []
-        return saves, loads
-
-    def adopt(self, request_id: str, keys: Sequence[BlockKey], path: str, salt: Optional[KeySalt] = None) -> int:
-        """Make the leading full blocks of content `keys` (a transferred prompt's, in order) findable in
-        group 0, their K/V to be read from `path` (block i of the file holding keys[i]) before the next
-        step's forward pass. Returns how many leading blocks are now cached (already cached ones count,
-        and adopting stops at the first block the pool cannot spare without the watermark).
-
-        Invariant: an adopted block stays pinned (held) until `release_pins`, called once the step that
-        carries its import has been built, so no allocation of that step can take it (and no second-tier
-        save can copy it) before the runner has written it. The import runs after that step's
-        second-tier saves, which may read blocks evicted by this adoption."""
-        assert self.num_groups == 1, "transfers are refused for models with several KV cache groups"
-        blocks, file_indices = [], []
-        count = 0
-        for index, key in enumerate(keys):
-            if self.pool.lookup((0, key)) is None and not (self.tier is not None and (0, key) in self.tier):
-                if self.pool.num_free_blocks <= self.watermark_blocks:
-                    break
-                (block,) = self.pool.allocate(1)
-                self.pool.register(block, (0, key))
-                self._pins.append(block)
-                blocks.append(block)
-                file_indices.append(index)
-            count = index + 1
-        if blocks:
-            self._pending_imports.append((path, blocks, file_indices))
-            self._salts[request_id] = salt
-            self._record_stored(request_id, 0, keys, file_indices)
-        return count
-
-    def take_transfers(self) -> tuple[list[tuple[str, list[int], list[int]]], list[tuple[str, list[int]]]]:
-        """This step's transfers: imports (file, pool blocks, the file's block of each) and exports
-        (file, pool blocks)."""
-        imports, exports = self._pending_imports, self._pending_exports
-        self._pending_imports, self._pending_exports = [], []
-        return imports, exports
-
-    def export(self, request_id: str, num_blocks: int, path: str) -> None:
-        """Write the request's first `num_blocks` blocks (group 0) to `path` after the next forward pass."""
-        self._pending_exports.append((path, list(self.tables[request_id][0][:num_blocks])))
-
-    def release_pins(self) -> None:
-        """The step carrying the adopted blocks' imports is built: they may be evicted from now on."""
-        pins, self._pins = self._pins, []
-        self.pool.release(pins)
-
-    def end_step(self) -> None:
-        """The runner has done the step's copies."""
-        if self.tier is not None:
-            self.tier.end_step()
+    def record_adopted(self, request_id: str, keys: Sequence[BlockKey], indices: Sequence[int],
+                       salt: Optional[KeySalt]) -> None:
+        """Blocks adopted from a transfer (keys[i] for i in `indices`, group 0) became findable: their events."""
+        self._salts[request_id] = salt
+        self._record_stored(request_id, 0, keys, indices)
 
     # ------------------------------------------------------------------ prefix cache
     def block_key(self, parent: BlockKey, token_ids: Sequence[int], salt: Optional[KeySalt] = None) -> BlockKey:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tokenmill.core.kv_connector import KVCopies
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -80,8 +81,8 @@ class SchedulerOutput:
     """Everything the runner needs for one forward pass: a flattened, unpadded token batch.
 
     Order of application: forget `finished_request_ids`, add `new_requests`, apply `cached_requests`,
-    do the second-tier saves, load the transferred blocks (`kv_imports`), do the second-tier loads, then
-    compute `scheduled` in order, then write `kv_exports` (blocks this step finished computing).
+    do the `kv_copies` (every connector's copies out of the pool, then into it: core/kv_connector.py),
+    compute `scheduled` in order, then do the copies of blocks this step computed.
     `spec_probs[request_id]` is the [len(proposals), vocab] distribution a draft drew a sampling
     request's proposals from (absent for deterministic proposals); `grammar` masks constrained rows.
     """
@@ -91,16 +92,8 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
-    kv_saves: list[tuple[int, int]] = field(default_factory=list)  # (pool block, tier slot)
-    kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, pool block)
-    # preemption by swapping (core/swap_space.py): preempted blocks out to swap slots before the saves'
-    # blocks can be reused, and resumed requests' slots back into their new blocks after the tier loads
-    swap_outs: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot)
-    swap_ins: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, pool block)
-    # prefill/decode transfer: (file, pool blocks, the file's block for each) read into the blocks before
-    # the forward pass, and (file, pool blocks) written after it (worker/kv_transfer_io.py)
-    kv_imports: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
-    kv_exports: list[tuple[str, list[int]]] = field(default_factory=list)
+    # the step's block copies, one entry per connector with any, in the scheduler's connector order
+    kv_copies: list[KVCopies] = field(default_factory=list)
     spec_probs: dict[str, Any] = field(default_factory=dict)
     grammar: Optional[GrammarMasks] = None
     # LoRA adapters (their lora_int_id) the engine unloaded: the runner frees them before the step; an
@@ -121,8 +114,11 @@ class SchedulerOutput:
         """Whether the runner has anything to do for this step: tokens to compute, requests to add, update
         or forget, blocks to copy (tier, swap, transfer) or adapters to unload."""
         return bool(self.scheduled or self.new_requests or self.cached_requests or self.finished_request_ids
-                    or self.kv_saves or self.kv_loads or self.swap_outs or self.swap_ins or self.kv_imports
-                    or self.kv_exports or self.lora_unloads)
+                    or self.kv_copies or self.lora_unloads)
+
+    def copies(self, connector: str) -> Optional[KVCopies]:
+        """The step's copies of `connector` (core/kv_connector.py's names), None when it has none."""
+        return next((c for c in self.kv_copies if c.connector == connector), None)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_connector import KVConnectorScheduler
 from tokenmill.core.runner_views import RunnerViews
 from tokenmill.core.sched_output import ModelRunnerOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
 from tokenmill.core.swap_space import PreemptionCosts, SwapSpace
@@ -90,6 +91,10 @@ class Scheduler:
         assert not (swap_slots and kv_cache.num_groups > 1), "swapping moves one KV cache group's blocks"
         # preempted requests' blocks, while they wait (None: every preemption recomputes)
         self.swap = SwapSpace(swap_slots) if swap_slots and limits.preemption_mode != "recompute" else None
+        # every way KV moves in or out of the pool, in the order the runner does each phase's copies
+        # (core/kv_connector.py): transfer imports, then second-tier loads, then swap-ins
+        self.connectors: list[KVConnectorScheduler] = [
+            c for c in (kv_cache.transfer, kv_cache.tier_connector, self.swap) if c is not None]
         self.num_recomputed_tokens = 0  # computed tokens dropped by preemptions, to be computed again
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -200,13 +205,11 @@ class Scheduler:
             budget = self._admit_waiting(budget, room, scheduled)
 
         self._plan_exports(scheduled)
-        saves, loads = self.kv_cache.take_pending_copies()
-        imports, exports = self.kv_cache.take_transfers()
-        swap_outs, swap_ins = self.swap.take_copies() if self.swap is not None else ([], [])
+        copies = [c for c in (connector.take_copies() for connector in self.connectors) if c]
         output = SchedulerOutput(scheduled, finished_request_ids=self._finished_since_last_step,
-                                 num_preempted=num_preempted, kv_saves=saves, kv_loads=loads,
-                                 kv_imports=imports, kv_exports=exports, swap_outs=swap_outs, swap_ins=swap_ins)
-        self.kv_cache.release_pins()
+                                 num_preempted=num_preempted, kv_copies=copies)
+        for connector in self.connectors:
+            connector.step_built()
         self._runner_views.describe(output, self.requests, self.kv_cache)
         self.in_flight.update(chunk.request_id for chunk in scheduled)
         self._finished_since_last_step = []
@@ -327,7 +330,8 @@ class Scheduler:
                     and chunk.start + chunk.num_tokens >= request.num_prompt_tokens):
                 request.kv_exported_blocks = (request.num_prompt_tokens - 1) // self.kv_cache.block_size
                 if request.kv_exported_blocks:
-                    self.kv_cache.export(request.request_id, request.kv_exported_blocks, request.kv_export_path)
+                    self.kv_cache.transfer.export(request.request_id, request.kv_exported_blocks,
+                                                  request.kv_export_path)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -351,9 +355,8 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance requests by what the step computed and sampled; returns one update per request touched."""
-        self.kv_cache.end_step()
-        if self.swap is not None:
-            self.swap.end_step()
+        for connector in self.connectors:
+            connector.end_step()
         updates = []
         for item in output.scheduled:
             self.in_flight.discard(item.request_id)

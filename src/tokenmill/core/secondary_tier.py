@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Optional
 
+from tokenmill.core.kv_connector import TIER, KVConnectorScheduler, KVCopies
+
 
 class SecondaryTier:
     """An LRU map from block content keys to slots of a secondary store."""
@@ -65,3 +67,33 @@ class SecondaryTier:
         used = list(self._slots.values())
         everything = used + self._free + self._released_after_step
         assert len(everything) == len(set(everything)) == self.num_slots, "tier slots lost or duplicated"
+
+
+class TierConnector(KVConnectorScheduler):
+    """The second tier's scheduler half: an evicted block's contents out to its slot (phase `out`, before
+    the block is reused), a hit's slot back into the block allocated for it (phase `into`)."""
+
+    name = TIER
+
+    def __init__(self, tier: SecondaryTier) -> None:
+        self.tier = tier
+        self._saves: list[tuple[int, int]] = []  # (pool block, slot)
+        self._loads: list[tuple[int, int]] = []  # (slot, pool block)
+
+    def evicted(self, block: int, key: Hashable) -> None:
+        """The pool evicted `block` of content `key`: keep its contents in the tier where there is room."""
+        slot = self.tier.save(key)
+        if slot is not None:
+            self._saves.append((block, slot))
+
+    def restore(self, slot: int, block: int) -> None:
+        """Copy a hit's contents from `slot` (taken from the tier) into the pool's `block`."""
+        self._loads.append((slot, block))
+
+    def take_copies(self) -> KVCopies:
+        saves, loads = self._saves, self._loads
+        self._saves, self._loads = [], []
+        return KVCopies(TIER, out=saves, into=loads)
+
+    def end_step(self) -> None:
+        self.tier.end_step()

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.core.kv_connector import SWAP, KVConnectorScheduler, KVCopies
+
 if TYPE_CHECKING:
     from tokenmill.core.kv_cache_manager import KVCacheManager
 
@@ -53,8 +55,11 @@ class PreemptionCosts:
         return copy_seconds < flops / self.flops_per_second
 
 
-class SwapSpace:
-    """`num_slots` block-sized host slots (the runner's swap store), and which preempted request holds which."""
+class SwapSpace(KVConnectorScheduler):
+    """`num_slots` block-sized host slots (the runner's swap store), and which preempted request holds which:
+    swap preemption's scheduler half (swap-outs in phase `out`, swap-ins in phase `into`)."""
+
+    name = SWAP
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -102,11 +107,11 @@ class SwapSpace:
         """A swapped request ended while waiting: its slots are free (after this step)."""
         self._freed_this_step.extend(self._held.pop(request_id, ()))
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This step's copies: ((block, slot) swap-outs, (slot, block) swap-ins)."""
+    def take_copies(self) -> KVCopies:
+        """This step's copies: (block, slot) swap-outs, (slot, block) swap-ins."""
         outs, ins = self._outs, self._ins
         self._outs, self._ins = [], []
-        return outs, ins
+        return KVCopies(SWAP, out=outs, into=ins)
 
     def end_step(self) -> None:
         """The runner has done the step's copies: the slots swapped in or dropped may be reused."""

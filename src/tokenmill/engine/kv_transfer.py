@@ -8,7 +8,7 @@ and CRC-32 — and answers `kv_transfer_params: {"do_remote_prefill": true, "rem
 
 A consumer given those params checks the description against its own model and against the hashes of
 its request's own prompt, and the data against the length and CRC-32, then adopts the blocks into its
-prefix cache (KVCacheManager.adopt): the request runs as a prefix-cache hit, computing only the last
+prefix cache (core/kv_transfer_connector.py): the request runs as a prefix-cache hit, computing only the last
 prompt token and what follows, so its output is the single engine's. Any check that fails leaves the
 request to prefill locally (and says why in the log); a transfer never changes an answer.
 """
@@ -113,7 +113,7 @@ class KVTransfers:
             self.num_refused += 1
             logger.warning("request %s prefills locally: its KV transfer is unusable (%s)", request.request_id, exc)
             return 0
-        adopted = self.kv_cache.adopt(request.request_id, keys, path, request.sampling_params.key_salt)
+        adopted = self.kv_cache.transfer.adopt(request.request_id, keys, path, request.sampling_params.key_salt)
         self.num_imported += 1
         return adopted * self.kv_cache.block_size
 

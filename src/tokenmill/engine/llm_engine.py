@@ -13,6 +13,7 @@ from typing import Optional, Union
 from tokenmill.config import EngineConfig
 from tokenmill.config_checks import check_kv_events, check_kv_transfer, check_lora, check_node_rank, swaps_preempted
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
 from tokenmill.core.swap_space import PreemptionCosts
@@ -397,8 +398,9 @@ class LLMEngine:
     def _finish_oldest(self) -> list[RequestOutput]:
         schedule, mask_failures, started, chunks = self._in_flight.popleft()
         result = self.executor.collect()
-        if schedule.kv_imports:
-            self.kv_transfers.remove_imported([path for path, _, _ in schedule.kv_imports])
+        transfers = schedule.copies(TRANSFER)
+        if transfers is not None and transfers.into:
+            self.kv_transfers.remove_imported([path for path, _, _ in transfers.into])
         grammars = self.step_grammars
         if grammars is not None:
             grammars.finish(schedule, result, mask_failures)

@@ -17,7 +17,7 @@ from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.kv_tier_store import KVTierStore
-from tokenmill.worker.kv_transfer_io import export_blocks, import_blocks
+from tokenmill.worker.kv_connectors import run_phase, worker_connectors
 from tokenmill.worker.request_state import BatchItem, RequestStates
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class ModelRunner:
             self.swap = KVTierStore(backend.kv_cache_shape(swap_slots, block_size, spec.num_kv_heads, width,
                                                            spec.planes),
                                     len(self.kv_pages), cache_dtype, device, tier_folder)
+        self.kv_connectors = worker_connectors(self.tier, self.swap)
         self.graphs = None  # DecodeGraphs, once use_decode_graphs is called
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
@@ -78,17 +79,9 @@ class ModelRunner:
         for adapter_id in schedule.lora_unloads:
             self.model.lora.unload(adapter_id)
         batch = self.requests.apply(schedule)
-        if schedule.kv_saves:
-            assert self.tier is not None, "second-tier copies scheduled without a second tier"
-            self.tier.save(self.kv_pages, schedule.kv_saves)  # saves before loads: see SecondaryTier
-        if schedule.swap_outs:  # before anything is written into the blocks they free
-            self.swap.save(self.kv_pages, schedule.swap_outs)
-        for path, blocks, file_blocks in schedule.kv_imports:  # after the saves: see KVCacheManager.adopt
-            import_blocks(self.kv_pages, path, file_blocks, blocks)
-        if schedule.kv_loads:
-            self.tier.load(self.kv_pages, schedule.kv_loads)
-        if schedule.swap_ins:
-            self.swap.load(self.kv_pages, schedule.swap_ins)
+        # every connector's copies out of the pool, then into it (core/kv_connector.py)
+        run_phase(self.kv_connectors, self.kv_pages, schedule.kv_copies, "out")
+        run_phase(self.kv_connectors, self.kv_pages, schedule.kv_copies, "into")
         result = ModelRunnerOutput()
         if schedule.is_empty:
             return result
@@ -126,8 +119,8 @@ class ModelRunner:
     def _run(self, schedule: SchedulerOutput, batch: list[BatchItem], result: ModelRunnerOutput) -> None:
         """The step's forward pass, sampling and transfers, into `result`."""
         hidden, chunks = self.forward(batch)
-        for path, blocks in schedule.kv_exports:  # computed now, and no later step has written them yet
-            export_blocks(self.kv_pages, blocks, path)
+        # blocks computed now, which no later step has written yet
+        run_phase(self.kv_connectors, self.kv_pages, schedule.kv_copies, "after")
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)

@@ -1,0 +1,71 @@
+"""Prefill/decode transfer's scheduler half: prompt blocks read from a file into the prefix cache, and a
+finished prompt's blocks written to one (no torch; the files are engine/kv_transfer.py's).
+
+Imports run in phase `into` (before the forward pass), exports in phase `after` (core/kv_connector.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from tokenmill.core.kv_connector import TRANSFER, KVConnectorScheduler, KVCopies
+
+if TYPE_CHECKING:
+    from tokenmill.core.block_hash import KeySalt
+    from tokenmill.core.block_keys import BlockKey
+    from tokenmill.core.kv_cache_manager import KVCacheManager
+
+
+class TransferConnector(KVConnectorScheduler):
+    """Adopts transferred blocks into one KV manager's prefix cache and queues exports of its blocks."""
+
+    name = TRANSFER
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self._imports: list[tuple[str, list[int], list[int]]] = []  # (file, pool blocks, the file's block of each)
+        self._exports: list[tuple[str, list[int]]] = []  # (file, pool blocks)
+        self._pins: list[int] = []
+
+    def adopt(self, request_id: str, keys: Sequence[BlockKey], path: str, salt: Optional[KeySalt] = None) -> int:
+        """Make the leading full blocks of content `keys` (a transferred prompt's, in order) findable in
+        group 0, their K/V to be read from `path` (block i of the file holding keys[i]) before the next
+        step's forward pass. Returns how many leading blocks are now cached (already cached ones count,
+        and adopting stops at the first block the pool cannot spare without the watermark).
+
+        Invariant: an adopted block stays pinned (held) until `step_built`, called once the step that
+        carries its import has been built, so no allocation of that step can take it (and no second-tier
+        save can copy it) before the runner has written it. The import runs in phase `into`, after that
+        step's second-tier saves (phase `out`), which may read blocks evicted by this adoption."""
+        kv = self.kv
+        assert kv.num_groups == 1, "transfers are refused for models with several KV cache groups"
+        blocks, file_indices = [], []
+        count = 0
+        for index, key in enumerate(keys):
+            if kv.pool.lookup((0, key)) is None and not (kv.tier is not None and (0, key) in kv.tier):
+                if kv.pool.num_free_blocks <= kv.watermark_blocks:
+                    break
+                (block,) = kv.pool.allocate(1)
+                kv.pool.register(block, (0, key))
+                self._pins.append(block)
+                blocks.append(block)
+                file_indices.append(index)
+            count = index + 1
+        if blocks:
+            self._imports.append((path, blocks, file_indices))
+            kv.record_adopted(request_id, keys, file_indices, salt)
+        return count
+
+    def export(self, request_id: str, num_blocks: int, path: str) -> None:
+        """Write the request's first `num_blocks` blocks (group 0) to `path` after the next forward pass."""
+        self._exports.append((path, list(self.kv.block_tables(request_id)[0][:num_blocks])))
+
+    def take_copies(self) -> KVCopies:
+        imports, exports = self._imports, self._exports
+        self._imports, self._exports = [], []
+        return KVCopies(TRANSFER, into=imports, after=exports)
+
+    def step_built(self) -> None:
+        """The step carrying the adopted blocks' imports is built: they may be evicted from now on."""
+        pins, self._pins = self._pins, []
+        self.kv.pool.release(pins)
