@@ -8,13 +8,9 @@ from tokenmill.core.block_hash import KeySalt
 from tokenmill.core.block_keys import BlockKey, BlockKeys, CachedSequence
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_events import KVEventLog
+from tokenmill.core.kv_group_specs import cdiv, group_spec
 from tokenmill.core.kv_transfer_connector import TransferConnector
 from tokenmill.core.secondary_tier import SecondaryTier, TierConnector
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
 
 
 SKIPPED = -1  # in a group's cached blocks: a block before the group's window, which a hit does not need
@@ -40,6 +36,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.windows = list(windows)  # each group's sliding window, None for full attention
+        self.specs = [group_spec(block_size, window) for window in self.windows]  # each group's rules
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[list[int]]] = {}
         self.released: dict[str, list[int]] = {}
@@ -83,22 +80,11 @@ class KVCacheManager:
         """The most pool blocks a request of `num_tokens` tokens, computed in chunks of at most
         `max_chunk`, holds at once over all groups (a windowed group holds the chunk and the window
         before it)."""
-        total = 0
-        for window in self.windows:
-            held = self.blocks_for(num_tokens)
-            if window is not None:
-                held = min(held, self.blocks_for(window - 1 + max_chunk) + 1)
-            total += held
-        return total
+        return sum(spec.blocks_held(num_tokens, max_chunk) for spec in self.specs)
 
     def block_tables(self, request_id: str) -> list[list[int]]:
         """The request's block table of each group (the live lists; callers must not modify them)."""
         return self.tables.get(request_id) or [[] for _ in self.windows]
-
-    def _first_needed(self, group: int, num_tokens: int) -> int:
-        """Index of the first block of `group` a query at position `num_tokens` can see."""
-        window = self.windows[group]
-        return 0 if window is None else max(0, num_tokens - window + 1) // self.block_size
 
     def can_admit(self, request_id: str, num_tokens: int, cached: Sequence[Sequence[Optional[int]]] = ()) -> bool:
         """Whether a waiting request can get blocks for `num_tokens` (the first of them being `cached`,
@@ -171,7 +157,7 @@ class KVCacheManager:
             return
         released = self.released[request_id]
         for group, table in enumerate(tables):
-            first = min(self._first_needed(group, num_computed_tokens), len(table))
+            first = min(self.specs[group].first_needed(num_computed_tokens), len(table))
             if first > released[group]:
                 self.pool.release(table[released[group]:first])
                 released[group] = first
@@ -238,22 +224,22 @@ class KVCacheManager:
         keys = self.block_keys.leading(request, num_tokens)
         found: list[list[Optional[int]]] = [[] for _ in self.windows]
         longest = len(keys)
-        for group, window in enumerate(self.windows):  # full groups: the hit ends at the first miss
-            if window is None:
-                for key in keys[:longest]:
-                    block = self._find(group, key)
-                    if block == _MISSING:
-                        break
-                    found[group].append(block)
-                longest = len(found[group])
-        windowed = [g for g, w in enumerate(self.windows) if w is not None]
-        for group in windowed:
+        whole = [g for g, spec in enumerate(self.specs) if spec.needs_whole_prefix]
+        for group in whole:  # these groups' hit ends at their first miss
+            for key in keys[:longest]:
+                block = self._find(group, key)
+                if block == _MISSING:
+                    break
+                found[group].append(block)
+            longest = len(found[group])
+        partial = [g for g, spec in enumerate(self.specs) if not spec.needs_whole_prefix]
+        for group in partial:
             found[group] = [self._find(group, key) for key in keys[:longest]]
         hit = next(h for h in range(longest, -1, -1)
-                   if all(_MISSING not in found[g][self._first_needed(g, h * self.block_size):h] for g in windowed))
+                   if all(self.specs[g].serves(found[g], h, _MISSING) for g in partial))
         blocks = []
         for group in range(self.num_groups):
-            first = self._first_needed(group, hit * self.block_size)
+            first = self.specs[group].first_needed(hit * self.block_size)
             blocks.append([SKIPPED] * first + found[group][first:hit])
         return blocks, hit
 
@@ -318,7 +304,7 @@ class KVCacheManager:
         tables = self.tables.get(parent_id) or [[] for _ in self.windows]
         released = self.released.get(parent_id) or [0] * self.num_groups
         shared = min(num_tokens // self.block_size, len(tables[0]))
-        if any(released[g] > self._first_needed(g, shared * self.block_size) for g in range(self.num_groups)):
+        if any(released[g] > self.specs[g].first_needed(shared * self.block_size) for g in range(self.num_groups)):
             shared = 0
         self.tables[child_id], self.released[child_id] = [], []
         for table, given_back in zip(tables, released):

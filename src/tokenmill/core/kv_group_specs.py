@@ -1,0 +1,74 @@
+"""What one KV cache group's attention needs of its blocks: full attention or a sliding window (no torch).
+
+The KV manager keeps one block table per group and asks the group's spec, as vLLM asks its per-type
+managers (`SingleTypeKVCacheManager`): which blocks a query still sees, how many blocks a request holds
+at most, and whether the group's cached blocks serve a prefix hit. A new kind of attention is one
+subclass here and its case in `group_spec`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class GroupSpec:
+    """One group's rules (subclasses: full attention, a sliding window)."""
+
+    window: Optional[int] = None  # the sliding window in tokens; None: every earlier key is seen
+    # whether a prefix hit needs every one of its blocks in this group (the hit ends at the first miss)
+    needs_whole_prefix: bool = True
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def first_needed(self, num_tokens: int) -> int:
+        """Index of the first block a query at position `num_tokens` can see."""
+        raise NotImplementedError
+
+    def blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of `num_tokens` tokens, computed in chunks of at most `max_chunk`,
+        holds at once."""
+        raise NotImplementedError
+
+    def serves(self, found: Sequence[object], num_blocks: int, missing: object) -> bool:
+        """Whether the group's blocks `found` for a prefix (`missing` where a block is cached nowhere) serve
+        a hit of its first `num_blocks` blocks."""
+        return missing not in found[self.first_needed(num_blocks * self.block_size):num_blocks]
+
+
+class FullAttentionSpec(GroupSpec):
+    """Every query sees every earlier key: a request keeps all its blocks, and a hit needs them all."""
+
+    def first_needed(self, num_tokens: int) -> int:
+        return 0
+
+    def blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+
+class SlidingWindowSpec(GroupSpec):
+    """A sliding window of W tokens: a query at position p sees keys (p - W, p], so the blocks before its
+    window go back to the pool, and a hit needs only the blocks its next query sees."""
+
+    needs_whole_prefix = False
+
+    def __init__(self, block_size: int, window: int) -> None:
+        super().__init__(block_size)
+        self.window = window
+
+    def first_needed(self, num_tokens: int) -> int:
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The chunk and the window before it, at most."""
+        return min(cdiv(num_tokens, self.block_size), cdiv(self.window - 1 + max_chunk, self.block_size) + 1)
+
+
+def group_spec(block_size: int, window: Optional[int]) -> GroupSpec:
+    """The spec of a group with sliding window `window` (None: full attention)."""
+    return FullAttentionSpec(block_size) if window is None else SlidingWindowSpec(block_size, window)
