@@ -6,7 +6,8 @@ import pickle
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.core.scheduler import Scheduler, SchedulingLimits
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduling import SchedulingLimits
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import RequestStates

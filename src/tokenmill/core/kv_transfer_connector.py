@@ -6,7 +6,7 @@ Imports run in phase `into` (before the forward pass), exports in phase `after` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from tokenmill.core.kv_connector import TRANSFER, KVConnectorScheduler, KVCopies
 
@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from tokenmill.core.block_hash import KeySalt
     from tokenmill.core.block_keys import BlockKey
     from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.core.sched_output import ScheduledChunk
+    from tokenmill.request import Request
 
 
 class TransferConnector(KVConnectorScheduler):
@@ -55,6 +57,18 @@ class TransferConnector(KVConnectorScheduler):
             self._imports.append((path, blocks, file_indices))
             kv.record_adopted(request_id, keys, file_indices, salt)
         return count
+
+    def plan_exports(self, scheduled: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> None:
+        """Have the runner write, after this step's forward pass, the prompt blocks of every request that
+        asked for a transfer and whose prompt this step completes (the full blocks before its last token:
+        what a prefix hit on the decode side can use)."""
+        for chunk in scheduled:
+            request = requests[chunk.request_id]
+            if (request.kv_export_path is not None and request.kv_exported_blocks is None
+                    and chunk.start + chunk.num_tokens >= request.num_prompt_tokens):
+                request.kv_exported_blocks = (request.num_prompt_tokens - 1) // self.kv.block_size
+                if request.kv_exported_blocks:
+                    self.export(request.request_id, request.kv_exported_blocks, request.kv_export_path)
 
     def export(self, request_id: str, num_blocks: int, path: str) -> None:
         """Write the request's first `num_blocks` blocks (group 0) to `path` after the next forward pass."""

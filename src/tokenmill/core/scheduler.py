@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_connector import KVConnectorScheduler
 from tokenmill.core.runner_views import RunnerViews
 from tokenmill.core.sched_output import ModelRunnerOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
-from tokenmill.core.swap_space import PreemptionCosts, SwapSpace
+from tokenmill.core.scheduling import SchedulingLimits, SpecTotals
+from tokenmill.core.swap_space import SwapSpace
 from tokenmill.request import Request, RequestStatus
 
 
@@ -23,46 +23,10 @@ def _priority_key(request: Request) -> tuple:
 MAX_TIMES_PASSED_OVER = 8
 
 
-@dataclass(frozen=True)
-class SchedulingLimits:
-    """The per-step limits and admission policy the scheduler enforces."""
-
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    policy: str = "fcfs"
-    # Steps that may be in flight at once (pipeline stages); with more than one, each step takes its
-    # share of the live requests so the next step has requests of its own to run.
-    max_steps_in_flight: int = 1
-    # Most LoRA adapters one step runs (0: no limit); a waiting request of another adapter is passed over
-    # until a running one's adapter finishes, as vLLM's --max-loras does.
-    max_loras: int = 0
-    # How a preempted request comes back: recompute its tokens, swap its blocks out to host slots and
-    # back, or (auto) whichever `costs` estimates cheaper for it (core/swap_space.py).
-    preemption_mode: str = "recompute"
-    costs: Optional[PreemptionCosts] = None
-
-
 def _adapter(request: Request) -> Optional[int]:
     """The request's LoRA adapter id (None: the base model)."""
     lora = request.sampling_params.lora_request
     return None if lora is None else lora.lora_int_id
-
-
-@dataclass
-class SpecTotals:
-    """Speculative decoding counters since start: verification rounds, proposed, accepted and emitted tokens."""
-
-    num_rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0  # accepted proposals plus the token sampled after them, in rounds with proposals
-
-    def add(self, num_drafts: int, num_accepted: int) -> None:
-        """Count one request's verification round."""
-        self.num_rounds += 1
-        self.draft_tokens += num_drafts
-        self.accepted_tokens += num_accepted
 
 
 class Scheduler:
@@ -204,7 +168,7 @@ class Scheduler:
         if num_preempted == 0 and not stalled:
             budget = self._admit_waiting(budget, room, scheduled)
 
-        self._plan_exports(scheduled)
+        self.kv_cache.transfer.plan_exports(scheduled, self.requests)
         copies = [c for c in (connector.take_copies() for connector in self.connectors) if c]
         output = SchedulerOutput(scheduled, finished_request_ids=self._finished_since_last_step,
                                  num_preempted=num_preempted, kv_copies=copies)
@@ -319,19 +283,6 @@ class Scheduler:
             if r.arrival_seq < chosen.arrival_seq:
                 r.num_times_passed_over += 1
         return chosen
-
-    def _plan_exports(self, scheduled: list[ScheduledChunk]) -> None:
-        """Have the runner write, after this step's forward pass, the prompt blocks of every request that
-        asked for a transfer and whose prompt this step completes (the full blocks before its last token:
-        what a prefix hit on the decode side can use)."""
-        for chunk in scheduled:
-            request = self.requests[chunk.request_id]
-            if (request.kv_export_path is not None and request.kv_exported_blocks is None
-                    and chunk.start + chunk.num_tokens >= request.num_prompt_tokens):
-                request.kv_exported_blocks = (request.num_prompt_tokens - 1) // self.kv_cache.block_size
-                if request.kv_exported_blocks:
-                    self.kv_cache.transfer.export(request.request_id, request.kv_exported_blocks,
-                                                  request.kv_export_path)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens

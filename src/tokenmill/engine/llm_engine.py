@@ -15,7 +15,8 @@ from tokenmill.config_checks import check_kv_events, check_kv_transfer, check_lo
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import SchedulerOutput
-from tokenmill.core.scheduler import Scheduler, SchedulingLimits, SpecTotals
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduling import SchedulingLimits, SpecTotals
 from tokenmill.core.swap_space import PreemptionCosts
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, to_wire
 from tokenmill.engine.kv_transfer import KVTransfers

@@ -1,0 +1,44 @@
+"""The scheduler's limits and its speculative-decoding counters: plain data (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenmill.core.swap_space import PreemptionCosts
+
+
+@dataclass(frozen=True)
+class SchedulingLimits:
+    """The per-step limits and admission policy the scheduler enforces."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    policy: str = "fcfs"
+    # Steps that may be in flight at once (pipeline stages); with more than one, each step takes its
+    # share of the live requests so the next step has requests of its own to run.
+    max_steps_in_flight: int = 1
+    # Most LoRA adapters one step runs (0: no limit); a waiting request of another adapter is passed over
+    # until a running one's adapter finishes, as vLLM's --max-loras does.
+    max_loras: int = 0
+    # How a preempted request comes back: recompute its tokens, swap its blocks out to host slots and
+    # back, or (auto) whichever `costs` estimates cheaper for it (core/swap_space.py).
+    preemption_mode: str = "recompute"
+    costs: Optional[PreemptionCosts] = None
+
+
+@dataclass
+class SpecTotals:
+    """Speculative decoding counters since start: verification rounds, proposed, accepted and emitted tokens."""
+
+    num_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # accepted proposals plus the token sampled after them, in rounds with proposals
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one request's verification round."""
+        self.num_rounds += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
