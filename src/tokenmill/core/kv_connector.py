@@ -42,14 +42,18 @@ class KVCopies:
 
 
 class KVConnectorScheduler:
-    """The scheduler half of a connector. Subclasses queue copies as the scheduler calls them, and
-    `take_copies` hands over what was queued since the last call."""
+    """The scheduler half of a connector. Subclasses queue copies in `pending` as the scheduler calls
+    them, and `take_copies` hands over what was queued since the last call."""
 
     name: str
 
+    def __init__(self) -> None:
+        self.pending = KVCopies(self.name)
+
     def take_copies(self) -> KVCopies:
         """The copies queued since the last call (then none are queued)."""
-        raise NotImplementedError
+        copies, self.pending = self.pending, KVCopies(self.name)
+        return copies
 
     def step_built(self) -> None:
         """The step that carries the copies just taken is built: nothing more of it will be allocated."""

@@ -19,7 +19,6 @@ def cdiv(a: int, b: int) -> int:
 class GroupSpec:
     """One group's rules (subclasses: full attention, a sliding window)."""
 
-    window: Optional[int] = None  # the sliding window in tokens; None: every earlier key is seen
     # whether a prefix hit needs every one of its blocks in this group (the hit ends at the first miss)
     needs_whole_prefix: bool = True
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from tokenmill.core.kv_connector import TRANSFER, KVConnectorScheduler, KVCopies
+from tokenmill.core.kv_connector import TRANSFER, KVConnectorScheduler
 
 if TYPE_CHECKING:
     from tokenmill.core.block_hash import KeySalt
@@ -24,9 +24,9 @@ class TransferConnector(KVConnectorScheduler):
     name = TRANSFER
 
     def __init__(self, kv: KVCacheManager) -> None:
+        # pending: imports in (file, pool blocks, the file's block of each), exports after (file, pool blocks)
+        super().__init__()
         self.kv = kv
-        self._imports: list[tuple[str, list[int], list[int]]] = []  # (file, pool blocks, the file's block of each)
-        self._exports: list[tuple[str, list[int]]] = []  # (file, pool blocks)
         self._pins: list[int] = []
 
     def adopt(self, request_id: str, keys: Sequence[BlockKey], path: str, salt: Optional[KeySalt] = None) -> int:
@@ -54,7 +54,7 @@ class TransferConnector(KVConnectorScheduler):
                 file_indices.append(index)
             count = index + 1
         if blocks:
-            self._imports.append((path, blocks, file_indices))
+            self.pending.into.append((path, blocks, file_indices))
             kv.record_adopted(request_id, keys, file_indices, salt)
         return count
 
@@ -72,12 +72,7 @@ class TransferConnector(KVConnectorScheduler):
 
     def export(self, request_id: str, num_blocks: int, path: str) -> None:
         """Write the request's first `num_blocks` blocks (group 0) to `path` after the next forward pass."""
-        self._exports.append((path, list(self.kv.block_tables(request_id)[0][:num_blocks])))
-
-    def take_copies(self) -> KVCopies:
-        imports, exports = self._imports, self._exports
-        self._imports, self._exports = [], []
-        return KVCopies(TRANSFER, into=imports, after=exports)
+        self.pending.after.append((path, list(self.kv.block_tables(request_id)[0][:num_blocks])))
 
     def step_built(self) -> None:
         """The step carrying the adopted blocks' imports is built: they may be evicted from now on."""

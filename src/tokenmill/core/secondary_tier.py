@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Optional
 
-from tokenmill.core.kv_connector import TIER, KVConnectorScheduler, KVCopies
+from tokenmill.core.kv_connector import TIER, KVConnectorScheduler
 
 
 class SecondaryTier:
@@ -76,24 +76,18 @@ class TierConnector(KVConnectorScheduler):
     name = TIER
 
     def __init__(self, tier: SecondaryTier) -> None:
+        super().__init__()  # pending: (pool block, slot) saves out, (slot, pool block) loads in
         self.tier = tier
-        self._saves: list[tuple[int, int]] = []  # (pool block, slot)
-        self._loads: list[tuple[int, int]] = []  # (slot, pool block)
 
     def evicted(self, block: int, key: Hashable) -> None:
         """The pool evicted `block` of content `key`: keep its contents in the tier where there is room."""
         slot = self.tier.save(key)
         if slot is not None:
-            self._saves.append((block, slot))
+            self.pending.out.append((block, slot))
 
     def restore(self, slot: int, block: int) -> None:
         """Copy a hit's contents from `slot` (taken from the tier) into the pool's `block`."""
-        self._loads.append((slot, block))
-
-    def take_copies(self) -> KVCopies:
-        saves, loads = self._saves, self._loads
-        self._saves, self._loads = [], []
-        return KVCopies(TIER, out=saves, into=loads)
+        self.pending.into.append((slot, block))
 
     def end_step(self) -> None:
         self.tier.end_step()

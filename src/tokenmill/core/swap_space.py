@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.core.kv_connector import SWAP, KVConnectorScheduler, KVCopies
+from tokenmill.core.kv_connector import SWAP, KVConnectorScheduler
 
 if TYPE_CHECKING:
     from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -62,12 +62,11 @@ class SwapSpace(KVConnectorScheduler):
     name = SWAP
 
     def __init__(self, num_slots: int) -> None:
+        super().__init__()  # pending: (block, slot) swap-outs out, (slot, block) swap-ins in
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._held: dict[str, list[int]] = {}  # request id -> its blocks' slots, in table order
         self._freed_this_step: list[int] = []
-        self._outs: list[tuple[int, int]] = []
-        self._ins: list[tuple[int, int]] = []
         self.num_swapped_out = 0  # requests swapped out since start
         self.num_swapped_in_tokens = 0  # tokens that came back by copy instead of recompute
 
@@ -88,7 +87,7 @@ class SwapSpace(KVConnectorScheduler):
         if not table or len(table) > len(self._free):
             return False
         slots = [self._free.pop() for _ in table]
-        self._outs.extend(zip(table, slots))
+        self.pending.out.extend(zip(table, slots))
         self._held[request_id] = slots
         kv.free(request_id)
         self.num_swapped_out += 1
@@ -99,19 +98,13 @@ class SwapSpace(KVConnectorScheduler):
         `kv.allocate_slots` has just made for its `num_tokens` tokens."""
         slots = self._held.pop(request_id)
         table = kv.block_tables(request_id)[0]
-        self._ins.extend(zip(slots, table))
+        self.pending.into.extend(zip(slots, table))
         self._freed_this_step.extend(slots)
         self.num_swapped_in_tokens += num_tokens
 
     def drop(self, request_id: str) -> None:
         """A swapped request ended while waiting: its slots are free (after this step)."""
         self._freed_this_step.extend(self._held.pop(request_id, ()))
-
-    def take_copies(self) -> KVCopies:
-        """This step's copies: (block, slot) swap-outs, (slot, block) swap-ins."""
-        outs, ins = self._outs, self._ins
-        self._outs, self._ins = [], []
-        return KVCopies(SWAP, out=outs, into=ins)
 
     def end_step(self) -> None:
         """The runner has done the step's copies: the slots swapped in or dropped may be reused."""
