@@ -66,16 +66,21 @@ ENGINE_ERRORS: dict[type, tuple[int, str]] = {
 }
 
 
+def engine_error(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of an engine exception: ENGINE_ERRORS', else a 500."""
+    return ENGINE_ERRORS.get(type(exc), (500, "internal_error"))
+
+
 def engine_error_response(exc: BaseException) -> JSONResponse:
     """The HTTP answer to an engine exception, as ENGINE_ERRORS maps it (a 429 says when to retry)."""
-    status, type_ = ENGINE_ERRORS.get(type(exc), (500, "internal_error"))
+    status, type_ = engine_error(exc)
     return error_response(status, str(exc), type_, headers={"Retry-After": "1"} if status == 429 else None)
 
 
 def sse_error(exc: BaseException) -> str:
     """The SSE event that ends a stream whose request failed after its first event (vLLM's shape:
     an `error` object; `code` is the HTTP status the failure would have had)."""
-    status, type_ = ENGINE_ERRORS.get(type(exc), (500, "internal_error"))
+    status, type_ = engine_error(exc)
     body = error_body(_printable(str(exc)), type_, code=status)
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
