@@ -7,6 +7,9 @@
 #   scripts/gpu-check.sh OUT_DIR              on the GPU machine: install the carried wheels, run the check,
 #                                             write OUT_DIR/gpu-check.json
 #   scripts/gpu-check.sh --dry-run OUT_DIR    on CPU: the same plumbing at tiny shapes in Triton's interpreter
+#   scripts/gpu-check.sh --prepare-before REV here: REV's src/ and gpu_check.py in .gpu-check/before (carried)
+#   scripts/gpu-check.sh --paired OUT_DIR     on the GPU machine: the throughput step, this tree (after)
+#                                             against .gpu-check/before, in the order A B B A; a table last
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,6 +36,15 @@ save_default_tokenizer(Path('.gpu-check/tokenizer'))"
   exit 0
 fi
 
+if [ "${1:-}" = "--prepare-before" ]; then
+  rev="${2:?usage: scripts/gpu-check.sh --prepare-before REV}"
+  rm -rf .gpu-check/before && mkdir -p .gpu-check/before/.gpu-check
+  git archive "$rev" src scripts/gpu_check.py | tar x -C .gpu-check/before
+  git rev-parse "$rev" > .gpu-check/before/.gpu-check/commit
+  du -sh .gpu-check/before
+  exit 0
+fi
+
 if [ "${1:-}" = "--dry-run" ]; then
   shift
   exec env PYTHONPATH=src $PY scripts/gpu_check.py --dry-run "$@"
@@ -42,15 +54,32 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 tokenizer=()
 [ -d .gpu-check/tokenizer ] && tokenizer=(--tokenizer .gpu-check/tokenizer)
-out="${1:?usage: scripts/gpu-check.sh OUT_DIR [gpu_check.py options]}"
-mkdir -p "$out"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+export PYTHONUNBUFFERED=1
 # a rerun starts from the last run's compiled kernels (copied to .gpu-check/triton-cache.tgz)
 cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ -f .gpu-check/triton-cache.tgz ]; then mkdir -p "$cache_dir" && tar xzf .gpu-check/triton-cache.tgz -C "$cache_dir"; fi
+site=${PYTHONPATH:-}
+if [ "${1:-}" = "--paired" ]; then
+  out="${2:?usage: scripts/gpu-check.sh --paired OUT_DIR}"
+  [ -d .gpu-check/before ] || { echo "no .gpu-check/before: run --prepare-before REV here first" >&2; exit 2; }
+  mkdir -p "$out"
+  i=0
+  for side in after before before after; do
+    i=$((i+1)); root=.
+    [ $side = before ] && root=.gpu-check/before
+    PYTHONPATH=$root/src${site:+:$site} $PY $root/scripts/gpu_check.py "/tmp/gpu-pair-$i" "${tokenizer[@]}" \
+      --skip kernels hf bf16 serve profile > "/tmp/gpu-pair-$i.log" 2>&1 \
+      || { echo "run $i ($side) failed:"; tail -20 "/tmp/gpu-pair-$i.log"; }
+    cp "/tmp/gpu-pair-$i/gpu-check.json" "$out/pair-$i-$side.json" 2>/dev/null || true
+  done
+  exec $PY scripts/gpu_check.py --paired-table "$out"
+fi
+out="${1:?usage: scripts/gpu-check.sh OUT_DIR [gpu_check.py options]}"
+mkdir -p "$out"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+export PYTHONPATH=src${site:+:$site}
 rc=0
 $PY scripts/gpu_check.py "$@" "${tokenizer[@]}" 2>&1 | tee "$out/gpu-check.log" || rc=$?
 [ -d "$cache_dir" ] && tar czf "$out/triton-cache.tgz" -C "$cache_dir" . || true

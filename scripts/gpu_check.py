@@ -585,7 +585,32 @@ def commit() -> str:
         return "unknown"
 
 
+PAIRED_FIGURES = ("decode_1b_bs64_step_ms", "decode_1b_bs64_replay_ms", "decode_1b_bs1_step_ms",
+                  "decode_1b_bs1_replay_ms", "host_ms_per_step_bs1", "ttft_1b_2048_ms", "tokenmill_1b_tok_s_bs1",
+                  "tokenmill_1b_tok_s_bs64", "decode_135m_bs1_graphs_ms")
+
+
+def paired_table(out_dir: Path) -> str:
+    """The throughput figures of a paired run (gpu-check.sh --paired: pair-N-after/before.json), one column a
+    run in the order they ran, with each side's median."""
+    runs = sorted(out_dir.glob("pair-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    if not runs:
+        raise SystemExit(f"no pair-*.json in {out_dir}: every run failed")
+    data = [(p.stem, json.loads(p.read_text())) for p in runs]
+    lines = ["| figure | " + " | ".join(name for name, _ in data) + " | median after | median before |",
+             "|---" * (len(data) + 3) + "|"]
+    for key in PAIRED_FIGURES:
+        sides = {side: [d[key] for name, d in data if name.endswith(side) and d.get(key) is not None]
+                 for side in ("after", "before")}
+        medians = [f"{statistics.median(v):.3f}" if v else "-" for v in sides.values()]
+        lines.append(f"| {key} | " + " | ".join(str(d.get(key)) for _, d in data) + " | " + " | ".join(medians) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--paired-table"]:
+        print(paired_table(Path(sys.argv[2])))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="where gpu-check.json (and serve.log) go")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter: the plumbing")
