@@ -8,7 +8,7 @@
 #                                             write OUT_DIR/gpu-check.json
 #   scripts/gpu-check.sh --dry-run OUT_DIR    on CPU: the same plumbing at tiny shapes in Triton's interpreter
 #   scripts/gpu-check.sh --prepare-before REV here: REV's src/ and gpu_check.py in .gpu-check/before (carried)
-#   scripts/gpu-check.sh --paired OUT_DIR     on the GPU machine: the throughput step, this tree (after)
+#   scripts/gpu-check.sh --paired OUT_DIR     on the GPU machine (or with --dry-run, here): the throughput step, this tree (after)
 #                                             against .gpu-check/before, in the order A B B A; a table last
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,7 +62,8 @@ cache_dir=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ -f .gpu-check/triton-cache.tgz ]; then mkdir -p "$cache_dir" && tar xzf .gpu-check/triton-cache.tgz -C "$cache_dir"; fi
 site=${PYTHONPATH:-}
 if [ "${1:-}" = "--paired" ]; then
-  out="${2:?usage: scripts/gpu-check.sh --paired OUT_DIR}"
+  out="${2:?usage: scripts/gpu-check.sh --paired OUT_DIR [gpu_check.py options]}"
+  shift 2
   [ -d .gpu-check/before ] || { echo "no .gpu-check/before: run --prepare-before REV here first" >&2; exit 2; }
   mkdir -p "$out"
   i=0
@@ -70,7 +71,7 @@ if [ "${1:-}" = "--paired" ]; then
     i=$((i+1)); root=.
     [ $side = before ] && root=.gpu-check/before
     PYTHONPATH=$root/src${site:+:$site} $PY $root/scripts/gpu_check.py "/tmp/gpu-pair-$i" "${tokenizer[@]}" \
-      --skip kernels hf bf16 serve profile > "/tmp/gpu-pair-$i.log" 2>&1 \
+      --skip kernels hf bf16 serve profile "$@" > "/tmp/gpu-pair-$i.log" 2>&1 \
       || { echo "run $i ($side) failed:"; tail -20 "/tmp/gpu-pair-$i.log"; }
     cp "/tmp/gpu-pair-$i/gpu-check.json" "$out/pair-$i-$side.json" 2>/dev/null || true
   done
