@@ -138,10 +138,12 @@ class CacheConfig:
         "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}' (docs/scale-out.md)")
 
     kv_transfer_config: Optional[str] = _opt(
-        None, "prefill/decode disaggregation through files on this host, as vLLM's SharedStorageConnector: "
+        None, "prefill/decode disaggregation with vLLM's keys: through files on one host, "
         "'{\"kv_connector\": \"SharedStorageConnector\", \"kv_role\": \"kv_both\", "
-        "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/tmp/tokenmill-kv\"}}' "
-        "(docs/scale-out.md; `tokenmill disagg-proxy` pairs a prefill and a decode server)")
+        "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/tmp/tokenmill-kv\"}}', or over TCP "
+        "between hosts, '{\"kv_connector\": \"TCPConnector\", \"kv_role\": \"kv_producer\", \"kv_ip\": "
+        "\"0.0.0.0\", \"kv_port\": 14579}' (docs/scale-out.md; `tokenmill disagg-proxy` pairs a prefill and "
+        "a decode server)")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""

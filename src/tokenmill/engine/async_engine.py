@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -81,6 +82,8 @@ class AsyncEngine:
         self.dead = False
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                    thread_name_prefix="tokenmill-grammar")
+        # KV transfers fetched over TCP (engine/kv_transfer_tcp.py): each fetch ends by its own deadline
+        self._transfer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-fetch")
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
         self.engine: LLMEngine  # the engine thread's alone (see the module's docstring)
@@ -175,6 +178,11 @@ class AsyncEngine:
         try:
             if params.structured_output is not None:
                 await self.compile_grammar(params.structured_output)
+            transfers = self.info.kv_transfers
+            if transfers is not None and transfers.needs_fetch(params.kv_transfer_params):
+                fetched = await asyncio.get_running_loop().run_in_executor(
+                    self._transfer_pool, transfers.fetch, params.kv_transfer_params, len(prompt_token_ids))
+                params = dataclasses.replace(params, kv_transfer_params=fetched)
             self._submit(add)
             submitted = True
             await asyncio.wrap_future(admitted)
@@ -272,6 +280,7 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=30)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._transfer_pool.shutdown(wait=False, cancel_futures=True)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.kv_transfer import KVTransfers
     from tokenmill.engine.lora_registry import LoRARegistry
 
 
@@ -21,9 +22,10 @@ class EngineInfo:
     chat_template: Optional[str]
     tokenizer: Any  # thread-safe for encoding and decoding
     loras: Optional[LoRARegistry]
+    kv_transfers: Optional[KVTransfers]  # other threads call only its thread-safe needs_fetch and fetch
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         """The snapshot of a just-built engine."""
         return cls(engine.max_model_len, engine.arch.vocab_size, tuple(engine.eos_token_ids),
-                   engine.source.chat_template, engine.tokenizer, engine.loras)
+                   engine.source.chat_template, engine.tokenizer, engine.loras, engine.kv_transfers)

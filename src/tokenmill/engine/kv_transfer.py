@@ -1,4 +1,5 @@
-"""Prefill/decode disaggregation through shared files (vLLM's SharedStorageConnector, on one host).
+"""Prefill/decode disaggregation: through shared files (vLLM's SharedStorageConnector, on one host) or
+over TCP (TCPConnector, across hosts: engine/kv_transfer_tcp.py carries the same files between spools).
 
 A producer runs a request that asks `kv_transfer_params: {"do_remote_decode": true}`; the runner writes
 the K/V of the prompt's full blocks (those before its last token) to `<folder>/<id>.kv` after the step
@@ -11,6 +12,10 @@ its request's own prompt, and the data against the length and CRC-32, then adopt
 prefix cache (core/kv_transfer_connector.py): the request runs as a prefix-cache hit, computing only the last
 prompt token and what follows, so its output is the single engine's. Any check that fails leaves the
 request to prefill locally (and says why in the log); a transfer never changes an answer.
+
+Over TCP the producer's answer names its host, port and the transfer's id instead of a path; the
+consumer first fetches the transfer into its own spool folder (`fetch`, off the engine thread when
+served), then checks and adopts it as a shared file.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_transfer_tcp import TransferRefused, TransferServer, fetch_transfer
 from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.request import Request
 
@@ -33,10 +41,6 @@ _VERSION = 1
 _STALE_S = 600.0  # a file no decode server took within this long is removed by its producer
 
 
-class TransferRefused(Exception):
-    """A transfer that cannot be used; the request prefills locally."""
-
-
 class KVTransfers:
     """The engine's side of transfers: file names, descriptions, and the checks before adoption."""
 
@@ -44,8 +48,49 @@ class KVTransfers:
         self.config = config
         self.fingerprint = fingerprint
         self.kv_cache = kv_cache
-        os.makedirs(config.shared_storage_path, exist_ok=True)
+        self._own_spool = config.shared_storage_path is None
+        self.folder = tempfile.mkdtemp(prefix="tokenmill-kv-") if self._own_spool else config.shared_storage_path
+        os.makedirs(self.folder, exist_ok=True)
         self.num_imported = self.num_refused = 0
+        self.server: Optional[TransferServer] = None
+        if config.over_tcp and config.produces:
+            self.server = TransferServer(self.folder, config.kv_ip, config.kv_port)
+            logger.info("KV transfers served on %s:%d (answers name %s)", config.kv_ip, self.server.port,
+                        config.public_host)
+
+    def close(self) -> None:
+        """Stop serving transfers, and remove the spool folder if this engine made it."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self._own_spool:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def needs_fetch(self, params: Any) -> bool:
+        """Whether a request's kv_transfer_params name a transfer still on its producer (TCP): `fetch`
+        brings it here before the request is added."""
+        return (self.config.over_tcp and self.config.consumes and isinstance(params, dict)
+                and bool(params.get("do_remote_prefill")) and "remote_kv_path" not in params)
+
+    def fetch(self, params: dict[str, Any], num_prompt_tokens: int) -> dict[str, Any]:
+        """The kv_transfer_params of a request whose transfer (TCP) is now in this engine's spool folder,
+        or params that prefill locally when it cannot be fetched (the log says why). Thread-safe: it reads
+        only the configuration and writes only a fresh file."""
+        self._remove_stale()
+        max_blocks = (num_prompt_tokens - 1) // self.kv_cache.block_size
+        host, port, transfer_id = (params.get(k) for k in ("remote_host", "remote_port", "remote_transfer_id"))
+        local = os.path.join(self.folder, f"{uuid.uuid4().hex}.kv")
+        try:
+            if not (isinstance(host, str) and isinstance(port, int) and isinstance(transfer_id, str)):
+                raise TransferRefused("kv_transfer_params need remote_host, remote_port and remote_transfer_id")
+            if max_blocks == 0:
+                raise TransferRefused("the prompt has no full block to take")
+            fetch_transfer(host, port, transfer_id, local, max_blocks, self.fingerprint["block_bytes"],
+                           self.config.fetch_timeout_s)
+        except TransferRefused as exc:
+            logger.warning("a request prefills locally: its KV transfer cannot be fetched (%s)", exc)
+            return {"do_remote_prefill": False, "do_remote_decode": False}
+        return {**params, "remote_kv_path": local}
 
     def check_params(self, params: Any) -> None:
         """ValueError naming what is wrong with a request's `kv_transfer_params` (before it is queued)."""
@@ -70,7 +115,7 @@ class KVTransfers:
     def _remove_stale(self) -> None:
         now = time.time()
         try:
-            entries = list(os.scandir(self.config.shared_storage_path))
+            entries = list(os.scandir(self.folder))
         except OSError:
             return
         for entry in entries:
@@ -83,7 +128,7 @@ class KVTransfers:
 
     def plan_export(self, request: Request) -> None:
         """Have `request`'s prompt blocks written to a fresh file once computed."""
-        request.kv_export_path = os.path.join(self.config.shared_storage_path, f"{uuid.uuid4().hex}.kv")
+        request.kv_export_path = os.path.join(self.folder, f"{uuid.uuid4().hex}.kv")
 
     def describe(self, request: Request) -> dict[str, Any]:
         """The finished producer request's kv_transfer_params (and its description file, written now)."""
@@ -101,7 +146,11 @@ class KVTransfers:
         with open(path + ".json.partial", "w") as handle:
             json.dump(description, handle)
         os.replace(path + ".json.partial", path + ".json")
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_kv_path": path,
+        where: dict[str, Any] = {"remote_kv_path": path}
+        if self.server is not None:
+            where = {"remote_host": self.config.public_host, "remote_port": self.server.port,
+                     "remote_transfer_id": os.path.basename(path)[:-len(".kv")]}
+        return {"do_remote_prefill": True, "do_remote_decode": False, **where,
                 "remote_num_blocks": blocks, "remote_block_size": self.kv_cache.block_size}
 
     def adopt(self, request: Request, params: dict[str, Any]) -> int:
@@ -112,6 +161,8 @@ class KVTransfers:
         except TransferRefused as exc:
             self.num_refused += 1
             logger.warning("request %s prefills locally: its KV transfer is unusable (%s)", request.request_id, exc)
+            if self.config.over_tcp and isinstance(params.get("remote_kv_path"), str):
+                self.remove_imported([params["remote_kv_path"]])  # fetched here: no one else's
             return 0
         adopted = self.kv_cache.transfer.adopt(request.request_id, keys, path, request.sampling_params.key_salt)
         self.num_imported += 1
@@ -120,9 +171,8 @@ class KVTransfers:
     def _checked(self, request: Request, params: dict[str, Any]) -> tuple[str, list]:
         """The transfer file and the keys of the prompt blocks it holds, or TransferRefused saying why."""
         path = params.get("remote_kv_path")
-        if not isinstance(path, str) or os.path.dirname(os.path.abspath(path)) != os.path.abspath(
-                self.config.shared_storage_path):
-            raise TransferRefused(f"remote_kv_path must be a file of {self.config.shared_storage_path}")
+        if not isinstance(path, str) or os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.folder):
+            raise TransferRefused(f"remote_kv_path must be a file of {self.folder}")
         try:
             with open(path + ".json") as handle:
                 description = json.load(handle)

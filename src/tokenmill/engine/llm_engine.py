@@ -160,6 +160,7 @@ class LLMEngine:
             fingerprint = {"model": self.source.path, "architecture": self.arch.architecture,
                            "dtype": str(self.dtype), "block_bytes": plan.block_bytes}
             self.kv_transfers = KVTransfers(transfer_config, fingerprint, self.kv_cache)
+            on_failure.callback(self.kv_transfers.close)
         self.kv_events: Optional[ZmqEventPublisher] = None
         if events_config.active:
             self.kv_events = ZmqEventPublisher(events_config, self.config.parallel.data_parallel_rank)
@@ -213,10 +214,13 @@ class LLMEngine:
             return self._grammar_cache
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (a no-op for the in-process executor) and the KV event publisher."""
+        """Stop the executor's workers (a no-op for the in-process executor), the KV event publisher and
+        the KV transfer listener."""
         self.executor.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()
+        if self.kv_transfers is not None:
+            self.kv_transfers.close()
 
     def _publish_kv_events(self) -> None:
         """Send the prefix cache's events since the last call as one batch (none when nothing happened)."""
@@ -301,7 +305,10 @@ class LLMEngine:
         if transfer.get("do_remote_decode"):
             self.kv_transfers.plan_export(request)
         elif transfer.get("do_remote_prefill"):
-            self.kv_transfers.adopt(request, transfer)
+            if self.kv_transfers.needs_fetch(transfer):  # served requests come fetched (AsyncEngine.generate)
+                transfer = self.kv_transfers.fetch(transfer, len(prompt_token_ids))
+            if transfer.get("do_remote_prefill"):
+                self.kv_transfers.adopt(request, transfer)
         self.scheduler.add_request(request)
         self.output_processor.add(request_id, text, prompt_token_ids, params, request.arrival_time)
 
