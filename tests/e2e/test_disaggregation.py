@@ -1,12 +1,15 @@
-"""`tokenmill disagg-proxy` in front of a prefill server and a decode server: the single server's answer,
-streamed or not, with the prompt computed on the prefill server; without it, still the same answer."""
+"""`tokenmill disagg-proxy` in front of a prefill server and a decode server, their blocks moving through a
+shared folder or over TCP: the single server's answer, streamed or not, with the prompt computed on the
+prefill server; without it, still the same answer; a transfer peer that hangs stalls no one else."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,16 +23,26 @@ PROMPT = "The lighthouse keeper counted the ships that passed in the night, one 
 BODY = dict(model="m", prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def transfer_configs(connector: str, folder: Path) -> tuple[str, str]:
+    """The prefill and the decode server's --kv-transfer-config."""
+    if connector == "SharedStorageConnector":
+        both = json.dumps({"kv_connector": connector, "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"shared_storage_path": str(folder)}})
+        return both, both
+    return (json.dumps({"kv_connector": connector, "kv_role": "kv_producer", "kv_ip": HOST, "kv_port": free_port()}),
+            json.dumps({"kv_connector": connector, "kv_role": "kv_consumer",
+                        "kv_connector_extra_config": {"fetch_timeout_s": 120}}))
+
+
+@pytest.fixture(scope="module", params=["SharedStorageConnector", "TCPConnector"])
+def servers(request, tmp_path_factory):
     model = str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
     logs = tmp_path_factory.mktemp("disagg")
-    transfer = json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"shared_storage_path": str(logs / "kv")}})
+    produce, consume = transfer_configs(request.param, logs / "kv")
     common = ("--block-size", "4", "--served-model-name", "m")
     single = ServerProcess(model, *common, log_path=logs / "single.log").start()
-    prefill = ServerProcess(model, *common, "--kv-transfer-config", transfer, log_path=logs / "prefill.log").start()
-    decode = ServerProcess(model, *common, "--kv-transfer-config", transfer, log_path=logs / "decode.log").start()
+    prefill = ServerProcess(model, *common, "--kv-transfer-config", produce, log_path=logs / "prefill.log").start()
+    decode = ServerProcess(model, *common, "--kv-transfer-config", consume, log_path=logs / "decode.log").start()
     port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", "disagg-proxy", "--host", HOST,
                               "--port", str(port), "--prefill", f"http://{HOST}:{prefill.port}",
@@ -134,3 +147,42 @@ def test_without_the_prefill_server_the_decode_server_prefills_and_answers_the_s
     before = stats(url)["local_prefill"]
     assert streamed(url, body) == reference
     assert stats(url)["local_prefill"] == before + 1
+
+
+@pytest.mark.parametrize("servers", ["TCPConnector"], indirect=True)
+def test_a_transfer_peer_that_hangs_stalls_no_other_request(servers):
+    """A request whose transfer comes from a peer that never answers waits alone: another request is
+    answered meanwhile, and once the peer goes, the waiting one prefills locally with the same answer."""
+    single, prefill, decode, url = servers
+    peer = socket.create_server((HOST, 0))
+    accepted = threading.Event()
+    release = threading.Event()
+
+    def hang():
+        conn, _ = peer.accept()
+        accepted.set()
+        release.wait(120)
+        conn.close()
+
+    threading.Thread(target=hang, daemon=True).start()
+    body = {**BODY, "prompt": "From a peer that hangs: " + PROMPT,
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_host": HOST,
+                                   "remote_port": peer.getsockname()[1], "remote_transfer_id": "ab12"}}
+    reference = httpx.post(f"{single.url}/v1/completions", json={**body, "kv_transfer_params": None}, timeout=60).json()
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{decode.url}/v1/completions", json=body, timeout=180).json()))
+    waiting.start()
+    try:
+        assert accepted.wait(60), "the decode server never reached the peer"
+        other = httpx.post(f"{decode.url}/v1/completions", json={**BODY, "prompt": "meanwhile"}, timeout=60)
+        assert other.status_code == 200 and other.json()["choices"][0]["text"]
+        assert not answers, "the request behind the hanging peer cannot have an answer yet"
+    finally:
+        release.set()
+        waiting.join(180)
+        peer.close()
+    (answer,) = answers
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert answer["choices"][0]["logprobs"]["token_logprobs"] == reference["choices"][0]["logprobs"]["token_logprobs"]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -1,10 +1,12 @@
-"""Prefill/decode disaggregation through shared files: the decode engine's output is the single engine's,
-and a transfer that cannot be used is a local prefill, never a different answer."""
+"""Prefill/decode disaggregation through shared files and over TCP: the decode engine's output is the single
+engine's, and a transfer that cannot be used is a local prefill, never a different answer."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import socket
 
 import pytest
 
@@ -103,3 +105,62 @@ def test_transfer_params_are_refused_by_name_where_they_cannot_work(engines, mod
     with pytest.raises(ValueError, match="kv_role must be one of"):
         LLM(model_path, kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "both",
                                             "kv_connector_extra_config": {"shared_storage_path": "/tmp/x"}})
+
+
+TCP = {"kv_connector": "TCPConnector"}
+
+
+@pytest.fixture(scope="module")
+def tcp_engines(model_path, engines, tmp_path_factory):
+    copy = tmp_path_factory.mktemp("copy") / "model"
+    shutil.copytree(model_path, copy)  # the same weights at another path: another model's fingerprint
+    producer = LLM(model_path, block_size=BLOCK, num_kv_blocks=64,
+                   kv_transfer_config={**TCP, "kv_role": "kv_producer", "kv_port": 0})
+    foreign = LLM(str(copy), block_size=BLOCK, num_kv_blocks=64,
+                  kv_transfer_config={**TCP, "kv_role": "kv_producer", "kv_port": 0})
+    consumer = LLM(model_path, block_size=BLOCK, num_kv_blocks=64,
+                   kv_transfer_config={**TCP, "kv_role": "kv_consumer",
+                                       "kv_connector_extra_config": {"fetch_timeout_s": 30}})
+    yield engines[0], producer, foreign, consumer
+    for llm in (producer, foreign, consumer):
+        llm.llm_engine.shutdown()
+
+
+def test_over_tcp_the_decode_engine_continues_with_the_single_engines_output(tcp_engines):
+    single, producer, _, consumer = tcp_engines
+    prompt = [7] + PROMPT[1:]
+    (reference,) = single.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    transfer = prefill_remotely(producer, prompt)
+    assert transfer["remote_port"] == producer.llm_engine.kv_transfers.server.port
+    assert "remote_kv_path" not in transfer and transfer["remote_num_blocks"] == 9
+    out = decode(consumer, prompt, transfer)
+    assert answer(out) == answer(reference)
+    assert out.metrics.num_cached_tokens == 9 * BLOCK
+    assert os.listdir(producer.llm_engine.kv_transfers.folder) == []  # sent, so gone
+    assert os.listdir(consumer.llm_engine.kv_transfers.folder) == []  # imported, so gone
+
+
+TCP_DAMAGES = ["taken already", "another model", "another prompt", "producer gone", "malformed"]
+
+
+@pytest.mark.parametrize("damage", TCP_DAMAGES)
+def test_an_unusable_tcp_transfer_is_a_local_prefill_with_the_same_answer(tcp_engines, damage):
+    single, producer, foreign, consumer = tcp_engines
+    prompt = [200 + TCP_DAMAGES.index(damage)] * 3 + PROMPT[3:]
+    (reference,) = single.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    source = foreign if damage == "another model" else producer
+    transfer = prefill_remotely(source, prompt if damage != "another prompt" else PROMPT[::-1])
+    if damage == "taken already":
+        decode(consumer, [9] + prompt[1:], transfer)  # a late second fetch finds it gone
+    elif damage == "producer gone":
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            transfer = {**transfer, "remote_port": probe.getsockname()[1]}
+    elif damage == "malformed":
+        transfer = {**transfer, "remote_port": str(transfer["remote_port"])}
+    refused = consumer.llm_engine.kv_transfers.num_refused
+    out = decode(consumer, prompt, transfer)
+    assert answer(out) == answer(reference)
+    assert consumer.llm_engine.kv_transfers.num_refused == refused + 1
+    assert out.metrics.num_cached_tokens == 0
+    assert os.listdir(consumer.llm_engine.kv_transfers.folder) == []

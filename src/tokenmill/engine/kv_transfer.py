@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 import zlib
@@ -52,6 +53,7 @@ class KVTransfers:
         self.folder = tempfile.mkdtemp(prefix="tokenmill-kv-") if self._own_spool else config.shared_storage_path
         os.makedirs(self.folder, exist_ok=True)
         self.num_imported = self.num_refused = 0
+        self._count_lock = threading.Lock()  # fetches refuse on other threads
         self.server: Optional[TransferServer] = None
         if config.over_tcp and config.produces:
             self.server = TransferServer(self.folder, config.kv_ip, config.kv_port)
@@ -88,6 +90,8 @@ class KVTransfers:
             fetch_transfer(host, port, transfer_id, local, max_blocks, self.fingerprint["block_bytes"],
                            self.config.fetch_timeout_s)
         except TransferRefused as exc:
+            with self._count_lock:
+                self.num_refused += 1
             logger.warning("a request prefills locally: its KV transfer cannot be fetched (%s)", exc)
             return {"do_remote_prefill": False, "do_remote_decode": False}
         return {**params, "remote_kv_path": local}
@@ -159,7 +163,8 @@ class KVTransfers:
         try:
             path, keys = self._checked(request, params)
         except TransferRefused as exc:
-            self.num_refused += 1
+            with self._count_lock:
+                self.num_refused += 1
             logger.warning("request %s prefills locally: its KV transfer is unusable (%s)", request.request_id, exc)
             if self.config.over_tcp and isinstance(params.get("remote_kv_path"), str):
                 self.remove_imported([params["remote_kv_path"]])  # fetched here: no one else's
