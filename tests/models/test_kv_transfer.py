@@ -113,22 +113,27 @@ TCP = {"kv_connector": "TCPConnector"}
 @pytest.fixture(scope="module")
 def tcp_engines(model_path, engines, tmp_path_factory):
     copy = tmp_path_factory.mktemp("copy") / "model"
-    shutil.copytree(model_path, copy)  # the same weights at another path: another model's fingerprint
+    shutil.copytree(model_path, copy)  # the same files at another path: the same model
+    other = make_tiny_hf_model(tmp_path_factory.mktemp("other"), arch="llama", rms_norm_eps=1e-5)
     producer = LLM(model_path, block_size=BLOCK, num_kv_blocks=64,
                    kv_transfer_config={**TCP, "kv_role": "kv_producer", "kv_port": 0})
-    foreign = LLM(str(copy), block_size=BLOCK, num_kv_blocks=64,
+    elsewhere = LLM(str(copy), block_size=BLOCK, num_kv_blocks=64,
+                    kv_transfer_config={**TCP, "kv_role": "kv_producer", "kv_port": 0})
+    foreign = LLM(str(other), block_size=BLOCK, num_kv_blocks=64,
                   kv_transfer_config={**TCP, "kv_role": "kv_producer", "kv_port": 0})
     consumer = LLM(model_path, block_size=BLOCK, num_kv_blocks=64,
                    kv_transfer_config={**TCP, "kv_role": "kv_consumer",
                                        "kv_connector_extra_config": {"fetch_timeout_s": 30}})
-    yield engines[0], producer, foreign, consumer
-    for llm in (producer, foreign, consumer):
+    yield engines[0], producer, elsewhere, foreign, consumer
+    for llm in (producer, elsewhere, foreign, consumer):
         llm.llm_engine.shutdown()
 
 
-def test_over_tcp_the_decode_engine_continues_with_the_single_engines_output(tcp_engines):
-    single, producer, _, consumer = tcp_engines
-    prompt = [7] + PROMPT[1:]
+@pytest.mark.parametrize("where", ["same path", "another path"])
+def test_over_tcp_the_decode_engine_continues_with_the_single_engines_output(tcp_engines, where):
+    single, same, elsewhere, _, consumer = tcp_engines
+    producer = same if where == "same path" else elsewhere
+    prompt = [7 if where == "same path" else 8] + PROMPT[1:]
     (reference,) = single.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     transfer = prefill_remotely(producer, prompt)
     assert transfer["remote_port"] == producer.llm_engine.kv_transfers.server.port
@@ -145,7 +150,7 @@ TCP_DAMAGES = ["taken already", "another model", "another prompt", "producer gon
 
 @pytest.mark.parametrize("damage", TCP_DAMAGES)
 def test_an_unusable_tcp_transfer_is_a_local_prefill_with_the_same_answer(tcp_engines, damage):
-    single, producer, foreign, consumer = tcp_engines
+    single, producer, _, foreign, consumer = tcp_engines
     prompt = [200 + TCP_DAMAGES.index(damage)] * 3 + PROMPT[3:]
     (reference,) = single.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     source = foreign if damage == "another model" else producer

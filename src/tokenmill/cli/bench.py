@@ -13,6 +13,7 @@ import time
 from typing import Any, Optional
 
 from tokenmill.bench import linear_products
+from tokenmill.bench import kv_transfer
 from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
 from tokenmill.bench.linear_products import add_linear_products_args, run_linear_products
 from tokenmill.bench.report import RequestResult, emit, own_peak_rss_gib, summarise
@@ -21,7 +22,7 @@ from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `tokenmill bench throughput`, `bench serve` and `bench linears`."""
+    """Register `tokenmill bench throughput`, `bench serve`, `bench linears` and `bench kv-transfer`."""
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(kinds)
@@ -29,6 +30,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                description=linear_products.__doc__)
     add_linear_products_args(linears)
     linears.set_defaults(func=run_linear_products)
+    transfer = kinds.add_parser("kv-transfer", help="a prefill/decode transfer over TCP on loopback: GB/s, and "
+                                "the decode server's TTFT with it against a local prefill",
+                                description=kv_transfer.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kv_transfer.add_kv_transfer_args(transfer)
+    transfer.set_defaults(func=kv_transfer.run_kv_transfer)
     p = kinds.add_parser("throughput", help="offline, in-process throughput on a seeded dataset",
                          description="Generate OUTPUT_LEN tokens (greedy, ignore_eos) for every prompt of the "
                                      "dataset, all submitted at once, and report tokens/s and latencies.")

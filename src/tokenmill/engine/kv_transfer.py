@@ -20,6 +20,7 @@ served), then checks and adopts it as a shared file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +41,28 @@ logger = logging.getLogger(__name__)
 
 _VERSION = 1
 _STALE_S = 600.0  # a file no decode server took within this long is removed by its producer
+
+
+_WEIGHT_SUFFIXES = (".json", ".safetensors", ".gguf", ".bin", ".pt")
+_SAMPLE = 1 << 20
+
+
+def model_identity(path: str) -> str:
+    """A digest that tells one model's weights from another's wherever they lie: for the model file, or
+    each config and weight file of the model folder, its name (in a folder), its length, and its first and
+    last MiB. Two hosts that hold the same files get the same digest whatever their paths."""
+    digest = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, name) for name in os.listdir(path) if name.endswith(_WEIGHT_SUFFIXES))
+    for name in files:
+        size = os.path.getsize(name)
+        digest.update(f"{os.path.basename(name) if name != path else ''}:{size}:".encode())
+        with open(name, "rb") as handle:
+            digest.update(handle.read(_SAMPLE))
+            if size > 2 * _SAMPLE:
+                handle.seek(size - _SAMPLE)
+                digest.update(handle.read(_SAMPLE))
+    return digest.hexdigest()
 
 
 class KVTransfers:

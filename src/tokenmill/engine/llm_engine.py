@@ -19,7 +19,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduling import SchedulingLimits, SpecTotals
 from tokenmill.core.swap_space import PreemptionCosts
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher, to_wire
-from tokenmill.engine.kv_transfer import KVTransfers
+from tokenmill.engine.kv_transfer import KVTransfers, model_identity
 from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
@@ -157,7 +157,7 @@ class LLMEngine:
                                        windows=self.kv_layout.windows, record_events=events_config.active)
         self.kv_transfers: Optional[KVTransfers] = None
         if transfer_config is not None:
-            fingerprint = {"model": self.source.path, "architecture": self.arch.architecture,
+            fingerprint = {"model": model_identity(self.source.path), "architecture": self.arch.architecture,
                            "dtype": str(self.dtype), "block_bytes": plan.block_bytes}
             self.kv_transfers = KVTransfers(transfer_config, fingerprint, self.kv_cache)
             on_failure.callback(self.kv_transfers.close)
