@@ -125,3 +125,18 @@ def test_bench_linears_prints_one_line_per_row_count():
     assert [line.split()[0] for line in lines] == ["1", "20"]
     assert all(len(line.split()) == 1 + len(columns) and float(cell) > 0
                for line in lines for cell in line.split()[1:])
+
+
+def test_bench_kv_transfer_moves_every_full_block_and_times_both_ways(tiny_model, tmp_path):
+    out = tmp_path / "kv.json"
+    run = tokenmill("bench", "kv-transfer", "--model", tiny_model, "--block-size", "4", "--num-kv-blocks", "256",
+                    "--prompt-lens", "33", "--repeats", "1", "--output-json", str(out))
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["prompt_tokens"] == 33
+    config = json.loads(open(f"{tiny_model}/config.json").read())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim  # K and V values
+    assert row["transfer_bytes"] in (32 * per_token * 2, 32 * per_token * 4)  # 8 full blocks, bf16 or float32
+    assert row["transfer_ttft_ms"] == pytest.approx(row["fetch_ms"] + row["remote_ms"], abs=0.02)
+    assert min(row["local_ms"], row["prefill_ms"], row["fetch_ms"], row["remote_ms"]) > 0
