@@ -13,10 +13,10 @@ import time
 from typing import Any, Optional
 
 from tokenmill.bench import linear_products
-from tokenmill.bench import kv_transfer
 from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
 from tokenmill.bench.linear_products import add_linear_products_args, run_linear_products
 from tokenmill.bench.report import RequestResult, emit, own_peak_rss_gib, summarise
+from tokenmill.cli import bench_kv_transfer as kv_transfer
 from tokenmill.cli.bench_serve import add_bench_serve_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
