@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from tokenmill.core.block_hash import KeySalt
 from tokenmill.core.block_keys import BlockKey, BlockKeys, CachedSequence
 from tokenmill.core.block_pool import BlockPool
+from tokenmill.core.kv_connector import KVConnectorScheduler, overrides
 from tokenmill.core.kv_events import KVEventLog
 from tokenmill.core.kv_group_specs import cdiv, group_spec
 from tokenmill.core.kv_transfer_connector import TransferConnector
+from tokenmill.core.prefix_lookup import SKIPPED, PrefixLookup
 from tokenmill.core.secondary_tier import SecondaryTier, TierConnector
 
 
-SKIPPED = -1  # in a group's cached blocks: a block before the group's window, which a hit does not need
-_MISSING = -2  # a block cached in neither tier (never returned)
 _PLACEHOLDER = 0  # the table entry of a skipped block: never read (no query's window reaches it), never released
 
 
-class KVCacheManager:
-    """Maps request ids to block tables, one per KV cache group, and grows or frees them through one pool.
+class KVCacheManager(PrefixLookup):
+    """Maps request ids to block tables, one per KV cache group, and grows or frees them through one pool;
+    registers computed full blocks for reuse (looked up through `PrefixLookup`, core/prefix_lookup.py).
 
     Token i of a request lives, for the layers of group g, in block `tables[g][i // block_size]` at
     offset `i % block_size` (see core/kv_spec.py). A sliding-window group of window W lets go of the
@@ -55,8 +56,12 @@ class KVCacheManager:
         self.transfer = TransferConnector(self)
         # blocks made findable and evicted, for KV-cache events (drained by the engine every step)
         self.events = KVEventLog() if record_events and enable_prefix_caching else None
+        # the connectors that hear the pool's news and supply hits it lacks, in the order they hear it
+        self.connectors = [c for c in (self.events, self.tier_connector) if c is not None]
+        self._hear_stored = [c for c in self.connectors if overrides(c, "blocks_stored")]
+        self._hear_evicted = [c for c in self.connectors if overrides(c, "block_evicted")]
         self._salts: dict[str, Optional[KeySalt]] = {}  # the key salt of requests that start with hits
-        if self.tier is not None or self.events is not None:
+        if self._hear_evicted:
             self.pool.on_evict = self._on_evict
         # New requests are admitted only while this many blocks stay free, so requests already
         # running can grow a little before anyone has to be preempted.
@@ -66,11 +71,6 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         """Size of the pool."""
         return self.pool.num_blocks
-
-    @property
-    def num_groups(self) -> int:
-        """KV cache groups (one block table each per request)."""
-        return len(self.windows)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (in one group's table)."""
@@ -128,8 +128,8 @@ class KVCacheManager:
         # saving that to a full tier may push out the LRU tier entry — which must not be ours.
         for hits in cached:
             self.pool.share([b for b in hits if b is not None and b != SKIPPED])
-        tier_slots = {(g, i): self.tier.take((g, keys[i]))
-                      for g, hits in enumerate(cached) for i, b in enumerate(hits) if b is None}
+        claimed = {(g, i): self._claim((g, keys[i]))
+                   for g, hits in enumerate(cached) for i, b in enumerate(hits) if b is None}
         for group, hits in enumerate(cached):
             table = self.tables[request_id][group]
             loaded = []
@@ -140,14 +140,19 @@ class KVCacheManager:
                 elif block is None:
                     (block,) = self.pool.allocate(1)
                     self.pool.register(block, (group, keys[index]))
-                    self.tier_connector.restore(tier_slots[group, index], block)
+                    connector, entry = claimed[group, index]
+                    connector.load(entry, block)
                     loaded.append(index)
                 table.append(block)
             self._record_stored(request_id, group, keys, loaded)
 
+    def _claim(self, key: tuple[int, BlockKey]) -> tuple[KVConnectorScheduler, Any]:
+        connector = next(c for c in self.connectors if c.holds(key))
+        return connector, connector.claim(key)
+
     def _record_stored(self, request_id: str, group: int, keys: Sequence[BlockKey], indices: Sequence[int]) -> None:
-        if self.events is not None:
-            self.events.stored_runs(group, keys, indices, self._salts.get(request_id))
+        for connector in self._hear_stored:
+            connector.blocks_stored(group, keys, indices, self._salts.get(request_id))
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks of windowed groups that no query from position `num_computed_tokens` on can
@@ -162,92 +167,15 @@ class KVCacheManager:
                 self.pool.release(table[released[group]:first])
                 released[group] = first
 
-    def _on_evict(self, block: int, key: BlockKey) -> None:
-        group, content = key
-        if self.events is not None:
-            self.events.removed(group, content[0])
-        if self.tier_connector is not None:
-            self.tier_connector.evicted(block, key)
+    def _on_evict(self, block: int, key: tuple[int, BlockKey]) -> None:
+        for connector in self._hear_evicted:
+            connector.block_evicted(block, key)
 
     def record_adopted(self, request_id: str, keys: Sequence[BlockKey], indices: Sequence[int],
                        salt: Optional[KeySalt]) -> None:
         """Blocks adopted from a transfer (keys[i] for i in `indices`, group 0) became findable: their events."""
         self._salts[request_id] = salt
         self._record_stored(request_id, 0, keys, indices)
-
-    # ------------------------------------------------------------------ prefix cache
-    def block_key(self, parent: BlockKey, token_ids: Sequence[int], salt: Optional[KeySalt] = None) -> BlockKey:
-        """The content key of a full block (core/block_keys.py)."""
-        return self.block_keys.key(parent, token_ids, salt)
-
-    def match_prefix(self, request: CachedSequence, num_tokens: int) -> tuple[list[list[Optional[int]]], int]:
-        """Per group, the cached blocks of the longest cached prefix of the request's first `num_tokens`
-        tokens, and how many tokens that prefix covers.
-
-        Only whole blocks count, and never the last token: it must be recomputed to get logits. A
-        windowed group needs only the blocks the next query can see; those before are SKIPPED.
-        """
-        blocks, num_hit = self._cached_blocks(request, num_tokens)
-        if num_hit:
-            self._keys[request.request_id] = self.block_keys.leading(request, num_tokens)[:num_hit]
-            self._salts[request.request_id] = request.sampling_params.key_salt
-        return blocks, num_hit * self.block_size
-
-    def prompt_keys(self, request: CachedSequence, num_blocks: int) -> list[BlockKey]:
-        """Keys of the request's first `num_blocks` full blocks."""
-        return self.block_keys.first(request, num_blocks)
-
-    def prefix_keys_between(self, request: CachedSequence, start: int, end: int) -> list[BlockKey]:
-        """Keys of a waiting request's full blocks lying in tokens [start, end) (none when caching is off)."""
-        if not self.enable_prefix_caching:
-            return []
-        keys = self.block_keys.leading(request, request.num_tokens)
-        return keys[start // self.block_size:end // self.block_size]
-
-    def num_cached_tokens(self, request: CachedSequence, num_tokens: int) -> int:
-        """How many of the request's first `num_tokens` tokens a match would cover now (no side effects)."""
-        return self._cached_blocks(request, num_tokens)[1] * self.block_size
-
-    def _find(self, group: int, key: BlockKey) -> Optional[int]:
-        """Group `group`'s pool block of content `key`; None when it waits in the second tier, else _MISSING."""
-        block = self.pool.lookup((group, key))
-        if block is None and not (self.tier is not None and (group, key) in self.tier):
-            return _MISSING
-        return block
-
-    def _cached_blocks(self, request: CachedSequence, num_tokens: int) -> tuple[list[list[Optional[int]]], int]:
-        """(per group: pool blocks of the cached prefix, None where a block waits in the second tier,
-        SKIPPED before a window; the prefix's length in blocks). The prefix is the longest that every
-        full group holds whole and every windowed group holds from its next query's window on."""
-        if not self.enable_prefix_caching:
-            return [[] for _ in self.windows], 0
-        keys = self.block_keys.leading(request, num_tokens)
-        found: list[list[Optional[int]]] = [[] for _ in self.windows]
-        longest = len(keys)
-        whole = [g for g, spec in enumerate(self.specs) if spec.needs_whole_prefix]
-        for group in whole:  # these groups' hit ends at their first miss
-            for key in keys[:longest]:
-                block = self._find(group, key)
-                if block == _MISSING:
-                    break
-                found[group].append(block)
-            longest = len(found[group])
-        partial = [g for g, spec in enumerate(self.specs) if not spec.needs_whole_prefix]
-        for group in partial:
-            found[group] = [self._find(group, key) for key in keys[:longest]]
-        hit = next(h for h in range(longest, -1, -1)
-                   if all(self.specs[g].serves(found[g], h, _MISSING) for g in partial))
-        blocks = []
-        for group in range(self.num_groups):
-            first = self.specs[group].first_needed(hit * self.block_size)
-            blocks.append([SKIPPED] * first + found[group][first:hit])
-        return blocks, hit
-
-    def record_lookup(self, request_id: str, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count an admitted request's prefix-cache lookup (for the hit-rate metrics)."""
-        self.block_keys.forget(request_id)
-        self.prefix_queries += num_tokens
-        self.prefix_hits += num_hit_tokens
 
     def cache_computed_blocks(self, request: CachedSequence) -> None:
         """Register the request's full blocks whose K/V are now computed, so later requests reuse them."""
@@ -266,7 +194,7 @@ class KVCacheManager:
             for group, table in enumerate(tables):
                 if index >= released[group] and self.pool.register(table[index], (group, keys[index])):
                     registered[group].append(index)
-        if self.events is not None and len(keys) > first_new:
+        if self._hear_stored and len(keys) > first_new:
             self._salts[request.request_id] = request.sampling_params.key_salt
             for group, indices in enumerate(registered):
                 self._record_stored(request.request_id, group, keys, indices)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from tokenmill.core.block_hash import ExtraKeys, KeySalt
+from tokenmill.core.kv_connector import EVENTS, KVConnectorScheduler
 
 
 @dataclass
@@ -42,15 +43,27 @@ class AllBlocksCleared:
 KVEvent = Union[BlocksStored, BlocksRemoved, AllBlocksCleared]
 
 
-class KVEventLog:
-    """The events since the last `drain`, in the order they happened.
+class KVEventLog(KVConnectorScheduler):
+    """The events since the last `drain`, in the order they happened: a connector that hears the pool's
+    news (core/kv_connector.py) and moves no data.
 
     Invariant: its length is bounded by the blocks touched in one step (the engine drains it after
     every step), and removals of one group that follow each other share one event.
     """
 
+    name = EVENTS
+
     def __init__(self) -> None:
+        super().__init__()
         self._events: list[KVEvent] = [AllBlocksCleared()]
+
+    def blocks_stored(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], indices: Sequence[int],
+                      salt: Optional[KeySalt]) -> None:
+        self.stored_runs(group, keys, indices, salt)
+
+    def block_evicted(self, block: int, key: tuple[int, tuple[bytes, tuple[int, ...]]]) -> None:
+        group, content = key
+        self.removed(group, content[0])
 
     def stored(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], parent: Optional[bytes],
                extra_keys: Sequence[ExtraKeys]) -> None:

@@ -44,7 +44,7 @@ class TransferConnector(KVConnectorScheduler):
         blocks, file_indices = [], []
         count = 0
         for index, key in enumerate(keys):
-            if kv.pool.lookup((0, key)) is None and not (kv.tier is not None and (0, key) in kv.tier):
+            if kv.pool.lookup((0, key)) is None and not kv.held_elsewhere((0, key)):
                 if kv.pool.num_free_blocks <= kv.watermark_blocks:
                     break
                 (block,) = kv.pool.allocate(1)

@@ -79,14 +79,22 @@ class TierConnector(KVConnectorScheduler):
         super().__init__()  # pending: (pool block, slot) saves out, (slot, pool block) loads in
         self.tier = tier
 
-    def evicted(self, block: int, key: Hashable) -> None:
+    def block_evicted(self, block: int, key: Hashable) -> None:
         """The pool evicted `block` of content `key`: keep its contents in the tier where there is room."""
         slot = self.tier.save(key)
         if slot is not None:
             self.pending.out.append((block, slot))
 
-    def restore(self, slot: int, block: int) -> None:
-        """Copy a hit's contents from `slot` (taken from the tier) into the pool's `block`."""
+    def holds(self, key: Hashable) -> bool:
+        """Whether the tier keeps the contents of `key`."""
+        return key in self.tier
+
+    def claim(self, key: Hashable) -> int:
+        """Take `key`'s slot out of the tier for a hit (its contents stay until `load`'s copy has run)."""
+        return self.tier.take(key)
+
+    def load(self, slot: int, block: int) -> None:
+        """Copy a hit's contents from `slot` into the pool's `block`."""
         self.pending.into.append((slot, block))
 
     def end_step(self) -> None:
