@@ -1,0 +1,15 @@
+"""What the engine behind the server raises to its callers (the server maps each to an HTTP status)."""
+
+from __future__ import annotations
+
+
+class QueueFullError(RuntimeError):
+    """The server is at its admission limit; the client should retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped or is shutting down; no request can run (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request's own work failed inside an engine step; other requests were not affected."""
