@@ -161,7 +161,8 @@ def test_native_element_wise_kernels_equal_hf(checkpoint):
         pytest.skip("no native kernels")
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     llm = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=64)
-    llm.llm_engine.model.use_fused_kernels(kernels)  # what bfloat16 and quantised models run
+    # what bfloat16 and quantised models run (their KernelChoice.elementwise), on this float32 model
+    llm.llm_engine.model._use_elementwise_kernels(kernels)
     ids = PROMPTS[1]
     with torch.inference_mode():
         theirs = hf(torch.tensor([ids])).logits[0].float()

@@ -28,7 +28,7 @@ Batch invariance (a token's output does not depend on what shares its step): an 
 depends on the batch, and PyTorch's float32 matmul gives a row other bits at other row counts (one row
 runs as a GEMV, more as a GEMM: through F.linear every row of a 64-token step differed from the same
 token alone). So every product here, the router's and the experts', goes through the model's linear
-kernels (`use_linear_kernels`): with `batch_invariant` and the native kernels those compute a row alike
+kernels (`DecoderForCausalLM.apply_kernels`): with `batch_invariant` and the native kernels those compute a row alike
 at any row count, for float and quantised weights (layers/linear_kernels.py). Routing (softmax, top-k,
 normalisation) is row-wise, and the weighted sum adds a token's choices in rank order in float32 (rounded
 once: in bfloat16 more precise than HF, which rounds each expert's share), so neither depends on the

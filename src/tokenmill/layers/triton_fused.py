@@ -1,6 +1,6 @@
 """The fused element-wise kernels of the CUDA path, in Triton: RMSNorm with the residual add, SiLU- and
 GELU-and-mul, and RoPE in place. Same methods as the native CPU kernels (CpuKernels), so the model routes
-its norms, activations and rotary embeddings through either (`DecoderForCausalLM.use_fused_kernels`).
+its norms, activations and rotary embeddings through either (`KernelChoice.elementwise`, models/kernel_choice.py).
 Used for 16-bit dtypes only: float32 keeps PyTorch's ops, whose results the HF comparisons pin down."""
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from tokenmill.kernels.quantized import QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
+from tokenmill.models.kernel_choice import KernelChoice
 from tokenmill.models.mla_attention import MLAAttention
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
@@ -123,13 +124,14 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, self.local_vocab, bias=False)
             self.lm_head.weight.requires_grad_(False)
         self.logits_kernel: Optional[LinearKernel] = None
-        self.kernels: Any = None  # see use_fused_kernels
+        self.kernel_choice: Optional[KernelChoice] = None  # see apply_kernels
+        self.kernels: Any = None  # the element-wise ops' kernels (kernel_choice.elementwise)
         # the embedding table and untied head when kept quantised (see load_weights); a tied table that
         # the native kernels multiply becomes their op (QLinearOp), which also does the lookups, so the
         # table is held once (both have `format` and `embedding(ids, dtype)`)
         self.embed_quantized: Any = None
         self.head_quantized: Optional[QuantizedWeight] = None
-        self.fused_decode: Any = None  # see use_fused_decode
+        self.fused_decode: Any = None  # the one-call step, when asked for and the model qualifies
         self.lora: Any = None  # ModelLoRA (lora/layers.py) when the engine serves LoRA adapters
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -175,8 +177,21 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.arch.embedding_scale, dtype=hidden.dtype)
         return hidden
 
-    def use_fused_kernels(self, kernels: Any) -> None:
-        """Route RMSNorm (+ residual add), SiLU- and GELU-and-mul and RoPE through native kernels (CpuKernels)."""
+    def apply_kernels(self, choice: KernelChoice) -> None:
+        """After loading, once: route the products, the element-wise ops and qualifying steps through the
+        kernels `choice` names (in that order: the one-call step reads what the first two set up)."""
+        assert self.kernel_choice is None, "a model's kernels are chosen once"
+        self._use_linear_kernels(choice.packed, choice.native, choice.batch_invariant)
+        if choice.elementwise is not None:
+            self._use_elementwise_kernels(choice.elementwise)
+        if choice.fused_decode:
+            from tokenmill.models.fused_decode import FusedDecode
+
+            self.fused_decode = FusedDecode.build(self)
+        self.kernel_choice = choice
+
+    def _use_elementwise_kernels(self, kernels: Any) -> None:
+        """Route RMSNorm (+ residual add), SiLU- and GELU-and-mul and RoPE through `kernels`."""
         self.kernels = kernels
         for module in self.modules():
             if isinstance(module, (RMSNorm, SiluAndMul, GeluTanhAndMul)):
@@ -204,15 +219,6 @@ class DecoderForCausalLM(nn.Module):
             parts.append("fused decode")
         return ", ".join(parts)
 
-    def use_fused_decode(self) -> bool:
-        """Run qualifying steps (decode rows, bfloat16 prefill chunks on AMX) as one native call
-        (models/fused_decode.py); after `use_linear_kernels` and `use_fused_kernels`. Returns whether the
-        model qualifies."""
-        from tokenmill.models.fused_decode import FusedDecode
-
-        self.fused_decode = FusedDecode.build(self)
-        return self.fused_decode is not None
-
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """[N, hidden] -> float32 logits [N, vocab] (on the driver rank; None on the others)."""
         if self.logits_kernel is not None:
@@ -226,7 +232,7 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def use_linear_kernels(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
+    def _use_linear_kernels(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: route every projection and the LM head through `make_kernel`, or through
         `QuantizedKernel` (with the native kernels `native`, if any) where the weight is quantised.
         A tied float head keeps the embedding table for lookups and, when packed, a packed copy.

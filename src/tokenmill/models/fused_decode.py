@@ -100,8 +100,8 @@ class FusedDecode:
 
     @staticmethod
     def build(model: Any) -> Optional["FusedDecode"]:
-        """A FusedDecode for `model` (a DecoderForCausalLM after `use_linear_kernels` and
-        `use_fused_kernels`), or None where the conditions in the module docstring do not hold."""
+        """A FusedDecode for `model` (a DecoderForCausalLM whose products and element-wise ops already run
+        the kernels of its KernelChoice), or None where the conditions in the module docstring do not hold."""
         kernels = model.kernels
         if kernels is None or not _llama_shaped(model.arch) or not model.layers:
             return None

@@ -15,6 +15,7 @@ from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.kernels.report import describe_model_paths
 from tokenmill.layers.linear_kernels import packing_applies
+from tokenmill.models.kernel_choice import KernelChoice
 from tokenmill.models.loader import ModelSource
 from tokenmill.models.registry import build_model
 from tokenmill.parallel.group import PipelineStage, TPGroup
@@ -71,30 +72,43 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     if num_layers is not None:
         weights = _first_layers(weights, num_layers)
     model.load_weights(weights, quantize_to=quantization if quantization in ("int8", "int4") else None)
-    fast_linears = config.linear_kernel == "auto"
-    native = kernels
-    if native is None and device.type == "cpu" and fast_linears:
-        native = cpu_kernels()  # the linears use them whatever the attention backend
-    model.use_linear_kernels(fast_linears and packing_applies(dtype, device),
-                             native if fast_linears else None, invariant)
-    if device.type == "cuda" and dtype != torch.float32 and backend.on_triton:
-        from tokenmill.layers.triton_fused import TritonFusedOps
-        model.use_fused_kernels(TritonFusedOps())  # float32 keeps PyTorch's ops, as on CPU
-    if kernels is not None and (dtype == torch.bfloat16 or model.has_quantized_weights()):
-        # float32 float weights keep PyTorch's element-wise ops, whose results the HF comparisons pin
-        # down; quantised weights already part from those results, and gain the fused step
-        model.use_fused_kernels(kernels)
-        if config.fused_decode and fused_decode and tp.size == 1 and stage.size == 1:  # one native call runs every layer
-            model.use_fused_decode()
+    choice = choose_kernels(config, device, dtype, backend, kernels, model.has_quantized_weights(),
+                            fused_decode and tp.size == 1 and stage.size == 1)
+    model.apply_kernels(choice)
     if config.enable_lora and num_layers is None:  # a draft model runs without adapters
         from tokenmill.lora.layers import ModelLoRA
-        model.lora = ModelLoRA(model, dtype, native if fast_linears else None, invariant,
-                               config.max_lora_rank)
+        model.lora = ModelLoRA(model, dtype, choice.native, invariant, config.max_lora_rank)
     model.rotary.to_device(device)
     model.eval()
-    logger.info("kernels: %s", describe_model_paths(model, native if fast_linears else kernels, dtype, backend,
+    logger.info("kernels: %s", describe_model_paths(model, choice.native or kernels, dtype, backend,
                                                      invariant, device.type))
     return model, backend
+
+
+def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
+                   attention_kernels: Any, quantized_weights: bool, one_rank: bool) -> KernelChoice:
+    """The kernels a loaded model runs (models/kernel_choice.py): fast products unless `linear_kernel` is
+    dense; the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
+    kernels where the attention backend has them and the model runs bfloat16 or quantised weights
+    (float32 float weights keep PyTorch's ops, whose results the HF comparisons pin down); the one-call
+    step where those native kernels run, `fused_decode` is on and the model is whole on one rank
+    (`one_rank`; an int8 KV cache, which the one-call step does not read, passes False too)."""
+    invariant = resolve_batch_invariant(config.batch_invariant, device)
+    fast_linears = config.linear_kernel == "auto"
+    native = attention_kernels
+    if native is None and device.type == "cpu" and fast_linears:
+        native = cpu_kernels()  # the linears use them whatever the attention backend
+    elementwise = None
+    if device.type == "cuda" and dtype != torch.float32 and backend.on_triton:
+        from tokenmill.layers.triton_fused import TritonFusedOps
+        elementwise = TritonFusedOps()
+    if attention_kernels is not None and (dtype == torch.bfloat16 or quantized_weights):
+        elementwise = attention_kernels
+    return KernelChoice(packed=fast_linears and packing_applies(dtype, device),
+                        native=native if fast_linears else None, batch_invariant=invariant,
+                        elementwise=elementwise,
+                        fused_decode=elementwise is not None and elementwise is attention_kernels
+                        and config.fused_decode and one_rank)
 
 
 def resolve_batch_invariant(asked: Optional[bool], device: torch.device) -> bool:
