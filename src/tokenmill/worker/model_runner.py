@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, NamedTuple, Optional
 
-import numpy as np
 import torch
 
 from tokenmill.attention.base import AttentionBackend, SequenceChunk
@@ -19,6 +18,7 @@ from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
 from tokenmill.worker.request_state import BatchItem, RequestStates
+from tokenmill.worker.step_inputs import StepInputs, is_decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class ModelRunner:
                                     len(self.kv_pages), cache_dtype, device, tier_folder)
         self.kv_connectors = worker_connectors(self.tier, self.swap)
         self.graphs = None  # DecodeGraphs, once use_decode_graphs is called
+        self.inputs = StepInputs(block_size)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
@@ -137,14 +138,16 @@ class ModelRunner:
         and the chunks (with the tables of the first group this stage uses). A decode-only step replays
         its CUDA graph where one is captured."""
         chunks, slots = {}, {}
+        decode = is_decode_step(batch)
         for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
-            chunks[group], slots[group] = self._group_chunks(batch, group)
+            chunks[group], slots[group] = self.inputs.group_chunks(batch, group, decode)
         first = chunks[self.layer_groups[0]]
         lora_active = self.model.lora is not None and self.model.lora.active
         bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None else None
         if bucket is not None:
             return self.graphs.run(batch, bucket, chunks, slots), first
-        input_ids, positions = self._flatten(batch)
+        ids, positions = self.inputs.ids_and_positions(batch, decode)
+        input_ids, positions = self._tensor(ids), torch.from_numpy(positions).to(self.device)
         metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device)
                     for group in chunks}
         per_layer = [metadata[group] for group in self.layer_groups]
@@ -157,29 +160,6 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.layer_groups, max_num_seqs,
                                    -(-max_model_len // self.block_size), self.device, capture)
-
-    def _flatten(self, batch: list[BatchItem]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids: list[int] = []
-        for item in batch:
-            ids.extend(item.token_ids)
-        positions = np.concatenate([np.arange(item.start, item.start + item.num_tokens) for item in batch])
-        return self._tensor(ids), torch.from_numpy(positions).to(self.device)
-
-    def _group_chunks(self, batch: list[BatchItem], group: int) -> tuple[list[SequenceChunk], torch.Tensor]:
-        """The batch's chunks over group `group`'s block tables, and the (host) slots their new tokens
-        write, computed per request over the blocks its chunk touches (no per-token Python work)."""
-        chunks, slots = [], []
-        query_start, bs = 0, self.block_size
-        for item in batch:
-            start, end = item.start, item.start + item.num_tokens
-            table = item.block_ids[group]
-            chunks.append(SequenceChunk(query_start, item.num_tokens, end, table, bool(item.spec_token_ids)))
-            first_block = start // bs
-            blocks = np.asarray(table[first_block:(end - 1) // bs + 1], dtype=np.int64)
-            positions = np.arange(start, end)
-            slots.append(blocks[positions // bs - first_block] * bs + positions % bs)
-            query_start += item.num_tokens
-        return chunks, torch.from_numpy(np.concatenate(slots))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
