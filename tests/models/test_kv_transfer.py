@@ -145,12 +145,14 @@ def test_over_tcp_the_decode_engine_continues_with_the_single_engines_output(tcp
     assert os.listdir(consumer.llm_engine.kv_transfers.folder) == []  # imported, so gone
 
 
-TCP_DAMAGES = ["taken already", "another model", "another prompt", "producer gone", "malformed"]
+TCP_DAMAGES = ["taken already", "another model", "another prompt", "producer gone", "malformed", "a path elsewhere"]
 
 
 @pytest.mark.parametrize("damage", TCP_DAMAGES)
-def test_an_unusable_tcp_transfer_is_a_local_prefill_with_the_same_answer(tcp_engines, damage):
+def test_an_unusable_tcp_transfer_is_a_local_prefill_with_the_same_answer(tcp_engines, damage, tmp_path):
     single, producer, _, foreign, consumer = tcp_engines
+    bystander = tmp_path / "precious.kv"
+    bystander.write_bytes(b"not a transfer")
     prompt = [200 + TCP_DAMAGES.index(damage)] * 3 + PROMPT[3:]
     (reference,) = single.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     source = foreign if damage == "another model" else producer
@@ -163,9 +165,12 @@ def test_an_unusable_tcp_transfer_is_a_local_prefill_with_the_same_answer(tcp_en
             transfer = {**transfer, "remote_port": probe.getsockname()[1]}
     elif damage == "malformed":
         transfer = {**transfer, "remote_port": str(transfer["remote_port"])}
+    elif damage == "a path elsewhere":  # refused, and never removed: it is not the consumer's
+        transfer = {**transfer, "remote_kv_path": str(bystander)}
     refused = consumer.llm_engine.kv_transfers.num_refused
     out = decode(consumer, prompt, transfer)
     assert answer(out) == answer(reference)
     assert consumer.llm_engine.kv_transfers.num_refused == refused + 1
     assert out.metrics.num_cached_tokens == 0
     assert os.listdir(consumer.llm_engine.kv_transfers.folder) == []
+    assert bystander.read_bytes() == b"not a transfer"

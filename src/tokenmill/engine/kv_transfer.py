@@ -189,17 +189,22 @@ class KVTransfers:
             with self._count_lock:
                 self.num_refused += 1
             logger.warning("request %s prefills locally: its KV transfer is unusable (%s)", request.request_id, exc)
-            if self.config.over_tcp and isinstance(params.get("remote_kv_path"), str):
-                self.remove_imported([params["remote_kv_path"]])  # fetched here: no one else's
+            path = params.get("remote_kv_path")
+            if self.config.over_tcp and self._in_folder(path):
+                self.remove_imported([path])  # fetched into this engine's spool: no one else's
             return 0
         adopted = self.kv_cache.transfer.adopt(request.request_id, keys, path, request.sampling_params.key_salt)
         self.num_imported += 1
         return adopted * self.kv_cache.block_size
 
+    def _in_folder(self, path: Any) -> bool:
+        """Whether `path` names a file directly in this engine's transfer folder."""
+        return isinstance(path, str) and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.folder)
+
     def _checked(self, request: Request, params: dict[str, Any]) -> tuple[str, list]:
         """The transfer file and the keys of the prompt blocks it holds, or TransferRefused saying why."""
         path = params.get("remote_kv_path")
-        if not isinstance(path, str) or os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.folder):
+        if not self._in_folder(path):
             raise TransferRefused(f"remote_kv_path must be a file of {self.folder}")
         try:
             with open(path + ".json") as handle:
