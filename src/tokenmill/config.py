@@ -31,7 +31,15 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class ModelConfig:
     """Which weights to load and how to run them."""
 
-    model: Optional[str] = _opt(None, "HF folder, .gguf file or alias (default: smollm2-135m-instruct)")
+    model: Optional[str] = _opt(None, "HF folder, .gguf file, alias, or Hugging Face Hub id ORG/NAME (a safetensors "
+                                "model) or ORG/NAME:QUANT (that GGUF file of the repository), downloaded once "
+                                "into the Hub cache (default: smollm2-135m-instruct)")
+    revision: Optional[str] = _opt(None, "Hub models: the branch, tag or commit to download (default: main); the "
+                                   "commit it resolves to is logged")
+    download_dir: Optional[str] = _opt(None, "Hub models: download into this folder instead of the Hub cache "
+                                       "(HF_HOME)")
+    gguf_file: Optional[str] = _opt(None, "Hub models: the GGUF file of the repository to serve (instead of "
+                                    "ORG/NAME:QUANT)")
     dtype: str = _opt("auto", "compute dtype; auto = bfloat16 on CPUs with AVX512-BF16/AMX, else float32 "
                       "(exact); on CUDA the checkpoint's half dtype (bfloat16 for float32 checkpoints)",
                       choices=DTYPES)

@@ -34,13 +34,14 @@ def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig) 
     from tokenmill.balancer.kv_index import PrefixIndex
     from tokenmill.balancer.policy import Balancer, Replica
     from tokenmill.balancer.replicas import plan_replicas
-    from tokenmill.models.loader import load_model_source
+    from tokenmill.models.loader import load_model_source, model_location
 
     server_config.validate()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
     if engine_config.parallel.nnodes > 1:
         raise ValueError("data_parallel_size runs every replica on this host: it cannot be combined with nnodes > 1")
-    source = load_model_source(engine_config.model.model)  # the tokenizer and chat template, not the weights
+    # the tokenizer and chat template, not the weights
+    source = load_model_source(engine_config.model.model, **model_location(engine_config.model))
     api_key = server_config.resolved_api_key()
     processes = plan_replicas(engine_config, server_config, _free_ports(server_config.data_parallel_size), api_key)
     sources = [p.events for p in processes]

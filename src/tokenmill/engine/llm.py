@@ -38,10 +38,11 @@ class LLM:
         self.embedder: Optional[EmbeddingModel] = None  # an embedding model's (runner "pooling")
         self.llm_engine: Optional[LLMEngine] = None  # a generative model's
         if runs_pooling(config.model):
+            from tokenmill.models.loader import model_location
             from tokenmill.pooling.model import load_embedding_model
             m = config.model
             self.embedder = load_embedding_model(m.model, m.dtype, m.device, m.max_model_len, m.attention_backend,
-                                                 any_decoder=m.runner == "pooling")
+                                                 any_decoder=m.runner == "pooling", location=model_location(m))
         else:
             self.llm_engine = LLMEngine(config)
 

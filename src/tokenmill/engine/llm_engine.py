@@ -21,7 +21,7 @@ from tokenmill.executor import Executor, make_executor
 from tokenmill.kv_events_config import KVEventsConfig
 from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.lora.request import LoRARequest
-from tokenmill.models.loader import ModelSource, load_model_source
+from tokenmill.models.loader import ModelSource, load_model_source, model_location
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ class LLMEngine(EngineBuild):
         check_lora(config)
         self.config = config
         started = time.perf_counter()
-        self._read_model(source or load_model_source(config.model.model))
+        self._read_model(source or load_model_source(config.model.model, **model_location(config.model)))
         plan = self._plan_kv_cache()
         events_config = KVEventsConfig.parse(config.cache.kv_events_config).for_rank(config.parallel.data_parallel_rank)
         check_kv_events(config, events_config.active)

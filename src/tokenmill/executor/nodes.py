@@ -133,11 +133,11 @@ def run_worker_node(config: "EngineConfig") -> int:
     """Run this node's workers (node_rank > 0) until node 0's engine stops them; 0 when every worker
     ended cleanly, 1 otherwise. SIGTERM or Ctrl-C stops them."""
     from tokenmill.envs import distributed_key
-    from tokenmill.models.loader import resolve_model_path
+    from tokenmill.models.loader import model_location, resolve_model_path
 
     parallel = config.parallel
     key = distributed_key()
-    model_path = resolve_model_path(config.model.model)  # this host's copy of the checkpoint
+    model_path = resolve_model_path(config.model.model, **model_location(config.model))  # this host's copy
     first = parallel.node_rank * parallel.ranks_per_node
     ranks = range(first, first + parallel.ranks_per_node)
     context = get_context("spawn")

@@ -93,7 +93,8 @@ class EmbeddingModel:
 
 def load_embedding_model(model: str, dtype: str = "auto", device: str = "auto",
                          max_model_len: Optional[int] = None, attention_backend: str = "auto",
-                         name: Optional[str] = None, any_decoder: bool = False) -> EmbeddingModel:
+                         name: Optional[str] = None, any_decoder: bool = False,
+                         location: Optional[dict] = None) -> EmbeddingModel:
     """Load the embedding model in the HF folder `model` (a path or alias); `any_decoder` takes a causal LM
     without sentence-transformers files too (last-token pooling, normalised, as vLLM's default). `dtype`
     auto is float32: embedding models are small, and their users compare vectors to the float reference's
@@ -102,7 +103,7 @@ def load_embedding_model(model: str, dtype: str = "auto", device: str = "auto",
     from tokenmill.models.loader import load_model_source, resolve_model_path
     from tokenmill.models.loader.tokenizer import load_hf_tokenizer
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, **(location or {}))  # location: a Hub model's revision (model_location)
     if not is_pooling_model(path) and not (any_decoder and (Path(path) / "config.json").is_file()):
         raise ValueError(f"{path} is not an embedding model (an encoder such as BertModel, or a folder with "
                          "sentence-transformers modules.json)")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill.config import ModelConfig
-from tokenmill.models.loader.resolve import resolve_model_path
+from tokenmill.models.loader.resolve import model_location, resolve_model_path
 
 POOLING_METHODS = ("mean", "cls", "last")
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
@@ -93,4 +93,4 @@ def runs_pooling(model: ModelConfig) -> bool:
     """Whether `model` embeds (the pooling runner) rather than generates; ValueError if its path is bad."""
     if model.runner != "auto":
         return model.runner == "pooling"
-    return is_pooling_model(resolve_model_path(model.model))
+    return is_pooling_model(resolve_model_path(model.model, **model_location(model)))

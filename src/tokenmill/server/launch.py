@@ -101,6 +101,7 @@ def _with_adapters(engine: Any, modules: Optional[list[str]]) -> Any:
 def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, api_key: Optional[str]):
     """An embedding model's app, and its engine's stop-admitting and shutdown calls."""
     from tokenmill.pooling.engine import PoolingEngine
+    from tokenmill.models.loader import model_location
     from tokenmill.pooling.model import load_embedding_model
     from tokenmill.server.pooling_app import build_pooling_app
 
@@ -108,7 +109,8 @@ def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name:
     if server_config.otlp_traces_endpoint:
         raise ValueError("--otlp-traces-endpoint traces generation requests; an embedding model's server has none")
     embedder = load_embedding_model(model.model, model.dtype, model.device, model.max_model_len,
-                                    model.attention_backend, name, any_decoder=model.runner == "pooling")
+                                    model.attention_backend, name, any_decoder=model.runner == "pooling",
+                                    location=model_location(model))
     logger.info("embedding model: %s", embedder.description)
     sched = engine_config.scheduler
     engine = PoolingEngine(embedder, sched.max_num_batched_tokens, sched.max_num_seqs,

@@ -19,7 +19,7 @@ from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loader.chat_templates import built_in_chat_template
 from tokenmill.models.loader.gguf_file import GGUFCheckpoint
 from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf
-from tokenmill.models.loader.resolve import DEFAULT_MODEL, resolve_model_path
+from tokenmill.models.loader.resolve import DEFAULT_MODEL, model_location, resolve_model_path
 from tokenmill.models.loader.safetensors_weights import SafetensorsWeights
 from tokenmill.models.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
@@ -33,6 +33,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelSource",
     "load_model_source",
+    "model_location",
     "resolve_model_path",
 ]
 
@@ -120,10 +121,11 @@ def _gguf_source(path: str, with_tokenizer: bool) -> ModelSource:
     )
 
 
-def load_model_source(model: Optional[str], with_tokenizer: bool = True) -> ModelSource:
-    """Open the checkpoint named by `model` (alias, GGUF file or HF folder; None = default); a worker
-    that only computes opens it `with_tokenizer=False`."""
-    path = resolve_model_path(model)
+def load_model_source(model: Optional[str], with_tokenizer: bool = True, revision: Optional[str] = None,
+                      download_dir: Optional[str] = None, gguf_file: Optional[str] = None) -> ModelSource:
+    """Open the checkpoint named by `model` (alias, GGUF file, HF folder or Hub id, the last at `revision`:
+    `resolve_model_path`; None = default); a worker that only computes opens it `with_tokenizer=False`."""
+    path = resolve_model_path(model, revision, download_dir, gguf_file)
     if Path(path).is_dir():
         if not (Path(path) / "config.json").exists():
             raise ValueError(f"{path} is a folder without config.json (not an HF checkpoint)")

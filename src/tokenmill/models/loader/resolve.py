@@ -8,9 +8,10 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from tokenmill import envs
+from tokenmill.models.loader.hub import download_model, looks_like_hub_id
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -75,14 +76,25 @@ MODEL_ALIASES: dict[str, Callable[[], Path]] = {
 }
 
 
-def resolve_model_path(model: Optional[str]) -> str:
-    """Return the absolute path of a checkpoint given an alias, a path, or None (the default model).
+def resolve_model_path(model: Optional[str], revision: Optional[str] = None, download_dir: Optional[str] = None,
+                       gguf_file: Optional[str] = None) -> str:
+    """Return the absolute path of a checkpoint given an alias, a path, a Hub id (`ORG/NAME` or
+    `ORG/NAME:QUANT`, downloaded at `revision` into the Hub cache or `download_dir`: models/loader/hub.py),
+    or None (the default model).
 
-    Raises ValueError when the path does not exist.
+    Raises ValueError when the path does not exist, or the Hub model cannot be had.
     """
     name = DEFAULT_MODEL if model is None else model
     alias = MODEL_ALIASES.get(name.lower())
     path = alias() if alias is not None else Path(name).expanduser()
+    if alias is None and not path.exists() and looks_like_hub_id(name):
+        return download_model(name, revision, download_dir, gguf_file)
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
     return str(path.resolve())
+
+
+def model_location(config: Any) -> dict[str, Optional[str]]:
+    """What besides the model's name says where it comes from (a ModelConfig's revision, download_dir and
+    gguf_file), as keywords of `resolve_model_path` and `load_model_source`."""
+    return {"revision": config.revision, "download_dir": config.download_dir, "gguf_file": config.gguf_file}

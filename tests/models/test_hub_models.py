@@ -1,0 +1,136 @@
+"""Models by Hugging Face Hub id, against a stand-in of the Hub's HTTP API on loopback (helpers/fake_hub.py):
+what is downloaded, pinned revisions, GGUF files picked by quantisation, resumed downloads, offline mode,
+and the errors a user meets. Each case runs in a fresh process: `huggingface_hub` reads HF_ENDPOINT,
+HF_HOME and HF_HUB_OFFLINE when it is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers.fake_hub import FakeHub, FakeRepo
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM, SamplingParams
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
+MAIN, V1 = "a" * 40, "b" * 40
+
+RUN = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.loader import resolve_model_path
+kind, name, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+try:
+    if kind == "resolve":
+        print(json.dumps({"path": resolve_model_path(name, **options)}))
+    else:
+        (out,) = LLM(name, **options).generate({"prompt_token_ids": %r}, SamplingParams(**%r), use_tqdm=False)
+        print(json.dumps({"ids": list(out.outputs[0].token_ids)}))
+except ValueError as exc:
+    print(json.dumps({"error": str(exc)}))
+""" % (PROMPT, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model", arch="llama")
+    (path / "README.md").write_text("a model card the engine never reads")
+    (path / "pytorch_model.bin").write_bytes(b"weights in a format the engine does not load")
+    return path
+
+
+@pytest.fixture
+def hub(folder):
+    hub = FakeHub({"org/tiny": FakeRepo.from_folder(folder, branches={"main": MAIN, "v1": V1}),
+                   "org/gated": FakeRepo.from_folder(folder, gated=True),
+                   "org/quants": FakeRepo({"tiny-Q4_K_M.gguf": b"4", "tiny-Q8_0.gguf": b"8", "config.json": b"{}"})})
+    yield hub
+    hub.close()
+
+
+def run(hub, home, kind, name, offline=False, **options):
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HUB_OFFLINE": "1" if offline else "0"}
+    env.pop("HF_TOKEN", None)
+    done = subprocess.run([sys.executable, "-c", RUN, kind, name, json.dumps(options)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_a_hub_id_downloads_only_what_the_engine_reads_and_answers_as_the_local_folder(hub, folder, tmp_path):
+    (reference,) = LLM(str(folder)).generate({"prompt_token_ids": PROMPT}, SamplingParams(**GREEDY), use_tqdm=False)
+    answer, log = run(hub, tmp_path, "generate", "org/tiny")
+    assert answer == {"ids": list(reference.outputs[0].token_ids)}
+    fetched = {r.split("/")[-1] for r in hub.requests if r.startswith("GET /org/tiny/resolve/")}
+    assert fetched == {p.name for p in folder.iterdir()} - {"README.md", "pytorch_model.bin"}
+    assert f"model org/tiny is commit {MAIN}" in log
+    hub.close()  # from the cache, without the network
+    assert run(hub, tmp_path, "generate", "org/tiny", offline=True)[0] == answer
+
+
+def test_a_pinned_revision_resolves_to_its_commit(hub, tmp_path):
+    answer, log = run(hub, tmp_path, "resolve", "org/tiny", revision="v1")
+    assert answer["path"].endswith(f"snapshots/{V1}")
+    assert f"model org/tiny revision v1 is commit {V1}" in log
+    assert run(hub, tmp_path, "resolve", "org/tiny", revision="v2")[0] == {
+        "error": "model 'org/tiny' has no revision 'v2' on the Hub"}
+
+
+def test_a_gguf_file_is_picked_by_its_quantisation(hub, tmp_path):
+    path = run(hub, tmp_path, "resolve", "org/quants:q8_0")[0]["path"]
+    assert path.endswith("tiny-Q8_0.gguf") and open(path, "rb").read() == b"8"
+    assert run(hub, tmp_path, "resolve", "org/quants", gguf_file="tiny-Q4_K_M.gguf")[0]["path"].endswith("Q4_K_M.gguf")
+    error = run(hub, tmp_path, "resolve", "org/quants:Q5_K_M")[0]["error"]
+    assert "no GGUF file for 'Q5_K_M'" in error and "tiny-Q4_K_M.gguf" in error
+
+
+@pytest.mark.parametrize("name, offline, message", [
+    ("org/missing", False, "model 'org/missing' was not found on the Hub"),
+    ("org/gated", False, "model 'org/gated' is gated on the Hub: accept its terms on its page, then give a token"),
+    ("org/tiny", True, "model org/tiny is not in the local cache and HF_HUB_OFFLINE is set"),
+])
+def test_what_cannot_be_had_is_a_clear_error(hub, tmp_path, name, offline, message):
+    answer, _ = run(hub, tmp_path, "generate", name, offline=offline)
+    assert answer["error"].startswith(message)
+
+
+def test_an_interrupted_download_resumes_and_never_leaves_half_a_model(hub, folder, tmp_path):
+    weights = (folder / "model.safetensors").read_bytes()
+    cut = len(weights) * 2 // 3  # past huggingface_hub's first 10 MB chunk, the unit it resumes after
+    hub.cut_after["model.safetensors"] = (1000, 100)  # every try breaks off before a chunk arrives
+    assert "could not be downloaded" in run(hub, tmp_path, "resolve", "org/tiny")[0]["error"]
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / MAIN
+    assert not (snapshot / "model.safetensors").exists()  # never a half-written model
+    hub.cut_after["model.safetensors"] = (cut, 1)  # one connection breaks off
+    hub.requests.clear()
+    path = run(hub, tmp_path, "resolve", "org/tiny")[0]["path"]
+    assert (open(os.path.join(path, "model.safetensors"), "rb").read()) == weights
+    gets = [r for r in hub.requests if r.startswith("GET /org/tiny/resolve/") and "model.safetensors" in r]
+    resumed = re.search(r"bytes=(\d+)-$", gets[-1])  # the second request resumed from what had arrived
+    assert len(gets) == 2 and resumed and 0 < int(resumed.group(1)) <= cut
+
+
+def test_tokenmill_serve_takes_a_hub_id_and_serves_it_under_that_name(hub, tmp_path):
+    from e2e.server_harness import ServerProcess
+
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
+    server = ServerProcess("org/tiny", "--revision", "v1", log_path=tmp_path / "server.log", env=env).start()
+    try:
+        server.wait_ready()
+        import httpx
+
+        assert [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]] == ["org/tiny"]
+        answer = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                            json={"model": "org/tiny", "prompt": "hello", "max_tokens": 3}).json()
+        assert answer["choices"][0]["text"]
+    finally:
+        server.stop()
+    assert f"model org/tiny revision v1 is commit {V1}" in server.log()
