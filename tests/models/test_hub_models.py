@@ -72,7 +72,8 @@ def test_a_hub_id_downloads_only_what_the_engine_reads_and_answers_as_the_local_
     fetched = {r.split("/")[-1] for r in hub.requests if r.startswith("GET /org/tiny/resolve/")}
     assert fetched == {p.name for p in folder.iterdir()} - {"README.md", "pytorch_model.bin"}
     assert f"model org/tiny is commit {MAIN}" in log
-    hub.close()  # from the cache, without the network
+    hub.close()  # from the cache, without the network: unreachable, and in offline mode
+    assert run(hub, tmp_path, "generate", "org/tiny")[0] == answer
     assert run(hub, tmp_path, "generate", "org/tiny", offline=True)[0] == answer
 
 
@@ -82,6 +83,12 @@ def test_a_pinned_revision_resolves_to_its_commit(hub, tmp_path):
     assert f"model org/tiny revision v1 is commit {V1}" in log
     assert run(hub, tmp_path, "resolve", "org/tiny", revision="v2")[0] == {
         "error": "model 'org/tiny' has no revision 'v2' on the Hub"}
+
+
+def test_download_dir_takes_the_place_of_the_cache(hub, tmp_path):
+    path = run(hub, tmp_path / "home", "resolve", "org/tiny", download_dir=str(tmp_path / "models"))[0]["path"]
+    assert path.startswith(str(tmp_path / "models")) and os.path.isfile(os.path.join(path, "config.json"))
+    assert not (tmp_path / "home" / "hub" / "models--org--tiny").exists()
 
 
 def test_a_gguf_file_is_picked_by_its_quantisation(hub, tmp_path):
