@@ -19,6 +19,7 @@ from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loader.chat_templates import built_in_chat_template
 from tokenmill.models.loader.gguf_file import GGUFCheckpoint
 from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf
+from tokenmill.models.loader.quantized_checkpoints import PackedLinears, dequantizing_stream, quantization_config
 from tokenmill.models.loader.resolve import DEFAULT_MODEL, model_location, resolve_model_path
 from tokenmill.models.loader.safetensors_weights import SafetensorsWeights
 from tokenmill.models.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
@@ -90,6 +91,11 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         if not name.endswith("rotary_emb.inv_freq")
         and not (name == _LM_HEAD and arch.tie_word_embeddings)
     }
+    stream = weights.iter_tensors
+    packing = quantization_config(folder)
+    if packing is not None:  # GPTQ / AWQ: dequantised layer by layer as they load
+        wanted, dequantized = dequantizing_stream(PackedLinears(packing, folder), wanted, weights.iter_tensors)
+        stream = lambda _: dequantized()  # noqa: E731
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
     return ModelSource(
         path=folder,
@@ -97,7 +103,7 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template if tokenizer is not None else None,
         num_tensors=len(wanted),
-        weight_stream=lambda keep_quantized: weights.iter_tensors(wanted),
+        weight_stream=lambda keep_quantized: stream(wanted),
     )
 
 
