@@ -72,7 +72,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     if num_layers is not None:
         weights = _first_layers(weights, num_layers)
     model.load_weights(weights, quantize_to=quantization if quantization in ("int8", "int4") else None)
-    choice = choose_kernels(config, device, dtype, backend, kernels, model.has_quantized_weights(),
+    choice = choose_kernels(config, device, dtype, backend, kernels, invariant, model.has_quantized_weights(),
                             fused_decode and tp.size == 1 and stage.size == 1)
     model.apply_kernels(choice)
     if config.enable_lora and num_layers is None:  # a draft model runs without adapters
@@ -86,14 +86,14 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
 
 
 def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
-                   attention_kernels: Any, quantized_weights: bool, one_rank: bool) -> KernelChoice:
+                   attention_kernels: Any, invariant: bool, quantized_weights: bool, one_rank: bool) -> KernelChoice:
     """The kernels a loaded model runs (models/kernel_choice.py): fast products unless `linear_kernel` is
     dense; the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
     kernels where the attention backend has them and the model runs bfloat16 or quantised weights
     (float32 float weights keep PyTorch's ops, whose results the HF comparisons pin down); the one-call
     step where those native kernels run, `fused_decode` is on and the model is whole on one rank
-    (`one_rank`; an int8 KV cache, which the one-call step does not read, passes False too)."""
-    invariant = resolve_batch_invariant(config.batch_invariant, device)
+    (`one_rank`; an int8 KV cache, which the one-call step does not read, passes False too). `invariant`:
+    whether the products compute every row alike (`resolve_batch_invariant`)."""
     fast_linears = config.linear_kernel == "auto"
     native = attention_kernels
     if native is None and device.type == "cpu" and fast_linears:

@@ -91,11 +91,10 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         if not name.endswith("rotary_emb.inv_freq")
         and not (name == _LM_HEAD and arch.tie_word_embeddings)
     }
-    stream = weights.iter_tensors
+    stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] = lambda: weights.iter_tensors(wanted)
     packing = quantization_config(folder)
     if packing is not None:  # GPTQ / AWQ: dequantised layer by layer as they load
-        wanted, dequantized = dequantizing_stream(PackedLinears(packing, folder), wanted, weights.iter_tensors)
-        stream = lambda _: dequantized()  # noqa: E731
+        wanted, stream = dequantizing_stream(PackedLinears(packing, folder), wanted, weights.iter_tensors)
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
     return ModelSource(
         path=folder,
@@ -103,7 +102,7 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template if tokenizer is not None else None,
         num_tensors=len(wanted),
-        weight_stream=lambda keep_quantized: stream(wanted),
+        weight_stream=lambda keep_quantized: stream(),
     )
 
 
