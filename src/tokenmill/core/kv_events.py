@@ -57,14 +57,6 @@ class KVEventLog(KVConnectorScheduler):
         super().__init__()
         self._events: list[KVEvent] = [AllBlocksCleared()]
 
-    def blocks_stored(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], indices: Sequence[int],
-                      salt: Optional[KeySalt]) -> None:
-        self.stored_runs(group, keys, indices, salt)
-
-    def block_evicted(self, block: int, key: tuple[int, tuple[bytes, tuple[int, ...]]]) -> None:
-        group, content = key
-        self.removed(group, content[0])
-
     def stored(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], parent: Optional[bytes],
                extra_keys: Sequence[ExtraKeys]) -> None:
         """Record blocks of content keys `keys` (digest, token ids) registered in `group`."""
@@ -72,8 +64,8 @@ class KVEventLog(KVConnectorScheduler):
             self._events.append(BlocksStored(group, [digest for digest, _ in keys], parent,
                                              [t for _, tokens in keys for t in tokens], list(extra_keys)))
 
-    def stored_runs(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], indices: Sequence[int],
-                    salt: Optional[KeySalt]) -> None:
+    def blocks_stored(self, group: int, keys: Sequence[tuple[bytes, tuple[int, ...]]], indices: Sequence[int],
+                      salt: Optional[KeySalt]) -> None:
         """Record that group `group`'s blocks of one request at `indices` (ascending positions in its
         chain `keys`) became findable: one event per run of consecutive blocks, each run's parent the
         block before it, each with the request's extra keys (its salt's)."""
@@ -88,8 +80,9 @@ class KVEventLog(KVConnectorScheduler):
             self.stored(group, [keys[i] for i in run], keys[first - 1][0] if first else None,
                         [salt.extra_keys(i == 0) if salt is not None else None for i in run])
 
-    def removed(self, group: int, digest: bytes) -> None:
-        """Record the eviction of group `group`'s block of hash `digest`."""
+    def block_evicted(self, block: int, key: tuple[int, tuple[bytes, tuple[int, ...]]]) -> None:
+        """Record the eviction of a block of `key` (group, (hash, token ids))."""
+        group, (digest, _) = key
         last = self._events[-1] if self._events else None
         if isinstance(last, BlocksRemoved) and last.group == group:
             last.hashes.append(digest)
