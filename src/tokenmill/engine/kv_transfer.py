@@ -78,10 +78,12 @@ class KVTransfers:
         self.num_imported = self.num_refused = 0
         self._count_lock = threading.Lock()  # fetches refuse on other threads
         self.server: Optional[TransferServer] = None
+        self._served_at: dict[str, Any] = {}  # where answers send decode servers (the host is resolved once)
         if config.over_tcp and config.produces:
             self.server = TransferServer(self.folder, config.kv_ip, config.kv_port)
+            self._served_at = {"remote_host": config.public_host, "remote_port": self.server.port}
             logger.info("KV transfers served on %s:%d (answers name %s)", config.kv_ip, self.server.port,
-                        config.public_host)
+                        self._served_at["remote_host"])
 
     def close(self) -> None:
         """Stop serving transfers, and remove the spool folder if this engine made it."""
@@ -175,8 +177,7 @@ class KVTransfers:
         os.replace(path + ".json.partial", path + ".json")
         where: dict[str, Any] = {"remote_kv_path": path}
         if self.server is not None:
-            where = {"remote_host": self.config.public_host, "remote_port": self.server.port,
-                     "remote_transfer_id": os.path.basename(path)[:-len(".kv")]}
+            where = {**self._served_at, "remote_transfer_id": os.path.basename(path)[:-len(".kv")]}
         return {"do_remote_prefill": True, "do_remote_decode": False, **where,
                 "remote_num_blocks": blocks, "remote_block_size": self.kv_cache.block_size}
 
