@@ -114,7 +114,7 @@ def test_a_packed_checkpoint_runs_as_hf_on_its_float_weights(base, tmp_path, met
 @pytest.mark.parametrize("config, message", [
     ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "bits 3: only 4- and 8-bit GPTQ"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "only 4-bit AWQ in the GEMM layout"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "'compressed-tensors' is not supported"),
+    ({"quant_method": "hqq", "nbits": 4}, "'hqq' is not supported"),
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
 ])
 def test_a_scheme_it_cannot_read_is_refused_by_name(base, tmp_path, config, message):
@@ -124,3 +124,74 @@ def test_a_scheme_it_cannot_read_is_refused_by_name(base, tmp_path, config, mess
     (folder / "config.json").write_text(json.dumps({**hf, "quantization_config": config}))
     with pytest.raises(ValueError, match=message):
         LLM(str(folder))
+
+
+@pytest.mark.parametrize("method, bits, group_size, act_order, kept", [
+    ("gptq", 4, 32, False, "int4"), ("gptq", 8, 64, False, "int8"), ("awq", 4, 64, False, "int4"),
+    ("gptq", 4, 32, True, None),  # activation order shuffles rows across groups: dequantised
+    ("gptq", 4, 16, False, None),  # groups of 16 inputs: no 32-input run has one scale
+])
+def test_layers_stay_packed_where_the_format_maps_exactly(base, tmp_path, method, bits, group_size, act_order,
+                                                          kept):
+    """By default each packed layer becomes the native products' layout (int4 for 4 bits, int8 for 8) and
+    dequantises to exactly the float weights; layers whose groups do not map come as those floats."""
+    from tokenmill.kernels.quantized import QuantizedWeight
+    from tokenmill.models.loader import load_model_source
+
+    packed, floats = write_pair(base, tmp_path, method, bits, group_size, act_order)
+    expected = load_file(str(floats / "model.safetensors"))
+    seen = 0
+    for name, weight in load_model_source(str(packed), with_tokenizer=False).iter_weights(keep_quantized=True):
+        if name.rpartition(".")[0].rpartition(".")[2] not in LINEARS:
+            continue
+        seen += 1
+        if kept is None:
+            assert isinstance(weight, torch.Tensor)
+        else:
+            assert isinstance(weight, QuantizedWeight) and weight.format == kept
+            weight = weight.dequantize()
+        assert torch.equal(weight, expected[name]), name
+    assert seen == 7 * 2  # two layers of seven projections
+
+
+@pytest.mark.parametrize("method, bits", [("gptq", 4), ("gptq", 8), ("awq", 4)])
+def test_served_packed_its_products_follow_the_float_weights(base, tmp_path, method, bits):
+    """Served packed (the default), the products take int8 activations against the checkpoint's own
+    integers: perplexity within 3% of the same weights served as floats, and the logprobs close."""
+    from helpers.engine_probe import EIGHT_PROMPTS, perplexity
+
+    packed, floats = write_pair(base, tmp_path, method, bits, group_size=64)
+    served = LLM(str(packed), dtype="float32", num_kv_blocks=256)
+    reference = LLM(str(floats), quantization="none", dtype="float32", num_kv_blocks=256)
+    text = [token for prompt in EIGHT_PROMPTS for token in prompt]
+    ratio = perplexity(served, text) / perplexity(reference, text)
+    assert abs(ratio - 1) <= 0.03, ratio
+
+
+LAYER = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update({f"{LAYER}.qweight": s[f"{LAYER}.qweight"].float()}),
+     f"model.safetensors: {LAYER}.qweight is torch.float32 \\[8, 64\\]; the gptq format stores int32"),
+    (lambda s: s.update({f"{LAYER}.scales": s[f"{LAYER}.scales"][:1]}),
+     f"model.safetensors: {LAYER}: the gptq tensors do not agree: qweight unpacks to \\[64, 64\\]"),
+    (lambda s: s.update({f"{LAYER}.qweight": s[f"{LAYER}.qweight"][:4]}),
+     f"model.safetensors: {LAYER}: the gptq tensors do not agree: qweight unpacks to \\[32, 64\\]"),
+])
+def test_tensors_that_contradict_the_format_are_refused_naming_file_and_tensor(base, tmp_path, change, message):
+    packed, _ = write_pair(base, tmp_path, "gptq", 4)
+    state = load_file(str(packed / "model.safetensors"))
+    change(state)
+    save_file(state, str(packed / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(packed), num_kv_blocks=64)
+
+
+def test_a_truncated_file_is_refused_naming_it(base, tmp_path):
+    packed, _ = write_pair(base, tmp_path, "awq", 4)
+    path = packed / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 1000])
+    with pytest.raises(ValueError, match=f"{path} is not a readable safetensors file .*download it again"):
+        LLM(str(packed), num_kv_blocks=64)

@@ -86,7 +86,7 @@ class QuantizedWeight:
                              f"columns; asked for columns {start}..{start + length} of {self.cols}")
         first, count = start // BLOCK, length // BLOCK
         sub = None if self.sub_scale is None else self.sub_scale[:, start // SUB_BLOCK:(start + length) // SUB_BLOCK]
-        return _pad_and_pack(self.format, length, self.unsigned_values()[:, start:start + length],
+        return pack_blocks(self.format, length, self.unsigned_values()[:, start:start + length],
                              self.scale[:, first:first + count], self.offset[:, first:first + count], sub)
 
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
@@ -215,7 +215,7 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
         blocks = raw.reshape(rows, -1, 34)
         scale = _half_fields(blocks[..., 0:2]).reshape(rows, -1)
         u = torch.from_numpy((blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
-        return _pad_and_pack("int8", cols, u.reshape(rows, -1), scale, -128 * scale)
+        return pack_blocks("int8", cols, u.reshape(rows, -1), scale, -128 * scale)
     if tensor_type in (T.Q4_0, T.Q4_1):
         size = 18 if tensor_type == T.Q4_0 else 20
         blocks = raw.reshape(rows, -1, size)
@@ -223,7 +223,7 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
         offset = -8 * scale if tensor_type == T.Q4_0 else _half_fields(blocks[..., 2:4]).reshape(rows, -1)
         nibbles = blocks[..., size - 16:]  # byte i: element i (low nibble) and i + 16 (high)
         u = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)
-        return _pad_and_pack("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+        return pack_blocks("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
     if tensor_type == T.Q4_K:
         blocks = raw.reshape(rows, -1, 144)  # 256 weights: d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
         d, dmin = _half_fields(blocks[..., 0:2]), _half_fields(blocks[..., 2:4])
@@ -232,7 +232,7 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
         offset = -(dmin * torch.from_numpy(mins).float()).reshape(rows, -1)
         nibbles = blocks[..., 16:].reshape(rows, -1, 4, 32)  # chunk c: sub-block 2c low, 2c + 1 high
         u = np.stack((nibbles & 0x0F, nibbles >> 4), axis=3)
-        return _pad_and_pack("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+        return pack_blocks("int4", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
     if tensor_type in (T.Q5_0, T.Q5_1):
         size = 22 if tensor_type == T.Q5_0 else 24
         blocks = raw.reshape(rows, -1, size)
@@ -241,7 +241,7 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
         high_bits = np.unpackbits(blocks[..., size - 20:size - 16], axis=-1, bitorder="little")  # bit j: element j
         nibbles = blocks[..., size - 16:]
         u = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1) | (high_bits << 4)
-        return _pad_and_pack("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+        return pack_blocks("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
     if tensor_type == T.Q5_K:
         blocks = raw.reshape(rows, -1, 176)  # 256 weights: d, dmin, 12 bytes of scales/mins, 32 of high bits, 128 of nibbles
         d, dmin = _half_fields(blocks[..., 0:2]), _half_fields(blocks[..., 2:4])
@@ -253,7 +253,7 @@ def from_gguf(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> 
         low = np.stack((nibbles & 0x0F, nibbles >> 4), axis=3).reshape(rows, -1, 8, 32)
         fifth = (high[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
         u = low | (fifth << 4)
-        return _pad_and_pack("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
+        return pack_blocks("int8", cols, torch.from_numpy(u.reshape(rows, -1)), scale, offset)
     if tensor_type == T.Q6_K:
         return _q6_k(raw, cols)
     raise ValueError(f"GGUF type {tensor_type.name} does not convert exactly; "
@@ -281,7 +281,7 @@ def _q6_k(raw: np.ndarray, cols: int) -> QuantizedWeight:
     u = torch.from_numpy((low | (high << 4)).reshape(rows, -1))
     sub = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1))
     scale = d.expand(rows, d.shape[1], 256 // BLOCK).reshape(rows, -1)
-    return _pad_and_pack("int8", cols, u, scale, -32 * scale, sub)
+    return pack_blocks("int8", cols, u, scale, -32 * scale, sub)
 
 
 def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -292,8 +292,10 @@ def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def _pad_and_pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                  sub_scale: Optional[torch.Tensor] = None) -> QuantizedWeight:
+def pack_blocks(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                sub_scale: Optional[torch.Tensor] = None) -> QuantizedWeight:
+    """A weight in `fmt` from u [rows, cols] (uint8), scale and offset [rows, cols / 32] (w = scale u +
+    offset per 32 columns) and, for int8, optional sub-scales [rows, cols / 16]; padded to whole steps."""
     extra = padded_cols(cols) - cols
     if extra:
         u = F.pad(u, (0, extra))

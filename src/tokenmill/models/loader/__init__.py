@@ -10,7 +10,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Collection, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Optional
 
 import torch
 from tqdm import tqdm
@@ -19,7 +19,7 @@ from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loader.chat_templates import built_in_chat_template
 from tokenmill.models.loader.gguf_file import GGUFCheckpoint
 from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf
-from tokenmill.models.loader.quantized_checkpoints import PackedLinears, dequantizing_stream, quantization_config
+from tokenmill.models.loader.quantized_checkpoints import packed_layer_stream, packed_scheme, quantization_config
 from tokenmill.models.loader.resolve import DEFAULT_MODEL, model_location, resolve_model_path
 from tokenmill.models.loader.safetensors_weights import SafetensorsWeights
 from tokenmill.models.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
@@ -58,9 +58,10 @@ class ModelSource:
     def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
         """Yield `(hf_parameter_name, tensor)` pairs, with a progress bar on stderr.
 
-        Float checkpoints keep their stored dtype; dequantized GGUF tensors are float32. With
-        `keep_quantized`, GGUF matrices whose encoding converts exactly (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K,
-        Q4_0, Q4_1, Q4_K) come as `QuantizedWeight`s instead.
+        Float checkpoints keep their stored dtype; dequantized GGUF tensors and packed layers are
+        float32. With `keep_quantized`, GGUF matrices whose encoding converts exactly (Q8_0, Q5_0, Q5_1,
+        Q5_K, Q6_K, Q4_0, Q4_1, Q4_K) and packed layers that map exactly (quantized_checkpoints.py) come as
+        `QuantizedWeight`s instead.
         """
         progress = tqdm(
             self.weight_stream(keep_quantized),
@@ -91,10 +92,11 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         if not name.endswith("rotary_emb.inv_freq")
         and not (name == _LM_HEAD and arch.tie_word_embeddings)
     }
-    stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] = lambda: weights.iter_tensors(wanted)
+    stream: Callable[[bool], Iterator[tuple[str, Any]]] = lambda keep_quantized: weights.iter_tensors(wanted)
     packing = quantization_config(folder)
-    if packing is not None:  # GPTQ / AWQ: dequantised layer by layer as they load
-        wanted, stream = dequantizing_stream(PackedLinears(packing, folder), wanted, weights.iter_tensors)
+    if packing is not None:  # GPTQ / AWQ / compressed-tensors: one weight per packed layer as it loads
+        scheme = packed_scheme(packing, folder, wanted)
+        wanted, stream = packed_layer_stream(scheme, wanted, weights.iter_tensors, weights.file_of)
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
     return ModelSource(
         path=folder,
@@ -102,7 +104,7 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template if tokenizer is not None else None,
         num_tensors=len(wanted),
-        weight_stream=lambda keep_quantized: stream(),
+        weight_stream=stream,
     )
 
 

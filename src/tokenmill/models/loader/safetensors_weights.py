@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -33,7 +33,7 @@ class SafetensorsWeights:
         single = self.folder / SINGLE_FILE
         if not single.exists():
             raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.folder}")
-        with safe_open(single, framework="pt") as f:
+        with _opened(single) as f:
             return {single: list(f.keys())}
 
     @property
@@ -45,7 +45,7 @@ class SafetensorsWeights:
         """The stored dtype of tensor `name` as a torch name ("bfloat16"), from the file header."""
         for path, names in self.names_by_file.items():
             if name in names:
-                with safe_open(path, framework="pt") as f:
+                with _opened(path) as f:
                     stored = f.get_slice(name).get_dtype()
                 return _TORCH_DTYPE_NAMES.get(stored, stored.lower())
         raise ValueError(f"no tensor {name!r} in {self.folder}")
@@ -56,6 +56,25 @@ class SafetensorsWeights:
             selected = [name for name in names if name in wanted]
             if not selected:
                 continue
-            with safe_open(path, framework="pt") as f:
+            with _opened(path) as f:
                 for name in selected:
-                    yield name, f.get_tensor(name)
+                    try:
+                        tensor = f.get_tensor(name)
+                    except Exception as error:  # safetensors' own error type, not a ValueError
+                        raise ValueError(f"{path}: tensor {name} cannot be read ({error})") from None
+                    yield name, tensor
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor `name`."""
+        for path, names in self.names_by_file.items():
+            if name in names:
+                return path
+        raise ValueError(f"no tensor {name!r} in {self.folder}")
+
+
+def _opened(path: Path) -> Any:
+    """safe_open(path), its errors (a truncated or corrupt file) as a ValueError naming the file."""
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as error:  # safetensors raises its own SafetensorError
+        raise ValueError(f"{path} is not a readable safetensors file ({error}); download it again") from None
