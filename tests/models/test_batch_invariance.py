@@ -1,7 +1,8 @@
 """A request's output does not depend on what else the engine is doing (issue 19).
 
 On the real default model in its default configuration (the GGUF's Q4_1 weights kept packed, the
-default dtype of this CPU), and with its weights as float32 floats, hypothesis draws the other requests of the batch and where the request sits
+default dtype of this CPU), with its weights as float32 floats, and on tiny GPTQ and compressed-tensors
+checkpoints served by default, hypothesis draws the other requests of the batch and where the request sits
 among them, the chunked-prefill budget, the prefix cache's state (off, cold, warm, a partial hit),
 preemption (a KV cache too small for the batch, reloading from the second tier), n-gram speculation and
 the sampling (greedy or seeded); the request's token ids and logprobs must equal, bit for bit, those of
@@ -138,6 +139,30 @@ def bfloat16_engines(make_smollm2):
 @given(scenario=scenarios())
 def test_output_with_bfloat16_weights_does_not_depend_on_what_else_runs(bfloat16_engines, scenario):
     check(bfloat16_engines, scenario)
+
+
+@pytest.fixture(scope="module")
+def packed_checkpoint_engines(tmp_path_factory):
+    """Tiny checkpoints in the formats people download, served by default (int4 kept packed): GPTQ (4 bits,
+    groups of 32) and compressed-tensors (W4A16, as its own library writes it)."""
+    from helpers.packed_checkpoints import write_compressed, write_pair
+    from helpers.tiny_models import make_tiny_hf_model
+    from tokenmill import LLM
+
+    folder = tmp_path_factory.mktemp("packed")
+    base = make_tiny_hf_model(folder / "base", arch="llama")
+    gptq, _ = write_pair(base, folder / "gptq", "gptq", 4)
+    write_compressed(base, folder / "ct", "W4A16")
+    return {name: Engines(lambda **options: LLM(str(path), **options))
+            for name, path in (("gptq", gptq), ("compressed-tensors", folder / "ct"))}
+
+
+@pytest.mark.parametrize("checkpoint", ["gptq", "compressed-tensors"])
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_output_of_a_packed_checkpoint_does_not_depend_on_what_else_runs(packed_checkpoint_engines, checkpoint,
+                                                                         scenario):
+    check(packed_checkpoint_engines[checkpoint], scenario)
 
 
 def long_prompt_ids(llm, length: int) -> list[int]:

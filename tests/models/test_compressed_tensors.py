@@ -7,66 +7,18 @@ and tensors that contradict their scheme, are refused at load by name."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
-pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors import ModelCompressor  # noqa: E402
-from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,  # noqa: E402
-                                             preset_name_to_scheme)
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from helpers.engine_probe import EIGHT_PROMPTS, assert_greedy_matches_hf, perplexity  # noqa: E402
-from helpers.tiny_models import make_tiny_hf_model  # noqa: E402
-from tokenmill import LLM  # noqa: E402
-from tokenmill.kernels.quantized import QuantizedWeight  # noqa: E402
-from tokenmill.models.loader import load_model_source  # noqa: E402
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def write_compressed(base, folder, preset, group_size=32, ignore=("lm_head",)):
-    """The tiny model in bfloat16 (as llm-compressor saves models: bfloat16 scales) quantised with the preset
-    scheme (min/max scales from compressed-tensors' own calculate_qparams), compressed and saved by
-    ModelCompressor; returns the float32 folder of the weights the library decompresses it to."""
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    if scheme.weights.strategy == "group":
-        scheme.weights.group_size = group_size
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and hasattr(module, "quantization_scheme"):
-            args, weight = module.quantization_scheme.weights, module.weight.data
-            if args.strategy == "group":
-                blocks = weight.view(weight.shape[0], -1, args.group_size)
-                low, high = blocks.amin(-1), blocks.amax(-1)
-            elif args.strategy == "channel":
-                low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
-            else:
-                low, high = weight.amin().view(1), weight.amax().view(1)
-            scale, zero = calculate_qparams(low.clamp(max=0), high.clamp(min=0), args)
-            module.weight_scale.data.copy_(scale.view_as(module.weight_scale))
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.data.copy_(zero.view_as(module.weight_zero_point))
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    shutil.copytree(base, folder)  # the tokenizer; the weights and config.json are written over
-    model.save_pretrained(str(folder))
-    compressor.update_config(str(folder))
-    compressor.decompress_model(model.float())  # in float32: (v - zp) s exactly, as the oracle needs
-    floats = folder.parent / f"{folder.name}-floats"
-    shutil.copytree(base, floats)
-    state = {name: tensor.float() for name, tensor in load_file(str(base / "model.safetensors")).items()}
-    for name, tensor in model.named_parameters():  # the saved embedding and norms, and decompressed linears
-        if name in state:
-            state[name] = tensor.data.float().contiguous()
-    save_file(state, str(floats / "model.safetensors"))
-    return floats
-
+from helpers.engine_probe import EIGHT_PROMPTS, assert_greedy_matches_hf, perplexity
+from helpers.packed_checkpoints import LINEARS, write_compressed
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM
+from tokenmill.kernels.quantized import QuantizedWeight
+from tokenmill.models.loader import load_model_source
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):

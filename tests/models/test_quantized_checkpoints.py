@@ -8,94 +8,15 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers.engine_probe import assert_greedy_matches_hf
+from helpers.packed_checkpoints import LINEARS, write_pair
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-
-
-def known_integers(shape_in_out, groups, bits, rng, act_order):
-    """Integer weights [in, out], zero points and scales [groups, out], and each input row's group."""
-    rows, cols = shape_in_out
-    q = rng.integers(0, 2 ** bits, size=(rows, cols), dtype=np.int64)
-    zeros = rng.integers(1, 2 ** bits - 1, size=(groups, cols), dtype=np.int64)
-    scales = (rng.random((groups, cols)) * 0.02 + 0.005).astype(np.float16)
-    g = np.arange(rows) // (rows // groups)
-    if act_order:
-        g = rng.permutation(g)
-    return q, zeros, scales, g
-
-
-def gptq_pack(q, zeros, scales, g, bits, act_order):
-    """AutoGPTQ's layout (checkpoint_format gptq): rows of qweight and columns of qzeros packed low bits
-    first, zeros stored minus one."""
-    per = 32 // bits
-    qweight = np.zeros((q.shape[0] // per, q.shape[1]), dtype=np.uint32)
-    for row in range(qweight.shape[0]):
-        for j in range(per):
-            qweight[row] |= (q[row * per + j].astype(np.uint32) << (bits * j))
-    stored = zeros - 1
-    qzeros = np.zeros((zeros.shape[0], zeros.shape[1] // per), dtype=np.uint32)
-    for col in range(qzeros.shape[1]):
-        for j in range(per):
-            qzeros[:, col] |= (stored[:, col * per + j].astype(np.uint32) << (bits * j))
-    parts = {"qweight": qweight.view(np.int32), "qzeros": qzeros.view(np.int32), "scales": scales}
-    if act_order:
-        parts["g_idx"] = g.astype(np.int32)
-    return parts
-
-
-def awq_pack(q, zeros, scales):
-    """AutoAWQ's GEMM layout: columns of qweight and qzeros packed in the order 0 2 4 6 1 3 5 7."""
-    def pack(values):
-        packed = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint32)
-        for col in range(packed.shape[1]):
-            for i in range(8):
-                packed[:, col] |= values[:, col * 8 + AWQ_ORDER[i]].astype(np.uint32) << (4 * i)
-        return packed.view(np.int32)
-    return {"qweight": pack(q), "qzeros": pack(zeros), "scales": scales}
-
-
-def write_pair(base, tmp_path, method, bits=4, group_size=32, act_order=False):
-    """(folder of the packed checkpoint, folder of the same weights as floats)."""
-    rng = np.random.default_rng(7)
-    state = load_file(str(base / "model.safetensors"))
-    packed, floats = {}, {}
-    for name, tensor in state.items():
-        prefix, _, leaf = name.rpartition(".")
-        if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
-            packed[name] = floats[name] = tensor
-            continue
-        rows, cols = tensor.shape[1], tensor.shape[0]  # [in, out]
-        q, zeros, scales, g = known_integers((rows, cols), rows // group_size, bits, rng, act_order)
-        weight = (torch.from_numpy(q - zeros[g]).float() * torch.from_numpy(scales[g]).float()).t().contiguous()
-        floats[name] = weight
-        parts = gptq_pack(q, zeros, scales, g, bits, act_order) if method == "gptq" else awq_pack(q, zeros, scales)
-        packed.update({f"{prefix}.{part}": torch.from_numpy(np.ascontiguousarray(value))
-                       for part, value in parts.items()})
-    folders = []
-    for kind, tensors in (("packed", packed), ("float", floats)):
-        folder = tmp_path / kind
-        shutil.copytree(base, folder)
-        save_file(tensors, str(folder / "model.safetensors"))
-        if kind == "packed":
-            config = json.loads((folder / "config.json").read_text())
-            config["quantization_config"] = (
-                {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
-                 "sym": False, "checkpoint_format": "gptq"} if method == "gptq" else
-                {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm", "zero_point": True})
-            (folder / "config.json").write_text(json.dumps(config))
-        folders.append(folder)
-    return folders
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
