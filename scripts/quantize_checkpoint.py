@@ -85,7 +85,7 @@ def input_hessians(hf, ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, bits: int = 4,
-         damp: float = 0.1, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ of one weight [out, in]: (q [out, in] in 0..2^bits - 1, zero and float16 scale [out, groups]),
     w ~ (q - zero) * scale. Columns in order, each group's scale (and zero, asymmetric: from its min and
     max) from the weight as updated when the group starts (AutoGPTQ's fasterquant without activation
