@@ -20,7 +20,9 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 RUNNERS = ("auto", "generate", "pooling")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# the row format (attention/kv_quant.py) of each quantised --kv-cache-dtype
+KV_CACHE_FORMATS = {"int8": "int8", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -130,8 +132,10 @@ class CacheConfig:
                                   "pinned staging buffer); 0 = off")
     kv_cache_dtype: str = _opt("auto", "what the KV cache stores: auto = the compute dtype; int8 = per token and "
                                "head symmetric int8 with a float32 scale (about half the bytes of bfloat16, so "
-                               "the pool holds ~2x the tokens; quality: docs/benchmarks.md); fp8 is refused "
-                               "(no CPU path reads it)", choices=KV_CACHE_DTYPES)
+                               "the pool holds ~2x the tokens; quality: docs/benchmarks.md); fp8 (= fp8_e4m3) = "
+                               "per token and head float8 e4m3 with a float32 scale (max |x| / 448: the scales "
+                               "are calculated for every row as it is written; a checkpoint's k_scale/v_scale "
+                               "are not used)", choices=KV_CACHE_DTYPES)
     swap_space_gb: float = _opt(4.0, "host memory in GiB for the KV blocks of preempted requests (a memory-mapped "
                                 "file on CPU; host memory on GPU, copied through a 64 MiB pinned staging buffer; "
                                 "see --preemption-mode); 0 = always recompute")
@@ -169,9 +173,6 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8":
-            raise ValueError("kv_cache_dtype fp8 is not supported: no attention path of this engine reads fp8 "
-                             "(e4m3) rows; use int8, which halves the cache as fp8 would")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.secondary_kv_gb < 0:

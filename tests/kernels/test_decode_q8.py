@@ -1,5 +1,6 @@
-"""The int8 KV cache (attention/kv_quant.py, kernels/decode_attention_q8.c): rows round-trip, the native
-decode matches the reference backend over the same int8 cache, and a row's result ignores the batch."""
+"""The one-byte KV caches, int8 and fp8 (attention/kv_quant.py, kernels/decode_attention_q8.c): rows
+round-trip within half a step, the native decode matches the reference backend over the same cache, and a
+row's result ignores the batch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from kernels.test_cpu_kernels import random_batch
 from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
-from tokenmill.attention.kv_quant import (dequantize_key_tiles, dequantize_rows, quantize_rows, row_width,
+from tokenmill.attention.kv_quant import (STORAGE, dequantize_key_tiles, dequantize_rows, quantize_rows, row_width,
                                          write_tokens)
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
@@ -27,10 +28,26 @@ def test_rows_round_trip_within_half_a_step():
     assert torch.equal(back[7, 1], torch.zeros(64))
 
 
-def _int8_cache(cache: torch.Tensor) -> torch.Tensor:
-    """The int8 cache holding a float cache's every token, written as the engine writes them."""
+def test_fp8_rows_round_trip_within_half_an_e4m3_step():
+    """e4m3 keeps 3 mantissa bits: a value read back is within half a step (2^-4 of its binade, relative)
+    of x / scale, the row's largest magnitude maps to 448 exactly, and the bits are torch's own e4m3."""
+    x = torch.randn(50, 3, 64) * torch.linspace(0.01, 10, 50)[:, None, None]
+    x[7, 1] = 0.0
+    rows = quantize_rows(x, "fp8")
+    assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 68)
+    back = dequantize_rows(rows, torch.float32)
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    assert torch.all((back - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -10)
+    largest = x.abs().argmax(-1, keepdim=True)
+    assert torch.allclose(back.gather(-1, largest).abs(), x.abs().gather(-1, largest), rtol=1e-6)
+    assert torch.equal(back[7, 1], torch.zeros(64))
+    assert torch.equal(rows[..., :64], (x / torch.where(scale > 0, scale, 1)).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _int8_cache(cache: torch.Tensor, fmt: str = "int8") -> torch.Tensor:
+    """The one-byte cache of `fmt` holding a float cache's every token, written as the engine writes them."""
     _, num_blocks, kv_heads, block_size, head_dim = cache.shape
-    int8 = torch.zeros(2, num_blocks, kv_heads, block_size, row_width(head_dim), dtype=torch.int8)
+    int8 = torch.zeros(2, num_blocks, kv_heads, block_size, row_width(head_dim), dtype=STORAGE[fmt])
     blocks = torch.arange(num_blocks).repeat_interleave(block_size)
     offsets = torch.arange(block_size).repeat(num_blocks)
     tokens = [plane.permute(0, 2, 1, 3).reshape(num_blocks * block_size, kv_heads, head_dim) for plane in cache]
@@ -47,19 +64,20 @@ def test_keys_are_stored_transposed_and_read_back_as_written():
     assert torch.equal(dequantize_rows(int8[1], torch.float32), dequantize_rows(quantize_rows(cache[1]), torch.float32))
 
 
-def _int8_batch(dtype, heads, kv_heads, head_dim, block_size, lengths):
+def _int8_batch(dtype, heads, kv_heads, head_dim, block_size, lengths, fmt="int8"):
     cache, chunks, slots, q, k, v = random_batch(13, dtype, heads, kv_heads, head_dim, block_size, lengths,
                                                  num_blocks=128)
-    return _int8_cache(cache.float()), chunks, slots, q, k, v
+    return _int8_cache(cache.float(), fmt), chunks, slots, q, k, v
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, None), (8, 2, 128, 8, None), (6, 1, 64, 5, None), (4, 4, 32, 16, 20)])
-def test_native_int8_decode_matches_the_reference_backend(kernels, dtype, heads, kv_heads, head_dim, block_size,
-                                                          window):
+def test_native_one_byte_decode_matches_the_reference_backend(kernels, fmt, dtype, heads, kv_heads, head_dim,
+                                                              block_size, window):
     lengths = [2, 17, 40, 3 * block_size + 1, 130, 200]
-    cache, chunks, slots, q, k, v = _int8_batch(dtype, heads, kv_heads, head_dim, block_size, lengths)
+    cache, chunks, slots, q, k, v = _int8_batch(dtype, heads, kv_heads, head_dim, block_size, lengths, fmt)
     ref_cache, fast_cache = cache.clone(), cache.clone()
     ref, fast = TorchReferenceBackend(), CpuPagedBackend(kernels)
     layer = AttentionLayer(head_dim ** -0.5, window)
@@ -71,9 +89,10 @@ def test_native_int8_decode_matches_the_reference_backend(kernels, dtype, heads,
     assert torch.allclose(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_an_int8_decode_does_not_depend_on_the_rest_of_the_batch(kernels):
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_one_byte_decode_does_not_depend_on_the_rest_of_the_batch(kernels, fmt):
     lengths = [300, 5, 77, 140]
-    cache, chunks, slots, q, k, v = _int8_batch(torch.bfloat16, 9, 3, 64, 16, lengths)
+    cache, chunks, slots, q, k, v = _int8_batch(torch.bfloat16, 9, 3, 64, 16, lengths, fmt)
     backend, layer = CpuPagedBackend(kernels), AttentionLayer(64 ** -0.5)
     together = backend.forward(q, k, v, cache.clone(), backend.build_metadata(chunks, slots, 16, CPU), layer)
     for i, chunk in enumerate(chunks):

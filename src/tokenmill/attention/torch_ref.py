@@ -2,7 +2,7 @@
 
 Runs anywhere PyTorch does and is the oracle faster backends are tested against.
 
-Cache layout per layer: [2 (k, v), num_blocks, kv_heads, block_size, head_dim] (int8 caches: rows of
+Cache layout per layer: [2 (k, v), num_blocks, kv_heads, block_size, head_dim] (int8 / fp8 caches: rows of
 head_dim + 4 bytes, keys transposed within a block, attention/kv_quant.py; dequantised as they are
 gathered). One (block, kv head)
 pair is a contiguous [block_size, head_dim] tile, so a sequence's context for one head is gathered
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk, key_only
-from tokenmill.attention.kv_quant import (dequantize_key_tiles, dequantize_rows, is_quantized, quantize_rows,
+from tokenmill.attention.kv_quant import (dequantize_key_tiles, dequantize_rows, is_quantized, quantize_rows, row_format,
                                          write_tokens)
 
 
@@ -132,7 +132,7 @@ def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def _keys(kv_cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The keys of [..., blocks] block tables as attention reads them: [..., kv_heads, blocks * block_size,
-    head_dim], dequantised from an int8 cache's transposed key tiles (attention/kv_quant.py)."""
+    head_dim], dequantised from a one-byte cache's transposed key tiles (attention/kv_quant.py)."""
     if not is_quantized(kv_cache):
         return _tiles(kv_cache[0], tables)
     num_blocks, num_kv_heads, block_size, width = kv_cache[0].shape
@@ -150,9 +150,9 @@ def _values(kv_cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) ->
 
 
 def _as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-    """New K or V rows as the cache holds them (quantised and back for an int8 cache), so a chunk attends
+    """New K or V rows as the cache holds them (quantised and back for a one-byte cache), so a chunk attends
     to its own tokens exactly as later queries will."""
-    return dequantize_rows(quantize_rows(x), x.dtype) if is_quantized(kv_cache) else x
+    return dequantize_rows(quantize_rows(x, row_format(kv_cache)), x.dtype) if is_quantized(kv_cache) else x
 
 
 def prefill_entries(prefills: list[SequenceChunk], block_size: int, device: torch.device) -> list[_Prefill]:

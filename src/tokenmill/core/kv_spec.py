@@ -18,7 +18,7 @@ from math import gcd
 from typing import Optional
 
 
-# an int8 cache row's float32 scale, after its head_dim values (attention/kv_quant.py)
+# a one-byte (int8 or fp8) cache row's float32 scale, after its head_dim values (attention/kv_quant.py)
 QUANTIZED_SCALE_BYTES = 4
 
 
@@ -34,7 +34,7 @@ class KVCacheSpec:
     dtype_bytes: int
     sliding_window: Optional[int] = None
     mla_latent: Optional[tuple[int, int]] = None  # (kv_lora_rank, qk_rope_head_dim) of an MLA layer
-    quantized: bool = False  # int8 rows: head_dim int8 values and a float32 scale (attention/kv_quant.py)
+    quantized: Optional[str] = None  # "int8" / "fp8" rows: head_dim one-byte values and a float32 scale (kv_quant.py)
 
     @property
     def kind(self) -> str:

@@ -9,6 +9,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from tokenmill.config import KV_CACHE_FORMATS
 from tokenmill.config_checks import swaps_preempted
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
@@ -45,7 +46,7 @@ class _KVPlan:
     num_blocks: int
     tier_slots: int
     swap_slots: int
-    quantized_kv: bool
+    quantized_kv: Optional[str]  # "int8" / "fp8" (attention/kv_quant.py), None: the compute dtype
 
 
 class EngineBuild:
@@ -72,9 +73,9 @@ class EngineBuild:
         """The KV cache's layout and sizes: the pool (every rank's heads together: the budget is the whole
         run's), the second tier and the swap space."""
         cache = self.config.cache
-        quantized_kv = cache.kv_cache_dtype == "int8"
+        quantized_kv = None if cache.kv_cache_dtype == "auto" else KV_CACHE_FORMATS[cache.kv_cache_dtype]
         if quantized_kv and self.arch.mla is not None:
-            raise ValueError("kv_cache_dtype int8: MLA latent caches are not quantised; use auto")
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype}: MLA latent caches are not quantised; use auto")
         self.kv_layout = kv_cache_layout(self.arch, self.dtype.itemsize, quantized=quantized_kv)
         block_bytes = self.kv_layout.block_bytes(cache.block_size)
         tier_slots = max(1, int(cache.secondary_kv_gb * _GIB) // block_bytes) \
@@ -108,7 +109,8 @@ class EngineBuild:
         self.kv_transfers: Optional[KVTransfers] = None
         if transfer_config is not None:
             fingerprint = {"model": model_identity(self.source.path), "architecture": self.arch.architecture,
-                           "dtype": str(self.dtype), "block_bytes": plan.block_bytes}
+                           "dtype": str(self.dtype), "block_bytes": plan.block_bytes,
+                           "kv_rows": plan.quantized_kv or "dtype"}  # int8 and fp8 blocks have one size
             self.kv_transfers = KVTransfers(transfer_config, fingerprint, self.kv_cache)
             on_failure.callback(self.kv_transfers.close)
         self.kv_events: Optional[ZmqEventPublisher] = None

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT],
-    "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT],
+    "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT, _INT],
     "tm_cache_write": [_P] * 5 + [_I64] * 6 + [_INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
@@ -162,10 +162,10 @@ class CpuKernels:
         """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
         cached tokens, or with window > 0 over the last `window` of them only (the blocks before those are
         not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [planes, blocks, kv_heads,
-        block_size, head_dim] contiguous (values in the last plane) of q's dtype, or an int8 cache of rows
-        head_dim + 4 (attention/kv_quant.py, read by decode_attention_q8.c); block_tables int32
-        [B, max_blocks]; context_lens int32 [B]."""
-        quantized = kv_cache.dtype == torch.int8
+        block_size, head_dim] contiguous (values in the last plane) of q's dtype, or a one-byte cache (int8,
+        or fp8 as uint8) of rows head_dim + 4 (attention/kv_quant.py, read by decode_attention_q8.c);
+        block_tables int32 [B, max_blocks]; context_lens int32 [B]."""
+        quantized = kv_cache.dtype in (torch.int8, torch.uint8)
         bf16 = _storage_flag(out, q, *([] if quantized else [kv_cache]))
         _, _, num_kv_heads, block_size, width = kv_cache.shape
         head_dim = width - QUANTIZED_SCALE_BYTES if quantized else width
@@ -176,10 +176,13 @@ class CpuKernels:
             raise ValueError("decode_attention needs contiguous head rows, a contiguous out row and cache")
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
             raise ValueError("decode_attention takes int32 block tables and lengths, int64 token indices")
-        kernel = self.lib.tm_decode_attention_q8 if quantized else self.lib.tm_decode_attention
-        kernel(_ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
-               _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
-               block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
+        args = (_ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
+                _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
+                block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, bf16)
+        if quantized:
+            self.lib.tm_decode_attention_q8(*args, int(kv_cache.dtype == torch.uint8))
+        else:
+            self.lib.tm_decode_attention(*args)
 
     def cache_write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                     slots: torch.Tensor) -> None:

@@ -1,9 +1,11 @@
-/* Decode attention over an int8 KV cache (--kv-cache-dtype int8).
+/* Decode attention over a one-byte KV cache (--kv-cache-dtype int8, or fp8 with `fp8` set).
  *
  * Cache layout (attention/kv_quant.py): per plane, a block_size x (head_dim + 4) byte tile per (block, kv
- * head). Values: block_size rows of head_dim int8 values and the row's float32 scale. Keys: transposed,
- * head_dim x block_size int8 values (a dimension's keys adjacent) then block_size float32 scales, so the
+ * head). Values: block_size rows of head_dim one-byte values and the row's float32 scale. Keys: transposed,
+ * head_dim x block_size values (a dimension's keys adjacent) then block_size float32 scales, so the
  * scores of a block's keys run in the vector lanes, read straight from the cache, with no horizontal sums.
+ * A value byte is an int8, or with `fp8` the bits of a float8 e4m3 number, widened exactly through a
+ * 256-entry table (e4m3_table).
  *
  * Arithmetic per query: each key's score is (q . k_values), summed over the head dimension in order,
  * times the key's scale and the softmax scale (the keys of a block sit in the vector lanes); softmax with
@@ -20,6 +22,21 @@
 #define Q8_LANES 16     /* keys scored together: a whole block at the default block size */
 #define Q8_MAX_GROUP 8  /* query heads per KV head whose scores stay in registers */
 
+/* value[b] of every e4m3 bit pattern b: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+ * subnormal (m / 8 * 2^-6). 0x7F and 0xFF (NaN) are never written: rows saturate at +-448. */
+static void e4m3_table(float *table) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        const float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        table[b] = b & 0x80 ? -v : v;
+    }
+}
+
+/* A value byte as a float: an int8, or through the e4m3 table when there is one. */
+static inline float q8_widen(int8_t byte, const float *table) {
+    return table ? table[(uint8_t)byte] : (float)byte;
+}
+
 /* First key a query at context length ctx sees with a window (0: every key). */
 static inline int64_t q8_window_first(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
@@ -27,7 +44,8 @@ static inline int64_t q8_window_first(int64_t ctx, int64_t window) {
 
 /* Rows [first, first + n) of one block of one head, widened: tile[t * head_dim + d] = value * row scale. */
 static inline void q8_load_rows(float *tile, const int8_t *plane, int64_t block, int64_t head, int64_t first,
-                                int64_t n, int64_t num_kv_heads, int64_t block_size, int64_t head_dim) {
+                                int64_t n, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                                const float *table) {
     const int64_t width = head_dim + 4;
     const int8_t *rows = plane + ((block * num_kv_heads + head) * block_size + first) * width;
     for (int64_t t = 0; t < n; t++) {
@@ -36,7 +54,7 @@ static inline void q8_load_rows(float *tile, const int8_t *plane, int64_t block,
         memcpy(&row_scale, row + head_dim, sizeof(float));
         float *dst = tile + t * head_dim;
         #pragma omp simd
-        for (int64_t d = 0; d < head_dim; d++) dst[d] = (float)row[d] * row_scale;
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = q8_widen(row[d], table) * row_scale;
     }
 }
 
@@ -44,8 +62,11 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                             const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                            int64_t out_row_stride, float scale, int64_t window, int bf16) {
+                            int64_t out_row_stride, float scale, int64_t window, int bf16, int fp8) {
     const int64_t group = num_heads / num_kv_heads;
+    float e4m3[256];
+    if (fp8) e4m3_table(e4m3);
+    const float *e4m3_values = fp8 ? e4m3 : NULL;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; b++) {
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
@@ -75,7 +96,7 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                         const int8_t *kd = keys + d * block_size + offset;
                         float kf[Q8_LANES];
                         #pragma omp simd
-                        for (int t = 0; t < Q8_LANES; t++) kf[t] = (float)kd[t];
+                        for (int t = 0; t < Q8_LANES; t++) kf[t] = q8_widen(kd[t], e4m3_values);
                         for (int64_t g = 0; g < group; g++) {
                             const float qd = qf[g * head_dim + d];
                             #pragma omp simd
@@ -97,7 +118,7 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                         const float qd = qg[d];
                         const int8_t *kd = keys + d * block_size + offset;
                         #pragma omp simd
-                        for (int64_t t = 0; t < n; t++) sg[t] += qd * (float)kd[t];
+                        for (int64_t t = 0; t < n; t++) sg[t] += qd * q8_widen(kd[t], e4m3_values);
                     }
                     for (int64_t t = 0; t < n; t++) sg[t] = sg[t] * key_scales[t] * scale;
                 }
@@ -107,7 +128,7 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                 const int64_t block = table[start / block_size], offset = start % block_size;
                 end = start - offset + block_size < ctx ? start - offset + block_size : ctx;
                 const int64_t n = end - start;
-                q8_load_rows(tile, v_cache, block, kvh, offset, n, num_kv_heads, block_size, head_dim);
+                q8_load_rows(tile, v_cache, block, kvh, offset, n, num_kv_heads, block_size, head_dim, e4m3_values);
                 for (int64_t g = 0; g < group; g++) {
                     float *a = acc + g * head_dim;
                     const float *p = scores + g * len + (start - first);

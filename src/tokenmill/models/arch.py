@@ -151,15 +151,16 @@ def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:
 
 
 def kv_cache_spec(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1,
-                  sliding_window: Optional[int] = None, quantized: bool = False) -> KVCacheSpec:
+                  sliding_window: Optional[int] = None, quantized: Optional[str] = None) -> KVCacheSpec:
     """What one rank's layer caches per token, for a layer of the given window (None: full attention);
-    `quantized`: int8 rows (--kv-cache-dtype int8)."""
+    `quantized`: one-byte rows, "int8" or "fp8" (--kv-cache-dtype)."""
     kv_heads, head_dim = kv_cache_geometry(arch, tp_size)
     mla = None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim)
     return KVCacheSpec(kv_heads, head_dim, dtype_bytes, sliding_window, mla, quantized)
 
 
-def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quantized: bool = False) -> KVCacheLayout:
+def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quantized: Optional[str] = None
+                    ) -> KVCacheLayout:
     """One rank's KV cache groups: layers grouped by what they cache per token (full attention, a sliding
     window, an MLA latent), see core/kv_spec.py."""
     return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window, quantized)

@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from tokenmill.attention.base import AttentionBackend, SequenceChunk
-from tokenmill.attention.kv_quant import row_width
+from tokenmill.attention.kv_quant import STORAGE, row_width
 from tokenmill.core.kv_spec import KVCacheLayout
 from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling.batch import SamplingRow
@@ -306,10 +306,10 @@ class ModelRunner:
 
 
 def kv_cache_storage(layout: KVCacheLayout, dtype: torch.dtype) -> tuple[torch.dtype, int]:
-    """(element dtype, row width) of the cache's rows: the compute dtype and head_dim, or an int8 cache's
-    rows of head_dim values and their scale's 4 bytes (attention/kv_quant.py)."""
+    """(element dtype, row width) of the cache's rows: the compute dtype and head_dim, or a one-byte cache's
+    rows of head_dim values and their scale's 4 bytes (attention/kv_quant.py: int8, or fp8 in uint8)."""
     spec = layout.groups[0].spec
-    return (torch.int8, row_width(spec.head_dim)) if spec.quantized else (dtype, spec.head_dim)
+    return (STORAGE[spec.quantized], row_width(spec.head_dim)) if spec.quantized else (dtype, spec.head_dim)
 
 
 class _StepExtras(NamedTuple):

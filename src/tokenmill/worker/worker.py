@@ -43,7 +43,7 @@ class WorkerSpec:
     profile_tokens: int = 2048
     max_num_seqs: int = 128  # rows of the profiling step's head, and the largest decode graph's bucket
     gpu_memory_utilization: float = 0.9
-    quantized_kv: bool = False  # an int8 KV cache (attention/kv_quant.py)
+    quantized_kv: Optional[str] = None  # an int8 or fp8 KV cache (attention/kv_quant.py)
     rank: int = 0
     tp_size: int = 1
     pp_size: int = 1
@@ -89,8 +89,8 @@ class Worker:
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage, fused_decode=not spec.quantized_kv)
         if spec.quantized_kv and backend.on_triton:
-            raise ValueError("kv_cache_dtype int8: the triton_paged attention backend reads float32, float16 and "
-                             "bfloat16 caches only; use kv_cache_dtype auto, or --attention-backend torch_ref")
+            raise ValueError(f"kv_cache_dtype {spec.quantized_kv}: the triton_paged attention backend reads float32, "
+                             "float16 and bfloat16 caches only; use kv_cache_dtype auto, or --attention-backend torch_ref")
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
         self.num_blocks = spec.num_blocks or self._profile_blocks(backend, layout, dtype)
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,

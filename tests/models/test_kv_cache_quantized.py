@@ -1,7 +1,7 @@
-"""`kv_cache_dtype="int8"`: the pool holds about twice the tokens, output stays deterministic (alone or in a
-batch, swapped or not), and on the default model the quality cost is held to what was measured: perplexity
-on the shipped passages within 1% of the unquantised cache's, and the same next token at >= 92% of their
-positions (docs/benchmarks.md)."""
+"""`kv_cache_dtype="int8"` and `"fp8"`: the pool holds about twice the tokens, output stays deterministic
+(alone or in a batch, swapped or not), and on the default model the quality cost is held to what was
+measured: perplexity on the shipped passages within 1% of the unquantised cache's, and the same next token
+at >= 92% of their positions (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -29,43 +29,50 @@ def _ids_and_logprobs(outputs):
 
 def test_the_pool_holds_about_twice_the_tokens(model):
     sizes = {}
-    for dtype in ("auto", "int8"):
+    for dtype in ("auto", "int8", "fp8"):
         llm = LLM(model, kv_cache_memory_gb=0.05, kv_cache_dtype=dtype)
         sizes[dtype] = llm.llm_engine.kv_cache.num_blocks
         llm.shutdown()
     # bfloat16 rows of 16 values (32 bytes) against 16 int8 values and a 4-byte scale (20 bytes): 1.6x here,
     # 1.88x at head_dim 64 and 1.94x at 128; float32 compute doubles it again
     assert sizes["int8"] / sizes["auto"] >= 1.5
+    assert sizes["fp8"] == sizes["int8"]
 
 
-def test_int8_output_is_the_same_alone_in_a_batch_and_swapped(model):
-    alone = [_ids_and_logprobs(LLM(model, kv_cache_dtype="int8", num_kv_blocks=512).generate(
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_output_is_the_same_alone_in_a_batch_and_swapped(model, kv_dtype):
+    alone = [_ids_and_logprobs(LLM(model, kv_cache_dtype=kv_dtype, num_kv_blocks=512).generate(
         [p], PARAMS, use_tqdm=False))[0] for p in PROMPTS[:2]]
-    batch = LLM(model, kv_cache_dtype="int8", num_kv_blocks=512)
+    batch = LLM(model, kv_cache_dtype=kv_dtype, num_kv_blocks=512)
     together = _ids_and_logprobs(batch.generate(PROMPTS, PARAMS, use_tqdm=False))
     assert together[:2] == alone
-    tight = LLM(model, kv_cache_dtype="int8", num_kv_blocks=20, block_size=16, preemption_mode="swap")
+    tight = LLM(model, kv_cache_dtype=kv_dtype, num_kv_blocks=20, block_size=16, preemption_mode="swap")
     swapped = _ids_and_logprobs(tight.generate(PROMPTS, PARAMS, use_tqdm=False))
     assert tight.llm_engine.scheduler.swap.num_swapped_out > 0
     assert swapped == together
 
 
-def test_fp8_and_mla_are_refused(model, tmp_path):
-    with pytest.raises(ValueError, match="fp8 is not supported"):
-        LLM(model, kv_cache_dtype="fp8")
+def test_fp8_e4m3_is_fp8_and_other_formats_and_mla_are_refused(model, tmp_path):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert (LLM(model, kv_cache_dtype="fp8_e4m3", num_kv_blocks=64).generate([PROMPTS[0]], params)[0].outputs[0]
+            .token_ids == LLM(model, kv_cache_dtype="fp8", num_kv_blocks=64).generate([PROMPTS[0]], params)[0]
+            .outputs[0].token_ids)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, fp8_e4m3, got 'fp8_e5m2'"):
+        LLM(model, kv_cache_dtype="fp8_e5m2")
     mla = make_tiny_hf_model(tmp_path / "mla", "deepseek_v2")
-    with pytest.raises(ValueError, match="MLA latent caches are not quantised"):
-        LLM(str(mla), kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8: MLA latent caches are not quantised"):
+        LLM(str(mla), kv_cache_dtype="fp8")
 
 
 @pytest.mark.slow
-def test_default_model_quality_with_an_int8_cache():
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_default_model_quality_with_a_one_byte_cache(kv_dtype):
     import tokenmill.bench as bench
 
     text = (Path(bench.__file__).parent / "quote_passages.txt").read_text()
     passages = [p for p in text.split("\n\n") if len(p) > 200]
     results = {}
-    for dtype in ("auto", "int8"):
+    for dtype in ("auto", kv_dtype):
         llm = LLM(None, kv_cache_dtype=dtype, num_kv_blocks=1024)
         tokenizer = llm.get_tokenizer()
         ids = [tokenizer(p).input_ids for p in passages]
@@ -77,6 +84,6 @@ def test_default_model_quality_with_an_int8_cache():
                 best.append(min(entry.items(), key=lambda kv: kv[1].rank)[0])
         results[dtype] = (math.exp(nll / len(best)), best)
         llm.shutdown()
-    (ppl, best), (ppl8, best8) = results["auto"], results["int8"]
+    (ppl, best), (ppl8, best8) = results["auto"], results[kv_dtype]
     assert ppl8 / ppl < 1.01
     assert sum(a == b for a, b in zip(best, best8)) / len(best) >= 0.92
