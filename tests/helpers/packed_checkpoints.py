@@ -132,3 +132,25 @@ def write_compressed(base, folder, preset, group_size=32, ignore=("lm_head",)):
             state[name] = tensor.data.float().contiguous()
     save_file(state, str(floats / "model.safetensors"))
     return floats
+
+
+def assert_layers_loaded_as(packed, floats, kept) -> None:
+    """Loaded with packed layers kept (the default), each of the tiny model's 14 projections of the
+    checkpoint in `packed` is a `QuantizedWeight` of format `kept` (None: a float tensor) and dequantises
+    to exactly the weight of the float checkpoint in `floats`."""
+    from tokenmill.kernels.quantized import QuantizedWeight
+    from tokenmill.models.loader import load_model_source
+
+    expected = load_file(str(floats / "model.safetensors"))
+    seen = 0
+    for name, weight in load_model_source(str(packed), with_tokenizer=False).iter_weights(keep_quantized=True):
+        if name.rpartition(".")[0].rpartition(".")[2] not in LINEARS:
+            continue
+        seen += 1
+        if kept is None:
+            assert isinstance(weight, torch.Tensor), name
+        else:
+            assert isinstance(weight, QuantizedWeight) and weight.format == kept, name
+            weight = weight.dequantize()
+        assert torch.equal(weight, expected[name]), name
+    assert seen == 7 * 2  # two layers of seven projections

@@ -14,10 +14,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers.engine_probe import EIGHT_PROMPTS, assert_greedy_matches_hf, perplexity
-from helpers.packed_checkpoints import LINEARS, write_compressed
+from helpers.packed_checkpoints import assert_layers_loaded_as, write_compressed
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM
-from tokenmill.kernels.quantized import QuantizedWeight
 from tokenmill.models.loader import load_model_source
 
 @pytest.fixture(scope="module")
@@ -43,19 +42,7 @@ def test_int_layers_stay_packed_and_equal_the_decompressed_weights(base, tmp_pat
     its decompressed weights (FP8 layers come as their float values), and the served model's perplexity
     within 3% of the same weights served as floats."""
     floats = write_compressed(base, tmp_path / preset, preset)
-    expected = load_file(str(floats / "model.safetensors"))
-    seen = 0
-    for name, weight in load_model_source(str(tmp_path / preset), with_tokenizer=False).iter_weights(True):
-        if name.rpartition(".")[0].rpartition(".")[2] not in LINEARS:
-            continue
-        seen += 1
-        if kept is None:
-            assert isinstance(weight, torch.Tensor)
-        else:
-            assert isinstance(weight, QuantizedWeight) and weight.format == kept
-            weight = weight.dequantize()
-        assert torch.equal(weight, expected[name]), name
-    assert seen == 14
+    assert_layers_loaded_as(tmp_path / preset, floats, kept)
     served = LLM(str(tmp_path / preset), dtype="float32", num_kv_blocks=256)
     reference = LLM(str(floats), quantization="none", dtype="float32", num_kv_blocks=256)
     text = [token for prompt in EIGHT_PROMPTS for token in prompt]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers.engine_probe import assert_greedy_matches_hf
-from helpers.packed_checkpoints import LINEARS, write_pair
+from helpers.packed_checkpoints import assert_layers_loaded_as, write_pair
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM
 
@@ -56,23 +56,8 @@ def test_layers_stay_packed_where_the_format_maps_exactly(base, tmp_path, method
                                                           kept):
     """By default each packed layer becomes the native products' layout (int4 for 4 bits, int8 for 8) and
     dequantises to exactly the float weights; layers whose groups do not map come as those floats."""
-    from tokenmill.kernels.quantized import QuantizedWeight
-    from tokenmill.models.loader import load_model_source
-
     packed, floats = write_pair(base, tmp_path, method, bits, group_size, act_order)
-    expected = load_file(str(floats / "model.safetensors"))
-    seen = 0
-    for name, weight in load_model_source(str(packed), with_tokenizer=False).iter_weights(keep_quantized=True):
-        if name.rpartition(".")[0].rpartition(".")[2] not in LINEARS:
-            continue
-        seen += 1
-        if kept is None:
-            assert isinstance(weight, torch.Tensor)
-        else:
-            assert isinstance(weight, QuantizedWeight) and weight.format == kept
-            weight = weight.dequantize()
-        assert torch.equal(weight, expected[name]), name
-    assert seen == 7 * 2  # two layers of seven projections
+    assert_layers_loaded_as(packed, floats, kept)
 
 
 @pytest.mark.parametrize("method, bits", [("gptq", 4), ("gptq", 8), ("awq", 4)])
