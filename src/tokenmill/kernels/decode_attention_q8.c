@@ -48,6 +48,36 @@ static inline void e4m3_widen16(float *dst, const int8_t *src) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* 16 value bytes as floats (a dimension of a block's 16 keys, or 16 dimensions of a value row): int8
+ * bytes, or e4m3 bytes re-laid as halves (as e4m3_widen16). */
+static inline __m512 q8_widen16(const int8_t *kd, int fp8) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)kd);
+    if (!fp8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    const __m256i x = _mm256_cvtepu8_epi16(bytes);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+/* The scores of a whole 16-key block for the G query heads of a KV head, as the portable loop computes them
+ * (each key's dot product summed over d in order, then times its scale and the softmax scale), with the G
+ * sums in registers: G is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void q8_block_scores(const int G, const float *qf, const int8_t *keys,
+                                                                  int64_t block_size, int64_t head_dim,
+                                                                  const float *key_scales, float scale,
+                                                                  float *scores, int64_t len, int fp8) {
+    __m512 s[Q8_MAX_GROUP];
+    for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d++) {
+        const __m512 kv = q8_widen16(keys + d * block_size, fp8);
+        for (int g = 0; g < G; g++) s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * head_dim + d]), kv, s[g]);
+    }
+    const __m512 ks = _mm512_loadu_ps(key_scales), sc = _mm512_set1_ps(scale);
+    for (int g = 0; g < G; g++) _mm512_storeu_ps(scores + g * len, _mm512_mul_ps(_mm512_mul_ps(s[g], ks), sc));
+}
+#endif
+
 /* A value byte as a float: an int8, or through the e4m3 table when there is one. */
 static inline float q8_widen(int8_t byte, const float *table) {
     return table ? table[(uint8_t)byte] : (float)byte;
@@ -70,7 +100,10 @@ static inline void q8_load_rows(float *tile, const int8_t *plane, int64_t block,
         memcpy(&row_scale, row + head_dim, sizeof(float));
         float *dst = tile + t * head_dim;
         int64_t d0 = 0;
-#ifdef Q8_E4M3_F16C
+#ifdef __AVX512F__
+        for (; d0 + 16 <= head_dim; d0 += 16)
+            _mm512_storeu_ps(dst + d0, _mm512_mul_ps(q8_widen16(row + d0, table != NULL), _mm512_set1_ps(row_scale)));
+#elif defined(Q8_E4M3_F16C)
         if (table) {
             for (; d0 + 16 <= head_dim; d0 += 16) {
                 e4m3_widen16(dst + d0, row + d0);
@@ -114,6 +147,19 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                 const int64_t n = end - start;
                 const int8_t *keys = k_cache + (block * num_kv_heads + kvh) * block_size * (head_dim + 4);
                 memcpy(key_scales, keys + head_dim * block_size + 4 * offset, sizeof(float) * (size_t)n);
+#ifdef __AVX512F__
+                if (n == Q8_LANES && group <= Q8_MAX_GROUP) {
+                    float *sg = scores + (start - first);
+                    switch (group) {
+#define Q8_SCORES(G) \
+    case G: q8_block_scores(G, qf, keys + offset, block_size, head_dim, key_scales, scale, sg, len, fp8); break;
+                        Q8_SCORES(1) Q8_SCORES(2) Q8_SCORES(3) Q8_SCORES(4)
+                        Q8_SCORES(5) Q8_SCORES(6) Q8_SCORES(7) Q8_SCORES(8)
+#undef Q8_SCORES
+                    }
+                    continue;
+                }
+#endif
                 if (n == Q8_LANES && group <= Q8_MAX_GROUP) {
                     /* a whole 16-key block: each dimension's 16 keys widened once for every query head, the
                      * scores held in registers */
