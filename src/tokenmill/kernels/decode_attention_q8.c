@@ -4,13 +4,14 @@
  * head). Values: block_size rows of head_dim one-byte values and the row's float32 scale. Keys: transposed,
  * head_dim x block_size values (a dimension's keys adjacent) then block_size float32 scales, so the
  * scores of a block's keys run in the vector lanes, read straight from the cache, with no horizontal sums.
- * A value byte is an int8, or with `fp8` the bits of a float8 e4m3 number, widened exactly: 16 at a time
- * through F16C where the level has it (avx2 and up), else through a 256-entry table (e4m3_table).
+ * A value byte is an int8, or with `fp8` the bits of a float8 e4m3 number, widened exactly. At the avx2 level
+ * and up a whole block's scores and the value rows run on intrinsics, 16 values at a time (e4m3 through
+ * F16C); the portable loops (other levels, partial blocks) widen e4m3 through a 256-entry table.
  *
  * Arithmetic per query: each key's score is (q . k_values), summed over the head dimension in order,
  * times the key's scale and the softmax scale (the keys of a block sit in the vector lanes); softmax with
- * fast_exp; the output sums p * (v_values * v_scale) in key order. A query's result depends only on its own context, never on
- * the other rows of the batch, the thread count or the tiling.
+ * fast_exp; the output sums p * (v_values * v_scale) in key order. A query's result depends only on its own
+ * context, never on the other rows of the batch, the thread count or the tiling.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,33 +33,57 @@ static void e4m3_table(float *table) {
     }
 }
 
-#if defined(__F16C__) && defined(__AVX2__)
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
-#define Q8_E4M3_F16C 1
-/* 16 e4m3 bytes as floats, exactly: each byte's bits re-laid as a half (sign to bit 15, exponent and mantissa
- * to bits 13-7, so the half's exponent field is e4m3's and subnormals stay subnormal), widened by F16C, and
- * times 2^8 for the bias, 15 against 7. */
-static inline void e4m3_widen16(float *dst, const int8_t *src) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
-    const __m256 bias = _mm256_set1_ps(256.0f);
-    _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), bias));
-    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), bias));
+#define Q8_VECTOR 1
+/* 16 e4m3 bytes re-laid as halves: sign to bit 15, exponent and mantissa to bits 13-7, so the half's exponent
+ * field is e4m3's and subnormals stay subnormal. As floats (F16C, exact) they are the e4m3 values times
+ * 2^-8 (the exponent bias is 15 against 7). */
+static inline __m256i e4m3_halves(__m128i bytes) {
+    const __m256i x = _mm256_cvtepu8_epi16(bytes);
+    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                           _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
 }
-#endif
 
 #ifdef __AVX512F__
-/* 16 value bytes as floats (a dimension of a block's 16 keys, or 16 dimensions of a value row): int8
- * bytes, or e4m3 bytes re-laid as halves (as e4m3_widen16). */
-static inline __m512 q8_widen16(const int8_t *kd, int fp8) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)kd);
-    if (!fp8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    const __m256i x = _mm256_cvtepu8_epi16(bytes);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+#define Q8_REGS 1  /* 16 floats in one register */
+/* 16 value bytes as floats (a dimension of a block's 16 keys, or 16 dimensions of a value row): int8, or
+ * e4m3 (`fp8`). */
+static inline void q8_widen16(__m512 *dst, const int8_t *src, int fp8) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
+    dst[0] = fp8 ? _mm512_mul_ps(_mm512_cvtph_ps(e4m3_halves(bytes)), _mm512_set1_ps(256.0f))
+                 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
+#define Q8_SET1 _mm512_set1_ps
+#define Q8_FMADD _mm512_fmadd_ps
+#define Q8_MUL _mm512_mul_ps
+#define Q8_ZERO _mm512_setzero_ps
+#define Q8_LOAD _mm512_loadu_ps
+#define Q8_STORE _mm512_storeu_ps
+typedef __m512 q8_vec;
+#else
+#define Q8_REGS 2  /* 16 floats in two AVX2 registers */
+static inline void q8_widen16(__m256 *dst, const int8_t *src, int fp8) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
+    if (fp8) {
+        const __m256i h = e4m3_halves(bytes);
+        const __m256 bias = _mm256_set1_ps(256.0f);
+        dst[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), bias);
+        dst[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), bias);
+    } else {
+        dst[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        dst[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+    }
+}
+#define Q8_SET1 _mm256_set1_ps
+#define Q8_FMADD _mm256_fmadd_ps
+#define Q8_MUL _mm256_mul_ps
+#define Q8_ZERO _mm256_setzero_ps
+#define Q8_LOAD _mm256_loadu_ps
+#define Q8_STORE _mm256_storeu_ps
+typedef __m256 q8_vec;
+#endif
+#define Q8_STEP (16 / Q8_REGS)  /* floats per register */
 
 /* The scores of a whole 16-key block for the G query heads of a KV head, as the portable loop computes them
  * (each key's dot product summed over d in order, then times its scale and the softmax scale), with the G
@@ -67,14 +92,27 @@ static inline __attribute__((always_inline)) void q8_block_scores(const int G, c
                                                                   int64_t block_size, int64_t head_dim,
                                                                   const float *key_scales, float scale,
                                                                   float *scores, int64_t len, int fp8) {
-    __m512 s[Q8_MAX_GROUP];
-    for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
+    q8_vec s[Q8_MAX_GROUP][Q8_REGS], kv[Q8_REGS];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < Q8_REGS; r++) s[g][r] = Q8_ZERO();
     for (int64_t d = 0; d < head_dim; d++) {
-        const __m512 kv = q8_widen16(keys + d * block_size, fp8);
-        for (int g = 0; g < G; g++) s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * head_dim + d]), kv, s[g]);
+        q8_widen16(kv, keys + d * block_size, fp8);
+        for (int g = 0; g < G; g++) {
+            const q8_vec qd = Q8_SET1(qf[g * head_dim + d]);
+            for (int r = 0; r < Q8_REGS; r++) s[g][r] = Q8_FMADD(qd, kv[r], s[g][r]);
+        }
     }
-    const __m512 ks = _mm512_loadu_ps(key_scales), sc = _mm512_set1_ps(scale);
-    for (int g = 0; g < G; g++) _mm512_storeu_ps(scores + g * len, _mm512_mul_ps(_mm512_mul_ps(s[g], ks), sc));
+    const q8_vec sc = Q8_SET1(scale);
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < Q8_REGS; r++)
+            Q8_STORE(scores + g * len + r * Q8_STEP, Q8_MUL(Q8_MUL(s[g][r], Q8_LOAD(key_scales + r * Q8_STEP)), sc));
+}
+
+/* 16 dimensions of a value row, widened and times the row's scale, into dst. */
+static inline void q8_value16(float *dst, const int8_t *src, float row_scale, int fp8) {
+    q8_vec v[Q8_REGS];
+    q8_widen16(v, src, fp8);
+    for (int r = 0; r < Q8_REGS; r++) Q8_STORE(dst + r * Q8_STEP, Q8_MUL(v[r], Q8_SET1(row_scale)));
 }
 #endif
 
@@ -100,17 +138,8 @@ static inline void q8_load_rows(float *tile, const int8_t *plane, int64_t block,
         memcpy(&row_scale, row + head_dim, sizeof(float));
         float *dst = tile + t * head_dim;
         int64_t d0 = 0;
-#ifdef __AVX512F__
-        for (; d0 + 16 <= head_dim; d0 += 16)
-            _mm512_storeu_ps(dst + d0, _mm512_mul_ps(q8_widen16(row + d0, table != NULL), _mm512_set1_ps(row_scale)));
-#elif defined(Q8_E4M3_F16C)
-        if (table) {
-            for (; d0 + 16 <= head_dim; d0 += 16) {
-                e4m3_widen16(dst + d0, row + d0);
-                #pragma omp simd
-                for (int i = 0; i < 16; i++) dst[d0 + i] *= row_scale;
-            }
-        }
+#ifdef Q8_VECTOR
+        for (; d0 + 16 <= head_dim; d0 += 16) q8_value16(dst + d0, row + d0, row_scale, table != NULL);
 #endif
         #pragma omp simd
         for (int64_t d = d0; d < head_dim; d++) dst[d] = q8_widen(row[d], table) * row_scale;
@@ -147,7 +176,7 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                 const int64_t n = end - start;
                 const int8_t *keys = k_cache + (block * num_kv_heads + kvh) * block_size * (head_dim + 4);
                 memcpy(key_scales, keys + head_dim * block_size + 4 * offset, sizeof(float) * (size_t)n);
-#ifdef __AVX512F__
+#ifdef Q8_VECTOR
                 if (n == Q8_LANES && group <= Q8_MAX_GROUP) {
                     float *sg = scores + (start - first);
                     switch (group) {
@@ -167,14 +196,8 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                     for (int64_t d = 0; d < head_dim; d++) {
                         const int8_t *kd = keys + d * block_size + offset;
                         float kf[Q8_LANES];
-#ifdef Q8_E4M3_F16C
-                        if (e4m3_values) e4m3_widen16(kf, kd);
-                        else
-#endif
-                        {
-                            #pragma omp simd
-                            for (int t = 0; t < Q8_LANES; t++) kf[t] = q8_widen(kd[t], e4m3_values);
-                        }
+                        #pragma omp simd
+                        for (int t = 0; t < Q8_LANES; t++) kf[t] = q8_widen(kd[t], e4m3_values);
                         for (int64_t g = 0; g < group; g++) {
                             const float qd = qf[g * head_dim + d];
                             #pragma omp simd
