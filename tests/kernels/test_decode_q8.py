@@ -101,3 +101,27 @@ def test_a_one_byte_decode_does_not_depend_on_the_rest_of_the_batch(kernels, fmt
                               backend.build_metadata([SequenceChunk(0, 1, chunk.context_len, chunk.block_ids)],
                                                      slots[row], 16, CPU), layer)
         assert torch.equal(out[0], together[i])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_writer_quantises_rows_bit_for_bit_as_pytorch(kernels, fmt, dtype):
+    """The fused step writes one-byte rows in C: they must equal kv_quant.write_tokens' bytes, ties (to even),
+    e4m3 subnormals, signed zeros and all-zero rows included, so a token's cache bytes never depend on which
+    path wrote them."""
+    head_dim, heads, block_size = 64, 2, 16
+    largest = 127.0 if fmt == "int8" else 448.0
+    ties = ([2.5, 3.5, -2.5, 0.5, -0.5, 126.5] if fmt == "int8" else
+            [1.0625, 1.1875, -1.0625, 2 ** -10, 3 * 2 ** -10, 2 ** -6 - 2 ** -10, 416.0, -0.0])
+    crafted = torch.zeros(head_dim)
+    crafted[0] = largest  # scale 1: each value is its own quotient
+    crafted[1:1 + len(ties)] = torch.tensor(ties)
+    rows = torch.randn(40, heads, head_dim) * torch.logspace(-8, 2, 40)[:, None, None]
+    rows[0, 0], rows[1, 1] = crafted, 0.0
+    rows = rows.to(dtype)
+    slots = torch.randperm(8 * block_size)[:40]
+    expected = torch.zeros(2, 8, heads, block_size, row_width(head_dim), dtype=STORAGE[fmt])
+    write_tokens(expected, slots // block_size, slots % block_size, rows, rows.flip(0))
+    got = torch.zeros_like(expected)
+    kernels.cache_write(got, rows, rows.flip(0), slots)
+    assert torch.equal(got, expected)

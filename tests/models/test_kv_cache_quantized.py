@@ -92,3 +92,35 @@ def test_default_model_quality_with_a_one_byte_cache(kv_dtype):
     # mantissa rounds each value by up to 1/16 of its size, where int8 rounds by 1/254 of the row's largest
     assert ppl8 / ppl < MAX_PERPLEXITY_RATIO[kv_dtype]
     assert agreement >= 0.92
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_fused_step_writes_and_reads_one_byte_rows_as_the_layer_by_layer_path(model, kv_dtype, dtype):
+    """With a one-byte cache the native one-call step runs (quantised weights: native products), and its ids
+    and logprobs equal those of the layer-by-layer path bit for bit."""
+    from tokenmill.kernels.cpu_kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the fused step runs on the native kernels, which need a C compiler")
+    engine = dict(kv_cache_dtype=kv_dtype, dtype=dtype, quantization="int4", num_kv_blocks=512)
+    fused = LLM(model, **engine)
+    assert fused.llm_engine.model.fused_decode is not None
+    calls = []
+    step = fused.llm_engine.model.fused_decode
+    original = type(step).__call__
+
+    def counted(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    type(step).__call__ = counted
+    try:
+        together = _ids_and_logprobs(fused.generate(PROMPTS, PARAMS, use_tqdm=False))
+    finally:
+        type(step).__call__ = original
+    assert calls and all(calls)  # every step ran as one native call
+    plain = LLM(model, fused_decode=False, **engine)
+    assert plain.llm_engine.model.fused_decode is None
+    assert together == _ids_and_logprobs(plain.generate(PROMPTS, PARAMS, use_tqdm=False))

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from tokenmill.attention.base import AttentionLayer, SequenceChunk, key_only
-from tokenmill.attention.kv_quant import is_quantized, write_tokens
+from tokenmill.attention.kv_quant import is_quantized
 from tokenmill.attention.torch_ref import (TorchRefMetadata, TorchReferenceBackend, padded_block_tables, prefill_entries,
                                           split_decodes)
 from tokenmill.kernels.cpu_kernels import CpuKernels, prefill_attention_fits
@@ -112,10 +112,6 @@ class CpuPagedBackend(TorchReferenceBackend):
                 and layer.logit_softcap is None and prefill_attention_fits(head_dim=q.shape[-1]))
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
-        if is_quantized(kv_cache):  # rows quantised in PyTorch, one per token and head, written by slot
-            block_size = kv_cache.shape[3]
-            write_tokens(kv_cache, m.slots // block_size, m.slots % block_size, k, v)
-            return
         self.kernels.cache_write(kv_cache, k, None if key_only(kv_cache, k, v) else v, m.slots)
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,

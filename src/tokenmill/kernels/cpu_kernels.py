@@ -33,6 +33,7 @@ _SIGNATURES = {
     "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT],
     "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _INT, _INT],
     "tm_cache_write": [_P] * 5 + [_I64] * 6 + [_INT],
+    "tm_cache_write_q8": [_P] * 5 + [_I64] * 6 + [_INT, _INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
     "tm_silu_mul": [_P, _P, _I64, _I64, _INT],
     "tm_gelu_tanh_mul": [_P, _P, _I64, _I64, _INT],
@@ -187,7 +188,11 @@ class CpuKernels:
     def cache_write(self, kv_cache: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                     slots: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] (rows may be strided, heads contiguous) at `slots` (int64);
-        v is None for a key-only (one-plane) cache, and only then."""
+        v is None for a key-only (one-plane) cache, and only then. A one-byte cache (int8, or fp8 as uint8)
+        gets the rows quantised as attention/kv_quant.write_tokens quantises them, bit for bit."""
+        if kv_cache.dtype in (torch.int8, torch.uint8):
+            self._cache_write_one_byte(kv_cache, k, v, slots)
+            return
         _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
         bf16 = _storage_flag(kv_cache, k, *([] if v is None else [v]))
         if (v is None) != (kv_cache.shape[0] == 1):
@@ -198,6 +203,19 @@ class CpuKernels:
         self.lib.tm_cache_write(*_planes(kv_cache), _ptr(k), None if v is None else _ptr(v), _ptr(slots),
                                 k.shape[0], num_kv_heads, block_size, head_dim, k.stride(0),
                                 k.stride(0) if v is None else v.stride(0), bf16)
+
+    def _cache_write_one_byte(self, kv_cache: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
+                              slots: torch.Tensor) -> None:
+        planes, _, num_kv_heads, block_size, width = kv_cache.shape
+        head_dim = width - QUANTIZED_SCALE_BYTES
+        if planes != 2 or v is None:
+            raise ValueError("a one-byte cache has a key plane and a value plane")
+        if not kv_cache.is_contiguous() or k.stride(1) != head_dim or k.stride(2) != 1 or v.stride(1) != head_dim \
+                or v.stride(2) != 1 or slots.dtype != torch.int64 or k.shape[2] != head_dim:
+            raise ValueError("cache_write needs a contiguous cache, contiguous heads of its head_dim, int64 slots")
+        self.lib.tm_cache_write_q8(*_planes(kv_cache), _ptr(k), _ptr(v), _ptr(slots), k.shape[0], num_kv_heads,
+                                   block_size, head_dim, k.stride(0), v.stride(0), _storage_flag(k, v),
+                                   int(kv_cache.dtype == torch.uint8))
 
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                      eps: float) -> torch.Tensor:

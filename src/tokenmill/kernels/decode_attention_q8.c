@@ -259,3 +259,62 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
         }
     }
 }
+
+/* The nearest e4m3 bit pattern to v (ties to even), as PyTorch's cast to float8_e4m3fn rounds; |v| <= 448
+ * (rows are clamped first), v not NaN. Subnormals are the multiples of 2^-9 below 2^-6. */
+static uint8_t e4m3_bits(float v) {
+    const uint8_t sign = signbit(v) ? 0x80 : 0;
+    const float a = fabsf(v);
+    if (a < 0.015625f)  /* 8 x 2^-9 rounds up to the smallest normal, whose bits follow on: 0x08 */
+        return sign | (uint8_t)nearbyintf(a * 512.0f);
+    int e;
+    const float f = frexpf(a, &e);  /* a = 2f x 2^(e - 1), 2f in [1, 2); 2f - 1 and its x 8 are exact */
+    int m = (int)nearbyintf((2.0f * f - 1.0f) * 8.0f), biased = e - 1 + 7;
+    if (m == 8) {
+        m = 0;
+        biased++;
+    }
+    return sign | (uint8_t)(biased << 3) | (uint8_t)m;
+}
+
+/* One row of head_dim values as the cache keeps it, exactly as attention/kv_quant.quantize computes it:
+ * scale = max |x| / 127 (int8) or / 448 (fp8), each value x / scale rounded to the nearest (ties to even:
+ * int8 clamped to +-127, fp8 clamped to +-448 first). The bytes go to dst[d * stride]. */
+static float q8_quantize_row(int8_t *dst, int64_t stride, const float *x, int64_t head_dim, int fp8) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const float row_scale = amax / (fp8 ? 448.0f : 127.0f);
+    for (int64_t d = 0; d < head_dim; d++) {
+        const float value = row_scale > 0.0f ? x[d] / row_scale : 0.0f;
+        if (fp8)
+            dst[d * stride] = (int8_t)e4m3_bits(fminf(fmaxf(value, -448.0f), 448.0f));
+        else
+            dst[d * stride] = (int8_t)fminf(fmaxf(nearbyintf(value), -127.0f), 127.0f);
+    }
+    return row_scale;
+}
+
+/* Store k, v [num_tokens, num_kv_heads, head_dim] (rows k_row_stride / v_row_stride apart) at `slots` of a
+ * one-byte cache (attention/kv_quant.py's layout: value rows then their scale; keys transposed in the tile,
+ * then the block's key scales), quantised per token and head as kv_quant.write_tokens does, bit for bit. */
+void tm_cache_write_q8(int8_t *k_cache, int8_t *v_cache, const void *k, const void *v, const int64_t *slots,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                       int64_t k_row_stride, int64_t v_row_stride, int bf16, int fp8) {
+    const int64_t width = head_dim + 4;
+    #pragma omp parallel for if (num_tokens > 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        float *x = (float *)malloc(sizeof(float) * (size_t)head_dim);
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            int8_t *tile = k_cache + (block * num_kv_heads + h) * block_size * width;
+            load_row(x, k, t * k_row_stride + h * head_dim, head_dim, bf16);
+            const float key_scale = q8_quantize_row(tile + offset, block_size, x, head_dim, fp8);
+            memcpy(tile + head_dim * block_size + 4 * offset, &key_scale, sizeof(float));
+            int8_t *row = v_cache + ((block * num_kv_heads + h) * block_size + offset) * width;
+            load_row(x, v, t * v_row_stride + h * head_dim, head_dim, bf16);
+            const float value_scale = q8_quantize_row(row, 1, x, head_dim, fp8);
+            memcpy(row + head_dim, &value_scale, sizeof(float));
+        }
+        free(x);
+    }
+}

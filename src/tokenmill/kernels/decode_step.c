@@ -4,7 +4,8 @@
  * (norms, quantised products, RoPE, KV writes, paged decode attention, the AMX prefill attention,
  * SiLU-and-mul), so its output is bit-identical to that path; what it saves is the Python between them.
  * models/fused_decode.py decides when it applies (few enough rows for these product paths; prefill
- * chunks only in bfloat16 with AMX).
+ * chunks only in bfloat16 with AMX and a bfloat16 cache). A one-byte cache (kv_rows) is written and read by
+ * the kernels of decode_attention_q8.c, as the module path's cache_write and decode_attention do.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +24,15 @@ int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cac
 void tm_cache_write(void *k_cache, void *v_cache, const void *k, const void *v, const int64_t *slots,
                     int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
                     int64_t k_row_stride, int64_t v_row_stride, int bf16);
+/* decode_attention_q8.c: the one-byte caches (--kv-cache-dtype int8 / fp8) */
+void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, const int8_t *v_cache,
+                            const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
+                            int64_t out_row_stride, float scale, int64_t window, int bf16, int fp8);
+void tm_cache_write_q8(int8_t *k_cache, int8_t *v_cache, const void *k, const void *v, const int64_t *slots,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                       int64_t k_row_stride, int64_t v_row_stride, int bf16, int fp8);
 void tm_add_rms_norm(void *out, const void *x, void *residual, const void *weight, int64_t num_tokens,
                      int64_t hidden, float eps, int bf16);
 void tm_silu_mul(void *out, const void *gate_up, int64_t num_tokens, int64_t inner, int bf16);
@@ -70,6 +80,7 @@ typedef struct {
     const float *cos, *sin;
     const void *final_norm;
     int64_t amx_from_rows;  /* bfloat16 products of this many rows or more run on AMX; 0: none */
+    int32_t kv_rows;  /* the cache's rows: 0 the compute dtype, 1 int8, 2 fp8 (attention/kv_quant.py) */
 } tm_step;
 
 /* The product QLinearOp would pick for m rows (below the dequantising threshold, which FusedDecode
@@ -87,7 +98,7 @@ static void project(void *y, const void *x, const tm_projection *p, int64_t m, c
  * hidden untouched (it is written last), where the prefill attention does not take these chunks (float32,
  * shapes it does not suit); the caches then hold this step's K/V, which the module path writes again. */
 int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, const tm_step *s) {
-    if (s->num_prefills && !s->bf16)
+    if (s->num_prefills && (!s->bf16 || s->kv_rows))  /* the prefill attention reads bfloat16 caches */
         return -1;
     const int64_t t = s->num_tokens, elem = s->bf16 ? 2 : 4;
     const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
@@ -99,7 +110,8 @@ int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, con
     char *attn = malloc((size_t)(t * q_size * elem));
     char *gate_up = malloc((size_t)(t * 2 * s->intermediate * elem));
     char *act = malloc((size_t)(t * s->intermediate * elem));
-    const int64_t cache_half = s->num_blocks * s->num_kv_heads * s->block_size * s->head_dim * elem;
+    const int64_t cache_half = s->num_blocks * s->num_kv_heads * s->block_size
+                               * (s->kv_rows ? s->head_dim + 4 : s->head_dim * elem);
     int failed = 0;
 
     for (int64_t l = 0; l < num_layers; l++) {
@@ -115,9 +127,19 @@ int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, con
                 s->bf16);
         const char *k = qkv + q_size * elem, *v = qkv + (q_size + kv_size) * elem;
         char *v_cache = (char *)layer->kv_cache + cache_half;
-        tm_cache_write(layer->kv_cache, v_cache, k, v, s->slots, t, s->num_kv_heads, s->block_size, s->head_dim,
-                       qkv_width, qkv_width, s->bf16);
-        if (s->num_decodes)  /* window 0: models with sliding layers do not take this step (fused_decode.py) */
+        if (s->kv_rows)
+            tm_cache_write_q8(layer->kv_cache, (int8_t *)v_cache, k, v, s->slots, t, s->num_kv_heads, s->block_size,
+                              s->head_dim, qkv_width, qkv_width, s->bf16, s->kv_rows == 2);
+        else
+            tm_cache_write(layer->kv_cache, v_cache, k, v, s->slots, t, s->num_kv_heads, s->block_size, s->head_dim,
+                           qkv_width, qkv_width, s->bf16);
+        /* window 0: models with sliding layers do not take this step (fused_decode.py) */
+        if (s->num_decodes && s->kv_rows)
+            tm_decode_attention_q8(attn, qkv, layer->kv_cache, (const int8_t *)v_cache, s->token_index,
+                                   s->block_tables, s->context_lens, s->num_decodes, s->num_heads, s->num_kv_heads,
+                                   s->head_dim, s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size,
+                                   s->scale, 0, s->bf16, s->kv_rows == 2);
+        else if (s->num_decodes)
             tm_decode_attention(attn, qkv, layer->kv_cache, v_cache, s->token_index,
                                 s->block_tables, s->context_lens, s->num_decodes, s->num_heads, s->num_kv_heads,
                                 s->head_dim, s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size, s->scale,

@@ -187,7 +187,7 @@ class DecoderForCausalLM(nn.Module):
         if choice.fused_decode:
             from tokenmill.models.fused_decode import FusedDecode
 
-            self.fused_decode = FusedDecode.build(self)
+            self.fused_decode = FusedDecode.build(self, choice.kv_rows)
         self.kernel_choice = choice
 
     def _use_elementwise_kernels(self, kernels: Any) -> None:

@@ -6,8 +6,8 @@ step only where the module path would run the very same kernels in the same orde
 element-wise kernels (the cpu_paged backend), every projection either quantised with the native
 product or bfloat16 in AMX tiles (`AmxPackedKernel`), no q/k norm, fewer rows than the products'
 thresholds for their few-row paths (each product takes the path, int8 or AMX, its kernel would for
-that many rows), and decode rows only unless the model is bfloat16 and the prefill chunks run on the
-AMX prefill attention. Where the native step finds that attention does not take the chunks, it says
+that many rows), and decode rows only unless the model and its cache are bfloat16 and the prefill chunks
+run on the AMX prefill attention. One-byte caches (int8, fp8) are written and read by their own kernels. Where the native step finds that attention does not take the chunks, it says
 so before touching the hidden states and the step runs layer by layer.
 There its output is bit-identical to the module path's (tests/models/test_quantized_models.py,
 tests/models/test_fast_paths.py); what it removes is the Python between some 300 kernel calls per step.
@@ -44,7 +44,11 @@ class _Step(ctypes.Structure):
                 ("positions", c_void_p), ("slots", c_void_p), ("num_decodes", c_int64), ("token_index", c_void_p),
                 ("block_tables", c_void_p), ("context_lens", c_void_p), ("num_prefills", c_int64),
                 ("prefill_chunks", c_void_p), ("prefill_tables", c_void_p), ("prefill_max_blocks", c_int64),
-                ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p), ("amx_from_rows", c_int64)]
+                ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p), ("amx_from_rows", c_int64),
+                ("kv_rows", c_int32)]
+
+# tm_step.kv_rows of each cache row format (attention/kv_quant.py; None: the compute dtype)
+_KV_ROWS = {None: 0, "int8": 1, "fp8": 2}
 
 
 def _llama_shaped(arch: Any) -> bool:
@@ -73,8 +77,9 @@ def _projection(op: Union[QLinearOp, AmxPackedKernel]) -> _Projection:
 class FusedDecode:
     """The whole decoder stack of a decode step as one call of `tm_decode_step`."""
 
-    def __init__(self, model: Any, kernels: Any) -> None:
+    def __init__(self, model: Any, kernels: Any, kv_rows: Optional[str] = None) -> None:
         self.model, self.lib = model, kernels.lib
+        self.kv_rows = _KV_ROWS[kv_rows]
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.eps = first.input_layernorm.eps
@@ -94,14 +99,16 @@ class FusedDecode:
         self.shape = dict(hidden=model.arch.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                           head_dim=attn.head_dim, intermediate=mlp.down_proj.in_features)
         self.cache_pointers: Optional[list[int]] = None
-        # the AMX prefill attention is bfloat16 only; the metadata has prefill chunks for it only with AMX
-        # and a block size it takes
-        self.prefills = model.norm.weight.dtype == torch.bfloat16 and prefill_attention_fits(head_dim=attn.head_dim)
+        # the AMX prefill attention is bfloat16 only, caches included; the metadata has prefill chunks for it
+        # only with AMX and a block size it takes
+        self.prefills = (model.norm.weight.dtype == torch.bfloat16 and kv_rows is None
+                         and prefill_attention_fits(head_dim=attn.head_dim))
 
     @staticmethod
-    def build(model: Any) -> Optional["FusedDecode"]:
+    def build(model: Any, kv_rows: Optional[str] = None) -> Optional["FusedDecode"]:
         """A FusedDecode for `model` (a DecoderForCausalLM whose products and element-wise ops already run
-        the kernels of its KernelChoice), or None where the conditions in the module docstring do not hold."""
+        the kernels of its KernelChoice) over caches of `kv_rows` ("int8"/"fp8" one-byte rows, None: the
+        compute dtype), or None where the conditions in the module docstring do not hold."""
         kernels = model.kernels
         if kernels is None or not _llama_shaped(model.arch) or not model.layers:
             return None
@@ -113,7 +120,7 @@ class FusedDecode:
                 return None
             if layer.input_layernorm.eps != model.layers[0].input_layernorm.eps:
                 return None
-        return FusedDecode(model, kernels)
+        return FusedDecode(model, kernels, kv_rows)
 
     def applies(self, metadata: Any, num_tokens: int) -> bool:
         """True for a step of fewer rows than the products' dequantising threshold (none when every product
@@ -146,7 +153,8 @@ class FusedDecode:
                      positions=positions.data_ptr(), slots=metadata.slots.data_ptr(),
                      cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
                      final_norm=self.model.norm.weight.data_ptr(),
-                     amx_from_rows=quantized.AMX_FROM_ROWS if hidden.dtype == torch.bfloat16 else 0, **self.shape)
+                     amx_from_rows=quantized.AMX_FROM_ROWS if hidden.dtype == torch.bfloat16 else 0,
+                     kv_rows=self.kv_rows, **self.shape)
         if metadata.decode_token_index is not None:
             tables = metadata.decode_tables_i32
             step.num_decodes, step.token_index = metadata.decode_token_index.numel(), metadata.decode_token_index.data_ptr()

@@ -19,7 +19,9 @@ class KernelChoice:
     - `batch_invariant`: every product computes a row alike whatever the number of rows;
     - `elementwise`: the ops RMSNorm (+ residual add), SiLU- and GELU-and-mul and RoPE run through — the
       native CPU kernels, Triton's fused ops on CUDA, or None for PyTorch's;
-    - `fused_decode`: qualifying steps run every layer in one native call (models/fused_decode.py).
+    - `fused_decode`: qualifying steps run every layer in one native call (models/fused_decode.py);
+    - `kv_rows`: the KV cache's one-byte row format that call writes and reads ("int8", "fp8"), None for
+      the compute dtype.
 
     Invariant (checked on construction): `fused_decode` only with native element-wise kernels, since the
     one-call step is theirs.
@@ -30,6 +32,7 @@ class KernelChoice:
     batch_invariant: bool
     elementwise: Optional[Any] = None
     fused_decode: bool = False
+    kv_rows: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.fused_decode and not isinstance(self.elementwise, CpuKernels):

@@ -48,11 +48,11 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
 def load_model(source: ModelSource, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_model_len: int, num_layers: Optional[int] = None,
                tp: TPGroup = TPGroup.single(), stage: PipelineStage = PipelineStage(),
-               fused_decode: bool = True) -> tuple[Any, AttentionBackend]:
+               kv_rows: Optional[str] = None) -> tuple[Any, AttentionBackend]:
     """The model of `source` (rank `tp.rank`'s shard of pipeline stage `stage`'s layers) with its weights loaded and the kernels `config`
     asks for, and its attention backend. `num_layers` keeps only the first layers (with the final norm
-    and head): a shallow draft. `fused_decode` False keeps the per-layer path (an int8 KV cache, which the
-    native one-call step does not read)."""
+    and head): a shallow draft. `kv_rows`: the KV cache's one-byte row format ("int8", "fp8"; None: the
+    compute dtype), which the native one-call step must write and read alike."""
     arch = source.arch
     if num_layers is not None:
         if num_layers > arch.num_hidden_layers:
@@ -73,7 +73,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         weights = _first_layers(weights, num_layers)
     model.load_weights(weights, quantize_to=quantization if quantization in ("int8", "int4") else None)
     choice = choose_kernels(config, device, dtype, backend, kernels, invariant, model.has_quantized_weights(),
-                            fused_decode and tp.size == 1 and stage.size == 1)
+                            tp.size == 1 and stage.size == 1, kv_rows)
     model.apply_kernels(choice)
     if config.enable_lora and num_layers is None:  # a draft model runs without adapters
         from tokenmill.lora.layers import ModelLoRA
@@ -86,13 +86,14 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
 
 
 def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend,
-                   attention_kernels: Any, invariant: bool, quantized_weights: bool, one_rank: bool) -> KernelChoice:
+                   attention_kernels: Any, invariant: bool, quantized_weights: bool, one_rank: bool,
+                   kv_rows: Optional[str] = None) -> KernelChoice:
     """The kernels a loaded model runs (models/kernel_choice.py): fast products unless `linear_kernel` is
     dense; the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
     kernels where the attention backend has them and the model runs bfloat16 or quantised weights
     (float32 float weights keep PyTorch's ops, whose results the HF comparisons pin down); the one-call
     step where those native kernels run, `fused_decode` is on and the model is whole on one rank
-    (`one_rank`; an int8 KV cache, which the one-call step does not read, passes False too). `invariant`:
+    (`one_rank`), over a cache of `kv_rows` (one-byte rows, or None: the compute dtype). `invariant`:
     whether the products compute every row alike (`resolve_batch_invariant`)."""
     fast_linears = config.linear_kernel == "auto"
     native = attention_kernels
@@ -108,7 +109,7 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
                         native=native if fast_linears else None, batch_invariant=invariant,
                         elementwise=elementwise,
                         fused_decode=elementwise is not None and elementwise is attention_kernels
-                        and config.fused_decode and one_rank)
+                        and config.fused_decode and one_rank, kv_rows=kv_rows)
 
 
 def resolve_batch_invariant(asked: Optional[bool], device: torch.device) -> bool:

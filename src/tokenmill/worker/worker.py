@@ -87,7 +87,7 @@ class Worker:
             tp, stage = init_parallel(spec.rank, spec.tp_size, spec.pp_size, arch.num_hidden_layers, spec.init_method,
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
-                                         stage=stage, fused_decode=not spec.quantized_kv)
+                                         stage=stage, kv_rows=spec.quantized_kv)
         if spec.quantized_kv and backend.on_triton:
             raise ValueError(f"kv_cache_dtype {spec.quantized_kv}: the triton_paged attention backend reads float32, "
                              "float16 and bfloat16 caches only; use kv_cache_dtype auto, or --attention-backend torch_ref")

@@ -38,8 +38,7 @@ from typing import Any, Optional
 import torch
 
 from tokenmill.kernels.quantized import BLOCK, pack_blocks
-from tokenmill.models.loader.gptq_awq import unpack_cols, unpack_rows
-from tokenmill.models.loader.quantized_checkpoints import LoadedWeight
+from tokenmill.models.loader.packed_layers import LoadedWeight, unpack_cols, unpack_rows
 
 logger = logging.getLogger(__name__)
 

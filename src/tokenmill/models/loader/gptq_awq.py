@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from tokenmill.kernels.quantized import BLOCK, pack_blocks
-from tokenmill.models.loader.quantized_checkpoints import LoadedWeight
+from tokenmill.models.loader.packed_layers import LoadedWeight, unpack_cols, unpack_rows
 
 _GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # slot i of a packed word holds column 8c + _AWQ_ORDER[i]
@@ -125,20 +125,6 @@ class GptqAwqLayers:
     def _plain_groups(self, rows: int) -> torch.Tensor:
         size = rows if self.group_size == -1 else self.group_size
         return torch.arange(rows) // size
-
-
-def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] with 32 / bits values per word along the rows (low bits first) -> [R * 32 / bits, C]."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    values = (packed.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
-    return values.reshape(-1, packed.shape[1])
-
-
-def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] with 32 / bits values per word along the columns (low bits first) -> [R, C * 32 / bits]."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    values = (packed.unsqueeze(2) >> shifts.view(1, 1, -1)) & ((1 << bits) - 1)
-    return values.reshape(packed.shape[0], -1)
 
 
 def _awq_columns(slots: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """Checkpoints whose config.json has a `quantization_config`: which scheme reads them, and the weight
 stream that turns each packed layer's tensors into one weight as they load.
 
-A scheme (`gptq_awq.GptqAwqLayers`, `compressed_tensors.CompressedTensorsLayers`) names the tensors that
-form a packed layer and turns them into either a `QuantizedWeight` (kept packed, run on the native
-int8/int4 products; only where the format maps exactly onto their layout) or the float32 weight they
-dequantise to (with `--quantization none`, and for layers whose layout does not map). Every other
-`quant_method` is refused by name.
+A scheme (`packed_layers.PackedScheme`: `gptq_awq.GptqAwqLayers`,
+`compressed_tensors.CompressedTensorsLayers`) names the tensors that form a packed layer and turns them
+into either a `QuantizedWeight` (kept packed, run on the native int8/int4 products; only where the format
+maps exactly onto their layout) or the float32 weight they dequantise to (with `--quantization none`, and
+for layers whose layout does not map). Every other `quant_method` is refused by name.
 """
 
 from __future__ import annotations
@@ -14,31 +14,15 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Protocol, Union
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from tokenmill.kernels.quantized import QuantizedWeight
+from tokenmill.models.loader.compressed_tensors import CompressedTensorsLayers
+from tokenmill.models.loader.gptq_awq import GptqAwqLayers
+from tokenmill.models.loader.packed_layers import LoadedWeight, PackedScheme
 
 logger = logging.getLogger(__name__)
-LoadedWeight = Union[torch.Tensor, QuantizedWeight]
-
-
-class PackedScheme(Protocol):
-    """How one checkpoint's packed layers are read."""
-
-    def layer_of(self, name: str) -> Optional[str]:
-        """The layer prefix of a tensor of a packed layer (`...q_proj` of `...q_proj.qweight`), else None."""
-
-    def unused(self, name: str) -> bool:
-        """Whether the model never reads tensor `name` (e.g. KV-cache scales the cache does not use)."""
-
-    def complete(self, layer: str, parts: dict[str, torch.Tensor], names: set[str]) -> bool:
-        """Whether every part of `layer` the checkpoint has (`names`) has arrived."""
-
-    def load(self, layer: str, parts: dict[str, torch.Tensor], keep_packed: bool) -> tuple[LoadedWeight, str]:
-        """The layer's weight from its parts (keyed by the name after the layer's prefix), and how it was
-        kept (a short phrase for the load log, e.g. "int4 packed")."""
 
 
 def quantization_config(folder: str) -> Optional[dict[str, Any]]:
@@ -53,10 +37,8 @@ def packed_scheme(config: dict[str, Any], folder: str, names: set[str]) -> Packe
     ValueError naming one that is not supported."""
     method = str(config.get("quant_method", "")).lower()
     if method in ("gptq", "awq"):
-        from tokenmill.models.loader.gptq_awq import GptqAwqLayers
         return GptqAwqLayers(config, folder)
     if method == "compressed-tensors":
-        from tokenmill.models.loader.compressed_tensors import CompressedTensorsLayers
         return CompressedTensorsLayers(config, folder, names)
     raise ValueError(f"{folder}: quantization_config.quant_method {method!r} is not supported (supported: gptq, "
                      f"awq, compressed-tensors); dequantise the checkpoint or use a GGUF file")

@@ -1,0 +1,43 @@
+"""What every packed-checkpoint scheme shares: the weight a layer loads as, the scheme's interface
+(quantized_checkpoints.py drives it), and the unpacking of int32 words of 4- or 8-bit values."""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Union
+
+import torch
+
+from tokenmill.kernels.quantized import QuantizedWeight
+
+LoadedWeight = Union[torch.Tensor, QuantizedWeight]
+
+
+class PackedScheme(Protocol):
+    """How one checkpoint's packed layers are read."""
+
+    def layer_of(self, name: str) -> Optional[str]:
+        """The layer prefix of a tensor of a packed layer (`...q_proj` of `...q_proj.qweight`), else None."""
+
+    def unused(self, name: str) -> bool:
+        """Whether the model never reads tensor `name` (e.g. KV-cache scales the cache does not use)."""
+
+    def complete(self, layer: str, parts: dict[str, torch.Tensor], names: set[str]) -> bool:
+        """Whether every part of `layer` the checkpoint has (`names`) has arrived."""
+
+    def load(self, layer: str, parts: dict[str, torch.Tensor], keep_packed: bool) -> tuple[LoadedWeight, str]:
+        """The layer's weight from its parts (keyed by the name after the layer's prefix), and how it was
+        kept (a short phrase for the load log, e.g. "int4 packed")."""
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] with 32 / bits values per word along the rows (low bits first) -> [R * 32 / bits, C]."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
+    return values.reshape(-1, packed.shape[1])
+
+
+def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] with 32 / bits values per word along the columns (low bits first) -> [R, C * 32 / bits]."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.unsqueeze(2) >> shifts.view(1, 1, -1)) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], -1)
