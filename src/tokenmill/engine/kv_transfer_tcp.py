@@ -2,7 +2,7 @@
 
 The producer's `TransferServer` serves the transfer files its runner wrote to its spool folder (the
 shared-storage connector's layout: `<id>.kv` and the description `<id>.kv.json`, engine/kv_transfer.py)
-and removes them once sent. The consumer's `fetch_transfer` copies one into its own spool folder, where
+and removes them as a consumer claims one. The consumer's `fetch_transfer` copies it into its own spool folder, where
 the same checks as for a shared file decide whether it is adopted.
 
 Frames (integers big-endian):
@@ -110,16 +110,19 @@ class TransferServer:
         except OSError:
             conn.sendall(MAGIC + bytes([UNKNOWN]))
             return
+        # one decode server takes a transfer: its files leave the spool as it is claimed (the open handle
+        # still reads them), so they are gone before the consumer has its last byte; a send that fails
+        # midway leaves the consumer to prefill locally
+        for name in (path, path + ".json"):
+            try:
+                os.remove(name)
+            except OSError:
+                pass
         with data:
             size = os.fstat(data.fileno()).st_size
             conn.sendall(MAGIC + bytes([FOUND]) + struct.pack(">I", len(header)) + header
                          + struct.pack(">IQ", zlib.crc32(header), size))
             conn.sendfile(data)
-        for name in (path, path + ".json"):  # one decode server takes a transfer
-            try:
-                os.remove(name)
-            except OSError:
-                pass
 
 
 def fetch_transfer(host: str, port: int, transfer_id: str, into: str, max_blocks: int, block_bytes: int,
