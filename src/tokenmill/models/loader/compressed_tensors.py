@@ -37,8 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-from tokenmill.kernels.quantized import BLOCK, pack_blocks
-from tokenmill.models.loader.packed_layers import LoadedWeight, unpack_cols, unpack_rows
+from tokenmill.kernels.quantized import BLOCK
+from tokenmill.models.loader.packed_layers import LoadedWeight, packed_when_in_runs, unpack_cols, unpack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +150,9 @@ class CompressedTensorsLayers:
             raise ValueError(f"{where}: {layer}.weight_zero_point unpacks to {list(zero.shape)}, its scales are "
                              f"{list(scale.shape)}")
         u = values + grid_zero  # [out, in], 0 .. 2^bits - 1
-        if keep_packed and cols % BLOCK == 0:
-            runs = groups.view(-1, BLOCK)
-            if bool((runs == runs[:, :1]).all()):
-                first = runs[:, 0]
-                block_scale = scale[:, first]
-                offset = -(block_scale.double() * zero[:, first].double()).float()
-                kind = "int4" if bits == 4 else "int8"
-                return pack_blocks(kind, cols, u.to(torch.uint8), block_scale, offset), f"{kind} packed"
+        packed = packed_when_in_runs(u, zero, scale, groups, bits) if keep_packed else None
+        if packed is not None:
+            return packed, f"{packed.format} packed"
         weight = (u - zero[:, groups]).float() * scale[:, groups]
         return weight, "int dequantised" if not keep_packed else f"int dequantised (groups not in runs of {BLOCK})"
 

@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from tokenmill.kernels.quantized import BLOCK, pack_blocks
-from tokenmill.models.loader.packed_layers import LoadedWeight, unpack_cols, unpack_rows
+from tokenmill.kernels.quantized import BLOCK
+from tokenmill.models.loader.packed_layers import LoadedWeight, packed_when_in_runs, unpack_cols, unpack_rows
 
 _GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # slot i of a packed word holds column 8c + _AWQ_ORDER[i]
@@ -78,15 +78,9 @@ class GptqAwqLayers:
         """The layer kept packed (`keep_packed`, where its groups allow: see the module's docstring), else
         its float32 weight [out, in]."""
         q, zeros, scales, groups = self._integers(layer, parts)
-        if keep_packed and q.shape[0] % BLOCK == 0:
-            runs = groups.view(-1, BLOCK)
-            if bool((runs == runs[:, :1]).all()):
-                first = runs[:, 0]
-                scale = scales[first].t()  # [out, in / 32]
-                offset = -(scale.double() * zeros[first].t().double()).float()
-                fmt = "int4" if self.bits == 4 else "int8"
-                u = q.t().to(torch.uint8).contiguous()
-                return pack_blocks(fmt, q.shape[0], u, scale, offset), f"{self.method} {fmt} packed"
+        packed = packed_when_in_runs(q.t(), zeros.t(), scales.t(), groups, self.bits) if keep_packed else None
+        if packed is not None:
+            return packed, f"{self.method} {packed.format} packed"
         weight = ((q - zeros[groups]).float() * scales[groups]).t().contiguous()
         if keep_packed:
             return weight, f"{self.method} dequantised (groups not in runs of {BLOCK} inputs)"

@@ -1,5 +1,6 @@
 """What every packed-checkpoint scheme shares: the weight a layer loads as, the scheme's interface
-(quantized_checkpoints.py drives it), and the unpacking of int32 words of 4- or 8-bit values."""
+(quantized_checkpoints.py drives it), the unpacking of int32 words of 4- or 8-bit values, and the
+re-laying of grouped integers into the native products' layout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-from tokenmill.kernels.quantized import QuantizedWeight
+from tokenmill.kernels.quantized import BLOCK, QuantizedWeight, pack_blocks
 
 LoadedWeight = Union[torch.Tensor, QuantizedWeight]
 
@@ -41,3 +42,21 @@ def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     values = (packed.unsqueeze(2) >> shifts.view(1, 1, -1)) & ((1 << bits) - 1)
     return values.reshape(packed.shape[0], -1)
+
+
+def packed_when_in_runs(u: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor,
+                        bits: int) -> Optional[QuantizedWeight]:
+    """u [out, in] (0 .. 2^bits - 1), zero points and float32 scales [out, groups], each input's group [in]
+    (w = (u - zero) * scale): the int4 (4 bits) or int8 (8 bits) weight with, per 32 inputs, scale s and
+    offset -s z of their group; or None where some run of 32 inputs spans two groups. The offset is rounded
+    once, from float64: exact where s is half precision (the schemes' docstrings say when)."""
+    cols = u.shape[1]
+    if cols % BLOCK:
+        return None
+    runs = groups.view(-1, BLOCK)
+    if not bool((runs == runs[:, :1]).all()):
+        return None
+    first = runs[:, 0]
+    block_scales = scales[:, first]
+    offsets = -(block_scales.double() * zeros[:, first].double()).float()
+    return pack_blocks("int4" if bits == 4 else "int8", cols, u.to(torch.uint8).contiguous(), block_scales, offsets)
