@@ -43,12 +43,9 @@ class SafetensorsWeights:
 
     def dtype_name_of(self, name: str) -> str:
         """The stored dtype of tensor `name` as a torch name ("bfloat16"), from the file header."""
-        for path, names in self.names_by_file.items():
-            if name in names:
-                with _opened(path) as f:
-                    stored = f.get_slice(name).get_dtype()
-                return _TORCH_DTYPE_NAMES.get(stored, stored.lower())
-        raise ValueError(f"no tensor {name!r} in {self.folder}")
+        with _opened(self.file_of(name)) as f:
+            stored = f.get_slice(name).get_dtype()
+        return _TORCH_DTYPE_NAMES.get(stored, stored.lower())
 
     def iter_tensors(self, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(name, tensor)` for every name in `wanted`, file by file, in stored dtype."""
