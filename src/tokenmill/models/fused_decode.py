@@ -7,8 +7,9 @@ element-wise kernels (the cpu_paged backend), every projection either quantised 
 product or bfloat16 in AMX tiles (`AmxPackedKernel`), no q/k norm, fewer rows than the products'
 thresholds for their few-row paths (each product takes the path, int8 or AMX, its kernel would for
 that many rows), and decode rows only unless the model and its cache are bfloat16 and the prefill chunks
-run on the AMX prefill attention. One-byte caches (int8, fp8) are written and read by their own kernels. Where the native step finds that attention does not take the chunks, it says
-so before touching the hidden states and the step runs layer by layer.
+run on the AMX prefill attention. One-byte caches (int8, fp8) are written and read by their own kernels.
+Where the native step finds that attention does not take the chunks, it says so before touching the
+hidden states and the step runs layer by layer.
 There its output is bit-identical to the module path's (tests/models/test_quantized_models.py,
 tests/models/test_fast_paths.py); what it removes is the Python between some 300 kernel calls per step.
 """
