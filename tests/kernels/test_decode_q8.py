@@ -4,10 +4,12 @@ row's result ignores the batch."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from kernels.test_cpu_kernels import random_batch
+from kernels.test_cpu_kernels import DecodeCall, random_batch
 from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.kv_quant import (STORAGE, dequantize_key_tiles, dequantize_rows, quantize_rows, row_width,
@@ -125,3 +127,75 @@ def test_the_native_writer_quantises_rows_bit_for_bit_as_pytorch(kernels, fmt, d
     got = torch.zeros_like(expected)
     kernels.cache_write(got, rows, rows.flip(0), slots)
     assert torch.equal(got, expected)
+
+
+def _float_cache(one_byte: torch.Tensor) -> torch.Tensor:
+    """The float32 cache [2, blocks, kv_heads, block_size, head_dim] a one-byte cache reads back as."""
+    _, num_blocks, kv_heads, block_size, width = one_byte.shape
+    keys = dequantize_key_tiles(one_byte[0].reshape(num_blocks, kv_heads, block_size * width), block_size, torch.float32)
+    return torch.stack([keys, dequantize_rows(one_byte[1], torch.float32)])
+
+
+# (heads, kv_heads, head_dim, block_size): the query tiles at each head_dim they take (64, 128, 256) and
+# block sizes 16 and 32; the per-query loops for a block size not a multiple of 16, group 9 and head_dim 32
+ONE_BYTE_SHAPES = [(9, 3, 64, 16), (8, 2, 128, 32), (8, 4, 256, 16), (4, 1, 64, 5), (9, 1, 64, 16), (4, 4, 32, 16)]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", ONE_BYTE_SHAPES)
+def test_a_prefill_chunk_over_a_one_byte_cache_attends_as_the_cache_reads_back(kernels, fmt, dtype, heads, kv_heads,
+                                                                              head_dim, block_size):
+    """Decodes and a 40-query chunk (rows in tiles) over a one-byte cache: each row is attention over the
+    values the cache holds (widened, times their scales), with and without a window."""
+    call = DecodeCall(21, dtype, heads, kv_heads, head_dim, block_size, [1, 17, 64, 130], chunk=40, chunk_start=50)
+    one_byte = _int8_cache(call.cache.float(), fmt)
+    call.cache = _float_cache(one_byte)  # what the reference attends over
+    for window in (0, 37):
+        got = call.run(kernels, cache=one_byte, window=window)
+        tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(got.float(), call.reference(window), atol=tolerance, rtol=tolerance), window
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", ONE_BYTE_SHAPES)
+def test_one_byte_prefill_queries_attend_alike_however_the_chunk_is_cut(kernels, fmt, window, heads, kv_heads,
+                                                                        head_dim, block_size):
+    """Batch invariance over a one-byte cache: a 150-query chunk's rows get the same bits in pieces cut at
+    random, behind other sequences' decodes, and alone (a decode)."""
+    call = DecodeCall(15, torch.bfloat16, heads, kv_heads, head_dim, block_size, [5, 90], chunk=150, chunk_start=1)
+    one_byte = _int8_cache(call.cache.float(), fmt)
+    rows = len(call.lens)
+    together = call.run(kernels, cache=one_byte, window=window)
+    cuts = [2] + sorted(random.Random(head_dim + window).sample(range(3, rows), 7)) + [rows]
+    for first, last in zip(cuts, cuts[1:]):
+        piece = list(range(first, last))
+        assert torch.equal(call.run(kernels, piece, cache=one_byte, window=window), together[piece]), (first, last)
+        assert torch.equal(call.run(kernels, [1, 0] + piece, cache=one_byte, window=window)[2:], together[piece])
+    for row in (2, 3, 18, 65, 66, rows - 1):
+        assert torch.equal(call.run(kernels, [row], cache=one_byte, window=window)[0], together[row]), row
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", ONE_BYTE_SHAPES)
+def test_one_byte_slots_past_a_context_do_not_reach_its_result(kernels, fmt, heads, kv_heads, head_dim, block_size):
+    """Each sequence's last block past its context holding NaN scales and arbitrary bytes (as a reused block
+    may): the results, a chunk's rows included, stay bit-identical."""
+    call = DecodeCall(16, torch.bfloat16, heads, kv_heads, head_dim, block_size, [1, 2, 7, 17, 40, 64, 65, 130],
+                      chunk=9, chunk_start=20)
+    one_byte = _int8_cache(call.cache.float(), fmt)
+    poisoned = one_byte.clone()
+    nan = torch.tensor([float("nan")]).view(poisoned.dtype)
+    context = {}  # each sequence's last block: its longest context (the chunk's rows share a table)
+    for row, length in enumerate(call.lens):
+        context[call.tables[row][-1]] = max(length, context.get(call.tables[row][-1], 0))
+    for last, length in context.items():
+        past = (length - 1) % block_size + 1
+        poisoned[1, last, :, past:, :head_dim] = 0x7F  # e4m3's NaN pattern, int8's largest
+        poisoned[1, last, :, past:, head_dim:] = nan
+        keys = poisoned[0, last].view(kv_heads, -1)  # [head_dim x block_size values][block_size scales]
+        keys[:, :head_dim * block_size].view(kv_heads, head_dim, block_size)[:, :, past:] = 0x7F
+        keys[:, head_dim * block_size:].view(kv_heads, block_size, 4)[:, past:] = nan
+    expected = call.run(kernels, cache=one_byte)
+    assert torch.equal(call.run(kernels, cache=poisoned), expected)

@@ -12,6 +12,10 @@
  *      at a time from the row's first key there, their total summed lane-wise in key order and then by
  *      one fixed tree;
  *   3. part = the sum over the row's keys in order of e * v (a fused multiply-add chain per dimension).
+ * Over a one-byte cache (int8 or e4m3 rows with a float32 scale each, attention/kv_quant.py) a key or value
+ * is its widened byte times its row's scale, one float32 rounding, the same wherever the query comes; the
+ * scores then take the float32 chains. A block's keys are stored transposed, so step 1 reads LANES keys'
+ * dimension as one vector of bytes.
  * The spans are then folded in order (fold_span): (m, l, o) starts as the first span's (top, total, part)
  * and each later span rescales both sides by fast_exp of their tops less the new maximum; the output is
  * o / l, rounded once to the storage dtype. The two levels' results differ (other lanes, other trees);
@@ -33,6 +37,7 @@
 #include "cpu_avx2.h"
 #include "cpu_common.h"
 #include "paged_queries.h"
+#include "q8_rows.h"
 
 #if defined(__AVX512F__) || defined(TM_AVX2)
 #include <immintrin.h>
@@ -60,6 +65,9 @@ typedef struct {
     int64_t window, span_keys;
     float scale;
     int bf16;
+    int rows;           /* TM_ROWS_*: what the cache rows hold */
+    int paired;         /* the scores take bfloat16 dot products of dimension pairs (PAIRED, bfloat16 rows) */
+    int64_t row_width;  /* a cache row's elements: head_dim, or head_dim + 4 bytes for one-byte rows */
 } paged_args;
 
 /* One tile: queries [b0, b0 + n), `table` the block table of its last (longest) query. */
@@ -103,7 +111,7 @@ static inline int64_t padded_span(int64_t span_keys) {
 /* Where the scores take float32 q from bfloat16 storage: the tile's q rows widened into ws->q (row r =
  * query r / group, head r % group), once per tile and kv head, before its spans. */
 static void widen_q(const paged_args *a, const query_tile *t, int64_t kvh, span_scratch *ws) {
-    if (PAIRED(a->bf16) || !a->bf16)
+    if (a->paired || !a->bf16)
         return;
     for (int64_t i = 0; i < t->n; i++)
         for (int64_t g = 0; g < a->group; g++)
@@ -119,7 +127,7 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
                                                            int64_t c, span_scratch *ws, const int NV) {
     const int64_t group = a->group, head_dim = 16 * NV, sk = a->span_keys, stride = padded_span(sk);
     const int64_t span_start = c * sk;
-    const int paired = PAIRED(a->bf16);
+    const int paired = a->paired;
     int64_t key0[TILE_QUERIES], key1[TILE_QUERIES], u0 = INT64_MAX, u1 = 0;
     for (int64_t i = 0; i < t->n; i++) {
         span_keys_of(a, t->b0 + i, c, &key0[i], &key1[i]);
@@ -266,15 +274,17 @@ static void attend_tile(const paged_args *a, const query_tile *t, int64_t kvh, s
 }
 
 /* Attention of every query (see tm_decode_attention) on AVX-512 or AVX2: head_dim a multiple of 64 up to
- * 256, group at most 8. */
+ * 256, group at most 8; `rows` (TM_ROWS_*) what the cache holds, one-byte rows with block_size a
+ * multiple of 16 (decode_attention_q8.c's layout). */
 void tm_attention_tiles(void *out, const void *q, const void *k_cache, const void *v_cache,
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, int bf16) {
+                        float scale, int64_t window, int bf16, int rows) {
     const paged_args a = {out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_kv_heads, group,
                           head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride, window,
-                          span_length(block_size), scale, bf16};
+                          span_length(block_size), scale, bf16, rows, rows == TM_ROWS_DTYPE && PAIRED(bf16),
+                          rows == TM_ROWS_DTYPE ? head_dim : head_dim + 4};
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     const int64_t tiles = query_tiles(starts, token_index, block_tables, context_lens, num_seqs, max_blocks,
                                       block_size, TILE_QUERIES);

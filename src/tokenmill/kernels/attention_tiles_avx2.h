@@ -43,11 +43,42 @@ static inline void transpose8(__m256 r[8]) {
     }
 }
 
+/* The AVX-512 transpose_key_bytes on 8 lanes: kt[v][d] = 8 keys' dimension d widened, times each key's
+ * scale; keys outside [u0, u1) are zeros. */
+static inline __attribute__((always_inline)) void transpose_key_bytes(
+    void *kt_buffer, const paged_args *a, const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1,
+    int64_t v0, int64_t v1, const int NV) {
+    __m256 *const kt = kt_buffer;
+    const int64_t head_dim = 16 * NV, block_size = a->block_size;
+    const int fp8 = a->rows == TM_ROWS_FP8;
+    for (int64_t v = v0; v < v1; v++) {
+        const int64_t key = span_start + 8 * v;
+        if (key + 8 <= u0 || key >= u1) {
+            for (int64_t d = 0; d < head_dim; d++) kt[v * head_dim + d] = _mm256_setzero_ps();
+            continue;
+        }
+        int32_t lanes[8];
+        for (int j = 0; j < 8; j++) lanes[j] = -(int32_t)(key + j >= u0 && key + j < u1);
+        const __m256i valid = _mm256_loadu_si256((const __m256i *)lanes);
+        const int64_t offset = key % block_size;
+        const int8_t *tile = (const int8_t *)a->k_cache
+                             + ((int64_t)table[key / block_size] * a->num_kv_heads + kvh) * block_size * a->row_width;
+        const __m256 scales = _mm256_maskload_ps((const float *)(tile + head_dim * block_size) + offset, valid);
+        for (int64_t d = 0; d < head_dim; d++)
+            kt[v * head_dim + d] = _mm256_and_ps(_mm256_mul_ps(q8_widen8(tile + d * block_size + offset, fp8), scales),
+                                                 _mm256_castsi256_ps(valid));
+    }
+}
+
 /* Keys [span_start + 8 v0, span_start + 8 v1) transposed into kt[v][d], 8 keys' dimension d as float32;
  * keys outside [u0, u1) are zeros. */
 static inline __attribute__((always_inline)) void transpose_keys(
     void *kt_buffer, const paged_args *a, const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1,
     int64_t v0, int64_t v1, const int NV) {
+    if (a->rows != TM_ROWS_DTYPE) {
+        transpose_key_bytes(kt_buffer, a, table, kvh, span_start, u0, u1, v0, v1, NV);
+        return;
+    }
     __m256 *const kt = kt_buffer;
     const int64_t head_dim = 16 * NV, block_size = a->block_size;
     for (int64_t v = v0; v < v1; v++) {
@@ -116,13 +147,20 @@ static inline float row_exponentials(float *s, int64_t len, float top) {
     return reduce_add8(sums);
 }
 
-/* One key's V row (PV_VECTORS vectors of 8 from vector c0) into the rows' accumulators; `masked`: a row
- * whose range lacks the key keeps its accumulators (a blend), as the AVX-512 twin's masked FMA does. */
+/* One key's V row (PV_VECTORS vectors of 8 from vector c0; one-byte rows widened times row_scale) into the
+ * rows' accumulators; `masked`: a row whose range lacks the key keeps its accumulators (a blend), as the
+ * AVX-512 twin's masked FMA does. */
 static inline __attribute__((always_inline)) void add_value(
     __m256 acc[PV_ROWS][PV_VECTORS], const float *const *e, const int64_t *key0, const int64_t *key1, int R,
-    const void *v_cache, int64_t at, int64_t key, int64_t offset, int bf16, const int masked) {
+    const paged_args *a, int64_t at, float row_scale, int64_t key, int64_t offset, const int masked) {
     __m256 row[PV_VECTORS];
-    for (int v = 0; v < PV_VECTORS; v++) row[v] = load8(v_cache, at + 8 * v, bf16);
+    if (a->rows != TM_ROWS_DTYPE) {
+        const __m256 scale = _mm256_set1_ps(row_scale);
+        for (int v = 0; v < PV_VECTORS; v++)
+            row[v] = _mm256_mul_ps(q8_widen8((const int8_t *)a->v_cache + at + 8 * v, a->rows == TM_ROWS_FP8), scale);
+    } else {
+        for (int v = 0; v < PV_VECTORS; v++) row[v] = load8(a->v_cache, at + 8 * v, a->bf16);
+    }
     for (int r = 0; r < PV_ROWS; r++) {
         if (r >= R)
             break;
@@ -150,15 +188,18 @@ static inline __attribute__((always_inline)) void rows_values(
     __m256 acc[PV_ROWS][PV_VECTORS];
     for (int r = 0; r < PV_ROWS; r++)
         for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm256_setzero_ps();
+    const int64_t width = a->row_width;
     for (int64_t start = u0, block, end; start < u1; start = end) {
-        const int64_t base = block_run(table, start, u1, a->block_size, kvh, a->num_kv_heads, head_dim, &block, &end)
-                             + 8 * c0;
+        const int64_t first_row = block_run(table, start, u1, a->block_size, kvh, a->num_kv_heads, width, &block, &end);
         for (int64_t key = start; key < end; key++) {
-            const int64_t at = base + (key - start) * head_dim;
+            const int64_t row = first_row + (key - start) * width, at = row + 8 * c0;
+            float row_scale = 0.0f;
+            if (a->rows != TM_ROWS_DTYPE)
+                memcpy(&row_scale, (const int8_t *)a->v_cache + row + head_dim, sizeof(float));
             if (key >= all0 && key < all1)
-                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 0);
+                add_value(acc, e, key0, key1, R, a, at, row_scale, key, key - span_start, 0);
             else
-                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 1);
+                add_value(acc, e, key0, key1, R, a, at, row_scale, key, key - span_start, 1);
         }
     }
     for (int r = 0; r < R; r++)

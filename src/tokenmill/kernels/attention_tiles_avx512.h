@@ -10,15 +10,49 @@
 #define PAIRED(bf16) 0
 #endif
 
+/* transpose_keys over a one-byte cache: kt[v][d] = the 16 keys' dimension d widened (one vector of bytes:
+ * a block's keys are stored transposed), times each key's scale; keys outside [u0, u1) are zeros. The 16
+ * keys of a vector lie in one block (block_size a multiple of 16), so a vector with any key in [u0, u1)
+ * has its block in the table. */
+static inline __attribute__((always_inline)) void transpose_key_bytes(
+    void *kt_buffer, const paged_args *a, const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1,
+    int64_t v0, int64_t v1, const int NV) {
+    __m512 *const kt = kt_buffer;
+    const int64_t head_dim = 16 * NV, block_size = a->block_size;
+    const int fp8 = a->rows == TM_ROWS_FP8;
+    for (int64_t v = v0; v < v1; v++) {
+        const int64_t key = span_start + 16 * v;
+        const int64_t lo = u0 > key ? u0 - key : 0, hi = u1 - key < 16 ? u1 - key : 16;
+        if (lo >= hi) {
+            for (int64_t d = 0; d < head_dim; d++) kt[v * head_dim + d] = _mm512_setzero_ps();
+            continue;
+        }
+        const __mmask16 valid = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+        const int64_t offset = key % block_size;
+        const int8_t *tile = (const int8_t *)a->k_cache
+                             + ((int64_t)table[key / block_size] * a->num_kv_heads + kvh) * block_size * a->row_width;
+        const __m512 scales = _mm512_maskz_loadu_ps(valid, (const float *)(tile + head_dim * block_size) + offset);
+        for (int64_t d = 0; d < head_dim; d++) {
+            __m512 k;
+            q8_widen16(&k, tile + d * block_size + offset, fp8);
+            kt[v * head_dim + d] = _mm512_maskz_mul_ps(valid, k, scales);
+        }
+    }
+}
+
 /* Keys [span_start + 16 v0, span_start + 16 v1) of the span transposed, 16 keys to a vector, into kt:
  * paired, kt[v][p] holds the 16 keys' dimension pair p (bfloat16 k[2p], k[2p + 1] in each 32-bit lane);
  * else kt[v][d] their dimension d as float32. Keys outside [u0, u1) are zeros. */
 static inline __attribute__((always_inline)) void transpose_keys(
     void *kt_buffer, const paged_args *a, const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1,
     int64_t v0, int64_t v1, const int NV) {
+    if (a->rows != TM_ROWS_DTYPE) {
+        transpose_key_bytes(kt_buffer, a, table, kvh, span_start, u0, u1, v0, v1, NV);
+        return;
+    }
     __m512i *const kt = kt_buffer;
     const int64_t head_dim = 16 * NV, block_size = a->block_size;
-    const int paired = PAIRED(a->bf16), columns = paired ? NV / 2 : NV, lanes = 16 * columns;
+    const int paired = a->paired, columns = paired ? NV / 2 : NV, lanes = 16 * columns;
     for (int64_t v = v0; v < v1; v++) {
         int64_t at[16];
         for (int j = 0; j < 16; j++) {
@@ -99,14 +133,23 @@ static inline float row_exponentials(float *s, int64_t len, float top) {
     return _mm512_reduce_add_ps(sums);
 }
 
-/* One key's V row (PV_VECTORS vectors from column vector c0) into the R <= PV_ROWS rows' accumulators:
- * acc[r] += e[r][key] * v, or, `masked`, only for the rows whose range [key0[r], key1[r]) holds the key
- * (a masked fused multiply-add leaves the others exactly as they were). */
+/* One key's V row (PV_VECTORS vectors from column vector c0, at element `at` of the value plane, or byte `at`
+ * of one-byte rows whose scale is row_scale) into the R <= PV_ROWS rows' accumulators: acc[r] += e[r][key]
+ * * v, or, `masked`, only for the rows whose range [key0[r], key1[r]) holds the key (a masked fused
+ * multiply-add leaves the others exactly as they were). */
 static inline __attribute__((always_inline)) void add_value(
     __m512 acc[PV_ROWS][PV_VECTORS], const float *const *e, const int64_t *key0, const int64_t *key1, int R,
-    const void *v_cache, int64_t at, int64_t key, int64_t offset, int bf16, const int masked) {
+    const paged_args *a, int64_t at, float row_scale, int64_t key, int64_t offset, const int masked) {
     __m512 row[PV_VECTORS];
-    for (int v = 0; v < PV_VECTORS; v++) row[v] = load16(v_cache, at + 16 * v, bf16);
+    if (a->rows != TM_ROWS_DTYPE) {
+        const __m512 scale = _mm512_set1_ps(row_scale);
+        for (int v = 0; v < PV_VECTORS; v++) {
+            q8_widen16(&row[v], (const int8_t *)a->v_cache + at + 16 * v, a->rows == TM_ROWS_FP8);
+            row[v] = _mm512_mul_ps(row[v], scale);
+        }
+    } else {
+        for (int v = 0; v < PV_VECTORS; v++) row[v] = load16(a->v_cache, at + 16 * v, a->bf16);
+    }
     for (int r = 0; r < PV_ROWS; r++) {
         if (r >= R)
             break;
@@ -135,15 +178,18 @@ static inline __attribute__((always_inline)) void rows_values(
     __m512 acc[PV_ROWS][PV_VECTORS];
     for (int r = 0; r < PV_ROWS; r++)
         for (int v = 0; v < PV_VECTORS; v++) acc[r][v] = _mm512_setzero_ps();
+    const int64_t width = a->row_width;
     for (int64_t start = u0, block, end; start < u1; start = end) {
-        const int64_t base = block_run(table, start, u1, a->block_size, kvh, a->num_kv_heads, head_dim, &block, &end)
-                             + 16 * c0;
+        const int64_t first_row = block_run(table, start, u1, a->block_size, kvh, a->num_kv_heads, width, &block, &end);
         for (int64_t key = start; key < end; key++) {
-            const int64_t at = base + (key - start) * head_dim;
+            const int64_t row = first_row + (key - start) * width, at = row + 16 * c0;
+            float row_scale = 0.0f;
+            if (a->rows != TM_ROWS_DTYPE)
+                memcpy(&row_scale, (const int8_t *)a->v_cache + row + head_dim, sizeof(float));
             if (key >= all0 && key < all1)
-                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 0);
+                add_value(acc, e, key0, key1, R, a, at, row_scale, key, key - span_start, 0);
             else
-                add_value(acc, e, key0, key1, R, a->v_cache, at, key, key - span_start, a->bf16, 1);
+                add_value(acc, e, key0, key1, R, a, at, row_scale, key, key - span_start, 1);
         }
     }
     for (int r = 0; r < R; r++)

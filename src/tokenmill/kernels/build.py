@@ -35,7 +35,7 @@ SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "att
                                      "quant_kernels.c", "amx_kernels.c", "decode_step.c",
                                      "dense_kernels.c")]
 HEADERS = [_HERE / name for name in ("cpu_common.h", "cpu_avx2.h", "quant_cells.h", "amx_tiles.h", "paged_queries.h",
-                                     "attention_tiles_avx512.h", "attention_tiles_avx2.h")]
+                                     "attention_tiles_avx512.h", "attention_tiles_avx2.h", "q8_rows.h")]
 # -ffp-contract=off: a * b + c rounds as PyTorch's separate element-wise ops do; explicit fmas stay.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-Wall")
 # -z defs: an undefined symbol fails the link, not the load; -Bsymbolic: the kernels call their own

@@ -20,7 +20,7 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, int bf16);
+                        float scale, int64_t window, int bf16, int rows);
 
 /* One query token per sequence against its paged context.
  * q/out rows: token_index[b] selects the row of sequence b; heads at q_head_stride within a row.
@@ -42,7 +42,7 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
     if (head_dim % 64 == 0 && head_dim <= 256 && group <= 8) {
         tm_attention_tiles(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
                            num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride,
-                           out_row_stride, scale, window, bf16);
+                           out_row_stride, scale, window, bf16, TM_ROWS_DTYPE);
         return;
     }
 #endif

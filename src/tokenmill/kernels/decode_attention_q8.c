@@ -19,72 +19,20 @@
 #include <string.h>
 
 #include "cpu_common.h"
+#include "paged_queries.h"
+#include "q8_rows.h"
+
+/* attention_tiles.c: queries in tiles on AVX-512 and AVX2 */
+void tm_attention_tiles(void *out, const void *q, const void *k_cache, const void *v_cache,
+                        const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                        int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                        int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
+                        float scale, int64_t window, int bf16, int rows);
 
 #define Q8_LANES 16     /* keys scored together: a whole block at the default block size */
 #define Q8_MAX_GROUP 8  /* query heads per KV head whose scores stay in registers */
 
-/* value[b] of every e4m3 bit pattern b: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
- * subnormal (m / 8 * 2^-6). 0x7F and 0xFF (NaN) are never written: rows saturate at +-448. */
-static void e4m3_table(float *table) {
-    for (int b = 0; b < 256; b++) {
-        const int e = (b >> 3) & 15, m = b & 7;
-        const float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
-        table[b] = b & 0x80 ? -v : v;
-    }
-}
-
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#include <immintrin.h>
-#define Q8_VECTOR 1
-/* 16 e4m3 bytes re-laid as halves: sign to bit 15, exponent and mantissa to bits 13-7, so the half's exponent
- * field is e4m3's and subnormals stay subnormal. As floats (F16C, exact) they are the e4m3 values times
- * 2^-8 (the exponent bias is 15 against 7). */
-static inline __m256i e4m3_halves(__m128i bytes) {
-    const __m256i x = _mm256_cvtepu8_epi16(bytes);
-    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                           _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
-}
-
-#ifdef __AVX512F__
-#define Q8_REGS 1  /* 16 floats in one register */
-/* 16 value bytes as floats (a dimension of a block's 16 keys, or 16 dimensions of a value row): int8, or
- * e4m3 (`fp8`). */
-static inline void q8_widen16(__m512 *dst, const int8_t *src, int fp8) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
-    dst[0] = fp8 ? _mm512_mul_ps(_mm512_cvtph_ps(e4m3_halves(bytes)), _mm512_set1_ps(256.0f))
-                 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-}
-#define Q8_SET1 _mm512_set1_ps
-#define Q8_FMADD _mm512_fmadd_ps
-#define Q8_MUL _mm512_mul_ps
-#define Q8_ZERO _mm512_setzero_ps
-#define Q8_LOAD _mm512_loadu_ps
-#define Q8_STORE _mm512_storeu_ps
-typedef __m512 q8_vec;
-#else
-#define Q8_REGS 2  /* 16 floats in two AVX2 registers */
-static inline void q8_widen16(__m256 *dst, const int8_t *src, int fp8) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
-    if (fp8) {
-        const __m256i h = e4m3_halves(bytes);
-        const __m256 bias = _mm256_set1_ps(256.0f);
-        dst[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), bias);
-        dst[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), bias);
-    } else {
-        dst[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-        dst[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
-    }
-}
-#define Q8_SET1 _mm256_set1_ps
-#define Q8_FMADD _mm256_fmadd_ps
-#define Q8_MUL _mm256_mul_ps
-#define Q8_ZERO _mm256_setzero_ps
-#define Q8_LOAD _mm256_loadu_ps
-#define Q8_STORE _mm256_storeu_ps
-typedef __m256 q8_vec;
-#endif
-#define Q8_STEP (16 / Q8_REGS)  /* floats per register */
-
+#ifdef Q8_VECTOR
 /* The scores of a whole 16-key block for the G query heads of a KV head, as the portable loop computes them
  * (each key's dot product summed over d in order, then times its scale and the softmax scale), with the G
  * sums in registers: G is a constant where this is inlined. */
@@ -152,6 +100,14 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                             int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
                             int64_t out_row_stride, float scale, int64_t window, int bf16, int fp8) {
     const int64_t group = num_heads / num_kv_heads;
+#ifdef Q8_VECTOR
+    if (head_dim % 64 == 0 && head_dim <= 256 && group <= 8 && block_size % 16 == 0) {
+        tm_attention_tiles(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
+                           num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride,
+                           out_row_stride, scale, window, bf16, fp8 ? TM_ROWS_FP8 : TM_ROWS_INT8);
+        return;
+    }
+#endif
     float e4m3[256];
     if (fp8) e4m3_table(e4m3);
     const float *e4m3_values = fp8 ? e4m3 : NULL;

@@ -7,6 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* What a paged cache's rows hold: values of the storage dtype (float32 or bfloat16, as q's), or one-byte
+ * rows (attention/kv_quant.py) of head_dim int8 values or e4m3 bits and the row's float32 scale. */
+enum { TM_ROWS_DTYPE = 0, TM_ROWS_INT8 = 1, TM_ROWS_FP8 = 2 };
+
 /* The first key a query of context `ctx` attends: window <= 0 is full attention. */
 static inline int64_t window_first(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
