@@ -63,9 +63,10 @@ static inline __attribute__((always_inline)) void transpose_key_bytes(
         const int64_t offset = key % block_size;
         const int8_t *tile = (const int8_t *)a->k_cache
                              + ((int64_t)table[key / block_size] * a->num_kv_heads + kvh) * block_size * a->row_width;
-        const __m256 scales = _mm256_maskload_ps((const float *)(tile + head_dim * block_size) + offset, valid);
+        const __m256 scales = _mm256_mul_ps(_mm256_maskload_ps((const float *)(tile + head_dim * block_size) + offset, valid),
+                                            _mm256_set1_ps(q8_unit(fp8)));
         for (int64_t d = 0; d < head_dim; d++)
-            kt[v * head_dim + d] = _mm256_and_ps(_mm256_mul_ps(q8_widen8(tile + d * block_size + offset, fp8), scales),
+            kt[v * head_dim + d] = _mm256_and_ps(_mm256_mul_ps(q8_raw8(tile + d * block_size + offset, fp8), scales),
                                                  _mm256_castsi256_ps(valid));
     }
 }
@@ -147,7 +148,8 @@ static inline float row_exponentials(float *s, int64_t len, float top) {
     return reduce_add8(sums);
 }
 
-/* One key's V row (PV_VECTORS vectors of 8 from vector c0; one-byte rows widened times row_scale) into the
+/* One key's V row (PV_VECTORS vectors of 8 from vector c0; one-byte rows widened times row_scale, their
+ * scale times q8_unit) into the
  * rows' accumulators; `masked`: a row whose range lacks the key keeps its accumulators (a blend), as the
  * AVX-512 twin's masked FMA does. */
 static inline __attribute__((always_inline)) void add_value(
@@ -157,7 +159,7 @@ static inline __attribute__((always_inline)) void add_value(
     if (a->rows != TM_ROWS_DTYPE) {
         const __m256 scale = _mm256_set1_ps(row_scale);
         for (int v = 0; v < PV_VECTORS; v++)
-            row[v] = _mm256_mul_ps(q8_widen8((const int8_t *)a->v_cache + at + 8 * v, a->rows == TM_ROWS_FP8), scale);
+            row[v] = _mm256_mul_ps(q8_raw8((const int8_t *)a->v_cache + at + 8 * v, a->rows == TM_ROWS_FP8), scale);
     } else {
         for (int v = 0; v < PV_VECTORS; v++) row[v] = load8(a->v_cache, at + 8 * v, a->bf16);
     }
@@ -194,8 +196,10 @@ static inline __attribute__((always_inline)) void rows_values(
         for (int64_t key = start; key < end; key++) {
             const int64_t row = first_row + (key - start) * width, at = row + 8 * c0;
             float row_scale = 0.0f;
-            if (a->rows != TM_ROWS_DTYPE)
+            if (a->rows != TM_ROWS_DTYPE) {
                 memcpy(&row_scale, (const int8_t *)a->v_cache + row + head_dim, sizeof(float));
+                row_scale *= q8_unit(a->rows == TM_ROWS_FP8);
+            }
             if (key >= all0 && key < all1)
                 add_value(acc, e, key0, key1, R, a, at, row_scale, key, key - span_start, 0);
             else

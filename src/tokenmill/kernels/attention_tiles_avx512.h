@@ -31,12 +31,10 @@ static inline __attribute__((always_inline)) void transpose_key_bytes(
         const int64_t offset = key % block_size;
         const int8_t *tile = (const int8_t *)a->k_cache
                              + ((int64_t)table[key / block_size] * a->num_kv_heads + kvh) * block_size * a->row_width;
-        const __m512 scales = _mm512_maskz_loadu_ps(valid, (const float *)(tile + head_dim * block_size) + offset);
-        for (int64_t d = 0; d < head_dim; d++) {
-            __m512 k;
-            q8_widen16(&k, tile + d * block_size + offset, fp8);
-            kt[v * head_dim + d] = _mm512_maskz_mul_ps(valid, k, scales);
-        }
+        const __m512 scales = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, (const float *)(tile + head_dim * block_size) + offset),
+                                            _mm512_set1_ps(q8_unit(fp8)));
+        for (int64_t d = 0; d < head_dim; d++)
+            kt[v * head_dim + d] = _mm512_maskz_mul_ps(valid, q8_raw16(tile + d * block_size + offset, fp8), scales);
     }
 }
 
@@ -134,7 +132,7 @@ static inline float row_exponentials(float *s, int64_t len, float top) {
 }
 
 /* One key's V row (PV_VECTORS vectors from column vector c0, at element `at` of the value plane, or byte `at`
- * of one-byte rows whose scale is row_scale) into the R <= PV_ROWS rows' accumulators: acc[r] += e[r][key]
+ * of one-byte rows, their scale times q8_unit in row_scale) into the R <= PV_ROWS rows' accumulators: acc[r] += e[r][key]
  * * v, or, `masked`, only for the rows whose range [key0[r], key1[r]) holds the key (a masked fused
  * multiply-add leaves the others exactly as they were). */
 static inline __attribute__((always_inline)) void add_value(
@@ -143,10 +141,8 @@ static inline __attribute__((always_inline)) void add_value(
     __m512 row[PV_VECTORS];
     if (a->rows != TM_ROWS_DTYPE) {
         const __m512 scale = _mm512_set1_ps(row_scale);
-        for (int v = 0; v < PV_VECTORS; v++) {
-            q8_widen16(&row[v], (const int8_t *)a->v_cache + at + 16 * v, a->rows == TM_ROWS_FP8);
-            row[v] = _mm512_mul_ps(row[v], scale);
-        }
+        for (int v = 0; v < PV_VECTORS; v++)
+            row[v] = _mm512_mul_ps(q8_raw16((const int8_t *)a->v_cache + at + 16 * v, a->rows == TM_ROWS_FP8), scale);
     } else {
         for (int v = 0; v < PV_VECTORS; v++) row[v] = load16(a->v_cache, at + 16 * v, a->bf16);
     }
@@ -184,8 +180,10 @@ static inline __attribute__((always_inline)) void rows_values(
         for (int64_t key = start; key < end; key++) {
             const int64_t row = first_row + (key - start) * width, at = row + 16 * c0;
             float row_scale = 0.0f;
-            if (a->rows != TM_ROWS_DTYPE)
+            if (a->rows != TM_ROWS_DTYPE) {
                 memcpy(&row_scale, (const int8_t *)a->v_cache + row + head_dim, sizeof(float));
+                row_scale *= q8_unit(a->rows == TM_ROWS_FP8);
+            }
             if (key >= all0 && key < all1)
                 add_value(acc, e, key0, key1, R, a, at, row_scale, key, key - span_start, 0);
             else

@@ -23,21 +23,30 @@ static inline void e4m3_table(float *table) {
 #define Q8_VECTOR 1
 /* 16 e4m3 bytes re-laid as halves: sign to bit 15, exponent and mantissa to bits 13-7, so the half's exponent
  * field is e4m3's and subnormals stay subnormal. As floats (F16C, exact) they are the e4m3 values times
- * 2^-8 (the exponent bias is 15 against 7). */
+ * 2^-8 (the exponent bias is 15 against 7). Sign-extended to 16 bits and shifted left by 7, a byte's sign
+ * lands in bits 15 and 14 and its other bits in 13-7; the mask clears bit 14. */
 static inline __m256i e4m3_halves(__m128i bytes) {
-    const __m256i x = _mm256_cvtepu8_epi16(bytes);
-    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                           _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16((short)0xBF80));
+}
+
+/* The raw widenings (q8_raw16, q8_raw8) give e4m3 values times 2^-8 (the halves' bias): a caller that multiplies
+ * by a scale anyway takes scale * q8_unit(fp8) instead, one multiply fewer and the same bits (a power of
+ * two: both products are the same real number). */
+static inline float q8_unit(int fp8) {
+    return fp8 ? 256.0f : 1.0f;
 }
 
 #ifdef __AVX512F__
 #define Q8_REGS 1  /* 16 floats in one register */
+/* 16 value bytes as floats, e4m3 ones times 2^-8 (q8_unit). */
+static inline __m512 q8_raw16(const int8_t *src, int fp8) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
+    return fp8 ? _mm512_cvtph_ps(e4m3_halves(bytes)) : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
 /* 16 value bytes as floats (a dimension of a block's 16 keys, or 16 dimensions of a value row): int8, or
  * e4m3 (`fp8`). */
 static inline void q8_widen16(__m512 *dst, const int8_t *src, int fp8) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
-    dst[0] = fp8 ? _mm512_mul_ps(_mm512_cvtph_ps(e4m3_halves(bytes)), _mm512_set1_ps(256.0f))
-                 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    dst[0] = fp8 ? _mm512_mul_ps(q8_raw16(src, 1), _mm512_set1_ps(256.0f)) : q8_raw16(src, 0);
 }
 #define Q8_SET1 _mm512_set1_ps
 #define Q8_FMADD _mm512_fmadd_ps
@@ -70,11 +79,12 @@ typedef __m256 q8_vec;
 #endif
 #define Q8_STEP (16 / Q8_REGS)  /* floats per register */
 
-/* 8 value bytes as float32 lanes (the avx2 tiles' vector of keys or dimensions): int8, or e4m3 (`fp8`). */
-static inline __m256 q8_widen8(const int8_t *src, int fp8) {
+/* 8 value bytes as float32 lanes (the avx2 tiles' vector of keys or dimensions), e4m3 ones times 2^-8
+ * (q8_unit). */
+static inline __m256 q8_raw8(const int8_t *src, int fp8) {
     const __m128i bytes = _mm_loadl_epi64((const __m128i *)src);
     if (fp8)
-        return _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_halves(bytes))), _mm256_set1_ps(256.0f));
+        return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_halves(bytes)));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 #endif /* Q8_VECTOR */
