@@ -107,17 +107,19 @@ def test_a_one_byte_decode_does_not_depend_on_the_rest_of_the_batch(kernels, fmt
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_native_writer_quantises_rows_bit_for_bit_as_pytorch(kernels, fmt, dtype):
+@pytest.mark.parametrize("head_dim", [64, 40])  # whole vectors, and a tail past them on the scalar loop
+def test_the_native_writer_quantises_rows_bit_for_bit_as_pytorch(kernels, fmt, dtype, head_dim):
     """The fused step writes one-byte rows in C: they must equal kv_quant.write_tokens' bytes, ties (to even),
     e4m3 subnormals, signed zeros and all-zero rows included, so a token's cache bytes never depend on which
     path wrote them."""
-    head_dim, heads, block_size = 64, 2, 16
+    heads, block_size = 2, 16
     largest = 127.0 if fmt == "int8" else 448.0
     ties = ([2.5, 3.5, -2.5, 0.5, -0.5, 126.5] if fmt == "int8" else
             [1.0625, 1.1875, -1.0625, 2 ** -10, 3 * 2 ** -10, 2 ** -6 - 2 ** -10, 416.0, -0.0])
     crafted = torch.zeros(head_dim)
     crafted[0] = largest  # scale 1: each value is its own quotient
     crafted[1:1 + len(ties)] = torch.tensor(ties)
+    crafted[-len(ties):] = torch.tensor(ties)  # and in the last dimensions (with head_dim 40, past the vectors)
     rows = torch.randn(40, heads, head_dim) * torch.logspace(-8, 2, 40)[:, None, None]
     rows[0, 0], rows[1, 1] = crafted, 0.0
     rows = rows.to(dtype)
@@ -199,3 +201,26 @@ def test_one_byte_slots_past_a_context_do_not_reach_its_result(kernels, fmt, hea
         keys[:, head_dim * block_size:].view(kv_heads, block_size, 4)[:, past:] = nan
     expected = call.run(kernels, cache=one_byte)
     assert torch.equal(call.run(kernels, cache=poisoned), expected)
+
+
+def test_the_native_writer_rounds_every_e4m3_number_and_midpoint_as_pytorch(kernels):
+    """Quotients at every e4m3 number, every midpoint between neighbours (ties, to even) and just either side
+    of each midpoint, both signs: the C writer's bytes are PyTorch's (scale 1: each row holds 448)."""
+    numbers = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, in order
+    midpoints = (numbers[1:] + numbers[:-1]) / 2
+    quotients = torch.cat([numbers, midpoints, torch.nextafter(midpoints, torch.zeros(1)),
+                           torch.nextafter(midpoints, torch.full((1,), 448.0))])
+    quotients = torch.cat([quotients, -quotients])
+    head_dim = 64
+    per_row = head_dim - 1
+    padded = torch.zeros(-(-len(quotients) // per_row) * per_row)
+    padded[:len(quotients)] = quotients
+    rows = torch.cat([torch.full((len(padded) // per_row, 1), 448.0), padded.view(-1, per_row)], dim=1)
+    rows = rows.view(-1, 1, head_dim)
+    slots = torch.arange(len(rows))
+    blocks = -(-len(rows) // 16)
+    expected = torch.zeros(2, blocks, 1, 16, row_width(head_dim), dtype=torch.uint8)
+    write_tokens(expected, slots // 16, slots % 16, rows, rows)
+    got = torch.zeros_like(expected)
+    kernels.cache_write(got, rows, rows, slots)
+    assert torch.equal(got, expected)

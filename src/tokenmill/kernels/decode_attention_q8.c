@@ -233,20 +233,113 @@ static uint8_t e4m3_bits(float v) {
     return sign | (uint8_t)(biased << 3) | (uint8_t)m;
 }
 
+#ifdef __AVX512F__
+#define Q8_ROUND_LANES 16
+typedef __m512 q8_round_vec;
+/* What q8_quantize_row does to 16 quotients, the same operations per lane (max/min return their second
+ * operand for a NaN lane, as fmaxf/fminf do here), into 16 bytes. e4m3: a normal value's float32 bits
+ * rounded to 3 mantissa bits (ties to even: the carry runs on into the exponent) and rebiased from 127 to 7;
+ * below 2^-6 the multiple of 2^-9 nearest (ties to even), 8 of them being the smallest normal's bits. */
+static inline void q8_round(uint8_t *dst, __m512 value, int fp8) {
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    if (!fp8) {
+        const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(value, nearest), _mm512_set1_ps(-127.0f)),
+                                       _mm512_set1_ps(127.0f));
+        _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+        return;
+    }
+    value = _mm512_min_ps(_mm512_max_ps(value, _mm512_set1_ps(-448.0f)), _mm512_set1_ps(448.0f));
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(value), 24), _mm512_set1_epi32(0x80));
+    const __m512 a = _mm512_abs_ps(value);
+    const __m512i bits = _mm512_castps_si512(a);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
+    const __m512i normal = _mm512_sub_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), odd)), 20),
+        _mm512_set1_epi32(120 << 3));
+    const __m512i small = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)), nearest));
+    const __m512i e4m3 = _mm512_mask_mov_epi32(normal, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), small);
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_or_si512(e4m3, sign)));
+}
+#define Q8_ROUND_LOAD _mm512_loadu_ps
+#define Q8_ROUND_DIV _mm512_div_ps
+#define Q8_ROUND_SET1 _mm512_set1_ps
+#define Q8_ROUND_MAX _mm512_max_ps
+#define Q8_ROUND_ABS _mm512_abs_ps
+#define Q8_ROUND_ZERO _mm512_setzero_ps
+#define Q8_ROUND_REDUCE_MAX _mm512_reduce_max_ps
+#elif defined(Q8_VECTOR)
+#define Q8_ROUND_LANES 8
+typedef __m256 q8_round_vec;
+/* The AVX-512 q8_round on 8 lanes. */
+static inline void q8_round(uint8_t *dst, __m256 value, int fp8) {
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    int32_t lanes[8];
+    if (!fp8) {
+        const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(value, nearest), _mm256_set1_ps(-127.0f)),
+                                       _mm256_set1_ps(127.0f));
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_cvtps_epi32(r));
+    } else {
+        value = _mm256_min_ps(_mm256_max_ps(value, _mm256_set1_ps(-448.0f)), _mm256_set1_ps(448.0f));
+        const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(value), 24), _mm256_set1_epi32(0x80));
+        const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), value);
+        const __m256i bits = _mm256_castps_si256(a);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
+        const __m256i normal = _mm256_sub_epi32(
+            _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), odd)), 20),
+            _mm256_set1_epi32(120 << 3));
+        const __m256i small = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)), nearest));
+        const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ));
+        _mm256_storeu_si256((__m256i *)lanes, _mm256_or_si256(_mm256_blendv_epi8(normal, small, below), sign));
+    }
+    for (int i = 0; i < 8; i++) dst[i] = (uint8_t)lanes[i];
+}
+static inline float q8_reduce_max8(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    float top = lanes[0];
+    for (int i = 1; i < 8; i++) top = fmaxf(top, lanes[i]);
+    return top;
+}
+#define Q8_ROUND_LOAD _mm256_loadu_ps
+#define Q8_ROUND_DIV _mm256_div_ps
+#define Q8_ROUND_SET1 _mm256_set1_ps
+#define Q8_ROUND_MAX _mm256_max_ps
+#define Q8_ROUND_ABS(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
+#define Q8_ROUND_ZERO _mm256_setzero_ps
+#define Q8_ROUND_REDUCE_MAX q8_reduce_max8
+#endif
+
 /* One row of head_dim values as the cache keeps it, exactly as attention/kv_quant.quantize computes it:
  * scale = max |x| / 127 (int8) or / 448 (fp8), each value x / scale rounded to the nearest (ties to even:
- * int8 clamped to +-127, fp8 clamped to +-448 first). The bytes go to dst[d * stride]. */
-static float q8_quantize_row(int8_t *dst, int64_t stride, const float *x, int64_t head_dim, int fp8) {
+ * int8 clamped to +-127, fp8 clamped to +-448 first). The bytes go to dst[d * stride]; `bytes` is
+ * head_dim bytes of scratch. At avx2 and up the lanes run q8_round, the tail the scalar loop: the same
+ * bits. */
+static float q8_quantize_row(int8_t *dst, int64_t stride, const float *x, int64_t head_dim, int fp8, uint8_t *bytes) {
     float amax = 0.0f;
+    int64_t d0 = 0;
+#ifdef Q8_ROUND_LANES
+    const int64_t vectors = head_dim / Q8_ROUND_LANES * Q8_ROUND_LANES;
+    if (vectors) {
+        q8_round_vec top = Q8_ROUND_ZERO();
+        for (int64_t d = 0; d < vectors; d += Q8_ROUND_LANES) top = Q8_ROUND_MAX(Q8_ROUND_ABS(Q8_ROUND_LOAD(x + d)), top);
+        amax = Q8_ROUND_REDUCE_MAX(top);
+    }
+    for (int64_t d = vectors; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const float row_scale = amax / (fp8 ? 448.0f : 127.0f);
+    for (; d0 < vectors; d0 += Q8_ROUND_LANES)
+        q8_round(bytes + d0, row_scale > 0.0f ? Q8_ROUND_DIV(Q8_ROUND_LOAD(x + d0), Q8_ROUND_SET1(row_scale)) : Q8_ROUND_ZERO(), fp8);
+#else
     for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
     const float row_scale = amax / (fp8 ? 448.0f : 127.0f);
-    for (int64_t d = 0; d < head_dim; d++) {
+#endif
+    for (int64_t d = d0; d < head_dim; d++) {
         const float value = row_scale > 0.0f ? x[d] / row_scale : 0.0f;
         if (fp8)
-            dst[d * stride] = (int8_t)e4m3_bits(fminf(fmaxf(value, -448.0f), 448.0f));
+            bytes[d] = e4m3_bits(fminf(fmaxf(value, -448.0f), 448.0f));
         else
-            dst[d * stride] = (int8_t)fminf(fmaxf(nearbyintf(value), -127.0f), 127.0f);
+            bytes[d] = (uint8_t)(int8_t)fminf(fmaxf(nearbyintf(value), -127.0f), 127.0f);
     }
+    for (int64_t d = 0; d < head_dim; d++) dst[d * stride] = (int8_t)bytes[d];
     return row_scale;
 }
 
@@ -260,15 +353,16 @@ void tm_cache_write_q8(int8_t *k_cache, int8_t *v_cache, const void *k, const vo
     #pragma omp parallel for if (num_tokens > 64)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-        float *x = (float *)malloc(sizeof(float) * (size_t)head_dim);
+        float *x = (float *)malloc(sizeof(float) * (size_t)head_dim + (size_t)head_dim);
+        uint8_t *bytes = (uint8_t *)(x + head_dim);
         for (int64_t h = 0; h < num_kv_heads; h++) {
             int8_t *tile = k_cache + (block * num_kv_heads + h) * block_size * width;
             load_row(x, k, t * k_row_stride + h * head_dim, head_dim, bf16);
-            const float key_scale = q8_quantize_row(tile + offset, block_size, x, head_dim, fp8);
+            const float key_scale = q8_quantize_row(tile + offset, block_size, x, head_dim, fp8, bytes);
             memcpy(tile + head_dim * block_size + 4 * offset, &key_scale, sizeof(float));
             int8_t *row = v_cache + ((block * num_kv_heads + h) * block_size + offset) * width;
             load_row(x, v, t * v_row_stride + h * head_dim, head_dim, bf16);
-            const float value_scale = q8_quantize_row(row, 1, x, head_dim, fp8);
+            const float value_scale = q8_quantize_row(row, 1, x, head_dim, fp8, bytes);
             memcpy(row + head_dim, &value_scale, sizeof(float));
         }
         free(x);
