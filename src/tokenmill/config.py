@@ -136,6 +136,10 @@ class CacheConfig:
                                "per token and head float8 e4m3 with a float32 scale (max |x| / 448: the scales "
                                "are calculated for every row as it is written; a checkpoint's k_scale/v_scale "
                                "are not used)", choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _opt(False, "vLLM's flag, taken for its command lines: a one-byte KV cache always "
+                                     "calculates its scales, per token and head as rows are written (finer than "
+                                     "vLLM's per-tensor scales), so it changes nothing; refused without "
+                                     "--kv-cache-dtype int8/fp8")
     swap_space_gb: float = _opt(4.0, "host memory in GiB for the KV blocks of preempted requests (a memory-mapped "
                                 "file on CPU; host memory on GPU, copied through a 64 MiB pinned staging buffer; "
                                 "see --preemption-mode); 0 = always recompute")
@@ -173,6 +177,9 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales applies to a one-byte KV cache: set kv_cache_dtype to int8 or fp8 "
+                             "(its scales are always calculated, per token and head)")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.secondary_kv_gb < 0:

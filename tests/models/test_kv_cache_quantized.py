@@ -55,9 +55,14 @@ def test_output_is_the_same_alone_in_a_batch_and_swapped(model, kv_dtype):
 
 def test_fp8_e4m3_is_fp8_and_other_formats_and_mla_are_refused(model, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    assert (LLM(model, kv_cache_dtype="fp8_e4m3", num_kv_blocks=64).generate([PROMPTS[0]], params)[0].outputs[0]
-            .token_ids == LLM(model, kv_cache_dtype="fp8", num_kv_blocks=64).generate([PROMPTS[0]], params)[0]
-            .outputs[0].token_ids)
+    fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=64).generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    assert LLM(model, kv_cache_dtype="fp8_e4m3", num_kv_blocks=64).generate([PROMPTS[0]], params)[0].outputs[0] \
+        .token_ids == fp8
+    # vLLM's --calculate-kv-scales: the scales are always calculated (per row), so the same tokens
+    assert LLM(model, kv_cache_dtype="fp8", calculate_kv_scales=True, num_kv_blocks=64).generate(
+        [PROMPTS[0]], params)[0].outputs[0].token_ids == fp8
+    with pytest.raises(ValueError, match="calculate_kv_scales applies to a one-byte KV cache"):
+        LLM(model, calculate_kv_scales=True)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, fp8_e4m3, got 'fp8_e5m2'"):
         LLM(model, kv_cache_dtype="fp8_e5m2")
     mla = make_tiny_hf_model(tmp_path / "mla", "deepseek_v2")
