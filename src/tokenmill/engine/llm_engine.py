@@ -79,8 +79,11 @@ class LLMEngine(EngineBuild):
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
                     self.kv_cache.num_blocks, plan.block_size, self.max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each); %s", self.kv_cache.num_blocks,
-                    plan.block_size, self.kv_layout.layers_per_group, plan.block_bytes / 1024, self.kv_layout.describe())
+        rows = config.cache.kv_cache_dtype
+        rows = f"{rows} rows, a float32 scale each" if rows != "auto" else str(self.dtype).replace("torch.", "") + " rows"
+        logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each, %s); %s", self.kv_cache.num_blocks,
+                    plan.block_size, self.kv_layout.layers_per_group, plan.block_bytes / 1024, rows,
+                    self.kv_layout.describe())
 
     @property
     def runner(self):
