@@ -72,6 +72,9 @@ def test_guided_choice_and_regex_streamed_and_whole(tiny):
         assert len(content) == 6 and content[2] == "-" and content[:2].isupper() and content[3:].isdigit()
 
 
+CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+
+
 @pytest.mark.parametrize("body, mentions", [
     ({"guided_json": {"type": "objec"}}, "invalid JSON schema"),
     ({"guided_regex": "[a-"}, "invalid regex"),
@@ -82,10 +85,24 @@ def test_guided_choice_and_regex_streamed_and_whole(tiny):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],
       "tool_choice": "required"}, 'invalid parameters: Unsupported type "objec"'),
+    # schemas that compile but admit nothing: $refs in a cycle, at the root, behind a required property, in
+    # response_format and in a forced tool's parameters; a regex no text matches
+    ({"guided_json": CYCLE}, "$ref #/$defs/a, #/$defs/b can only be finished through one another"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CYCLE}}}, "a cycle"),
+    ({"guided_json": {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}},
+     "$ref # can only be finished through itself"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": CYCLE}, "required": ["x"], "$defs": CYCLE["$defs"]}}}],
+      "tool_choice": "required"}, "tool 'f' has invalid parameters: no finite JSON value satisfies it"),
+    ({"guided_regex": "[^\\s\\S]+"}, "it admits no output"),
+    # an assistant's tool call whose arguments nest 50,000 deep (a parser would recurse once per level)
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 50000 + "]" * 50000}}]}, {"role": "tool", "tool_call_id": "c", "content": "1"}]},
+     "tool call arguments is JSON nested more than 100 levels deep"),
 ])
 def test_bad_constraints_are_400_naming_the_problem(tiny, body, mentions):
     _, url = tiny
-    response = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body})
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body}, timeout=60)
     assert response.status_code == 400, response.text
     assert mentions in response.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "still", "max_tokens": 2}).status_code == 200

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, Tool, loads_nested_json
 from tokenmill.structured.spec import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -88,10 +88,7 @@ def render_messages(messages: list[ChatMessage], mode: Optional[ToolMode], templ
 
 
 def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise ValueError(f"tool call arguments must be JSON text, got {text[:80]!r}") from None
+    return loads_nested_json(text, "tool call arguments")
 
 
 def _call_json(name: str, arguments: Union[str, dict[str, Any]]) -> str:
@@ -128,8 +125,8 @@ def parse_tool_calls(text: str, mode: ToolMode) -> tuple[Optional[str], list[dic
     calls, kept, last = [], [], 0
     for match in _CALL.finditer(text):
         try:
-            data = json.loads(match.group(1))
-        except json.JSONDecodeError:
+            data = loads_nested_json(match.group(1), "a tool call")
+        except ValueError:  # not JSON, or too deep for the parser: the block stays text
             continue
         if not isinstance(data, dict) or data.get("name") not in names:
             continue

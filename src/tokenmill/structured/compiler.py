@@ -8,6 +8,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from tokenmill.structured.schema_checks import unsatisfiable
 from tokenmill.structured.spec import StructuredOutput
 
 # xgrammar's errors start with a timestamp and a source location: "[19:02:54] /project/cpp/x.cc:83: ..."
@@ -27,11 +28,15 @@ def json_schema_ebnf(schema: str) -> str:
     """The EBNF grammar (start rule `root`) of JSON text matching `schema`, in compact separators.
 
     xgrammar (0.2.8) writes length-limited strings as [^"\\\r\n]{..}, which lets raw control characters
-    into a JSON string (invalid JSON); the text is corrected here. Raises RuntimeError on a bad schema.
+    into a JSON string (invalid JSON); the text is corrected here. Raises RuntimeError on a bad schema,
+    one that no finite value satisfies included (schema_checks).
     """
     import xgrammar as xgr
 
-    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))  # its own errors name the keyword
+    problem = unsatisfiable(json.loads(schema))
+    if problem:
+        raise RuntimeError(problem)
     return text.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR)
 
 
@@ -67,12 +72,24 @@ class GrammarCache:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors for what it cannot take
             raise ValueError(f"invalid {_WHAT[spec.kind]}: {xgrammar_message(exc)}") from None
+        if not self._admits_something(compiled):
+            raise ValueError(f"invalid {_WHAT[spec.kind]}: it admits no output (no token may start one)")
         with self._lock:
             self.num_compilations += 1
             compiled = self._compiled.setdefault(spec, compiled)
             while len(self._compiled) > self.max_entries:
                 self._compiled.popitem(last=False)
             return compiled
+
+    def _admits_something(self, compiled: Any) -> bool:
+        """Whether a request under `compiled` could take a first token or end at once: a constraint that
+        admits nothing would otherwise fail at generation, with every token forbidden."""
+        matcher = self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        if matcher.is_terminated():
+            return True
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self.compiler
