@@ -36,7 +36,9 @@ def test_calls_are_parsed_and_other_text_stays_content():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("get_weather", {"city": "Oslo"}), ("get_time", {})]
     assert len({c["id"] for c in calls}) == 2
-    for broken in ("<tool_call>{not json}</tool_call>", '<tool_call>{"name": "unknown"}</tool_call>', "no calls"):
+    # not JSON, not a tool, no call, and arguments nested 50,000 deep (a parser would recurse once per level)
+    deep = '<tool_call>{"name": "get_time", "arguments": ' + "[" * 50000 + "]" * 50000 + "}</tool_call>"
+    for broken in ("<tool_call>{not json}</tool_call>", '<tool_call>{"name": "unknown"}</tool_call>', "no calls", deep):
         assert parse_tool_calls(broken, mode) == (broken, [])
 
 
