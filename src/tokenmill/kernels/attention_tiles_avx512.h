@@ -131,10 +131,10 @@ static inline float row_exponentials(float *s, int64_t len, float top) {
     return _mm512_reduce_add_ps(sums);
 }
 
-/* One key's V row (PV_VECTORS vectors from column vector c0, at element `at` of the value plane, or byte `at`
- * of one-byte rows, their scale times q8_unit in row_scale) into the R <= PV_ROWS rows' accumulators: acc[r] += e[r][key]
- * * v, or, `masked`, only for the rows whose range [key0[r], key1[r]) holds the key (a masked fused
- * multiply-add leaves the others exactly as they were). */
+/* One key's V row (PV_VECTORS vectors from column vector c0: at element `at` of the value plane, or at byte
+ * `at` of one-byte rows, whose scale times q8_unit is row_scale) into the R <= PV_ROWS rows' accumulators:
+ * acc[r] += e[r][key] * v, or, `masked`, only for the rows whose range [key0[r], key1[r]) holds the key (a
+ * masked fused multiply-add leaves the others exactly as they were). */
 static inline __attribute__((always_inline)) void add_value(
     __m512 acc[PV_ROWS][PV_VECTORS], const float *const *e, const int64_t *key0, const int64_t *key1, int R,
     const paged_args *a, int64_t at, float row_scale, int64_t key, int64_t offset, const int masked) {

@@ -15,13 +15,6 @@
 #include "cpu_common.h"
 #include "paged_queries.h"
 
-/* attention_tiles.c: the AVX-512 and AVX2 paths */
-void tm_attention_tiles(void *out, const void *q, const void *k_cache, const void *v_cache,
-                        const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
-                        int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                        int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, int bf16, int rows);
-
 /* One query token per sequence against its paged context.
  * q/out rows: token_index[b] selects the row of sequence b; heads at q_head_stride within a row.
  * Cache (one layer, one of K or V): [num_blocks, kv_heads, block_size, head_dim], contiguous.

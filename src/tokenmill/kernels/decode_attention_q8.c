@@ -4,11 +4,16 @@
  * head). Values: block_size rows of head_dim one-byte values and the row's float32 scale. Keys: transposed,
  * head_dim x block_size values (a dimension's keys adjacent) then block_size float32 scales, so the
  * scores of a block's keys run in the vector lanes, read straight from the cache, with no horizontal sums.
- * A value byte is an int8, or with `fp8` the bits of a float8 e4m3 number, widened exactly. At the avx2 level
- * and up a whole block's scores and the value rows run on intrinsics, 16 values at a time (e4m3 through
- * F16C); the portable loops (other levels, partial blocks) widen e4m3 through a 256-entry table.
+ * A value byte is an int8, or with `fp8` the bits of a float8 e4m3 number, widened exactly.
  *
- * Arithmetic per query: each key's score is (q . k_values), summed over the head dimension in order,
+ * At the avx2 level and up, where the shapes suit the query tiles (head_dim a multiple of 64 up to 256, at
+ * most 8 query heads a kv head, block_size a multiple of 16), every query goes to attention_tiles.c, which
+ * reads these rows itself (its arithmetic is described there); that choice depends on the shapes and the
+ * level only. Otherwise the loops below run, per query: at avx2 and up a whole block's scores and the
+ * value rows on intrinsics, 16 values at a time (e4m3 through F16C); the portable loops (other levels,
+ * partial blocks) widen e4m3 through a 256-entry table.
+ *
+ * Arithmetic per query of the loops: each key's score is (q . k_values), summed over the head dimension in order,
  * times the key's scale and the softmax scale (the keys of a block sit in the vector lanes); softmax with
  * fast_exp; the output sums p * (v_values * v_scale) in key order. A query's result depends only on its own
  * context, never on the other rows of the batch, the thread count or the tiling.
@@ -21,13 +26,6 @@
 #include "cpu_common.h"
 #include "paged_queries.h"
 #include "q8_rows.h"
-
-/* attention_tiles.c: queries in tiles on AVX-512 and AVX2 */
-void tm_attention_tiles(void *out, const void *q, const void *k_cache, const void *v_cache,
-                        const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
-                        int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                        int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, int bf16, int rows);
 
 #define Q8_LANES 16     /* keys scored together: a whole block at the default block size */
 #define Q8_MAX_GROUP 8  /* query heads per KV head whose scores stay in registers */

@@ -11,6 +11,13 @@
  * rows (attention/kv_quant.py) of head_dim int8 values or e4m3 bits and the row's float32 scale. */
 enum { TM_ROWS_DTYPE = 0, TM_ROWS_INT8 = 1, TM_ROWS_FP8 = 2 };
 
+/* attention_tiles.c (AVX-512 and AVX2 only): every query of a step in tiles, over a cache of `rows`. */
+void tm_attention_tiles(void *out, const void *q, const void *k_cache, const void *v_cache,
+                        const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
+                        int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                        int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
+                        float scale, int64_t window, int bf16, int rows);
+
 /* The first key a query of context `ctx` attends: window <= 0 is full attention. */
 static inline int64_t window_first(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
