@@ -9,14 +9,14 @@ tokens each, 400 in all). docs/benchmarks.md, "Quantised checkpoints and an FP8 
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM  # noqa: E402
+from tokenmill.bench.teacher_forced import teacher_forced  # noqa: E402
 
 
 def passages() -> list[str]:
@@ -31,15 +31,9 @@ def score(kv_cache_dtype: str, texts: list[str]) -> tuple[float, list[int]]:
     """(perplexity, each position's top-1 token) of the texts with this cache."""
     llm = LLM(None, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=2048)
     tokenizer = llm.get_tokenizer()
-    ids = [tokenizer(text).input_ids[:512] for text in texts]
-    outputs = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    nll, best = 0.0, []
-    for output, tokens in zip(outputs, ids):
-        for entry, token in zip(output.prompt_logprobs[1:], tokens[1:]):
-            nll -= entry[token].logprob
-            best.append(min(entry.items(), key=lambda item: item[1].rank)[0])
+    scores = teacher_forced(llm, [tokenizer(text).input_ids[:512] for text in texts])
     llm.shutdown()
-    return math.exp(nll / len(best)), best
+    return scores
 
 
 def main() -> None:

@@ -5,13 +5,13 @@ at >= 92% of their positions (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.teacher_forced import teacher_forced
 
 MAX_PERPLEXITY_RATIO = {"int8": 1.01, "fp8": 1.015}
 PROMPTS = [list(range(100 + 7 * i, 160 + 7 * i)) for i in range(6)]
@@ -81,14 +81,7 @@ def test_default_model_quality_with_a_one_byte_cache(kv_dtype):
     for dtype in ("auto", kv_dtype):
         llm = LLM(None, kv_cache_dtype=dtype, num_kv_blocks=1024)
         tokenizer = llm.get_tokenizer()
-        ids = [tokenizer(p).input_ids for p in passages]
-        outputs = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-        nll, best = 0.0, []
-        for output, tokens in zip(outputs, ids):
-            for entry, token in zip(output.prompt_logprobs[1:], tokens[1:]):
-                nll -= entry[token].logprob
-                best.append(min(entry.items(), key=lambda kv: kv[1].rank)[0])
-        results[dtype] = (math.exp(nll / len(best)), best)
+        results[dtype] = teacher_forced(llm, [tokenizer(p).input_ids for p in passages])
         llm.shutdown()
     (ppl, best), (ppl8, best8) = results["auto"], results[kv_dtype]
     agreement = sum(a == b for a, b in zip(best, best8)) / len(best)
