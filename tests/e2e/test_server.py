@@ -4,7 +4,7 @@ Four servers over one tiny random-weight Llama boot in parallel once per module:
   main     --max-model-len 128 --served-model-name tiny-test   (nearly every test)
   guarded  --api-key ... --max-waiting-requests 0               (401 / 429)
   slow     --max-model-len 4096                                  (aborts: a 4000-token request runs for tens of s)
-  drain    --max-model-len 4096 --shutdown-timeout 20            (SIGTERM; the process is gone afterwards)
+  drain    --max-model-len 4096 --shutdown-timeout 120           (SIGTERM; the process is gone afterwards)
 Only 127.0.0.1 is ever contacted.
 """
 
@@ -51,7 +51,7 @@ def fleet(tiny_model, tmp_path_factory):
         "guarded": ServerProcess(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
                                  "--max-waiting-requests", "0", *blocks, log_path=logs / "guarded.log"),
         "slow": ServerProcess(tiny_model, "--max-model-len", "4096", *blocks, log_path=logs / "slow.log"),
-        "drain": ServerProcess(tiny_model, "--max-model-len", "4096", "--shutdown-timeout", "20", *blocks,
+        "drain": ServerProcess(tiny_model, "--max-model-len", "4096", "--shutdown-timeout", "120", *blocks,
                                log_path=logs / "drain.log"),
     }
     try:
@@ -715,7 +715,8 @@ def test_sigterm_finishes_in_flight_request_then_exits_0(fleet):
 
     def in_flight() -> None:
         try:
-            result["response"] = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            # bounds far above the seconds this takes alone: CI shares the machine
+            result["response"] = httpx.post(f"{server.url}/v1/completions", timeout=180, json={
                 "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True})
         except Exception as exc:  # reported by the assertions below
             result["error"] = exc
@@ -739,7 +740,7 @@ def test_sigterm_finishes_in_flight_request_then_exits_0(fleet):
     assert refused_while_draining is not None, "new connections still accepted 5 s after SIGTERM"
     assert refused_while_draining, "the in-flight request ended before the listener closed (too fast to test)"
 
-    thread.join(timeout=25)
+    thread.join(timeout=150)
     assert not thread.is_alive()
     assert "error" not in result, result.get("error")
     response = result["response"]
@@ -747,5 +748,5 @@ def test_sigterm_finishes_in_flight_request_then_exits_0(fleet):
     data = response.json()
     assert data["choices"][0]["finish_reason"] == "length"
     assert data["usage"]["completion_tokens"] == max_tokens
-    assert server.proc.wait(timeout=25) == 0
-    assert time.monotonic() - sent < 20, "not down within --shutdown-timeout"
+    assert server.proc.wait(timeout=150) == 0
+    assert time.monotonic() - sent < 120, "not down within --shutdown-timeout"
