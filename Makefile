@@ -28,7 +28,7 @@ serve: $(STAMP)
 # The whole suite at the best level this CPU runs, then the engine-level tests (marked every_level)
 # again without the native kernels and at the lowest x86 level, so both fallbacks are tested products.
 test: $(STAMP) cross-compiler browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 	TOKENMILL_KERNELS=off $(PY) -m pytest -q -m every_level
 	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q -m every_level
 

@@ -26,7 +26,11 @@ from helpers.tiny_models import make_tiny_hf_model
 
 EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "25"))
 HOSTILE_VALUES = [2 ** 64, 2 ** 75, -(2 ** 70), 1e308, float("inf"), float("-inf"), float("nan"), "\ud800",
-                  "a\udfffb", {"k": 1}, [[[[[1]]]]], [2 ** 65], {str(2 ** 70): 1.0}, {"49152": 1.0}, 0, -1, None]
+                  "a\udfffb", {"k": 1}, [[[[[1]]]]], [2 ** 65], {str(2 ** 70): 1.0}, {"49152": 1.0}, 0, -1, None,
+                  # a schema no value satisfies ($refs in a cycle), and JSON text nested 20,000 deep (under the 64 KiB
+                  # bound on a constraint)
+                  {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+                  "[" * 20000 + "]" * 20000]
 # A hostile value replaces one of these fields of a minimal valid body of the operation.
 SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "logit_bias",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -10,11 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.engine.beam_search import BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.json_text import MAX_NESTING
 from tokenmill.structured.spec import StructuredOutput
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-MAX_NESTING = 100
 
 
 class _Strict(BaseModel):
@@ -330,31 +329,6 @@ def check_body(value: Any) -> None:
                 stack.append((f"{path}.{key}" if path else str(key), child, depth + 1))
         else:
             stack.extend((f"{path}.{i}" if path else str(i), child, depth + 1) for i, child in enumerate(item))
-
-
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKET = re.compile(r"[\[\]{}]")
-
-
-def json_text_depth(text: str) -> int:
-    """How deep the arrays and objects of JSON text nest (brackets inside strings do not count), found
-    without parsing it: a parser recurses once per level."""
-    depth = deepest = 0
-    for bracket in _BRACKET.findall(_JSON_STRING.sub("", text)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def loads_nested_json(text: str, what: str) -> Any:
-    """json.loads of text that a request brings or a model wrote, nested at most MAX_NESTING levels (as a
-    body may be); ValueError naming `what` otherwise, or when it is not JSON."""
-    if json_text_depth(text) > MAX_NESTING:
-        raise ValueError(f"{what} is JSON nested more than {MAX_NESTING} levels deep")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise ValueError(f"{what} must be JSON text, got {text[:80]!r}") from None
 
 
 def _shown(path: str) -> str:

@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, Tool, loads_nested_json
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from tokenmill.structured.json_text import loads_nested_json
 from tokenmill.structured.spec import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.structured.json_text import loads_nested_json
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -29,10 +31,7 @@ class StructuredOutput:
     def json_schema(cls, schema: Any) -> "StructuredOutput":
         """From a JSON schema given as a dict or as JSON text."""
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            schema = loads_nested_json(schema, "the JSON schema")
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
         return cls("json", json.dumps(schema, sort_keys=True))
