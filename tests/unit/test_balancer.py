@@ -118,6 +118,18 @@ def test_a_busy_replica_hands_the_request_to_the_next_and_429_only_when_all_are_
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 429
 
 
+def test_a_body_the_front_cannot_parse_goes_to_a_replica_which_answers_for_it(front):
+    """Not JSON, or JSON nested past the parser's recursion (50,000 deep): routed without a prompt, never a 500
+    of the front's own."""
+    live = FakeReplica("live")
+    url, _ = front([live.url])
+    for body in (b"{not json", b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}"):
+        answer = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                            timeout=10)
+        assert answer.status_code == 200 and answer.json() == {"served_by": "live"}
+    assert live.calls == 2
+
+
 def test_no_replica_up_is_a_503_in_the_openai_error_shape(front):
     url, balancer = front([f"http://127.0.0.1:{free_port()}"])
     answer = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=10)

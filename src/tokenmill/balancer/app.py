@@ -203,7 +203,7 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
     async def _generate(method: str, path: str, url_tail: str, headers: dict[str, str], body: bytes) -> Response:
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser: the replica says which
             payload = None
         token_ids = None
         max_tokens, salt = _DEFAULT_MAX_TOKENS, None

@@ -55,7 +55,7 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> Starlette:
     async def generate(request: Request, headers: dict[str, str], body: bytes) -> Response:
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser: the replica says which
             payload = None
         if isinstance(payload, dict) and payload.get("n", 1) == 1 and "kv_transfer_params" not in payload:
             transfer = None
