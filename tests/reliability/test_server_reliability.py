@@ -73,7 +73,7 @@ BAD_REQUESTS = {
     "too many stop strings": ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(9)]}, "stop"),
     "too many prompts": ("/v1/completions", {"prompt": ["a"] * 65}, "prompt"),
     "priority without the priority policy": ("/v1/completions", {"prompt": "hi", "priority": -3}, "priority"),
-    "deeply nested JSON": ("/v1/completions", deep_json(100_000), None),
+    "deeply nested JSON": ("/v1/completions", deep_json(100_000), "nests deeper than the parser follows"),
     "a JSON schema nested 300 levels": ("/v1/completions", deep_json(300), "nested"),
     "prompt token id past the vocabulary": ("/v1/completions", {"prompt": [1, VOCAB]}, "prompt"),
 }

@@ -28,6 +28,7 @@ from tokenmill.server.serving_common import (ENGINE_ERRORS, APIError, ClientDisc
                                              error_response, new_id, unless_disconnected)
 from tokenmill.server.serving_completion import CompletionHandler, prompt_items, tokenize_prompts
 from tokenmill.server.tool_calls import tool_mode
+from tokenmill.structured.json_text import MAX_NESTING
 from tokenmill.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
         await _error(413, self._message(), "invalid_request_error")(scope, receive, send)
+
+
+# FastAPI's 400 when decoding a body raises anything but a JSON syntax error (a RecursionError past about
+# 1,000 levels, a UnicodeDecodeError)
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -172,7 +178,11 @@ def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, trac
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), type_)
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == _FASTAPI_PARSE_ERROR:  # the JSON parser failed other than on syntax
+            detail = (f"the request body could not be parsed: it is not UTF-8 JSON text, or it nests deeper than "
+                      f"the parser follows (a body may nest at most {MAX_NESTING} levels)")
+        return _error(exc.status_code, detail, type_)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
