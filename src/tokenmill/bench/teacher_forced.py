@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tokenmill.sampling_params import SamplingParams
+
 
 def teacher_forced(llm: Any, texts: list[list[int]]) -> tuple[float, list[int]]:
     """(perplexity, the most likely token at each scored position) of token-id texts under `llm` (an
     LLM): every token after the first of each text is scored, in order."""
-    from tokenmill import SamplingParams
-
     outputs = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     nll, best = 0.0, []
     for output, tokens in zip(outputs, texts):
