@@ -232,8 +232,6 @@ static uint8_t e4m3_bits(float v) {
 }
 
 #ifdef __AVX512F__
-#define Q8_ROUND_LANES 16
-typedef __m512 q8_round_vec;
 /* What q8_quantize_row does to 16 quotients, the same operations per lane (max/min return their second
  * operand for a NaN lane, as fmaxf/fminf do here), into 16 bytes. e4m3: a normal value's float32 bits
  * rounded to 3 mantissa bits (ties to even: the carry runs on into the exponent) and rebiased from 127 to 7;
@@ -258,16 +256,7 @@ static inline void q8_round(uint8_t *dst, __m512 value, int fp8) {
     const __m512i e4m3 = _mm512_mask_mov_epi32(normal, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), small);
     _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_or_si512(e4m3, sign)));
 }
-#define Q8_ROUND_LOAD _mm512_loadu_ps
-#define Q8_ROUND_DIV _mm512_div_ps
-#define Q8_ROUND_SET1 _mm512_set1_ps
-#define Q8_ROUND_MAX _mm512_max_ps
-#define Q8_ROUND_ABS _mm512_abs_ps
-#define Q8_ROUND_ZERO _mm512_setzero_ps
-#define Q8_ROUND_REDUCE_MAX _mm512_reduce_max_ps
-#elif defined(Q8_VECTOR)
-#define Q8_ROUND_LANES 8
-typedef __m256 q8_round_vec;
+#elif defined(Q8_VECTOR)  /* AVX2 */
 /* The AVX-512 q8_round on 8 lanes. */
 static inline void q8_round(uint8_t *dst, __m256 value, int fp8) {
     const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -291,20 +280,6 @@ static inline void q8_round(uint8_t *dst, __m256 value, int fp8) {
     }
     for (int i = 0; i < 8; i++) dst[i] = (uint8_t)lanes[i];
 }
-static inline float q8_reduce_max8(__m256 v) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, v);
-    float top = lanes[0];
-    for (int i = 1; i < 8; i++) top = fmaxf(top, lanes[i]);
-    return top;
-}
-#define Q8_ROUND_LOAD _mm256_loadu_ps
-#define Q8_ROUND_DIV _mm256_div_ps
-#define Q8_ROUND_SET1 _mm256_set1_ps
-#define Q8_ROUND_MAX _mm256_max_ps
-#define Q8_ROUND_ABS(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
-#define Q8_ROUND_ZERO _mm256_setzero_ps
-#define Q8_ROUND_REDUCE_MAX q8_reduce_max8
 #endif
 
 /* One row of head_dim values as the cache keeps it, exactly as attention/kv_quant.quantize computes it:
@@ -315,17 +290,17 @@ static inline float q8_reduce_max8(__m256 v) {
 static float q8_quantize_row(int8_t *dst, int64_t stride, const float *x, int64_t head_dim, int fp8, uint8_t *bytes) {
     float amax = 0.0f;
     int64_t d0 = 0;
-#ifdef Q8_ROUND_LANES
-    const int64_t vectors = head_dim / Q8_ROUND_LANES * Q8_ROUND_LANES;
+#ifdef Q8_VECTOR
+    const int64_t vectors = head_dim / Q8_STEP * Q8_STEP;
     if (vectors) {
-        q8_round_vec top = Q8_ROUND_ZERO();
-        for (int64_t d = 0; d < vectors; d += Q8_ROUND_LANES) top = Q8_ROUND_MAX(Q8_ROUND_ABS(Q8_ROUND_LOAD(x + d)), top);
-        amax = Q8_ROUND_REDUCE_MAX(top);
+        q8_vec top = Q8_ZERO();
+        for (int64_t d = 0; d < vectors; d += Q8_STEP) top = Q8_MAX(Q8_ABS(Q8_LOAD(x + d)), top);
+        amax = Q8_REDUCE_MAX(top);
     }
     for (int64_t d = vectors; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
     const float row_scale = amax / (fp8 ? 448.0f : 127.0f);
-    for (; d0 < vectors; d0 += Q8_ROUND_LANES)
-        q8_round(bytes + d0, row_scale > 0.0f ? Q8_ROUND_DIV(Q8_ROUND_LOAD(x + d0), Q8_ROUND_SET1(row_scale)) : Q8_ROUND_ZERO(), fp8);
+    for (; d0 < vectors; d0 += Q8_STEP)
+        q8_round(bytes + d0, row_scale > 0.0f ? Q8_DIV(Q8_LOAD(x + d0), Q8_SET1(row_scale)) : Q8_ZERO(), fp8);
 #else
     for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
     const float row_scale = amax / (fp8 ? 448.0f : 127.0f);

@@ -54,6 +54,10 @@ static inline void q8_widen16(__m512 *dst, const int8_t *src, int fp8) {
 #define Q8_ZERO _mm512_setzero_ps
 #define Q8_LOAD _mm512_loadu_ps
 #define Q8_STORE _mm512_storeu_ps
+#define Q8_DIV _mm512_div_ps
+#define Q8_MAX _mm512_max_ps
+#define Q8_ABS _mm512_abs_ps
+#define Q8_REDUCE_MAX _mm512_reduce_max_ps
 typedef __m512 q8_vec;
 #else
 #define Q8_REGS 2  /* 16 floats in two AVX2 registers */
@@ -75,7 +79,19 @@ static inline void q8_widen16(__m256 *dst, const int8_t *src, int fp8) {
 #define Q8_ZERO _mm256_setzero_ps
 #define Q8_LOAD _mm256_loadu_ps
 #define Q8_STORE _mm256_storeu_ps
+#define Q8_DIV _mm256_div_ps
+#define Q8_MAX _mm256_max_ps
+#define Q8_ABS(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
+#define Q8_REDUCE_MAX q8_reduce_max8
 typedef __m256 q8_vec;
+/* The largest of 8 lanes (none NaN). */
+static inline float q8_reduce_max8(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    float top = lanes[0];
+    for (int i = 1; i < 8; i++) top = fmaxf(top, lanes[i]);
+    return top;
+}
 #endif
 #define Q8_STEP (16 / Q8_REGS)  /* floats per register */
 
