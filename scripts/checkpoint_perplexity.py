@@ -9,23 +9,20 @@ e.g. `smollm2-135m-instruct@quantization=none,dtype=float32 /tmp/gptq`: the firs
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src")]
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM  # noqa: E402
 from tokenmill.bench.datasets import quote_passages  # noqa: E402
+from tokenmill.bench.teacher_forced import teacher_forced  # noqa: E402
 
 
 def perplexity(llm: LLM, text: str) -> float:
     """exp of the mean negative log-probability of the text's tokens after their prefixes."""
-    ids = llm.get_tokenizer().encode(text)
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    scored = [position[token].logprob for position, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
-    return math.exp(-sum(scored) / len(scored))
+    return teacher_forced(llm, [llm.get_tokenizer().encode(text)])[0]
 
 
 def main() -> None:

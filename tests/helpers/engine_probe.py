@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
+from tokenmill.bench.teacher_forced import teacher_forced
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import BatchItem
@@ -96,5 +96,4 @@ def token_logprobs(llm, ids: list[int]) -> list[float]:
 
 def perplexity(llm, ids: list[int]) -> float:
     """exp of the mean negative log-probability of `ids` after their prefixes."""
-    scored = token_logprobs(llm, ids)
-    return math.exp(-sum(scored) / len(scored))
+    return teacher_forced(llm, [ids])[0]
