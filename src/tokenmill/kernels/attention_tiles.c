@@ -90,6 +90,16 @@ static inline void span_keys_of(const paged_args *a, int64_t b, int64_t c, int64
     *key1 = end < ctx ? end : ctx;
 }
 
+/* What a value row's widened bytes are multiplied by: a one-byte row's scale (at byte `row` of the value
+ * plane, after its head_dim values) times q8_unit, as the raw widenings need; 0 for rows of the dtype. */
+static inline float value_row_scale(const paged_args *a, int64_t row) {
+    if (a->rows == TM_ROWS_DTYPE)
+        return 0.0f;
+    float scale;
+    memcpy(&scale, (const int8_t *)a->v_cache + row + a->head_dim, sizeof(float));
+    return scale * q8_unit(a->rows == TM_ROWS_FP8);
+}
+
 #ifdef __AVX512F__
 #include "attention_tiles_avx512.h"
 #else
@@ -193,7 +203,7 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
             e[r] = ws->scores + rows[first + r] * stride;
         }
         for (int64_t c0 = 0; c0 < head_dim / LANES; c0 += PV_VECTORS)
-            rows_values(part, e, row_key0 + first, row_key1 + first, R, a, t->table, kvh, span_start, u0, u1, c0, NV);
+            rows_values(part, e, row_key0 + first, row_key1 + first, R, a, t->table, kvh, span_start, u0, u1, c0);
     }
 }
 

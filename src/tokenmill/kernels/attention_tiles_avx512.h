@@ -164,8 +164,7 @@ static inline __attribute__((always_inline)) void add_value(
  * once for all of them, and masks are only taken outside the keys every row has. */
 static inline __attribute__((always_inline)) void rows_values(
     float *const *part, const float *const *e, const int64_t *key0, const int64_t *key1, int R, const paged_args *a,
-    const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1, int64_t c0, const int NV) {
-    const int64_t head_dim = 16 * NV;
+    const int32_t *table, int64_t kvh, int64_t span_start, int64_t u0, int64_t u1, int64_t c0) {
     int64_t all0 = key0[0], all1 = key1[0];  /* the keys every row has */
     for (int r = 1; r < R; r++) {
         all0 = key0[r] > all0 ? key0[r] : all0;
@@ -179,11 +178,7 @@ static inline __attribute__((always_inline)) void rows_values(
         const int64_t first_row = block_run(table, start, u1, a->block_size, kvh, a->num_kv_heads, width, &block, &end);
         for (int64_t key = start; key < end; key++) {
             const int64_t row = first_row + (key - start) * width, at = row + 16 * c0;
-            float row_scale = 0.0f;
-            if (a->rows != TM_ROWS_DTYPE) {
-                memcpy(&row_scale, (const int8_t *)a->v_cache + row + head_dim, sizeof(float));
-                row_scale *= q8_unit(a->rows == TM_ROWS_FP8);
-            }
+            const float row_scale = value_row_scale(a, row);
             if (key >= all0 && key < all1)
                 add_value(acc, e, key0, key1, R, a, at, row_scale, key, key - span_start, 0);
             else
