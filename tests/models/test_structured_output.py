@@ -132,3 +132,26 @@ def test_speculative_tokens_advance_the_grammar(tiny_path):
     for output in llm.generate(["s"] * 6, sampled, use_tqdm=False):
         if output.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(output.outputs[0].text), SCHEMAS[1])
+
+
+def test_a_constraint_after_a_token_leaves_the_output_free_until_it(tiny_path):
+    # What a reasoning model's thinking gets: the grammar starts after the first `after_token` of the output
+    # (its `</think>`). Greedy: the free tokens are the plain greedy ones up to that token, then the grammar
+    # holds; drafting for itself, the speculative run walks the same tokens across the grammar's start.
+    llm = LLM(tiny_path, dtype="float32")
+    free = llm.generate(["one"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids
+    start = next(i for i, token in enumerate(free) if i >= 2 and token not in free[:i])
+    pattern = r"(ab|cd|[0-9]{2}){3,6}x"
+    spec = StructuredOutput("regex", pattern, after_token=free[start])
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output=spec)
+    (plain,) = llm.generate(["one"], params, use_tqdm=False)
+    assert plain.outputs[0].token_ids[:start + 1] == free[:start + 1]
+    tail = llm.get_tokenizer().decode(plain.outputs[0].token_ids[start + 1:])
+    assert re.fullmatch(pattern, tail) and plain.outputs[0].finish_reason == "stop"
+    unused = next(token for token in range(100, 200) if token not in free)  # the grammar never starts
+    never = SamplingParams(temperature=0, max_tokens=8,
+                           structured_output=StructuredOutput("regex", pattern, after_token=unused))
+    assert llm.generate(["one"], never, use_tqdm=False)[0].outputs[0].token_ids == free
+    speculative = LLM(tiny_path, dtype="float32", speculative_method="draft", draft_model=tiny_path,
+                      speculative_min_acceptance=0.0)
+    assert speculative.generate(["one"], params, use_tqdm=False)[0].outputs[0].token_ids == plain.outputs[0].token_ids

@@ -63,6 +63,7 @@ class GrammarCache:
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The xgrammar CompiledGrammar of `spec` (compiled on first use)."""
+        spec = spec.grammar_key
         with self._lock:
             found = self._compiled.get(spec)
             if found is not None:

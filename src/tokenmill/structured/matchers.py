@@ -20,6 +20,8 @@ class GrammarMatchers:
     after the step `advance` feeds each matcher the tokens actually kept.
     A matcher terminates when its grammar is complete (no stop token needed): the tokens after that
     point are cut and the request finishes.
+    A spec with `after_token` leaves the output free until that token (the end of a model's thinking) has
+    been kept; `awaiting` holds the requests still before it, whose positions are not masked.
     """
 
     def __init__(self, cache: GrammarCache) -> None:
@@ -28,16 +30,20 @@ class GrammarMatchers:
         self._xgr = xgr
         self.cache = cache
         self.matchers: dict[str, Any] = {}
+        self.awaiting: dict[str, int] = {}  # request id -> the token after which its grammar starts
 
     def drop(self, request_id: str) -> None:
         """Forget a finished request's matcher."""
         self.matchers.pop(request_id, None)
+        self.awaiting.pop(request_id, None)
 
     def _matcher(self, request_id: str, spec: StructuredOutput) -> Any:
         matcher = self.matchers.get(request_id)
         if matcher is None:
             matcher = self._xgr.GrammarMatcher(self.cache.compile(spec), terminate_without_stop_token=True)
             self.matchers[request_id] = matcher
+            if spec.after_token is not None:
+                self.awaiting[request_id] = spec.after_token
         return matcher
 
     def masks(self, rows: list[tuple[str, StructuredOutput, list[int]]]) -> Optional[GrammarMasks]:
@@ -54,7 +60,13 @@ class GrammarMatchers:
         for request_id, spec, proposals in rows:
             matcher = self._matcher(request_id, spec)
             advanced = count = 0
-            for i in range(len(proposals) + 1):
+            free = self._free_positions(request_id, proposals)
+            if free > len(proposals):  # the grammar does not start within this step: nothing to mask
+                placed[request_id] = (next_row, 0)
+                continue
+            bitmask[next_row:next_row + free] = -1  # positions up to the grammar's start take any token
+            count = free
+            for i in range(free, len(proposals) + 1):
                 if matcher.is_terminated():
                     break  # the grammar is complete: whatever follows is cut by `advance`
                 matcher.fill_next_token_bitmask(bitmask, next_row + count)
@@ -68,11 +80,19 @@ class GrammarMatchers:
             next_row += count
         return GrammarMasks(bitmask[:next_row].clone(), placed)
 
+    def _free_positions(self, request_id: str, proposals: list[int]) -> int:
+        """How many of the step's positions (after proposals[:i], i = 0 .. len) come before the request's
+        grammar starts: 0 when it has started; len(proposals) + 1 when no proposal is its start token."""
+        start = self.awaiting.get(request_id)
+        if start is None:
+            return 0
+        return proposals.index(start) + 1 if start in proposals else len(proposals) + 1
+
     def fork(self, request_id: str) -> Optional[Any]:
-        """A copy of the request's matcher in its current state (None before its first token), for a
-        draft to propose only what the grammar allows."""
+        """A copy of the request's matcher in its current state (None before its first token, or while its
+        grammar has not started), for a draft to propose only what the grammar allows."""
         matcher = self.matchers.get(request_id)
-        return None if matcher is None else matcher.fork()
+        return None if matcher is None or request_id in self.awaiting else matcher.fork()
 
     def mask_with(self, logits: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
         """Mask, in place, logits row r by matcher m's next allowed tokens, for each (r, m) whose matcher
@@ -90,6 +110,14 @@ class GrammarMatchers:
         """Feed the step's tokens to the request's matcher: (the tokens up to where the grammar
         completed, whether it did)."""
         matcher = self.matchers[request_id]
+        start = self.awaiting.get(request_id)
+        if start is not None:
+            if start not in tokens:
+                return tokens, False
+            del self.awaiting[request_id]
+            free = tokens.index(start) + 1
+            kept, completed = self.advance(request_id, tokens[free:])
+            return tokens[:free] + kept, completed
         for index, token in enumerate(tokens):
             if matcher.is_terminated():
                 return tokens[:index], True

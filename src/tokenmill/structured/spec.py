@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from tokenmill.structured.json_text import loads_nested_json
 
@@ -18,14 +18,23 @@ class StructuredOutput:
 
     `value` is the constraint as text: the schema and the choice list as canonical JSON, so equal
     constraints compare (and are cached) equal.
+
+    `after_token`: the constraint applies to what follows the first time the output holds this token
+    (the end of a reasoning model's thinking); None: to the whole output.
     """
 
     kind: str
     value: str = ""
+    after_token: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    @property
+    def grammar_key(self) -> "StructuredOutput":
+        """The constraint alone (without `after_token`): what is compiled, once for every start."""
+        return self if self.after_token is None else StructuredOutput(self.kind, self.value)
 
     @classmethod
     def json_schema(cls, schema: Any) -> "StructuredOutput":

@@ -1,0 +1,118 @@
+"""Reasoning parsers: the model's thinking (`<think>…</think>`) split from its answer, whole or streamed.
+
+The names are vLLM's `--reasoning-parser` names. Both families write their thinking between `<think>` and
+`</think>`; they differ in what an output without the closing tag means:
+
+- `deepseek_r1` (DeepSeek-R1 and its distills, whose templates open `<think>` in the prompt): everything
+  before `</think>` is thinking, with or without an opening tag in the output.
+- `qwen3` (Qwen3, SmolLM3, whose thinking can be switched off): thinking only when the output opens
+  `<think>` itself (or the prompt did); an output that does not is all answer.
+
+Either way an output cut off before `</think>` is all thinking. The prompt's last tag overrides both
+(`ReasoningParser.opening`). The tags must be tokens of the model's vocabulary: the engine starts a
+request's output constraint after the end tag's token, so structured output applies to the answer only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """Splits thinking from the answer for one family (`name`); the tags' token ids tell from a prompt
+    whether the template already opened or closed the thinking."""
+
+    name: str
+    start_token_id: int
+    end_token_id: int
+
+    def opening(self, prompt_token_ids: list[int]) -> Optional[str]:
+        """How the output begins, by the last tag in the prompt: "thinking" when the template opened
+        `<think>` (DeepSeek-R1, Qwen3-Thinking), "answer" when it wrote a closed one (thinking switched
+        off: the constraint of a request applies from the start), None when the output itself decides."""
+        for token in reversed(prompt_token_ids):
+            if token == self.end_token_id:
+                return "answer"
+            if token == self.start_token_id:
+                return "thinking"
+        return None
+
+    def split(self, text: str, opening: Optional[str] = None) -> tuple[Optional[str], str]:
+        """(the thinking, None when there is none; the answer) of a finished output that began as
+        `opening` says (`ReasoningParser.opening`)."""
+        stream = self.stream(opening)
+        thinking, answer = stream.push(text, True)
+        return (thinking if stream.thought else None), answer
+
+    def stream(self, opening: Optional[str] = None) -> "ReasoningStream":
+        """A splitter for one streamed output that began as `opening` says."""
+        return ReasoningStream(self, opening)
+
+
+class ReasoningStream:
+    """Splits a streamed output as it grows into (thinking, answer) deltas. Text that may still turn out
+    to be a tag is held back, so a stream cut inside `<think>` or `</think>` never sends a piece of one.
+
+    Invariant: `text[:sent]` has been sent (as thinking, answer, or a tag that is sent as neither), and the
+    phase only moves forward: start -> thinking -> answer."""
+
+    def __init__(self, parser: ReasoningParser, opening: Optional[str]) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0
+        self.phase = opening or "start"
+        self.thought = opening == "thinking"  # whether the output had a thinking section at all
+
+    def push(self, delta: str, finished: bool) -> tuple[str, str]:
+        """(thinking, answer) to send now, given the output's next `delta` of text; `finished` on the last."""
+        self.text += delta
+        if self.phase == "start":
+            if START.startswith(self.text) and not finished:
+                return "", ""  # may still become the opening tag
+            if self.text.startswith(START):
+                self.sent, self.phase = len(START), "thinking"
+            else:  # no opening tag: deepseek_r1 thinks anyway (its template opened the tag), qwen3 answers
+                self.phase = "thinking" if self.parser.name == "deepseek_r1" else "answer"
+            self.thought = self.phase == "thinking"
+        thinking = ""
+        if self.phase == "thinking":
+            end = self.text.find(END, self.sent)
+            if end < 0:
+                stop = len(self.text) if finished else len(self.text) - _tail_of(self.text[self.sent:], END)
+                thinking, self.sent = self.text[self.sent:stop], max(self.sent, stop)
+                return thinking, ""
+            thinking, self.sent, self.phase = self.text[self.sent:end], end + len(END), "answer"
+        answer, self.sent = self.text[self.sent:], len(self.text)
+        return thinking, answer
+
+
+def _tail_of(text: str, tag: str) -> int:
+    """The length of the longest tail of `text` that is a proper beginning of `tag`."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+PARSER_NAMES = ("deepseek_r1", "qwen3")
+
+
+def reasoning_parser(name: Optional[str], tokenizer: Any) -> Optional[ReasoningParser]:
+    """The parser `--reasoning-parser NAME` asks for (None for none); ValueError for an unknown name or a
+    tokenizer in which the tags are not single tokens."""
+    if name is None:
+        return None
+    if name not in PARSER_NAMES:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSER_NAMES)}, got {name!r}")
+    ids = []
+    for tag in (START, END):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"--reasoning-parser {name} needs {tag!r} to be one token of this model's tokenizer; "
+                             f"it is {len(encoded)} tokens here (this model does not write reasoning in tags)")
+        ids.append(encoded[0])
+    return ReasoningParser(name, ids[0], ids[1])
