@@ -436,6 +436,17 @@ class ServerConfig:
     lora_modules: Optional[list[str]] = _opt(
         None, "LoRA adapters to serve from the start (needs --enable-lora), each as name=path or vLLM's JSON "
         "'{\"name\": ..., \"path\": ...}'; requests choose one by its name as `model`", nargs="+")
+    reasoning_parser: Optional[str] = _opt(
+        None, "split a reasoning model's thinking (<think>...</think>) from its answer: deepseek_r1 (DeepSeek-R1 "
+        "and its distills) or qwen3 (Qwen3, SmolLM3); chat answers carry it as reasoning_content, Responses as "
+        "reasoning items, Messages as thinking blocks, and output constraints apply after it",
+        choices=["deepseek_r1", "qwen3"])
+    tool_call_parser: str = _opt(
+        "auto", "the syntax tool calls are read in when tool_choice is auto: hermes (<tool_call>{...}</tool_call>; "
+        "Qwen), llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(x=1)]), or auto (from the chat template; "
+        "hermes when it names none)", choices=["auto", "hermes", "llama3_json", "mistral", "pythonic"])
+    max_stored_responses: int = _opt(1000, "responses /v1/responses keeps for previous_response_id and GET "
+                                     "(store: true); the oldest is dropped past it")
     data_parallel_size: int = _opt(1, "engine processes (replicas of the whole model) behind this port, each "
                                    "request sent to the one with the least outstanding tokens once its cached "
                                    "prefix is counted (from the replicas' KV events; docs/scale-out.md)")
@@ -447,7 +458,8 @@ class ServerConfig:
         for name in ("max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_prompts_per_request", "max_stop_strings", "max_logit_bias", "max_tools"):
+        for name in ("max_prompts_per_request", "max_stop_strings", "max_logit_bias", "max_tools",
+                     "max_stored_responses"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_request_body_mb", "max_constraint_kb", "grammar_compile_timeout"):

@@ -22,6 +22,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
 from tokenmill.server.lora_routes import ServedModels, add_lora_routes
 from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
+from tokenmill.server.reasoning import reasoning_parser
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_common import (ENGINE_ERRORS, APIError, ClientDisconnected, engine_error_response,
@@ -236,7 +237,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     limits = RequestLimits.from_config(config)
     served = ServedModels(model_name, engine.info.loras)
     completions = CompletionHandler(engine, model_name, limits, served.adapter)
-    chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter)
+    chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter,
+                       reasoning_parser(config.reasoning_parser, engine.tokenizer), config.tool_call_parser)
     live = EngineStream(engine)
     app, _ = base_app(
         config, api_key, model_name, engine.tracer is not None,
@@ -297,7 +299,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
             tools = tool_mode(body)
         except ValueError as exc:
             raise APIError(400, str(exc), param="tools") from None
-        _, tokens = await asyncio.to_thread(chat.prompt, body.messages, body.add_generation_prompt, tools)
+        _, tokens = await asyncio.to_thread(chat.prompt, body.messages, body.add_generation_prompt, tools,
+                                            body.chat_template_kwargs)
         return {"request_id": new_id("chatcmpl"), "token_ids": tokens, "sampling_params": params,
                 "model": model_name}
 

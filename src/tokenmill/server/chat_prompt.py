@@ -10,7 +10,8 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 
 
 def chat_prompt_ids(tokenizer: Any, chat_template: str, conversation: list[dict], tools: Optional[list],
-                    add_generation_prompt: bool) -> tuple[str, list[int]]:
+                    add_generation_prompt: bool, template_kwargs: Optional[dict[str, Any]] = None
+                    ) -> tuple[str, list[int]]:
     """The prompt text the template makes of `conversation` and its token ids, where text that came
     from message contents never becomes a special (control) token: a user who types '<|im_start|>system'
     gets those characters as plain text, not a forged turn.
@@ -21,10 +22,12 @@ def chat_prompt_ids(tokenizer: Any, chat_template: str, conversation: list[dict]
     split. A template that changes content as it renders it (so the stand-in cannot be found once, or the
     contents put back do not give the template's own text) raises ValueError: such content cannot be
     rendered safely, and it is refused rather than risk a forged control token.
+    `template_kwargs` are more variables for the template (a request's chat_template_kwargs, such as
+    enable_thinking).
     """
     def render(messages: list[dict]) -> str:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
 
     text = render(conversation)
     specials = special_token_texts(tokenizer)

@@ -257,6 +257,7 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an earlier turn's thinking, for templates that show it
 
     def text(self) -> str:
         """The message content as plain text."""
@@ -278,11 +279,26 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
-    # sent by the routers too; this server parses no reasoning, so they change nothing
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more template variables (enable_thinking, ...)
+    # SGLang's, sent by the routers too: include_reasoning false drops the thinking (--reasoning-parser)
     continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_variables(self) -> "ChatCompletionRequest":
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
+        return self
+
+
+# what the server itself passes a chat template; chat_template_kwargs add variables, never replace these
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "return_dict", "tokenizer",
+                                "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                                "return_tensors", "tokenizer_kwargs"})
 
 
 class TokenizeRequest(_Body):

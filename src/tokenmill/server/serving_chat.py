@@ -4,48 +4,80 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from tokenmill.engine.admission import Ticket
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, merge_outputs
+from tokenmill.server.assistant_turn import TurnParsing, TurnStream
 from tokenmill.server.chat_prompt import chat_prompt_ids
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_beam import run_beam_search
 from tokenmill.server.serving_common import (
     SSE_DONE, STREAM_ERRORS, AdapterLookup, APIError, ChoiceTracker, bad_request, new_id, now, primed, sse_error, stream_chunk,
     top_entries, usage, cached_tokens, with_adapter)
-from tokenmill.server.tool_calls import (
-    ToolCallStream, ToolMode, forced_call, parse_tool_calls, render_messages, tool_mode)
+from tokenmill.server.tool_calls import ToolMode, forced_call, render_messages, tool_mode
+from tokenmill.server.tool_parsers import CallDelta, ToolParser, tool_parser
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
 
 def chat_prompt(tokenizer: Any, chat_template: Optional[str], messages: list[ChatMessage],
-                add_generation_prompt: bool = True, tools: Optional[ToolMode] = None) -> tuple[str, list[int]]:
-    """The prompt text the chat template makes of `messages` (and of the tools offered), and its token
-    ids, in which text from the messages is never a control token (`chat_prompt_ids`); APIError 400
-    when the model has no template or the template refuses the messages."""
+                add_generation_prompt: bool = True, tools: Optional[ToolMode] = None,
+                family: Optional[ToolParser] = None, template_kwargs: Optional[dict[str, Any]] = None
+                ) -> tuple[str, list[int]]:
+    """The prompt text the chat template makes of `messages` (and of the tools offered, described in
+    `family`'s syntax when the template renders no tools), and its token ids, in which text from the
+    messages is never a control token (`chat_prompt_ids`); APIError 400 when the model has no template or
+    the template refuses the messages."""
     if not chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     try:
-        conversation, tool_specs = render_messages(messages, tools, "tools" in chat_template)
+        conversation, tool_specs = render_messages(messages, tools, "tools" in chat_template,
+                                                   family or tool_parser("auto", chat_template))
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     try:
-        return chat_prompt_ids(tokenizer, chat_template, conversation, tool_specs, add_generation_prompt)
+        return chat_prompt_ids(tokenizer, chat_template, conversation, tool_specs, add_generation_prompt,
+                               template_kwargs)
     except Exception as exc:  # a template may raise on a conversation it does not accept
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
 
+@dataclass
+class ChatRun:
+    """A chat generation under way: its id, prompt, engine stream, how its output is read, and the
+    admission ticket the response releases when it ends."""
+
+    response_id: str
+    prompt_ids: list[int]
+    outputs: AsyncIterator[RequestOutput]
+    parsing: TurnParsing
+    ticket: Ticket
+
+
+def call_id() -> str:
+    """A tool call's id, like OpenAI's."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ChatHandler:
-    """Runs a chat completion on the engine and shapes the OpenAI response."""
+    """Runs a chat completion on the engine and shapes the OpenAI response. `reasoning` splits thinking
+    from answers (--reasoning-parser); `tool_family` names the tool-call syntax read from answers
+    (--tool-call-parser; auto: from the chat template)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str],
-                 limits: RequestLimits = RequestLimits(), adapter_of: AdapterLookup = lambda name: None) -> None:
+                 limits: RequestLimits = RequestLimits(), adapter_of: AdapterLookup = lambda name: None,
+                 reasoning: Optional[ReasoningParser] = None, tool_family: str = "auto") -> None:
         self.engine, self.model_name, self.chat_template, self.limits = engine, model_name, chat_template, limits
         self.adapter_of = adapter_of  # the LoRA adapter a body's `model` names (None: the base model)
+        self.reasoning = reasoning
+        self.family = tool_parser(tool_family, chat_template)
+        self.forced_family = tool_parser("hermes", None)  # what forced_call's grammar writes
 
     def answering(self, body: Any) -> str:
         """The model a response names: the LoRA adapter the body asked for, else the base model (as vLLM)."""
@@ -53,14 +85,16 @@ class ChatHandler:
         return adapter.lora_name if adapter is not None else self.model_name
 
     def prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               tools: Optional[ToolMode] = None) -> tuple[str, list[int]]:
+               tools: Optional[ToolMode] = None, template_kwargs: Optional[dict[str, Any]] = None
+               ) -> tuple[str, list[int]]:
         """The prompt text and token ids of `messages` (`chat_prompt`)."""
-        return chat_prompt(self.engine.tokenizer, self.chat_template, messages, add_generation_prompt, tools)
+        family = self.forced_family if tools is not None and tools.forced else self.family
+        return chat_prompt(self.engine.tokenizer, self.chat_template, messages, add_generation_prompt, tools,
+                           family, template_kwargs)
 
-    async def _start(self, body: ChatCompletionRequest
-                     ) -> tuple[str, list[int], AsyncIterator[RequestOutput], Optional[ToolMode], Ticket]:
+    async def start(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
         """Check the request, hold admission room for it, render and tokenise its prompt off the event
-        loop and start its engine request. The caller releases the ticket when the response ends."""
+        loop and start its engine request. The caller releases the run's ticket when the response ends."""
         if body.use_beam_search:  # a streamed one: beam search answers whole
             raise APIError(400, "beam search cannot honour stream: leave it unset with use_beam_search",
                            param="stream")
@@ -81,45 +115,67 @@ class ChatHandler:
             raise bad_request(exc, _FIELDS) from None
         try:
             prompt, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt,
-                                                        tools)
+                                                        tools, body.chat_template_kwargs)
         except BaseException:
             ticket.release()
             raise
-        request_id = new_id("chatcmpl")
+        parsing = self._parsing(token_ids, tools)
+        if parsing.opening != "answer" and self.reasoning is not None and params.structured_output is not None:
+            # the constraint holds for the answer only: it starts after the thinking's end tag
+            params = dataclasses.replace(params, structured_output=dataclasses.replace(
+                params.structured_output, after_token=self.reasoning.end_token_id))
+        request_id = new_id(id_prefix)
         stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority)
-        return request_id, token_ids, stream, tools, ticket
+        return ChatRun(request_id, token_ids, stream, parsing, ticket)
+
+    def _parsing(self, prompt_ids: list[int], tools: Optional[ToolMode]) -> TurnParsing:
+        opening = self.reasoning.opening(prompt_ids) if self.reasoning is not None else None
+        if tools is None:
+            return TurnParsing(self.reasoning, opening)
+        family = self.forced_family if tools.forced else self.family
+        return TurnParsing(self.reasoning, opening, family, frozenset(t.function.name for t in tools.tools))
 
     async def complete(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """The whole response."""
         if body.use_beam_search:
             return await self._beam_search(body)
-        response_id, token_ids, stream, tools, ticket = await self._start(body)
-        final: Optional[RequestOutput] = None
-        try:
-            async for output in stream:
-                final = output if final is None else merge_outputs(final, output)
-        except ValueError as exc:
-            raise bad_request(exc, _FIELDS) from None
-        finally:
-            ticket.release()
-        assert final is not None
+        run = await self.start(body)
+        final = await self.finish(run)
         choices = []
         for c in final.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            turn = run.parsing.whole(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+            if turn.thinking is not None and body.include_reasoning:
+                message["reasoning_content"] = turn.thinking
             finish_reason = c.finish_reason
-            if tools is not None:
-                message["content"], calls = parse_tool_calls(c.text, tools)
-                if calls:
-                    message["tool_calls"], finish_reason = calls, "tool_calls"
+            if turn.calls:
+                message["tool_calls"] = [{"id": call_id(), "type": "function",
+                                          "function": {"name": call.name, "arguments": call.arguments}}
+                                         for call in turn.calls]
+                finish_reason = "tool_calls"
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.token_ids, c.logprobs, body),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        response = {"id": response_id, "object": "chat.completion", "created": now(), "model": self.answering(body),
-                    "choices": choices, "usage": usage(len(token_ids), completion_tokens, cached_tokens([final]))}
+        response = {"id": run.response_id, "object": "chat.completion", "created": now(),
+                    "model": self.answering(body), "choices": choices,
+                    "usage": usage(len(run.prompt_ids), completion_tokens, cached_tokens([final]))}
         if final.kv_transfer_params is not None:
             response["kv_transfer_params"] = final.kv_transfer_params
         return response
+
+    async def finish(self, run: ChatRun) -> RequestOutput:
+        """The whole output of `run` (its ticket released at the end)."""
+        final: Optional[RequestOutput] = None
+        try:
+            async for output in run.outputs:
+                final = output if final is None else merge_outputs(final, output)
+        except ValueError as exc:
+            raise bad_request(exc, _FIELDS) from None
+        finally:
+            run.ticket.release()
+        assert final is not None
+        return final
 
     async def _beam_search(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """A use_beam_search response: the n best hypotheses of the assistant's reply (engine/beam_search.py)."""
@@ -133,7 +189,8 @@ class ChatHandler:
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
         try:
-            _, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt)
+            _, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt, None,
+                                                   body.chat_template_kwargs)
             (result,) = await run_beam_search(self.engine, [token_ids], params, self.adapter_of(body.model))
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
@@ -162,20 +219,25 @@ class ChatHandler:
 
     async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[str]:
         """The SSE events of a streamed response (admission errors are raised before the first one)."""
-        response_id, token_ids, stream, tools, ticket = await self._start(body)
-        try:
-            outputs = await primed(stream, _FIELDS)
-        except BaseException:
-            ticket.release()
-            raise
-        return self._events(response_id, body, len(token_ids), outputs, tools, ticket)
+        run = await self.start(body)
+        run.outputs = await self.primed(run)
+        return self._events(run, body)
 
-    async def _events(self, response_id: str, body: ChatCompletionRequest, prompt_tokens: int,
-                      outputs: AsyncIterator[RequestOutput], tools: Optional[ToolMode],
-                      ticket: Ticket) -> AsyncIterator[str]:
+    @staticmethod
+    async def primed(run: ChatRun) -> AsyncIterator[RequestOutput]:
+        """`run`'s outputs, once the first has come (admission errors raise here, before any byte is
+        sent); the ticket is released if that raises."""
+        try:
+            return await primed(run.outputs, _FIELDS)
+        except BaseException:
+            run.ticket.release()
+            raise
+
+    async def _events(self, run: ChatRun, body: ChatCompletionRequest) -> AsyncIterator[str]:
         created = now()
         tracker = ChoiceTracker()
-        tool_streams = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
+        turns = {i: run.parsing.stream() for i in range(body.n)}
+        response_id, outputs, ticket = run.response_id, run.outputs, run.ticket
         completion_tokens = 0
         last: Optional[RequestOutput] = None
 
@@ -189,14 +251,14 @@ class ChatHandler:
                 last = output
                 choices = []
                 for completion in output.outputs:
-                    choice = self._delta_choice(body, tracker, completion, tool_streams.get(completion.index))
+                    choice = self._delta_choice(body, tracker, completion, turns[completion.index])
                     if choice is not None:
                         completion_tokens += choice.pop("_new_tokens")
                         choices.append(choice)
                 if choices:
                     yield chunk(choices)
             if body.include_usage:
-                yield chunk([], usage(prompt_tokens, completion_tokens, cached_tokens([last])))
+                yield chunk([], usage(len(run.prompt_ids), completion_tokens, cached_tokens([last])))
         except STREAM_ERRORS as exc:
             yield sse_error(exc)
         finally:
@@ -205,19 +267,30 @@ class ChatHandler:
         yield SSE_DONE
 
     def _delta_choice(self, body: ChatCompletionRequest, tracker: ChoiceTracker, completion: CompletionOutput,
-                      tool_stream: Optional[ToolCallStream]) -> Optional[dict[str, Any]]:
+                      turn: TurnStream) -> Optional[dict[str, Any]]:
         index = completion.index
-        text, token_ids, entries = completion.text, completion.token_ids, completion.logprobs
-        if not tracker.take(index, completion) or not (text or token_ids or completion.finished):
+        token_ids, entries = completion.token_ids, completion.logprobs
+        if not tracker.take(index, completion) or not (completion.text or token_ids or completion.finished):
             return None
+        thinking, text, calls = turn.push(completion.text, completion.finished)
         delta: dict[str, Any] = {}
-        finish_reason = completion.finish_reason
-        if tool_stream is not None:
-            text, calls = tool_stream.push(tracker.texts[index], completion.finished)
-            if calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-                finish_reason = "tool_calls"
+        if thinking and body.include_reasoning:
+            delta["reasoning_content"] = thinking
         if text:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [call_delta(call) for call in calls]
+        finish_reason = "tool_calls" if completion.finished and turn.called else completion.finish_reason
         return {"index": index, "delta": delta, "logprobs": self._logprobs(token_ids, entries, body),
                 "finish_reason": finish_reason, "_new_tokens": len(token_ids)}
+
+
+def call_delta(call: CallDelta) -> dict[str, Any]:
+    """A streamed call piece as OpenAI's `tool_calls` delta: id, type and name on a call's first piece."""
+    function: dict[str, Any] = {"arguments": call.arguments}
+    piece: dict[str, Any] = {"index": call.index, "function": function}
+    if call.id is not None:
+        piece.update(id=call.id, type="function")
+    if call.name is not None:
+        function["name"] = call.name
+    return piece

@@ -1,0 +1,69 @@
+"""An assistant turn as every API shows it: thinking, answer text and tool calls, parsed out of the output.
+
+Chat Completions, Responses and Messages all read one generated output through the same two parsers, in
+this order: the reasoning parser splits the thinking off (server/reasoning.py), then the tool parser of the
+model's family finds the calls in the answer (server/tool_parsers.py). So the same output is the same turn
+through every route, whole or streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
+from tokenmill.server.tool_parsers import CallDelta, ParsedCall, ToolParser, ToolStream
+
+
+@dataclass(frozen=True)
+class TurnParsing:
+    """How one request's output is read: its reasoning parser and how its prompt left the thinking
+    (`ReasoningParser.opening`), and the tool parser with the names it may call (None: no tools)."""
+
+    reasoning: Optional[ReasoningParser] = None
+    opening: Optional[str] = None
+    tools: Optional[ToolParser] = None
+    names: frozenset[str] = frozenset()
+
+    def whole(self, text: str) -> "Turn":
+        """The turn of a finished output."""
+        thinking, answer = self.reasoning.split(text, self.opening) if self.reasoning else (None, text)
+        if self.tools is None:
+            return Turn(thinking, answer, [])
+        content, calls = self.tools.parse(answer, set(self.names))
+        return Turn(thinking, content, calls)
+
+    def stream(self) -> "TurnStream":
+        """A parser for one streamed output."""
+        return TurnStream(self)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A finished turn: the thinking (None: the model wrote none), the answer text (None when it is empty
+    around tool calls) and the calls."""
+
+    thinking: Optional[str]
+    content: Optional[str]
+    calls: list[ParsedCall]
+
+
+class TurnStream:
+    """Reads a streamed output delta by delta into (thinking, text, call deltas) to send now."""
+
+    def __init__(self, parsing: TurnParsing) -> None:
+        self.reasoning: Optional[ReasoningStream] = (
+            parsing.reasoning.stream(parsing.opening) if parsing.reasoning is not None else None)
+        self.tools: Optional[ToolStream] = parsing.tools.stream(set(parsing.names)) if parsing.tools else None
+        self.answer = ""  # the whole answer so far: the tool parser reads it cumulatively
+        self.called = False  # whether any call was sent (the turn then ends in tool use)
+
+    def push(self, delta: str, finished: bool) -> tuple[str, str, list[CallDelta]]:
+        """(thinking, answer text, tool-call deltas) to send for the output's next `delta`."""
+        thinking, answer = self.reasoning.push(delta, finished) if self.reasoning is not None else ("", delta)
+        if self.tools is None:
+            return thinking, answer, []
+        self.answer += answer
+        text, calls = self.tools.push(self.answer, finished)
+        self.called = self.called or bool(calls)
+        return thinking, text, calls
