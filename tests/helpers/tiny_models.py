@@ -94,6 +94,21 @@ def make_tiny_hf_model(
     return path
 
 
+QWEN3_TEMPLATE = Path(__file__).parent.parent / "data" / "qwen3_chat_template.jinja"  # Qwen3's own, verbatim
+
+
+def make_tiny_reasoning_model(dir: str | Path) -> Path:
+    """A tiny random Qwen3 that reasons as Qwen3 does, in its words: Qwen3's chat template (tools,
+    <tool_call>, enable_thinking) and the SmolLM2 tokenizer with `<think>` and `</think>` added as tokens
+    (ids 49152 and 49153, not special: they stay in the text, as in Qwen3's tokenizer)."""
+    path = make_tiny_hf_model(dir, "qwen3", vocab_size=SMOLLM2_VOCAB_SIZE + 8)
+    tokenizer = smollm2_tokenizer().__class__.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_TEMPLATE.read_text()
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def make_tiny_embedding_model(dir: str | Path, arch: str = "bert", pooling: str = "mean", normalize: bool = True,
                               **config_overrides: Any) -> Path:
     """Save a tiny random sentence-transformers model in `dir`, written by sentence-transformers itself:

@@ -13,12 +13,14 @@ CASES = [  # parser, opening, output, (thinking, answer)
     (QWEN3, None, "<think>cut off mid-thought", ("cut off mid-thought", "")),
     (QWEN3, None, "<thin", (None, "<thin")),
     (QWEN3, None, "a </think> b", (None, "a </think> b")),
-    (QWEN3, "answer", "<think>x</think>y", (None, "<think>x</think>y")),
+    (QWEN3, "answer", "<think>x</think>y", ("x", "y")),
+    (QWEN3, "answer", "x</think>y", (None, "x</think>y")),
     (QWEN3, "thinking", "x</think>y", ("x", "y")),
     (R1, None, "plan</think>answer", ("plan", "answer")),
     (R1, None, "<think>plan</think>answer</think>", ("plan", "answer</think>")),
     (R1, None, "still thinking </thi", ("still thinking </thi", "")),
     (R1, "answer", "just an answer", (None, "just an answer")),
+    (R1, "answer", "<think>a</think>b", ("a", "b")),
     (R1, None, "", ("", "")),
 ]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
@@ -14,7 +16,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EngineInfo:
     """A snapshot taken when the engine is built. Its fields never change afterwards, so any thread reads
-    them while the engine thread steps; `loras`, the adapter registry, guards its own changes with a lock."""
+    them while the engine thread steps; `loras`, the adapter registry, guards its own changes with a lock.
+    `sampling_defaults`: what the model's generation config recommends (`sampling_defaults`)."""
 
     max_model_len: int
     vocab_size: int
@@ -23,9 +26,30 @@ class EngineInfo:
     tokenizer: Any  # thread-safe for encoding and decoding
     loras: Optional[LoRARegistry]
     kv_transfers: Optional[KVTransfers]  # other threads call only its thread-safe needs_fetch and fetch
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         """The snapshot of a just-built engine."""
         return cls(engine.max_model_len, engine.arch.vocab_size, tuple(engine.eos_token_ids),
-                   engine.source.chat_template, engine.tokenizer, engine.loras, engine.kv_transfers)
+                   engine.source.chat_template, engine.tokenizer, engine.loras, engine.kv_transfers,
+                   sampling_defaults(engine.source.path))
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_path: str) -> dict[str, Any]:
+    """The sampling controls the model's `generation_config.json` recommends (temperature, top_p, top_k,
+    min_p, repetition_penalty; as vLLM reads them), for requests that leave them unset; {} for a GGUF file
+    or a folder without one."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {key: config[key] for key in SAMPLING_KEYS
+            if isinstance(config, dict) and isinstance(config.get(key), (int, float))
+            and not isinstance(config.get(key), bool)}

@@ -9,7 +9,8 @@ The names are vLLM's `--reasoning-parser` names. Both families write their think
   `<think>` itself (or the prompt did); an output that does not is all answer.
 
 Either way an output cut off before `</think>` is all thinking. The prompt's last tag overrides both
-(`ReasoningParser.opening`). The tags must be tokens of the model's vocabulary: the engine starts a
+(`ReasoningParser.opening`): one it opened means the output starts thinking; one it closed (thinking
+switched off) means the qwen3 rule. The tags must be tokens of the model's vocabulary: the engine starts a
 request's output constraint after the end tag's token, so structured output applies to the answer only.
 """
 
@@ -32,8 +33,9 @@ class ReasoningParser:
 
     def opening(self, prompt_token_ids: list[int]) -> Optional[str]:
         """How the output begins, by the last tag in the prompt: "thinking" when the template opened
-        `<think>` (DeepSeek-R1, Qwen3-Thinking), "answer" when it wrote a closed one (thinking switched
-        off: the constraint of a request applies from the start), None when the output itself decides."""
+        `<think>` (DeepSeek-R1, Qwen3-Thinking); "answer" when it wrote a closed one (thinking switched
+        off: the output thinks only if it opens a tag itself, and a request's constraint applies from the
+        start); None when the family's rule decides."""
         for token in reversed(prompt_token_ids):
             if token == self.end_token_id:
                 return "answer"
@@ -64,7 +66,8 @@ class ReasoningStream:
         self.parser = parser
         self.text = ""
         self.sent = 0
-        self.phase = opening or "start"
+        self.phase = "thinking" if opening == "thinking" else "start"
+        self.closed = opening == "answer"  # the prompt closed the thinking: only an opening tag starts one
         self.thought = opening == "thinking"  # whether the output had a thinking section at all
 
     def push(self, delta: str, finished: bool) -> tuple[str, str]:
@@ -76,7 +79,7 @@ class ReasoningStream:
             if self.text.startswith(START):
                 self.sent, self.phase = len(START), "thinking"
             else:  # no opening tag: deepseek_r1 thinks anyway (its template opened the tag), qwen3 answers
-                self.phase = "thinking" if self.parser.name == "deepseek_r1" else "answer"
+                self.phase = "thinking" if self.parser.name == "deepseek_r1" and not self.closed else "answer"
             self.thought = self.phase == "thinking"
         thinking = ""
         if self.phase == "thinking":

@@ -16,6 +16,7 @@ from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, Reque
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.messages_protocol import anthropic_error_body
 from tokenmill.server.protocol import error_body
 
 T = TypeVar("T")
@@ -47,11 +48,16 @@ def bad_request(exc: ValueError, fields: Any = ()) -> APIError:
 
 
 def error_response(status: int, message: str, type_: str, param: Optional[str] = None,
-                   headers: Optional[dict[str, str]] = None) -> JSONResponse:
-    """An error in the OpenAI shape. Text from the request that is not Unicode (lone surrogates) is
-    escaped, so no error can fail to encode."""
+                   headers: Optional[dict[str, str]] = None, path: str = "") -> JSONResponse:
+    """An error in the OpenAI shape, or Anthropic's for a request to `path` under /v1/messages. Text from
+    the request that is not Unicode (lone surrogates) is escaped, so no error can fail to encode."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_error_body(status, _printable(message)), status_code=status, headers=headers)
     return JSONResponse(error_body(_printable(message), type_, _printable(param)), status_code=status,
                         headers=headers)
+
+
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's Messages API: its clients read its error shape
 
 
 def _printable(text: Optional[str]) -> Optional[str]:
@@ -71,10 +77,11 @@ def engine_error(exc: BaseException) -> tuple[int, str]:
     return ENGINE_ERRORS.get(type(exc), (500, "internal_error"))
 
 
-def engine_error_response(exc: BaseException) -> JSONResponse:
-    """The HTTP answer to an engine exception, as ENGINE_ERRORS maps it (a 429 says when to retry)."""
+def engine_error_response(exc: BaseException, path: str = "") -> JSONResponse:
+    """The HTTP answer to an engine exception on `path`, as ENGINE_ERRORS maps it (a 429 says when to retry)."""
     status, type_ = engine_error(exc)
-    return error_response(status, str(exc), type_, headers={"Retry-After": "1"} if status == 429 else None)
+    return error_response(status, str(exc), type_, headers={"Retry-After": "1"} if status == 429 else None,
+                          path=path)
 
 
 def sse_error(exc: BaseException) -> str:
