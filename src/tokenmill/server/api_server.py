@@ -25,6 +25,8 @@ from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
 from tokenmill.server.reasoning import reasoning_parser
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
+from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.serving_responses import ResponsesHandler, add_responses_routes
 from tokenmill.server.serving_messages import MessagesHandler, add_messages_routes
 from tokenmill.server.serving_common import (ENGINE_ERRORS, APIError, ClientDisconnected, engine_error_response,
                                              error_response, new_id, unless_disconnected)
@@ -104,9 +106,16 @@ class BodyLimitMiddleware:
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 
 
+# the names pydantic gives a union's branches in an error's location ("str", "list[...]", "function-after[...]")
+_BRANCH_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    error = exc.errors()[0]
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    """(message, param) of the error a request's body most specifically fails: the deepest location (a
+    field inside the branch of a union the body meant), named without the union's branch names."""
+    error = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+    loc = [str(part) for part in error.get("loc", ())
+           if part != "body" and not (isinstance(part, str) and ("[" in part or part in _BRANCH_NAMES))]
     param = ".".join(loc) or None
     kind = error.get("type", "")
     if kind == "json_invalid":
@@ -323,6 +332,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await respond(chat, body, request)
+
+    add_responses_routes(app, ResponsesHandler(chat, ResponseStore(config.max_stored_responses)), check_model)
 
     add_messages_routes(app, MessagesHandler(chat, engine.info.sampling_defaults), check_model)
 

@@ -41,6 +41,8 @@ class ToolUseBlock(CacheControlled):
     id: str
     name: str
     input: dict[str, Any]
+    caller: Optional[dict[str, Any]] = None  # the SDK's own blocks carry these two, sent back as they came
+    toolset_name: Optional[str] = None
 
 
 class ToolResultBlock(CacheControlled):
