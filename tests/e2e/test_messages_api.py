@@ -7,6 +7,7 @@ output through /v1/messages must be chat's for the same conversation, token for 
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -235,3 +236,43 @@ def test_a_tool_use_input_nested_50000_deep_is_a_400(server):
                           timeout=60)
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     assert "nest" in response.json()["error"]["message"]
+
+
+def test_chat_streams_thinking_as_reasoning_content_deltas(openai_client):
+    stream = openai_client.chat.completions.create(
+        model="tiny", max_tokens=40, messages=ASK, temperature=0, stream=True,
+        extra_body={"guided_regex": FAKE_THINKING, "chat_template_kwargs": {"enable_thinking": False}})
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    thinking = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert thinking == "\nI am thinking.\n"
+    assert "".join(d.content or "" for d in deltas) == "\n\nHello."
+    assert all("think>" not in (d.content or "") + (getattr(d, "reasoning_content", None) or "") for d in deltas)
+    hidden = openai_client.chat.completions.create(
+        model="tiny", max_tokens=40, messages=ASK, temperature=0,
+        extra_body={"guided_regex": FAKE_THINKING, "chat_template_kwargs": {"enable_thinking": False},
+                    "include_reasoning": False})
+    assert getattr(hidden.choices[0].message, "reasoning_content", None) is None
+    assert hidden.choices[0].message.content == "\n\nHello."
+
+
+def test_auto_tool_calls_in_the_models_own_syntax_stream_as_deltas(openai_client):
+    # Qwen3's template names <tool_call>, so --tool-call-parser auto reads Hermes calls; the call is the model's
+    # own text here (a regex writes it), not a grammar-enforced one
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    regex = re.escape("Let me check.\n" + call)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}]
+    extra = {"guided_regex": regex, "chat_template_kwargs": {"enable_thinking": False}}
+    whole = openai_client.chat.completions.create(model="tiny", max_tokens=200, messages=ASK, temperature=0,
+                                                  tools=tools, tool_choice="auto", extra_body=extra)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    chunks = list(openai_client.chat.completions.create(model="tiny", max_tokens=200, messages=ASK, temperature=0,
+                                                        tools=tools, tool_choice="auto", stream=True,
+                                                        extra_body=extra))
+    pieces = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "get_weather"
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"city": "Paris", "unit": "celsius"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let me check.\n"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"

@@ -159,6 +159,21 @@ def test_structured_answers_parse_and_forced_tools_show_their_calls(servers, pag
     assert calls[0]["function"]["name"] == "get_weather" and "city" in json.loads(calls[0]["function"]["arguments"])
 
 
+def test_each_chat_api_streams_the_same_greedy_answer(servers, page):
+    page.goto(servers["open"].url + "/")
+    page.wait_for_function("document.querySelector('#model').textContent.startsWith('model:')")
+    settings(page, mode="chat", temperature=0, max_tokens=12, constraint="none", tools="", tool_choice="auto")
+    answers = {}
+    for api in ("chat_completions", "responses", "messages"):
+        page.click("#clear")
+        settings(page, api=api)
+        send(page, "Name three colours.")
+        answers[api] = wait_answered(page)
+        assert "12 tokens" in page.locator(".message.assistant .stats").last.inner_text(), api
+    assert answers["chat_completions"] and len(set(answers.values())) == 1, answers
+    assert page.locator("#error").is_hidden()
+
+
 def test_the_servers_4xx_message_is_shown_verbatim_and_a_dropped_connection_can_be_retried(servers, page):
     url = servers["open"].url
     expected = httpx.post(f"{url}/v1/chat/completions", json={

@@ -35,7 +35,10 @@ HOSTILE_VALUES = [2 ** 64, 2 ** 75, -(2 ** 70), 1e308, float("inf"), float("-inf
 SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "logit_bias",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                    "top_logprobs", "stop_token_ids", "priority", "guided_choice", "guided_regex", "guided_json",
-                   "prompt", "messages", "tokens", "cache_salt", "max_completion_tokens", "response_format"]
+                   "prompt", "messages", "tokens", "cache_salt", "max_completion_tokens", "response_format",
+                   # the Messages and Responses APIs' own
+                   "system", "stop_sequences", "tools", "tool_choice", "thinking", "metadata", "input", "instructions",
+                   "max_output_tokens", "text", "previous_response_id", "chat_template_kwargs"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,22 @@ def fuzz_server(tmp_path_factory):
 
 BASE_BODIES = {"/v1/completions": {"prompt": "hi", "max_tokens": 4},
                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]}}
+               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]},
+               "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+               "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+               "/v1/responses": {"input": "hi", "max_output_tokens": 4}}
+NEEDS_MODEL = {"/v1/messages", "/v1/messages/count_tokens"}  # Anthropic's bodies must name the model
+
+
+def well_shaped_error(path: str, response: httpx.Response) -> bool:
+    """Whether a 4xx answer is in the error shape of its API: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    if path.startswith("/v1/messages"):
+        return body.get("type") == "error" and isinstance(body.get("error", {}).get("message"), str)
+    return isinstance(body.get("error"), dict) and isinstance(body["error"].get("message"), str)
 
 
 def operations(url: str):
@@ -60,6 +78,7 @@ def operations(url: str):
 
 def test_no_generated_request_gets_a_server_error(fuzz_server):
     url = fuzz_server.url
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     failures: list[str] = []
     checked = 0
     for operation in operations(url):
@@ -73,11 +92,16 @@ def test_no_generated_request_gets_a_server_error(fuzz_server):
             nonlocal checked
             if isinstance(item.body, dict):
                 item.body.pop("model", None)  # a random model name is a 404 before anything else is read
+                if operation.path in NEEDS_MODEL:
+                    item.body["model"] = model
             response = item.call(base_url=url, timeout=60)
             checked += 1
             if response.status_code >= 500:
                 failures.append(f"{operation.label} -> {response.status_code}: {response.text[:200]}\n"
                                 f"  body: {str(item.body)[:300]}")
+            elif response.status_code >= 400 and not well_shaped_error(operation.path, response):
+                failures.append(f"{operation.label} -> {response.status_code} not in its API's error shape: "
+                                f"{response.text[:200]}")
 
         exercise()
     print(f"\nfuzz: {checked} requests over {len(operations(url))} operations, {len(failures)} server errors")
@@ -90,8 +114,10 @@ def test_no_generated_request_gets_a_server_error(fuzz_server):
 def test_no_hostile_field_value_gets_a_server_error(fuzz_server):
     """Every field x every hostile value, one at a time, on a minimal valid body of each endpoint."""
     failures: list[str] = []
+    model = httpx.get(f"{fuzz_server.url}/v1/models", timeout=10).json()["data"][0]["id"]
     with httpx.Client(base_url=fuzz_server.url, timeout=60) as client:
         for path, base in BASE_BODIES.items():
+            base = {**base, "model": model} if path in NEEDS_MODEL else base
             for field in SAMPLING_FIELDS:
                 for value in HOSTILE_VALUES:
                     # raw JSON text: Infinity / NaN literals and \ud800 escapes, as a careless client writes them
@@ -103,6 +129,9 @@ def test_no_hostile_field_value_gets_a_server_error(fuzz_server):
                         continue
                     if response.status_code >= 500:
                         failures.append(f"{path} {field}={value!r} -> {response.status_code}: {response.text[:150]}")
+                    elif response.status_code >= 400 and not well_shaped_error(path, response):
+                        failures.append(f"{path} {field}={value!r} -> {response.status_code} not in its API's error "
+                                        f"shape: {response.text[:150]}")
     print(f"\nhostile values: {len(BASE_BODIES) * len(SAMPLING_FIELDS) * len(HOSTILE_VALUES)} requests, "
           f"{len(failures)} server errors")
     assert not failures, "\n".join(failures[:20])

@@ -1,15 +1,17 @@
-// The playground: chat and completions over the public OpenAI API, streamed token by token.
+// The playground: chat (through Chat Completions, Responses or Messages) and completions, streamed token by token.
 import { ApiError, askForKey, call, el, events } from "/static/api.js";
+import { APIS, readEvent } from "/static/chat_apis.js";
 
 const STORE = "tokenmill.playground";
 const MAX_KEPT_MESSAGES = 100;
 const $ = (id) => document.getElementById(id);
-const FIELDS = ["mode", "system", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
+const FIELDS = ["mode", "api", "system", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
   "logprobs", "constraint", "constraint-value", "tools", "tool_choice"];
 
 let state = { messages: [], settings: {} };
 let running = null; // {controller, message} while an answer streams
 let lastRequest = null; // what Retry sends again
+let modelId = null; // the served model's name, which Responses and Messages bodies carry
 
 function save() {
   state.messages = state.messages.slice(-MAX_KEPT_MESSAGES);
@@ -119,14 +121,18 @@ function render() {
 
 function renderMessage(message) {
   const body = el("div", { class: "content" });
+  const thinking = message.reasoning
+    ? el("details", { class: "thinking" }, el("summary", { text: "Thinking" }), el("div", { text: message.reasoning }))
+    : null;
   if (message.tokens && message.tokens.length) {
     for (const token of message.tokens) body.append(tokenSpan(token));
   } else {
     body.textContent = message.content || "";
   }
   const item = el("li", { class: `message ${message.role}`, "data-role": message.role },
-    el("div", { class: "role", text: message.kind === "completion" && message.role === "user" ? "prompt" : message.role }),
-    body);
+    el("div", { class: "role", text: message.kind === "completion" && message.role === "user" ? "prompt" : message.role }));
+  if (thinking) item.append(thinking);
+  item.append(body);
   if (message.tool_calls && message.tool_calls.length) {
     item.append(el("pre", { class: "tool-calls", text: JSON.stringify(message.tool_calls, null, 2) }));
   }
@@ -145,8 +151,10 @@ async function send(prompt) {
     return;
   }
   const kind = settings.mode;
+  const api = kind === "chat" ? settings.api || "chat_completions" : null;
+  if (api) body = APIS[api].body(body, modelId);
   const user = { kind, role: "user", content: prompt };
-  const answer = { kind, role: "assistant", content: "", tokens: [], tool_calls: [], stats: {} };
+  const answer = { kind, role: "assistant", content: "", reasoning: "", tokens: [], tool_calls: [], stats: {} };
   state.messages.push(user, answer);
   render();
   let node = $("messages").lastElementChild;
@@ -158,13 +166,25 @@ async function send(prompt) {
   const started = performance.now();
   let firstToken = null;
   try {
-    const path = kind === "chat" ? "/v1/chat/completions" : "/v1/completions";
+    const path = api ? APIS[api].path : "/v1/completions";
     const response = await call(path, {
       method: "POST", body: JSON.stringify(body), signal: controller.signal,
       headers: { "Content-Type": "application/json" },
     });
+    const streamState = {};
     for await (const { event, data } of events(response)) {
       if (data === "[DONE]") break;
+      if (api && api !== "chat_completions") {
+        const piece = readEvent(api, event, data, streamState);
+        if (piece && appendPiece(answer, piece) && firstToken === null) {
+          firstToken = performance.now();
+          answer.stats.ttft_ms = firstToken - started;
+        }
+        const fresh = renderMessage(answer);
+        node.replaceWith(fresh);
+        node = fresh;
+        continue;
+      }
       const chunk = JSON.parse(data);
       if (event === "error" || chunk.error) throw new ApiError(500, chunk.error ? chunk.error.message : data);
       if (chunk.usage) answer.stats.tokens = chunk.usage.completion_tokens;
@@ -209,6 +229,7 @@ function appendChoice(answer, choice, kind) {
   if (kind === "chat") {
     const delta = choice.delta || {};
     text = delta.content || "";
+    answer.reasoning += delta.reasoning_content || "";
     for (const call of delta.tool_calls || []) mergeToolCall(answer.tool_calls, call);
     const content = choice.logprobs && choice.logprobs.content;
     if (content) tokens = content.map((t) => ({ text: t.token, logprob: t.logprob, top: t.top_logprobs }));
@@ -229,6 +250,17 @@ function appendChoice(answer, choice, kind) {
   return tokens.length || (text ? 1 : 0) || (choice.delta && choice.delta.tool_calls ? 1 : 0);
 }
 
+// Adds what one Responses or Messages event brought (chat_apis.js readEvent); returns whether it held output.
+function appendPiece(answer, piece) {
+  answer.content += piece.text || "";
+  answer.reasoning += piece.thinking || "";
+  if (piece.text) answer.tokens.push({ text: piece.text });
+  for (const call of piece.calls || []) mergeToolCall(answer.tool_calls, call);
+  if (piece.tokens !== undefined) answer.stats.tokens = piece.tokens;
+  if (piece.finish) answer.stats.finish_reason = piece.finish;
+  return Boolean(piece.text || piece.thinking || piece.calls);
+}
+
 function mergeToolCall(calls, delta) {
   const index = delta.index || 0;
   calls[index] = calls[index] || { id: delta.id, type: "function", function: { name: "", arguments: "" } };
@@ -241,6 +273,7 @@ async function showModel() {
   try {
     const response = await call("/v1/models");
     const models = (await response.json()).data || [];
+    modelId = models.length ? models[0].id : null;
     $("model").textContent = models.length ? `model: ${models[0].id}` : "";
   } catch (err) {
     showError(err.message, err.status === 0);
