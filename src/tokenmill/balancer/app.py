@@ -1,6 +1,8 @@
 """The front of `serve --data-parallel-size N`: one port that proxies every request to a replica.
 
-Generation requests (/v1/completions, /v1/chat/completions) go where `Balancer.choose` says. A replica
+Generation requests (/v1/completions, /v1/chat/completions, /v1/messages, /v1/responses) go where
+`Balancer.choose` says (each replica keeps its own stored responses: previous_response_id and
+GET /v1/responses/{id} find a response only on the replica that made it). A replica
 that cannot be reached, or that fails before the first byte of its answer was passed on, is marked
 down and the request is retried on another (the engines are deterministic: a retried request
 answers the same); one that answers 429 is tried after the others. Once bytes have been passed on, a
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.2
 _FIRST_RESTART_DELAY_S, _MAX_RESTART_DELAY_S = 2.0, 60.0  # a replica that keeps dying is restarted less often
 _HEALTH_TIMEOUT_S = 2.0
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 _DEFAULT_MAX_TOKENS = 256  # charged for a request that does not say (its real length is unknown)
 
 
@@ -209,7 +211,8 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
         max_tokens, salt = _DEFAULT_MAX_TOKENS, None
         if isinstance(payload, dict):
             token_ids = await asyncio.to_thread(prompts.token_ids, path, payload)
-            asked = payload.get("max_completion_tokens") or payload.get("max_tokens")
+            asked = (payload.get("max_completion_tokens") or payload.get("max_tokens")
+                     or payload.get("max_output_tokens"))
             max_tokens = asked if isinstance(asked, int) and asked > 0 else _DEFAULT_MAX_TOKENS
             salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
         tried: set[int] = set()

@@ -17,6 +17,7 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+TOOL_CHOICES = '"auto", "none", "required" or {"type": "function", "name": ...}'
 UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
@@ -180,6 +181,10 @@ class ResponsesRequest(_Body):
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    guided_json: Union[None, str, dict[str, Any]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -196,7 +201,9 @@ class ResponsesRequest(_Body):
     def _function_choice(cls, value: Any) -> Any:
         if isinstance(value, dict) and value.get("type") != "function":
             raise ValueError(f"tool_choice of type {value.get('type')!r} is not supported by this server: give "
-                             "\"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}")
+                             f"{TOOL_CHOICES}")
+        if isinstance(value, str) and value not in ("auto", "none", "required"):
+            raise ValueError(f"tool_choice {value!r} is not one of {TOOL_CHOICES}")
         return value
 
     @field_validator("metadata")
@@ -249,17 +256,14 @@ def _item(index: int, raw: Any) -> InputItem:
     if model is None:
         raise ValueError(f"'{where}': input items of type {kind!r} are not supported by this server (only "
                          f"{', '.join(ITEM_TYPES)})")
-    for part_index, part in enumerate(_parts(raw)):
+    field = "output" if kind == "function_call_output" else "content"
+    parts = raw.get(field)
+    for part_index, part in enumerate(parts if isinstance(parts, list) else []):
         unsupported = UNSUPPORTED_PARTS.get(part.get("type")) if isinstance(part, dict) else None
         if unsupported is not None:
-            raise ValueError(f"'{where}.content.{part_index}': {unsupported} inputs ({part['type']}) are not "
+            raise ValueError(f"'{where}.{field}.{part_index}': {unsupported} inputs ({part['type']}) are not "
                              "supported by this server, which reads text only")
     return _validated(model, raw, where)
-
-
-def _parts(raw: dict[str, Any]) -> list[Any]:
-    parts = raw.get("content", raw.get("output"))
-    return parts if isinstance(parts, list) else []
 
 
 def function_tools(value: Any) -> list[FunctionTool]:

@@ -49,7 +49,8 @@ CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response
 # Responses fields passed to the chat request under the same name, when given
 SHARED_FIELDS = ("temperature", "top_p", "user", "parallel_tool_calls", "seed", "top_k", "min_p",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "ignore_eos",
-                 "min_tokens", "cache_salt", "priority", "chat_template_kwargs")
+                 "min_tokens", "cache_salt", "priority", "chat_template_kwargs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar")
 
 
 def item_id(prefix: str) -> str:
@@ -115,7 +116,7 @@ def turn_items(turn: Turn, cut: bool) -> list[dict[str, Any]]:
     if turn.thinking:
         items.append(reasoning_item(turn.thinking))
     if turn.content:
-        items.append(message_item(turn.content, "incomplete" if cut else "completed"))
+        items.append(message_item(turn.content, "incomplete" if cut and not turn.calls else "completed"))
     items.extend(function_call_item(call_id(), call.name, call.arguments) for call in turn.calls)
     return items
 

@@ -1,7 +1,8 @@
-"""Anthropic's Messages API through `tokenmill serve`, driven by the official `anthropic` SDK, unmodified.
+"""Anthropic's Messages API through `tokenmill serve`, driven by the official `anthropic` SDK, unmodified; and a
+reasoning model's thinking and tool calls through all three chat APIs (Chat Completions, Responses, Messages).
 
 The server runs a tiny random Qwen3 with Qwen3's chat template and `--reasoning-parser qwen3`. Greedy
-output through /v1/messages must be chat's for the same conversation, token for token.
+output through /v1/messages and /v1/responses must be chat's for the same conversation, token for token.
 """
 
 from __future__ import annotations
@@ -276,3 +277,34 @@ def test_auto_tool_calls_in_the_models_own_syntax_stream_as_deltas(openai_client
     assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"city": "Paris", "unit": "celsius"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Let me check.\n"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_responses_carry_thinking_as_reasoning_items_whole_and_streamed(server, openai_client):
+    forced = {"guided_regex": FAKE_THINKING, "chat_template_kwargs": {"enable_thinking": False}}
+    response = openai_client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=40,
+                                              temperature=0, extra_body=forced)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == "\nI am thinking.\n"
+    assert response.output_text == "\n\nHello." and response.status == "completed"
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    body = {"model": "tiny", "input": ASK[0]["content"], "max_output_tokens": 40, "temperature": 0, "stream": True,
+            **forced}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as stream:
+        events = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+    thinking = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (thinking, text) == ("\nI am thinking.\n", "\n\nHello.")
+    assert events[-1]["type"] == "response.completed"
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_greedy_text_is_the_same_through_all_three_apis(claude, openai_client):
+    conversation = [{"role": "system", "content": SYSTEM}, *ASK]
+    chat = openai_client.chat.completions.create(model="tiny", max_tokens=16, temperature=0, messages=conversation)
+    message = claude.messages.create(model="tiny", max_tokens=16, system=SYSTEM, messages=ASK, extra_body=GREEDY)
+    response = openai_client.responses.create(model="tiny", max_output_tokens=16, temperature=0, instructions=SYSTEM,
+                                              input=ASK)
+    assert chat.choices[0].message.content == message.content[0].text == response.output_text
+    assert chat.usage.completion_tokens == message.usage.output_tokens == response.usage.output_tokens == 16
+    assert chat.usage.prompt_tokens == response.usage.input_tokens == \
+        message.usage.input_tokens + message.usage.cache_read_input_tokens
