@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.server_harness import HOST, ServerProcess, free_port, metric, metric_samples
+from e2e.server_harness import HOST, ServerProcess, free_port, metric_samples
 from helpers.tiny_models import make_tiny_hf_model
 
 BLOCK = 4

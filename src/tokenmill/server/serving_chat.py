@@ -8,6 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
+from pydantic import ValidationError
+
 from tokenmill.engine.admission import Ticket
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, merge_outputs
@@ -46,6 +48,19 @@ def chat_prompt(tokenizer: Any, chat_template: Optional[str], messages: list[Cha
                                template_kwargs)
     except Exception as exc:  # a template may raise on a conversation it does not accept
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+
+def chat_request(fields: dict[str, Any], names: Optional[dict[str, str]] = None) -> ChatCompletionRequest:
+    """The chat request another API's body translates to (`fields`); APIError 400 when it is invalid, naming the
+    field as that API calls it (`names`: chat's field -> the other API's)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = [str(part) for part in error["loc"]]
+        param = (names or {}).get(loc[0], loc[0]) if loc else None
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise APIError(400, f"'{param}': {message}" if param else message, param=param) from None
 
 
 @dataclass

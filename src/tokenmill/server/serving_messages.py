@@ -15,25 +15,15 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from tokenmill.outputs import CompletionOutput
 from tokenmill.server.messages_protocol import (
     CountTokensRequest, Message, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock,
     anthropic_error_body, block_text)
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.serving_chat import ChatHandler, ChatRun
+from tokenmill.server.serving_chat import ChatHandler, ChatRun, chat_request
 from tokenmill.server.serving_common import (STREAM_ERRORS, APIError, engine_error, unless_disconnected)
 from tokenmill.server.tool_calls import tool_mode
-
-def _validated(fields: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error.get("loc", ()))
-        raise APIError(400, f"{where}: {error.get('msg', '').removeprefix('Value error, ')}") from None
-
 
 class MessagesHandler:
     """Runs Messages requests on a ChatHandler; `defaults` are the model's recommended sampling controls,
@@ -65,7 +55,7 @@ class MessagesHandler:
                           top_k=_given(body.top_k, self.defaults.get("top_k", -1)),
                           user=body.metadata.user_id if body.metadata else None,
                           **{name: getattr(body, name) for name in body.EXTENSIONS})
-        return _validated(fields)
+        return chat_request(fields, {"stop": "stop_sequences"})
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, Any]:
         """`{"input_tokens": N}`: the prompt's length as a Messages request would send it."""

@@ -31,7 +31,6 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from tokenmill.outputs import CompletionOutput
 from tokenmill.server.assistant_turn import Turn
@@ -39,7 +38,7 @@ from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ResponsesRequest, input_items)
-from tokenmill.server.serving_chat import ChatHandler, ChatRun, call_id
+from tokenmill.server.serving_chat import ChatHandler, ChatRun, call_id, chat_request
 from tokenmill.server.serving_common import (
     STREAM_ERRORS, APIError, ChoiceTracker, cached_tokens, engine_error, now, unless_disconnected)
 from tokenmill.server.tool_parsers import CallDelta
@@ -197,14 +196,7 @@ class ResponsesHandler:
             fields["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
         if body.text is not None and body.text.format is not None:
             fields["response_format"] = body.text.format.response_format()
-        try:
-            return ChatCompletionRequest.model_validate(fields)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            loc = [str(part) for part in error["loc"]]
-            param = CHAT_FIELDS.get(loc[0], loc[0]) if loc else None
-            message = str(error["msg"]).removeprefix("Value error, ")
-            raise APIError(400, f"'{param}': {message}" if param else message, param=param) from None
+        return chat_request(fields, CHAT_FIELDS)
 
     async def start(self, job: ResponseJob) -> ChatRun:
         """The chat run of `job` (its errors name the Responses fields)."""
