@@ -17,7 +17,8 @@ from tokenmill.server.api_server import build_app
 KEY = "tenant-key-123"
 ROUTES = [("GET", "/v1/models"), ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/version"),
           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-          ("POST", "/detokenize")]
+          ("POST", "/detokenize"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+          ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_x"), ("DELETE", "/v1/responses/resp_x")]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,19 @@ def test_the_key_guards_every_route_but_health_and_metrics(engine):
         assert client.request(method, path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key_and_read_its_refusal_in_their_shape(engine):
+    client = client_for(engine, ServerConfig(api_key=KEY))
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"anthropic-version": "2023-06-01"}
+    refused = client.post("/v1/messages", json=body, headers={**headers, "x-api-key": "wrong"})
+    assert refused.status_code == 401
+    assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "authentication_error"
+    assert client.post("/v1/messages", json=body, headers={**headers, "x-api-key": KEY}).status_code == 200
+    assert client.post("/v1/chat/completions", headers={"x-api-key": KEY},
+                       json={"max_tokens": 2, "messages": body["messages"]}).status_code == 200
+    assert "error" in client.post("/v1/chat/completions", json={}).json()  # OpenAI's shape elsewhere
 
 
 def test_metrics_can_require_the_key(engine):
