@@ -139,19 +139,28 @@ def test_poison_next_to_an_innocent_stream_leaves_it_identical(server):
 
 async def _overload(server, count: int) -> tuple[dict[int, int], list[float]]:
     statuses: dict[int, int] = {}
-    body = {"prompt": "Once upon a time", "max_tokens": 16, "stream": True, "ignore_eos": True}
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    said = {"max_tokens": 16, "stream": True}
+    bodies = [("/v1/completions", {"prompt": "Once upon a time", "ignore_eos": True, **said}),  # all admitted alike
+              ("/v1/messages", {"model": model, "messages": [{"role": "user", "content": "Once upon"}], **said}),
+              ("/v1/responses", {"input": "Once upon a time", "max_output_tokens": 16, "stream": True,
+                                 "ignore_eos": True})]
     async with httpx.AsyncClient(base_url=server.url, timeout=120.0,
                                  limits=httpx.Limits(max_connections=count + 8)) as client:
-        async def one() -> None:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                await response.aread()
+        async def one(index: int) -> None:
+            path, body = bodies[index % len(bodies)]
+            async with client.stream("POST", path, json=body) as response:
+                answer = await response.aread()
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
                 if response.status_code == 429:
                     assert response.headers["retry-after"] == "1"
+                    error = json.loads(answer)
+                    assert error["error"]["type"] == "rate_limit_error"
+                    assert (error.get("type") == "error") == (path == "/v1/messages"), error  # each API's shape
 
         # the probe has its own thread and connection: it times the server, not this busy event loop
         probe = ThreadPoolExecutor(max_workers=1).submit(_probe_health, server.url)
-        await asyncio.gather(*(one() for _ in range(count)))
+        await asyncio.gather(*(one(i) for i in range(count)))
     return statuses, probe.result(timeout=120)
 
 
