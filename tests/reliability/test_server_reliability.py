@@ -229,3 +229,26 @@ def test_a_disconnect_storm_leaves_nothing_running_and_no_block_held(server):
                     - metric(before, "tokenmill:request_success_total", finish_reason=r) for r in ("length", "stop"))
     assert completed == 0, "a request whose client was gone ran to completion"
     assert stream_text(server, INNOCENT) == stream_text(server, INNOCENT)  # still serving, still deterministic
+
+
+def test_the_default_model_answers_alike_through_every_chat_api(server):
+    # the real SmolLM2 (Q4_1, bf16 where the CPU has it): the official SDKs, unmodified, get chat's greedy answer
+    import anthropic
+    from openai import OpenAI
+
+    openai_client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    model = openai_client.models.list().data[0].id
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    chat = openai_client.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0)
+    response = openai_client.responses.create(model=model, input=question, max_output_tokens=24, temperature=0)
+    message = claude.messages.create(model=model, messages=question, max_tokens=24, extra_body={"temperature": 0})
+    answer = chat.choices[0].message.content
+    assert "Paris" in answer
+    assert response.output_text == message.content[0].text == answer
+    assert response.usage.output_tokens == message.usage.output_tokens == chat.usage.completion_tokens
+    with claude.messages.stream(model=model, messages=question, max_tokens=24, extra_body={"temperature": 0}) as s:
+        assert "".join(s.text_stream) == answer
+    streamed = openai_client.responses.create(model=model, input=question, max_output_tokens=24, temperature=0,
+                                              stream=True)
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == answer
