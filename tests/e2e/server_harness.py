@@ -6,6 +6,7 @@ blocks until GET /health answers 200. `stop()` always ends the process (SIGTERM,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -61,6 +62,16 @@ class ServerProcess:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator["ServerProcess"]:
+        """Start, wait until ready and, however the block ends, stop (SIGTERM first)."""
+        self.start()
+        try:
+            yield self.wait_ready()
+        finally:
+            self.terminate()
+            self.stop()
 
     def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
         """Block until /health is 200; restart once on a lost port race; raise with the log otherwise."""

@@ -35,12 +35,8 @@ def server(tmp_path_factory):
     model = make_tiny_reasoning_model(tmp_path_factory.mktemp("tiny") / "model")
     proc = ServerProcess(str(model), "--max-model-len", "512", "--num-kv-blocks", "256", "--served-model-name", "tiny",
                          "--reasoning-parser", "qwen3", log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    proc.start()
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.terminate()
-        proc.stop()
+    with proc.running():
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,8 @@ def served(tmp_path_factory):
     model = str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=2048))
     server = ServerProcess(model, "--max-model-len", "2048", "--num-kv-blocks", "256", "--served-model-name", "tiny",
                            log_path=tmp_path_factory.mktemp("logs") / "responses.log")
-    server.start()
-    try:
-        yield OpenAI(base_url=f"{server.wait_ready().url}/v1", api_key="none", max_retries=0), server.url
-    finally:
-        server.terminate()
-        server.stop()
+    with server.running():
+        yield OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0), server.url
 
 
 @pytest.fixture(scope="module")

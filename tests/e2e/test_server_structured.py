@@ -31,12 +31,8 @@ def tiny(tmp_path_factory):
     model = str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model"))
     server = ServerProcess(model, "--max-model-len", "512", "--num-kv-blocks", "256", "--served-model-name", "tiny",
                            log_path=tmp_path_factory.mktemp("logs") / "tiny.log")
-    server.start()
-    try:
-        yield OpenAI(base_url=f"{server.wait_ready().url}/v1", api_key="none", max_retries=0), server.url
-    finally:
-        server.terminate()
-        server.stop()
+    with server.running():
+        yield OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0), server.url
 
 
 def test_response_formats_on_completions_and_chat(tiny):

@@ -23,12 +23,8 @@ def pythonic(tmp_path_factory):
     model = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model")
     server = ServerProcess(str(model), "--max-model-len", "512", "--num-kv-blocks", "128", "--served-model-name", "tiny",
                            "--tool-call-parser", "pythonic", log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    server.start()
-    try:
-        yield server.wait_ready()
-    finally:
-        server.terminate()
-        server.stop()
+    with server.running():
+        yield server
 
 
 def forced(text: str) -> dict:

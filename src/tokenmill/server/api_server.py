@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,7 +29,7 @@ from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.serving_responses import ResponsesHandler, add_responses_routes
 from tokenmill.server.serving_messages import MessagesHandler, add_messages_routes
 from tokenmill.server.serving_common import (ENGINE_ERRORS, APIError, ClientDisconnected, engine_error_response,
-                                             error_response, new_id, unless_disconnected)
+                                             error_response, new_id, respond)
 from tokenmill.server.serving_completion import CompletionHandler, prompt_items, tokenize_prompts
 from tokenmill.server.tool_calls import tool_mode
 from tokenmill.structured.json_text import MAX_NESTING
@@ -318,19 +318,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         return {"request_id": new_id("chatcmpl"), "token_ids": tokens, "sampling_params": params,
                 "model": model_name}
 
-    async def respond(handler: Any, body: Any, request: Request) -> Response:
-        check_model(body.model)
-        if body.stream:
-            events = await unless_disconnected(request, handler.stream(body))
-            return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await unless_disconnected(request, handler.complete(body)))
-
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
         return await respond(completions, body, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
         return await respond(chat, body, request)
 
     add_responses_routes(app, ResponsesHandler(chat, ResponseStore(config.max_stored_responses)), check_model)

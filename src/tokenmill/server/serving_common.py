@@ -10,7 +10,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.lora.request import LoRARequest
@@ -122,6 +122,15 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     except (asyncio.CancelledError, Exception):
         pass
     raise ClientDisconnected()
+
+
+async def respond(handler: Any, body: Any, request: Request) -> Response:
+    """A generation route's answer: `handler.stream(body)`'s events when the body streams, else
+    `handler.complete(body)`'s JSON; either is cancelled (aborting its engine request) if the client goes."""
+    if body.stream:
+        events = await unless_disconnected(request, handler.stream(body))
+        return StreamingResponse(events, media_type="text/event-stream")
+    return JSONResponse(await unless_disconnected(request, handler.complete(body)))
 
 
 def sse(payload: Any) -> str:

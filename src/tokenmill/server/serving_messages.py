@@ -14,7 +14,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from tokenmill.outputs import CompletionOutput
 from tokenmill.server.messages_protocol import (
@@ -22,7 +22,7 @@ from tokenmill.server.messages_protocol import (
     anthropic_error_body, block_text)
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_chat import ChatHandler, ChatRun, chat_request
-from tokenmill.server.serving_common import (STREAM_ERRORS, APIError, engine_error, unless_disconnected)
+from tokenmill.server.serving_common import STREAM_ERRORS, APIError, engine_error, respond
 from tokenmill.server.tool_calls import tool_mode
 
 class MessagesHandler:
@@ -272,10 +272,7 @@ def add_messages_routes(app: FastAPI, handler: MessagesHandler, check_model: Cal
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         check_model(body.model)
-        if body.stream:
-            events = await unless_disconnected(request, handler.stream(body))
-            return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await unless_disconnected(request, handler.complete(body)))
+        return await respond(handler, body, request)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:

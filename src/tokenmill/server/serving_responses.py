@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from tokenmill.outputs import CompletionOutput
 from tokenmill.server.assistant_turn import Turn
@@ -40,7 +40,7 @@ from tokenmill.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ResponsesRequest, input_items)
 from tokenmill.server.serving_chat import ChatHandler, ChatRun, call_id, chat_request
 from tokenmill.server.serving_common import (
-    STREAM_ERRORS, APIError, ChoiceTracker, cached_tokens, engine_error, now, unless_disconnected)
+    STREAM_ERRORS, APIError, ChoiceTracker, cached_tokens, engine_error, now, respond)
 from tokenmill.server.tool_parsers import CallDelta
 
 # the chat request's field -> the Responses field it came from, for errors that name one
@@ -206,7 +206,7 @@ class ResponsesHandler:
             exc.param = CHAT_FIELDS.get(exc.param or "", exc.param)
             raise
 
-    async def create(self, body: ResponsesRequest) -> dict[str, Any]:
+    async def complete(self, body: ResponsesRequest) -> dict[str, Any]:
         """The whole response (stored when `store` is true)."""
         job = self.job(body)
         run = await self.start(job)
@@ -417,10 +417,7 @@ def add_responses_routes(app: FastAPI, handler: ResponsesHandler, check_model: C
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         check_model(body.model)
-        if body.stream:
-            events = await unless_disconnected(request, handler.stream(body))
-            return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await unless_disconnected(request, handler.create(body)))
+        return await respond(handler, body, request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict[str, Any]:
