@@ -147,3 +147,32 @@ def test_a_replica_that_died_is_started_again_and_takes_requests(front):
                                timeout=120)
     assert metric(samples, "tokenmill_dp_replica_restarts_total", engine="1") == 1
     test_concurrent_requests_without_a_shared_prefix_use_both_replicas(front)
+
+
+def test_stored_responses_are_continued_read_and_deleted_on_the_replica_that_made_them(front):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="none", max_retries=0)
+    before = routed(front.url)
+
+    def make(i: int) -> str:
+        ask = dict(model="m", input=f"Story number {i}:", max_output_tokens=24, temperature=0)
+        if i % 2:
+            with client.responses.stream(**ask) as stream:
+                return stream.get_final_response().id
+        return client.responses.create(**ask).id
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # at once: both replicas make some
+        ids = list(pool.map(make, range(8)))
+    after = routed(front.url)
+    assert all(after[r] > before[r] for r in "01"), (before, after)
+    for response_id in ids:
+        assert client.responses.retrieve(response_id).id == response_id
+        follow = client.responses.create(model="m", previous_response_id=response_id, input="And then?",
+                                         max_output_tokens=2, temperature=0)
+        assert follow.previous_response_id == response_id
+    client.responses.delete(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])

@@ -146,3 +146,21 @@ def test_load_decides_without_a_prefix_index():
     balancer.done(first)
     assert balancer.choose([1, 2, 3], 10).replica.rank == 0
     assert balancer.choose([1], 1, exclude=frozenset({0, 1})) is None
+
+
+def test_response_homes_remember_which_replica_made_a_response():
+    from tokenmill.balancer.response_homes import ResponseHomes
+
+    homes = ResponseHomes(max_entries=2)
+    homes.note_answer(b'{"id": "resp_0a", "object": "response"}', 1)
+    homes.note_stream(b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'
+                      b'"response":{"id":"resp_0b","object":"response"}}\n\n', 0)
+    homes.note_answer(b'{"error": {"message": "no"}}', 1)  # an error names no response
+    homes.note_answer(b"not json", 1)
+    assert homes.home("POST", "/v1/responses", {"previous_response_id": "resp_0a", "input": "x"}) == 1
+    assert homes.home("GET", "/v1/responses/resp_0b", None) == 0
+    assert homes.home("DELETE", "/v1/responses/resp_0a", None) == 1
+    assert homes.home("POST", "/v1/responses", {"input": "x"}) is None
+    assert homes.home("POST", "/v1/chat/completions", {"previous_response_id": "resp_0a"}) is None
+    homes.note("resp_0c", 0)  # the oldest is forgotten past max_entries
+    assert homes.home("GET", "/v1/responses/resp_0a", None) is None

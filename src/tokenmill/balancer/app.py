@@ -1,8 +1,8 @@
 """The front of `serve --data-parallel-size N`: one port that proxies every request to a replica.
 
 Generation requests (/v1/completions, /v1/chat/completions, /v1/messages, /v1/responses) go where
-`Balancer.choose` says (each replica keeps its own stored responses: previous_response_id and
-GET /v1/responses/{id} find a response only on the replica that made it). A replica
+`Balancer.choose` says, except that one continuing a stored response (previous_response_id), like
+GET and DELETE /v1/responses/{id}, goes to the replica that made it (`ResponseHomes`). A replica
 that cannot be reached, or that fails before the first byte of its answer was passed on, is marked
 down and the request is retried on another (the engines are deterministic: a retried request
 answers the same); one that answers 429 is tried after the others. Once bytes have been passed on, a
@@ -34,6 +34,7 @@ from starlette.routing import Route as HTTPRoute
 from tokenmill.balancer.forwarding import answer_headers, request_headers
 from tokenmill.balancer.policy import Balancer, Replica, Route
 from tokenmill.balancer.replicas import ReplicaProcess
+from tokenmill.balancer.response_homes import RESPONSES_PATH, ResponseHomes
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,12 @@ class _Fixed:
 
 
 def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prompts: PromptReader,
-                       max_body_bytes: int, on_all_exited: Callable[[], None]) -> Starlette:
+                       max_body_bytes: int, on_all_exited: Callable[[], None],
+                       homes: Optional[ResponseHomes] = None) -> Starlette:
     """The front's HTTP application; it watches (and restarts) the replicas while it runs, and calls
-    `on_all_exited` once every replica has ended without ever coming up."""
+    `on_all_exited` once every replica has ended without ever coming up. `homes` remembers which replica
+    stored each response, for the requests that refer to one."""
+    homes = homes if homes is not None else ResponseHomes(1000 * len(processes))
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0), limits=httpx.Limits(max_connections=None))
     metrics = BalancerMetrics()
 
@@ -190,7 +194,8 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
         url_tail = path + (f"?{request.url.query}" if request.url.query else "")
         if request.method == "POST" and path in _GENERATION_PATHS:
             return await _generate(request.method, path, url_tail, headers, body)
-        route = balancer.choose(None, 0)
+        route = balancer.choose(None, 0, exclude=_others(homes.home(request.method, path, None)))
+        route = route or balancer.choose(None, 0)  # its home is down: another replica answers (404)
         if route is None:
             return _error(503, "no replica is up")
         try:
@@ -217,8 +222,12 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
             salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
         tried: set[int] = set()
         busy: Optional[httpx.Response] = None
+        pinned = _others(homes.home(method, path, payload))  # a continued response's replica, while it is up
         while True:
-            route = balancer.choose(token_ids, max_tokens, salt, frozenset(tried))
+            route = balancer.choose(token_ids, max_tokens, salt, frozenset(tried) | pinned)
+            if route is None and pinned:
+                pinned = frozenset()
+                continue
             if route is None:
                 if busy is not None:
                     return Response(busy.content, busy.status_code, answer_headers(busy))
@@ -256,12 +265,23 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
                 finally:
                     await answer.aclose()
                 balancer.done(route)
+                if path == RESPONSES_PATH and answer.status_code == 200:
+                    homes.note_answer(content, route.replica.rank)
                 return Response(content, answer.status_code, answer_headers(answer))
-            return StreamingResponse(_relay(answer, route), answer.status_code, answer_headers(answer))
+            return StreamingResponse(_relay(answer, route, path == RESPONSES_PATH), answer.status_code,
+                                     answer_headers(answer))
 
-    async def _relay(answer: httpx.Response, route: Route) -> AsyncIterator[bytes]:
+    def _others(rank: Optional[int]) -> frozenset[int]:
+        """Every replica but `rank` (nothing when there is no rank to keep to)."""
+        return frozenset() if rank is None else frozenset(r.rank for r in balancer.replicas if r.rank != rank)
+
+    async def _relay(answer: httpx.Response, route: Route, stored: bool) -> AsyncIterator[bytes]:
+        first = stored  # a Responses stream names its response in its first event
         try:
             async for chunk in answer.aiter_bytes():
+                if first:
+                    homes.note_stream(chunk, route.replica.rank)
+                    first = False
                 yield chunk
         except httpx.HTTPError as exc:
             balancer.set_health(route.replica.rank, False)

@@ -34,6 +34,7 @@ def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig) 
     from tokenmill.balancer.kv_index import PrefixIndex
     from tokenmill.balancer.policy import Balancer, Replica
     from tokenmill.balancer.replicas import plan_replicas
+    from tokenmill.balancer.response_homes import ResponseHomes
     from tokenmill.models.loader import load_model_source, model_location
 
     server_config.validate()
@@ -58,7 +59,8 @@ def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig) 
             running.should_exit = True
 
     app = build_balancer_app(balancer, processes, PromptReader(source.tokenizer, source.chat_template),
-                             int(server_config.max_request_body_mb * (1 << 20)), on_all_exited)
+                             int(server_config.max_request_body_mb * (1 << 20)), on_all_exited,
+                             ResponseHomes(server_config.max_stored_responses * len(processes)))
     logger.info("starting %d replicas of %s (prefix affinity %s)", len(processes), source.path,
                 "from their KV events" if index is not None else "off: prefix caching is off")
     for process in processes:
