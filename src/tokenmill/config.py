@@ -7,6 +7,7 @@ keyword form (`LLM(dtype=..., block_size=...)`) and routes each keyword to its s
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -450,6 +451,16 @@ class ServerConfig:
     data_parallel_size: int = _opt(1, "engine processes (replicas of the whole model) behind this port, each "
                                    "request sent to the one with the least outstanding tokens once its cached "
                                    "prefix is counted (from the replicas' KV events; docs/scale-out.md)")
+    allowed_local_media_path: Optional[str] = _opt(
+        None, "image inputs: read file:// image URLs, only of files below this folder (symlinks resolved; vLLM's "
+        "flag); default: no local files are read")
+    allowed_media_domains: Optional[list[str]] = _opt(
+        None, "image inputs: fetch http(s):// image URLs from these hosts only (exact names, e.g. "
+        "images.example.com); default: nothing is fetched, images come as data:image/...;base64 URLs", nargs="+")
+    limit_mm_per_prompt: int = _opt(8, "image inputs: most images one prompt may hold (a 400 past it)")
+    max_image_pixels: int = _opt(4096 * 4096, "image inputs: largest image, in pixels (width x height, read from "
+                                 "its header before it is decoded; a 400 past it)")
+    media_fetch_timeout: float = _opt(10.0, "image inputs: seconds fetching one http(s) image may take")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -459,10 +470,10 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_prompts_per_request", "max_stop_strings", "max_logit_bias", "max_tools",
-                     "max_stored_responses"):
+                     "max_stored_responses", "limit_mm_per_prompt", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_request_body_mb", "max_constraint_kb", "grammar_compile_timeout"):
+        for name in ("max_request_body_mb", "max_constraint_kb", "grammar_compile_timeout", "media_fetch_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.data_parallel_size < 1:
@@ -471,6 +482,11 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give api_key or api_key_file, not both")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder")
+        for domain in self.allowed_media_domains or ():
+            if not domain or "/" in domain:
+                raise ValueError(f"allowed_media_domains takes host names (images.example.com), got {domain!r}")
 
     def resolved_api_key(self) -> Optional[str]:
         """The API key from --api-key, --api-key-file or $TOKENMILL_API_KEY (in that order), or None."""

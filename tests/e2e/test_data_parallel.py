@@ -159,9 +159,8 @@ def test_stored_responses_are_continued_read_and_deleted_on_the_replica_that_mad
 
     def make(i: int) -> str:
         ask = dict(model="m", input=f"Story number {i}:", max_output_tokens=24, temperature=0)
-        if i % 2:
-            with client.responses.stream(**ask) as stream:
-                return stream.get_final_response().id
+        if i % 2:  # streamed: the id comes in the first event
+            return list(client.responses.create(stream=True, **ask))[0].response.id
         return client.responses.create(**ask).id
 
     with ThreadPoolExecutor(max_workers=8) as pool:  # at once: both replicas make some

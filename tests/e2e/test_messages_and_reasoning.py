@@ -190,7 +190,7 @@ def test_constraints_wait_for_the_end_of_the_thinking(openai_client):
     ({"messages": ASK}, "'max_tokens' is required"),
     ({"messages": [], "max_tokens": 5}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type":
-                   "image/png", "data": "aGk="}}]}], "max_tokens": 5}, "image blocks are not supported"),
+                   "image/png", "data": "aGk="}}]}], "max_tokens": 5}, "'tiny' takes no images"),
     ({"messages": ASK, "max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search",
                                                    "input_schema": {}}]}, "server tool"),
     ({"messages": ASK, "max_tokens": 5, "tools": [WEATHER], "tool_choice": {"type": "tool"}}, "needs a name"),

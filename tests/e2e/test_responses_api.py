@@ -180,7 +180,9 @@ def test_stored_responses_are_read_deleted_and_forgotten(served):
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search' is not supported"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not among the tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
-     "input", "image inputs (input_image) are not supported"),
+     "input", "'tiny' takes no images"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
+     "input", "file inputs (input_file) are not supported"),
     ({"previous_response_id": "resp_missing"}, "previous_response_id", "not stored here"),
     ({"metadata": {str(i): "x" for i in range(17)}}, "metadata", "at most 16"),
 ])

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tokenmill.kernels import build, isa
 
 CROSS_COMPILER = "aarch64-linux-gnu-gcc"

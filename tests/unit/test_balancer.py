@@ -164,3 +164,12 @@ def test_response_homes_remember_which_replica_made_a_response():
     assert homes.home("POST", "/v1/chat/completions", {"previous_response_id": "resp_0a"}) is None
     homes.note("resp_0c", 0)  # the oldest is forgotten past max_entries
     assert homes.home("GET", "/v1/responses/resp_0a", None) is None
+
+
+def test_replicas_get_list_flags_as_one_argument_a_value():
+    from tokenmill.balancer.replicas import flag_args
+    from tokenmill.config import ServerConfig
+
+    args = flag_args(ServerConfig(lora_modules=["a=/x", "b=/y"], max_tools=7))
+    assert args[args.index("--lora-modules"):][:3] == ["--lora-modules", "a=/x", "b=/y"]
+    assert args[args.index("--max-tools") + 1] == "7"

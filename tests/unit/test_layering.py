@@ -16,7 +16,8 @@ PACKAGE = "tokenmill"
 LAYERS = [
     ["envs", "cpu_features"],  # the environment and the CPU
     ["core", "sampling_params", "request", "outputs", "kv_events_config", "kv_transfer_config", "version",
-     "lora.request", "lora.adapter_config", "structured.spec", "structured.json_text"],  # plain data, torch-free core
+     "lora.request", "lora.adapter_config", "structured.spec", "structured.json_text",
+     "multimodal"],  # plain data, torch-free core, images read and checked (Pillow, no torch)
     ["config", "config_checks"],
     ["kernels", "parallel"],
     ["attention", "layers", "sampling", "structured", "lora"],

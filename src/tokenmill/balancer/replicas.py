@@ -29,6 +29,8 @@ def flag_args(section: Any) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):  # an nargs="+" flag: one argument a value
+            args += [flag, *(str(item) for item in value)]
         else:
             args += [flag, str(value)]
     return args

@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 class EngineInfo:
     """A snapshot taken when the engine is built. Its fields never change afterwards, so any thread reads
     them while the engine thread steps; `loras`, the adapter registry, guards its own changes with a lock.
-    `sampling_defaults`: what the model's generation config recommends (`sampling_defaults`)."""
+    `sampling_defaults`: what the model's generation config recommends (`sampling_defaults`).
+    `accepts_images`: the model reads images as well as text; a vision-language model sets it, and then
+    takes the images the server loads for its prompts (`ChatRun.images`). False for every model served
+    today (issue 44 adds vision-language models), so requests with images are refused with a 400."""
 
     max_model_len: int
     vocab_size: int
@@ -27,6 +30,7 @@ class EngineInfo:
     loras: Optional[LoRARegistry]
     kv_transfers: Optional[KVTransfers]  # other threads call only its thread-safe needs_fetch and fetch
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    accepts_images: bool = False
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.tracing import TRACE_HEADERS, incoming_trace
+from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
@@ -252,7 +253,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     served = ServedModels(model_name, engine.info.loras)
     completions = CompletionHandler(engine, model_name, limits, served.adapter)
     chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter,
-                       reasoning_parser(config.reasoning_parser, engine.tokenizer), config.tool_call_parser)
+                       reasoning_parser(config.reasoning_parser, engine.tokenizer), config.tool_call_parser,
+                       MediaPolicy.from_config(config))
     live = EngineStream(engine)
     app, _ = base_app(
         config, api_key, model_name, engine.tracer is not None,

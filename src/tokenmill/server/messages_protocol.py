@@ -24,10 +24,38 @@ class TextBlock(CacheControlled):
     citations: Optional[list[dict[str, Any]]] = None
 
 
-class ImageBlock(CacheControlled):
-    """An image or document block: refused by this server (a text-only model), with a clear 400."""
+class Base64Source(_Strict):
+    """An image given inline: `{"type": "base64", "media_type": "image/png", "data": ...}`."""
 
-    type: Literal["image", "document", "search_result", "container_upload"]
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(_Strict):
+    """An image given by URL: `{"type": "url", "url": ...}` (read as chat's image_url parts are)."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(CacheControlled):
+    """`{"type": "image", "source": ...}`: an image, in a user turn or a tool result."""
+
+    type: Literal["image"]
+    source: Annotated[Union[Base64Source, URLSource], Field(discriminator="type")]
+
+    def url(self) -> str:
+        """The image as a chat image_url part's URL: a base64 source as a data URL."""
+        if isinstance(self.source, Base64Source):
+            return f"data:{self.source.media_type};base64,{self.source.data}"
+        return self.source.url
+
+
+class UnsupportedBlock(CacheControlled):
+    """A document, search result or container upload block: refused by this server with a 400 naming it."""
+
+    type: Literal["document", "search_result", "container_upload"]
     source: Optional[dict[str, Any]] = None
     title: Optional[str] = None
     context: Optional[str] = None
@@ -50,14 +78,9 @@ class ToolResultBlock(CacheControlled):
 
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]], None] = None
+    content: Union[str, list[Annotated[Union[TextBlock, ImageBlock, UnsupportedBlock], Field(discriminator="type")]],
+                   None] = None
     is_error: Optional[bool] = None
-
-    def text(self) -> str:
-        """The result as text (ValueError for an image in it)."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(block_text(block) for block in self.content)
 
 
 class ThinkingBlock(CacheControlled):
@@ -75,15 +98,17 @@ class RedactedThinkingBlock(CacheControlled):
     data: str
 
 
-Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
-                  Field(discriminator="type")]
+Block = Annotated[Union[TextBlock, ImageBlock, UnsupportedBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
+                        RedactedThinkingBlock], Field(discriminator="type")]
 
 
 def block_text(block: Any) -> str:
     """A text block's text; ValueError naming any other kind where only text is taken."""
     if isinstance(block, TextBlock):
         return block.text
-    raise ValueError(f"{block.type} blocks are not supported by this server (it serves a text-only model)")
+    if isinstance(block, ImageBlock):
+        raise ValueError("image blocks are taken in user turns and tool results only")
+    raise ValueError(f"{block.type} blocks are not supported by this server")
 
 
 class Message(_Strict):

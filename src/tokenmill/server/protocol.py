@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -205,6 +205,25 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    """An image part's `image_url`: where the image is (a data:image/...;base64 URL, file:// or http(s)://;
+    multimodal/media.py reads it) and OpenAI's `detail` hint."""
+
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImagePart(_Strict):
+    """An image part of a message's content list: `{"type": "image_url", "image_url": {"url": ...}}`."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+IMAGE_ROLES = ("user", "tool")
+
+
 class FunctionCall(_Strict):
     """A call's function: its name and its arguments as JSON text."""
 
@@ -253,19 +272,32 @@ class ChatMessage(_Strict):
     """One message of a conversation (tool messages answer an earlier tool call by its id)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None  # an earlier turn's thinking, for templates that show it
 
+    @model_validator(mode="after")
+    def _images_from_users_and_tools(self) -> "ChatMessage":
+        if self.role not in IMAGE_ROLES and self.image_urls():
+            raise ValueError(f"image_url parts are taken in user and tool messages only, not in {self.role} messages")
+        return self
+
     def text(self) -> str:
-        """The message content as plain text."""
+        """The message content as plain text: its text parts, joined (image parts are left out; `image_urls`
+        lists them)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -1,13 +1,13 @@
 """The OpenAI Responses request body (POST /v1/responses), strictly: an unknown field is a 400 naming it.
 
-`input` items and `tools` are read one by one (`input_items`, `function_tools`), so a hosted tool, an image
-or an item of an unknown type is a 400 that names it and says it is not supported, rather than a list of
-every union member pydantic tried.
+`input` items and `tools` are read one by one (`input_items`, `function_tools`), so a hosted tool, a file
+or audio part or an item of an unknown type is a 400 that names it and says it is not supported, rather
+than a list of every union member pydantic tried. `input_image` parts become chat `image_url` parts.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -18,7 +18,7 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 TOOL_CHOICES = '"auto", "none", "required" or {"type": "function", "name": ...}'
-UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+UNSUPPORTED_PARTS = {"input_file": "file", "input_audio": "audio"}
 
 
 class TextPart(_Strict):
@@ -30,18 +30,56 @@ class TextPart(_Strict):
     logprobs: Optional[list[Any]] = None
 
 
+class ImagePart(_Strict):
+    """`{"type": "input_image", "image_url": ..., "detail": ...}`: an image by URL (a data:image/...;base64 URL,
+    file:// or http(s)://, read as chat's image_url parts are); uploaded files (`file_id`) are refused."""
+
+    type: Literal["input_image"]
+    image_url: Optional[str] = None
+    detail: Optional[Literal["auto", "low", "high"]] = None
+    file_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _by_url(self) -> "ImagePart":
+        if self.file_id is not None:
+            raise ValueError("file_id is not supported by this server, which stores no files: give image_url")
+        if self.image_url is None:
+            raise ValueError("an input_image needs an image_url")
+        return self
+
+    def chat_part(self) -> dict[str, Any]:
+        """The chat `image_url` part of the same image."""
+        image_url = {"url": self.image_url, **({"detail": self.detail} if self.detail is not None else {})}
+        return {"type": "image_url", "image_url": image_url}
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+def chat_content(content: Union[str, list[Any]]) -> Union[str, list[dict[str, Any]]]:
+    """Content as chat takes it: text joined when no part is an image (the prompt of a text-only conversation
+    is as it always was), else chat parts in order (`text`, `image_url`)."""
+    if isinstance(content, str):
+        return content
+    if not any(isinstance(part, ImagePart) for part in content):
+        return "".join(part.text for part in content)
+    return [part.chat_part() if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+            for part in content]
+
+
 class MessageItem(_Strict):
     """A message of the conversation (the SDK's EasyInputMessage leaves `type` out)."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[TextPart]]
+    content: Union[str, list[ContentPart]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
     def text(self) -> str:
-        """The content as plain text."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The content's text parts, joined (image parts are left out)."""
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
 
 
 class FunctionCallItem(_Strict):
@@ -56,17 +94,18 @@ class FunctionCallItem(_Strict):
 
 
 class FunctionCallOutputItem(_Strict):
-    """What a call returned, as text (or input_text parts)."""
+    """What a call returned: text, or input_text and input_image parts."""
 
     type: Literal["function_call_output"]
     call_id: str
-    output: Union[str, list[TextPart]]
+    output: Union[str, list[ContentPart]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
     def text(self) -> str:
-        """The output as plain text."""
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        """The output's text parts, joined (image parts are left out)."""
+        return self.output if isinstance(self.output, str) else "".join(
+            p.text for p in self.output if isinstance(p, TextPart))
 
 
 class ReasoningItem(_Strict):
@@ -262,7 +301,9 @@ def _item(index: int, raw: Any) -> InputItem:
         unsupported = UNSUPPORTED_PARTS.get(part.get("type")) if isinstance(part, dict) else None
         if unsupported is not None:
             raise ValueError(f"'{where}.{field}.{part_index}': {unsupported} inputs ({part['type']}) are not "
-                             "supported by this server, which reads text only")
+                             "supported by this server, which reads text and images")
+        if isinstance(part, dict) and part.get("type") == "input_image":  # its own errors, not the union's
+            _validated(ImagePart, part, f"{where}.{field}.{part_index}")
     return _validated(model, raw, where)
 
 

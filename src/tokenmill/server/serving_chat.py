@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from pydantic import ValidationError
 
 from tokenmill.engine.admission import Ticket
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.multimodal.media import ImageInput, MediaPolicy
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, merge_outputs
 from tokenmill.server.assistant_turn import TurnParsing, TurnStream
+from tokenmill.server.chat_images import check_conversation_images, load_conversation_images
 from tokenmill.server.chat_prompt import chat_prompt_ids
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.reasoning import ReasoningParser
@@ -65,14 +67,16 @@ def chat_request(fields: dict[str, Any], names: Optional[dict[str, str]] = None)
 
 @dataclass
 class ChatRun:
-    """A chat generation under way: its id, prompt, engine stream, how its output is read, and the
-    admission ticket the response releases when it ends."""
+    """A chat generation under way: its id, prompt, engine stream, how its output is read, the
+    admission ticket the response releases when it ends, and the images of its prompt, loaded and checked
+    (only for a model that accepts images: EngineInfo.accepts_images)."""
 
     response_id: str
     prompt_ids: list[int]
     outputs: AsyncIterator[RequestOutput]
     parsing: TurnParsing
     ticket: Ticket
+    images: list[ImageInput] = field(default_factory=list)
 
 
 def call_id() -> str:
@@ -83,12 +87,15 @@ def call_id() -> str:
 class ChatHandler:
     """Runs a chat completion on the engine and shapes the OpenAI response. `reasoning` splits thinking
     from answers (--reasoning-parser); `tool_family` names the tool-call syntax read from answers
-    (--tool-call-parser; auto: from the chat template)."""
+    (--tool-call-parser; auto: from the chat template); `media` bounds the images of a request and where
+    they may come from."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str],
                  limits: RequestLimits = RequestLimits(), adapter_of: AdapterLookup = lambda name: None,
-                 reasoning: Optional[ReasoningParser] = None, tool_family: str = "auto") -> None:
+                 reasoning: Optional[ReasoningParser] = None, tool_family: str = "auto",
+                 media: MediaPolicy = MediaPolicy()) -> None:
         self.engine, self.model_name, self.chat_template, self.limits = engine, model_name, chat_template, limits
+        self.media = media
         self.adapter_of = adapter_of  # the LoRA adapter a body's `model` names (None: the base model)
         self.reasoning = reasoning
         self.family = tool_parser(tool_family, chat_template)
@@ -99,17 +106,25 @@ class ChatHandler:
         adapter = self.adapter_of(body.model)
         return adapter.lora_name if adapter is not None else self.model_name
 
+    def check_images(self, messages: list[ChatMessage]) -> int:
+        """How many images `messages` hold; APIError 400 past --limit-mm-per-prompt, or for any image when
+        the model is text-only."""
+        return check_conversation_images(messages, self.media, self.model_name, self.engine.info.accepts_images)
+
     def prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                tools: Optional[ToolMode] = None, template_kwargs: Optional[dict[str, Any]] = None
                ) -> tuple[str, list[int]]:
-        """The prompt text and token ids of `messages` (`chat_prompt`)."""
+        """The prompt text and token ids of `messages` (`chat_prompt`); APIError 400 for images a text-only
+        model cannot take, which the template (rendering text parts only) would otherwise drop."""
+        self.check_images(messages)
         family = self.forced_family if tools is not None and tools.forced else self.family
         return chat_prompt(self.engine.tokenizer, self.chat_template, messages, add_generation_prompt, tools,
                            family, template_kwargs)
 
     async def start(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
-        """Check the request, hold admission room for it, render and tokenise its prompt off the event
-        loop and start its engine request. The caller releases the run's ticket when the response ends."""
+        """Check the request, hold admission room for it, load its images and render and tokenise its prompt
+        off the event loop and start its engine request. The caller releases the run's ticket when the
+        response ends."""
         if body.use_beam_search:  # a streamed one: beam search answers whole
             raise APIError(400, "beam search cannot honour stream: leave it unset with use_beam_search",
                            param="stream")
@@ -118,6 +133,7 @@ class ChatHandler:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+        image_count = self.check_images(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         try:
@@ -128,7 +144,8 @@ class ChatHandler:
             ticket = self.engine.reserve(body.n)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
-        try:
+        try:  # images are decoded under the ticket, so admission bounds how many requests decode at once
+            images = await load_conversation_images(body.messages, self.media) if image_count else []
             prompt, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt,
                                                         tools, body.chat_template_kwargs)
         except BaseException:
@@ -141,7 +158,7 @@ class ChatHandler:
                 params.structured_output, after_token=self.reasoning.end_token_id))
         request_id = new_id(id_prefix)
         stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority)
-        return ChatRun(request_id, token_ids, stream, parsing, ticket)
+        return ChatRun(request_id, token_ids, stream, parsing, ticket, images)
 
     def _parsing(self, prompt_ids: list[int], tools: Optional[ToolMode]) -> TurnParsing:
         opening = self.reasoning.opening(prompt_ids) if self.reasoning is not None else None
@@ -195,6 +212,7 @@ class ChatHandler:
     async def _beam_search(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """A use_beam_search response: the n best hypotheses of the assistant's reply (engine/beam_search.py)."""
         self.limits.check(body)
+        self.check_images(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         try:
             if body.tools:

@@ -18,8 +18,8 @@ from fastapi.responses import Response
 
 from tokenmill.outputs import CompletionOutput
 from tokenmill.server.messages_protocol import (
-    CountTokensRequest, Message, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock,
-    anthropic_error_body, block_text)
+    CountTokensRequest, ImageBlock, Message, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock,
+    ToolUseBlock, anthropic_error_body, block_text)
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_chat import ChatHandler, ChatRun, chat_request
 from tokenmill.server.serving_common import STREAM_ERRORS, APIError, engine_error, respond
@@ -34,7 +34,7 @@ class MessagesHandler:
 
     def chat_request(self, body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         """The chat request of the same conversation, tools and sampling (APIError 400 when the
-        conversation holds what chat cannot take: images, calls in a user turn, ...)."""
+        conversation holds what chat cannot take: documents, calls in a user turn, ...)."""
         fields: dict[str, Any] = {"model": body.model, "messages": _conversation(body.system, body.messages)}
         if body.tools:
             fields["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -214,7 +214,8 @@ def _usage(run: ChatRun, metrics: Any, output_tokens: int) -> dict[str, Any]:
 
 def _conversation(system: Any, messages: list[Message]) -> list[dict[str, Any]]:
     """The chat messages of a Messages conversation: tool results become tool messages (before the user's
-    text of the same turn), tool_use blocks an assistant's tool_calls, thinking its reasoning_content."""
+    text and images of the same turn), tool_use blocks an assistant's tool_calls, thinking its
+    reasoning_content, image blocks `image_url` parts (`chat_content`)."""
     out: list[dict[str, Any]] = []
     try:
         if system:
@@ -233,17 +234,29 @@ def _conversation(system: Any, messages: list[Message]) -> list[dict[str, Any]]:
 
 
 def _user_turn(blocks: list[Any], index: int) -> list[dict[str, Any]]:
-    results, texts = [], []
+    results, parts = [], []
     for block in blocks:
         if isinstance(block, ToolResultBlock):
-            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+            content = block.content if block.content is None or isinstance(block.content, str) else \
+                chat_content(block.content)
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content or ""})
         elif isinstance(block, (ToolUseBlock, ThinkingBlock)):
             raise ValueError(f"messages.{index}: a user turn cannot hold {block.type} blocks")
         elif not isinstance(block, TextBlock) and block.type == "redacted_thinking":
             raise ValueError(f"messages.{index}: a user turn cannot hold redacted_thinking blocks")
         else:
-            texts.append(block_text(block))
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+            parts.append(block)
+    return results + ([{"role": "user", "content": chat_content(parts)}] if parts or not results else [])
+
+
+def chat_content(blocks: list[Any]) -> str | list[dict[str, Any]]:
+    """Text and image blocks as a chat message's content: their text joined when none is an image (the
+    prompt of a text-only conversation is as it always was), else OpenAI parts in the blocks' order, each
+    image an `image_url` part (a base64 source as a data URL); ValueError naming any other kind."""
+    if not any(isinstance(block, ImageBlock) for block in blocks):
+        return "".join(block_text(block) for block in blocks)
+    return [{"type": "image_url", "image_url": {"url": block.url()}} if isinstance(block, ImageBlock)
+            else {"type": "text", "text": block_text(block)} for block in blocks]
 
 
 def _assistant_turn(blocks: list[Any], index: int) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from tokenmill.server.assistant_turn import Turn
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses_protocol import (
-    FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ResponsesRequest, input_items)
+    FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ResponsesRequest, chat_content, input_items)
 from tokenmill.server.serving_chat import ChatHandler, ChatRun, call_id, chat_request
 from tokenmill.server.serving_common import (
     STREAM_ERRORS, APIError, ChoiceTracker, cached_tokens, engine_error, now, respond)
@@ -59,7 +59,8 @@ def item_id(prefix: str) -> str:
 
 def chat_messages(items: Union[str, list[InputItem], None]) -> list[dict[str, Any]]:
     """Input items as chat messages: a string is one user message; function calls join the assistant
-    message before them (as one chat turn holds its text and its calls); reasoning items are left out."""
+    message before them (as one chat turn holds its text and its calls); input_image parts become
+    `image_url` parts (`chat_content`); reasoning items are left out."""
     if items is None:
         return []
     if isinstance(items, str):
@@ -67,7 +68,7 @@ def chat_messages(items: Union[str, list[InputItem], None]) -> list[dict[str, An
     messages: list[dict[str, Any]] = []
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": chat_content(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -77,7 +78,7 @@ def chat_messages(items: Union[str, list[InputItem], None]) -> list[dict[str, An
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": chat_content(item.output)})
     return messages
 
 

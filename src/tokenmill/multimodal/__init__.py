@@ -1,0 +1,1 @@
+"""Inputs other than text: images, read from the URLs a request gives and checked before a model sees them."""
