@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tokenmill.engine.stop_strings import partial_stop_suffix
+
 START, END = "<think>", "</think>"
 
 
@@ -85,20 +87,12 @@ class ReasoningStream:
         if self.phase == "thinking":
             end = self.text.find(END, self.sent)
             if end < 0:
-                stop = len(self.text) if finished else len(self.text) - _tail_of(self.text[self.sent:], END)
+                stop = len(self.text) if finished else len(self.text) - partial_stop_suffix(self.text[self.sent:], [END])
                 thinking, self.sent = self.text[self.sent:stop], max(self.sent, stop)
                 return thinking, ""
             thinking, self.sent, self.phase = self.text[self.sent:end], end + len(END), "answer"
         answer, self.sent = self.text[self.sent:], len(self.text)
         return thinking, answer
-
-
-def _tail_of(text: str, tag: str) -> int:
-    """The length of the longest tail of `text` that is a proper beginning of `tag`."""
-    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-keep:]):
-            return keep
-    return 0
 
 
 PARSER_NAMES = ("deepseek_r1", "qwen3")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -25,7 +24,7 @@ from tokenmill.server.serving_common import (
     SSE_DONE, STREAM_ERRORS, AdapterLookup, APIError, ChoiceTracker, bad_request, new_id, now, primed, sse_error, stream_chunk,
     top_entries, usage, cached_tokens, with_adapter)
 from tokenmill.server.tool_calls import ToolMode, forced_call, render_messages, tool_mode
-from tokenmill.server.tool_parsers import CallDelta, ToolParser, tool_parser
+from tokenmill.server.tool_parsers import CallDelta, ToolParser, call_id, tool_parser
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -77,11 +76,6 @@ class ChatRun:
     parsing: TurnParsing
     ticket: Ticket
     images: list[ImageInput] = field(default_factory=list)
-
-
-def call_id() -> str:
-    """A tool call's id, like OpenAI's."""
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChatHandler:

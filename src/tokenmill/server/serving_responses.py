@@ -38,10 +38,10 @@ from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ResponsesRequest, chat_content, input_items)
-from tokenmill.server.serving_chat import ChatHandler, ChatRun, call_id, chat_request
+from tokenmill.server.serving_chat import ChatHandler, ChatRun, chat_request
 from tokenmill.server.serving_common import (
     STREAM_ERRORS, APIError, ChoiceTracker, cached_tokens, engine_error, now, respond)
-from tokenmill.server.tool_parsers import CallDelta
+from tokenmill.server.tool_parsers import CallDelta, call_id
 
 # the chat request's field -> the Responses field it came from, for errors that name one
 CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}

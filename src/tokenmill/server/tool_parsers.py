@@ -22,14 +22,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Collection, Optional
 
-from tokenmill.structured.json_text import MAX_NESTING, loads_nested_json
+from tokenmill.engine.stop_strings import partial_stop_suffix
+from tokenmill.structured.json_text import JSON_STRING, MAX_NESTING, bracket_depth, loads_nested_json
 
 HERMES_PROMPT = (  # the prompt tokenmill has always used
     "You can call functions. To call one, answer with\n"
     "<tool_call>\n{\"name\": <function name>, \"arguments\": <its arguments as a JSON object>}\n</tool_call>\n"
     "The functions you can call:\n")
 MAX_PYTHONIC_CHARS = 200_000  # longer pythonic output stays text: ast builds a node per token
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _PYTHON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"' r"|'(?:[^'\\]|\\.)*'")
 
 
@@ -94,6 +94,11 @@ class ToolParser:
         return len(text), []
 
 
+def call_id() -> str:
+    """A tool call's id, like OpenAI's."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ToolStream:
     """Streams one output: content as it comes, calls as they are sure (a call is announced with its id,
     name and whole arguments at once). Content stops where the first call starts."""
@@ -112,7 +117,7 @@ class ToolStream:
             end, calls = self._parser._settled(text, self._names)
         deltas = []
         for index in range(len(self._ids), len(calls)):
-            self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            self._ids.append(call_id())
             deltas.append(CallDelta(index, self._ids[index], calls[index].name, calls[index].arguments))
         content = text[self._sent:end]
         self._sent = max(self._sent, end)
@@ -142,18 +147,10 @@ def _json_call(data: Any, names: Collection[str]) -> Optional[ParsedCall]:
 
 def _split_json(text: str, separator: str) -> list[str]:
     """`text` split at each `separator` outside a JSON string."""
-    masked = _JSON_STRING.sub(lambda m: "_" * len(m.group()), text)
+    masked = JSON_STRING.sub(lambda m: "_" * len(m.group()), text)
     ends = [m.start() for m in re.finditer(re.escape(separator), masked)]
     starts = [0] + [end + len(separator) for end in ends]
     return [text[start:end] for start, end in zip(starts, ends + [len(text)])]
-
-
-def _held_tail(text: str, marker: str) -> int:
-    """The length of the longest tail of `text` that could still grow into `marker`."""
-    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-keep:]):
-            return keep
-    return 0
 
 
 class HermesParser(ToolParser):
@@ -195,7 +192,7 @@ class HermesParser(ToolParser):
         if blocks:
             return blocks[0][0].start(), [call for _, call in blocks]
         opened = text.find(self.OPEN, last)
-        return (opened if opened >= 0 else len(text) - _held_tail(text, self.OPEN)), []
+        return (opened if opened >= 0 else len(text) - partial_stop_suffix(text, [self.OPEN])), []
 
 
 class Llama3JsonParser(ToolParser):
@@ -263,7 +260,7 @@ class MistralParser(ToolParser):
 
     def _settled(self, text: str, names: Collection[str]) -> tuple[int, list[ParsedCall]]:
         first = text.find(self.MARK)
-        return (first if first >= 0 else len(text) - _held_tail(text, self.MARK)), []
+        return (first if first >= 0 else len(text) - partial_stop_suffix(text, [self.MARK])), []
 
 
 class PythonicParser(ToolParser):
@@ -310,11 +307,7 @@ class PythonicParser(ToolParser):
 def _python_depth(text: str) -> int:
     """How deep brackets nest in Python source, strings not counted (roughly: prefixes and triple quotes
     are not told apart, which can only overcount)."""
-    depth = deepest = 0
-    for char in re.findall(r"[()\[\]{}]", _PYTHON_STRING.sub("", text)):
-        depth += 1 if char in "([{" else -1
-        deepest = max(deepest, depth)
-    return deepest
+    return bracket_depth(text, _PYTHON_STRING, "([{", ")]}")
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,

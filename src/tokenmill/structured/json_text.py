@@ -9,18 +9,23 @@ from typing import Any
 
 MAX_NESTING = 100  # levels of arrays and objects a request body, or JSON text inside one, may nest
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKET = re.compile(r"[\[\]{}]")
+JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def bracket_depth(text: str, strings: re.Pattern[str], opening: str, closing: str) -> int:
+    """How deep the brackets of `text` nest (`opening[i]` closed by any of `closing`), not counting those
+    inside what `strings` matches; found without parsing, where a parser would recurse once per level."""
+    depth = deepest = 0
+    for bracket in re.findall(f"[{re.escape(opening + closing)}]", strings.sub("", text)):
+        depth += 1 if bracket in opening else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def json_text_depth(text: str) -> int:
     """How deep the arrays and objects of JSON text nest (brackets inside strings do not count), found
     without parsing it."""
-    depth = deepest = 0
-    for bracket in _BRACKET.findall(_JSON_STRING.sub("", text)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
+    return bracket_depth(text, JSON_STRING, "[{", "]}")
 
 
 def loads_nested_json(text: str, what: str) -> Any:
