@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from tokenmill.server.serving_common import APIError
 
@@ -33,19 +33,12 @@ class ResponseStore:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Keep `response` (by its id) and the conversation it ended, dropping the oldest past the bound."""
         self._entries[response["id"]] = StoredResponse(response, conversation)
         self._entries.move_to_end(response["id"])
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
-
-    def get(self, response_id: str) -> Optional[StoredResponse]:
-        """The stored response, or None."""
-        return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         """Drop a response; False when it was not stored."""

@@ -76,11 +76,6 @@ class MessageItem(_Strict):
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
-    def text(self) -> str:
-        """The content's text parts, joined (image parts are left out)."""
-        return self.content if isinstance(self.content, str) else "".join(
-            p.text for p in self.content if isinstance(p, TextPart))
-
 
 class FunctionCallItem(_Strict):
     """A call the model made earlier: `call_id` ties it to its function_call_output."""
@@ -101,11 +96,6 @@ class FunctionCallOutputItem(_Strict):
     output: Union[str, list[ContentPart]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
-
-    def text(self) -> str:
-        """The output's text parts, joined (image parts are left out)."""
-        return self.output if isinstance(self.output, str) else "".join(
-            p.text for p in self.output if isinstance(p, TextPart))
 
 
 class ReasoningItem(_Strict):
