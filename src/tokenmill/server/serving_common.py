@@ -133,9 +133,11 @@ async def respond(handler: Any, body: Any, request: Request) -> Response:
     return JSONResponse(await unless_disconnected(request, handler.complete(body)))
 
 
-def sse(payload: Any) -> str:
-    """One Server-Sent Event carrying `payload` as JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: Any, event: Optional[str] = None) -> str:
+    """One Server-Sent Event carrying `payload` as JSON, named `event` when given (Responses' and Messages'
+    events are named by their type)."""
+    name = f"event: {event}\n" if event is not None else ""
+    return f"{name}data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

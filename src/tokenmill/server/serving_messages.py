@@ -16,13 +16,13 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from tokenmill.outputs import CompletionOutput
+from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.server.messages_protocol import (
     CountTokensRequest, ImageBlock, Message, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock,
     ToolUseBlock, anthropic_error_body, block_text)
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_chat import ChatHandler, ChatRun, chat_request
-from tokenmill.server.serving_common import STREAM_ERRORS, APIError, engine_error, respond
+from tokenmill.server.serving_common import STREAM_ERRORS, APIError, cached_tokens, engine_error, respond, sse
 from tokenmill.server.tool_calls import tool_mode
 
 class MessagesHandler:
@@ -84,7 +84,7 @@ class MessagesHandler:
                             "input": json.loads(call.arguments)})
         reason, sequence = _stop(output, bool(turn.calls))
         return {**self._message(run, body), "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                "usage": _usage(run, final.metrics, len(output.token_ids))}
+                "usage": _usage(run, final, len(output.token_ids))}
 
     def _message(self, run: ChatRun, body: MessagesRequest) -> dict[str, Any]:
         return {"id": run.response_id.replace("msg-", "msg_", 1), "type": "message", "role": "assistant",
@@ -116,11 +116,8 @@ class MessagesHandler:
                     reason, sequence = _stop(completion, turn.called)
                     for event in blocks.close():
                         yield event
-                    usage = {"output_tokens": output_tokens,
-                             **{k: v for k, v in _usage(run, output.metrics, output_tokens).items()
-                                if k != "output_tokens"}}
                     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                   "usage": usage})
+                                                   "usage": _usage(run, output, output_tokens)})
                     yield _event("message_stop", {})
         except STREAM_ERRORS as exc:
             status, _ = engine_error(exc)
@@ -182,8 +179,7 @@ class _Blocks:
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
-    payload = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {payload}\n\n"
+    return sse({"type": kind, **data}, kind)
 
 
 def _given(value: Any, default: Any) -> Any:
@@ -205,9 +201,10 @@ def _stop(output: CompletionOutput, called: bool) -> tuple[str, Optional[str]]:
     return "end_turn", None
 
 
-def _usage(run: ChatRun, metrics: Any, output_tokens: int) -> dict[str, Any]:
-    """Anthropic's usage: input_tokens are the prompt tokens the prefix cache did not supply."""
-    cached = (metrics.num_cached_tokens or 0) if metrics is not None else 0
+def _usage(run: ChatRun, output: Optional[RequestOutput], output_tokens: int) -> dict[str, Any]:
+    """Anthropic's usage: input_tokens are the prompt tokens the prefix cache did not supply (as `output`'s
+    metrics say; None before the first output)."""
+    cached = cached_tokens([output])
     return {"input_tokens": len(run.prompt_ids) - cached, "output_tokens": output_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 

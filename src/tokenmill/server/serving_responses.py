@@ -24,7 +24,6 @@ response; a failure after the first event ends the stream with an `error` event 
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
@@ -40,7 +39,7 @@ from tokenmill.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ResponsesRequest, chat_content, input_items)
 from tokenmill.server.serving_chat import ChatHandler, ChatRun, chat_request
 from tokenmill.server.serving_common import (
-    STREAM_ERRORS, APIError, ChoiceTracker, cached_tokens, engine_error, now, respond)
+    STREAM_ERRORS, APIError, ChoiceTracker, cached_tokens, engine_error, now, respond, sse)
 from tokenmill.server.tool_parsers import CallDelta, call_id
 
 # the chat request's field -> the Responses field it came from, for errors that name one
@@ -300,7 +299,7 @@ class EventWriter:
         """The event `type_` carrying `fields`."""
         payload = {"type": type_, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {type_}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return sse(payload, type_)
 
     def error(self, exc: BaseException) -> str:
         """The `error` event that ends a stream whose request failed after it started."""
