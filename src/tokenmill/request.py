@@ -7,6 +7,7 @@ import itertools
 import time
 from typing import Optional, Union
 
+from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -62,11 +63,13 @@ class Request:
         priority: int = 0,
         arrival_time: Optional[float] = None,
         num_samples_to_fork: int = 0,
+        images: tuple[ImageFeature, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
+        self.images = images  # in prompt order; their placeholders lie in the prompt
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.priority = priority
@@ -133,7 +136,7 @@ class Request:
     def fork(self, child_id: str, sampling_params: SamplingParams, num_computed_tokens: int) -> "Request":
         """A new sample of the same prompt that starts with `num_computed_tokens` already cached."""
         child = Request(child_id, self.prompt_token_ids, sampling_params, self.max_tokens,
-                        self.eos_token_ids, self.priority, self.arrival_time)
+                        self.eos_token_ids, self.priority, self.arrival_time, images=self.images)
         child.arrival_seq = self.arrival_seq
         child.num_computed_tokens = num_computed_tokens
         child.status = RequestStatus.RUNNING

@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, DeepSeek-V2, Mixtral, Qwen3-MoE,
-OLMoE) with the SmolLM2 tokenizer."""
+OLMoE, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -106,6 +106,70 @@ def make_tiny_reasoning_model(dir: str | Path) -> Path:
     tokenizer.add_tokens(["<think>", "</think>"])
     tokenizer.chat_template = QWEN3_TEMPLATE.read_text()
     tokenizer.save_pretrained(path)
+    return path
+
+
+# llava-hf's template (llava-1.5-7b-hf), without its {% generation %} tags, and taking string contents too:
+# "USER: <image>\nWhat is this? ASSISTANT:"
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
+    "{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def make_tiny_llava(dir: str | Path, tower: str = "clip") -> Path:
+    """Save a tiny random LLaVA (LlavaForConditionalGeneration) and its LlavaProcessor in `dir`, as
+    transformers' `save_pretrained` writes them: a Llama text model (the sizes of `make_tiny_hf_model`),
+    a 2-layer vision tower of 32x32 images in 8x8 patches and a 2-layer GELU projector. `tower` "clip":
+    CLIP (quick_gelu), features of the second-to-last layer without CLS ("default"), CLIP's image processor
+    (shortest edge 32, centre crop 32x32); "siglip": SigLIP, the last layer's features, all of them ("full"),
+    SigLIP's processor (resized to 32x32). 16 image tokens per image either way. The SmolLM2 tokenizer with
+    `<image>` added as a special token (the model's image_token_id) and llava-hf's chat template. Seeded."""
+    import copy
+
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessorPil,
+                              SiglipVisionConfig)
+
+    path = Path(dir)
+    tokenizer = copy.deepcopy(smollm2_tokenizer())
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE  # the processor's too: both write chat_template.jinja
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    tower_config = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "image_size": 32, "patch_size": 8}
+    if tower == "clip":
+        vision_config = CLIPVisionConfig(**tower_config, hidden_act="quick_gelu")
+        image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                                crop_size={"height": 32, "width": 32})
+        feature_layer, strategy, additional_tokens = -2, "default", 1
+    elif tower == "siglip":
+        vision_config = SiglipVisionConfig(**tower_config)
+        image_processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+        feature_layer, strategy, additional_tokens = -1, "full", 0
+    else:
+        raise ValueError(f"unknown vision tower {tower!r}")
+    text_config = LlamaConfig(**{**_BASE_CONFIG, "vocab_size": len(tokenizer), "max_position_embeddings": 2048,
+                                 "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
+    config = LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_index=image_token_id,
+                         image_seq_length=16, projector_hidden_act="gelu", vision_feature_layer=feature_layer,
+                         vision_feature_select_strategy=strategy, multimodal_projector_bias=True,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(path)
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                               vision_feature_select_strategy=strategy, chat_template=LLAVA_CHAT_TEMPLATE,
+                               image_token="<image>", num_additional_image_tokens=additional_tokens)
+    processor.save_pretrained(path)
     return path
 
 

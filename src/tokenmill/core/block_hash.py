@@ -51,9 +51,11 @@ class KeySalt:
     cache_salt: Optional[str] = None
     lora: Optional[tuple[str, str]] = None
 
-    def extra_keys(self, first: bool) -> ExtraKeys:
-        """The extra keys of the request's first block (`first`) or of a later one."""
+    def extra_keys(self, first: bool, images: tuple[str, ...] = ()) -> ExtraKeys:
+        """The extra keys of the request's first block (`first`) or of a later one, whose tokens hold
+        placeholders of the images of content hashes `images` (vLLM's order: LoRA, images, cache salt)."""
         keys = [("lora", *self.lora)] if self.lora else []
+        keys += [("image", digest) for digest in images]
         if first and self.cache_salt:
             keys.append(("cache_salt", self.cache_salt))
         return tuple(keys) or None

@@ -1,7 +1,8 @@
 """Content keys of requests' full blocks, which the prefix cache and the second tier are indexed by (no torch).
 
 A key is (hash, token ids): the hash chained over every earlier block from the seed's root (and the
-request's cache salt, for the first block) as vLLM computes it (core/block_hash.py), the token ids so
+request's cache salt, for the first block, and the content hashes of the images whose placeholders the
+block holds) as vLLM computes it (core/block_hash.py), the token ids so
 that a hit is verified token by token. Requests with different salts never share a key.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Hashable, Optional, Protocol, Sequence
 
 from tokenmill.core.block_hash import KeySalt, hash_block, none_hash, resolve_seed
+from tokenmill.multimodal.inputs import ImageFeature, image_keys
 
 if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
@@ -24,6 +26,7 @@ class CachedSequence(Protocol):
     num_computed_tokens: int
     num_tokens: int
     sampling_params: SamplingParams  # its key_salt (cache salt, LoRA adapter) keeps its blocks apart
+    images: Sequence[ImageFeature]  # so do the images whose placeholders a block holds
 
     def token_ids_range(self, start: int, end: int) -> list[int]: ...
 
@@ -36,9 +39,13 @@ class BlockKeys:
         self._root = none_hash(resolve_seed(hash_seed))
         self._memo: dict[str, tuple[int, list[BlockKey]]] = {}
 
-    def key(self, parent: BlockKey, token_ids: Sequence[int], salt: Optional[KeySalt] = None) -> BlockKey:
-        """The key of a full block of `token_ids` after the block keyed `parent` (None for a first block)."""
-        extra = salt.extra_keys(parent is None) if salt is not None else None
+    def key(self, parent: BlockKey, token_ids: Sequence[int], salt: Optional[KeySalt] = None,
+            images: tuple[str, ...] = ()) -> BlockKey:
+        """The key of a full block of `token_ids` after the block keyed `parent` (None for a first block),
+        whose tokens hold placeholders of the images hashed `images`."""
+        if salt is None and images:
+            salt = KeySalt()
+        extra = salt.extra_keys(parent is None, images) if salt is not None else None
         digest = hash_block(self._root if parent is None else parent[0], token_ids, extra)
         return (digest, tuple(token_ids))
 
@@ -46,8 +53,9 @@ class BlockKeys:
         """`keys` (the request's first keys) grown in place to its first `count` keys."""
         while len(keys) < count:
             start = len(keys) * self.block_size
-            keys.append(self.key(keys[-1] if keys else None, request.token_ids_range(start, start + self.block_size),
-                                 request.sampling_params.key_salt))
+            end = start + self.block_size
+            keys.append(self.key(keys[-1] if keys else None, request.token_ids_range(start, end),
+                                 request.sampling_params.key_salt, image_keys(request.images, start, end)))
         return keys
 
     def first(self, request: CachedSequence, num_blocks: int) -> list[BlockKey]:

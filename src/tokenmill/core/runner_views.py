@@ -47,7 +47,8 @@ class RunnerViews:
                 self._views[chunk.request_id] = _RunnerView(len(request.output_token_ids), [list(t) for t in tables])
                 output.new_requests.append(NewRequestData(chunk.request_id, request.prompt_token_ids,
                                                           list(request.output_token_ids),
-                                                          request.sampling_params, [list(t) for t in tables]))
+                                                          request.sampling_params, [list(t) for t in tables],
+                                                          request.images))
                 continue
             keeps = [_common_prefix(sent, table) for sent, table in zip(view.block_ids, tables)]
             new_tokens = request.output_token_ids[view.num_output_tokens:]

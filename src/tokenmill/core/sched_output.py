@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tokenmill.core.kv_connector import KVCopies
+from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class NewRequestData:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[list[int]]  # one block table per KV cache group (core/kv_spec.py)
+    images: tuple[ImageFeature, ...] = ()  # the prompt's images (a vision-language model's), in order
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from tokenmill.kv_events_config import KVEventsConfig
 from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.models.arch import kv_cache_layout
 from tokenmill.models.loader import ModelSource
+from tokenmill.multimodal.processing import ImageProcessing
 from tokenmill.worker.model_setup import resolve_device, resolve_dtype
 from tokenmill.worker.worker import WorkerSpec
 
@@ -65,6 +66,9 @@ class EngineBuild:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self.arch.eos_token_ids
         self.loras: Optional[LoRARegistry] = None  # the LoRA adapters served, with enable_lora
+        self.image_processing: Optional[ImageProcessing] = None  # a vision-language model's prompts with images
+        if self.arch.vision is not None:
+            self.image_processing = ImageProcessing(source.path, self.arch.vision)
         if config.model.enable_lora:
             self.loras = LoRARegistry(self.arch, config.model.max_lora_rank, config.model.max_cpu_loras
                                       or max(8, 4 * config.model.max_loras))

@@ -19,8 +19,8 @@ class EngineInfo:
     them while the engine thread steps; `loras`, the adapter registry, guards its own changes with a lock.
     `sampling_defaults`: what the model's generation config recommends (`sampling_defaults`).
     `accepts_images`: the model reads images as well as text; a vision-language model sets it, and then
-    takes the images the server loads for its prompts (`ChatRun.images`). False for every model served
-    today (issue 44 adds vision-language models), so requests with images are refused with a 400."""
+    takes the images the server loads for its prompts (`ChatRun.images`); a text-only model refuses
+    requests with images with a 400."""
 
     max_model_len: int
     vocab_size: int
@@ -37,7 +37,7 @@ class EngineInfo:
         """The snapshot of a just-built engine."""
         return cls(engine.max_model_len, engine.arch.vocab_size, tuple(engine.eos_token_ids),
                    engine.source.chat_template, engine.tokenizer, engine.loras, engine.kv_transfers,
-                   sampling_defaults(engine.source.path))
+                   sampling_defaults(engine.source.path), engine.arch.vision is not None)
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -111,8 +111,9 @@ class LLM:
                  lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         """Complete every prompt; returns one finished RequestOutput per prompt, in order.
 
-        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
-        A list of ints is one tokenised prompt; a list of strings or of lists is a batch.
+        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids" (and, for
+        a vision-language model, "multi_modal_data": {"image": a PIL image or a list of them}, one per
+        image placeholder of the prompt, in order: vLLM's shape). A list of ints is one tokenised prompt; a list of strings or of lists is a batch.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model); the
         engine needs enable_lora, and loads an adapter on its first use.
         """
@@ -134,7 +135,7 @@ class LLM:
                 if token_ids is None and isinstance(prompt, dict) and not prompt.get("add_special_tokens", True):
                     token_ids = self.llm_engine.tokenize(text, add_special_tokens=False)
                 self.llm_engine.add_request(request_id, text, p, prompt_token_ids=token_ids, priority=prio,
-                                            lora_request=adapter)
+                                            lora_request=adapter, images=_prompt_images(prompt))
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)
@@ -234,6 +235,18 @@ def _split_prompt(prompt: PromptType) -> tuple[Optional[str], Optional[list[int]
     if isinstance(prompt, list):
         return None, prompt
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def _prompt_images(prompt: PromptType) -> list[Any]:
+    """The images of a prompt dict's multi_modal_data (vLLM's shape); ValueError for other kinds of data."""
+    if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
+        return []
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        kinds = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"multi_modal_data takes {{'image': image or [images]}}; got {kinds}")
+    images = data.get("image")
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _cosine(a: list[float], b: list[float]) -> float:

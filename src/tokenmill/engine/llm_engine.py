@@ -6,7 +6,7 @@ import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from tokenmill.config import EngineConfig
 from tokenmill.config_checks import check_kv_events, check_kv_transfer, check_lora, check_node_rank
@@ -22,6 +22,8 @@ from tokenmill.kv_events_config import KVEventsConfig
 from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.lora.request import LoRARequest
 from tokenmill.models.loader import ModelSource, load_model_source, model_location
+from tokenmill.multimodal.inputs import ImageFeature
+from tokenmill.multimodal.processing import ImageLike
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -125,15 +127,27 @@ class LLMEngine(EngineBuild):
             self.kv_events.publish(to_wire(events, self.kv_cache.block_size, medium, self.kv_cache.num_groups > 1))
 
     # ------------------------------------------------------------------ requests
+    def _with_images(self, prompt_token_ids: list[int], images: Sequence[ImageLike]
+                     ) -> tuple[list[int], tuple[ImageFeature, ...]]:
+        """The prompt with its images' placeholders expanded, and the images' features; ValueError for images
+        given to a text-only model, or placeholders and images that do not pair up."""
+        if self.image_processing is None:
+            if images:
+                raise ValueError(f"this model ({self.arch.architecture}) is text-only: it takes no images")
+            return prompt_token_ids, ()
+        return self.image_processing.prepare(prompt_token_ids, images)
+
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `prompt` with the model's tokenizer."""
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
 
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
                     prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
-                    arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None) -> None:
-        """Queue a request (with the LoRA adapter `lora_request`, registered on first use). Raises
-        ValueError (naming the problem) if it can never run."""
+                    arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
+                    images: Sequence[ImageLike] = ()) -> None:
+        """Queue a request (with the LoRA adapter `lora_request`, registered on first use; for a vision-language
+        model, with `images`, one per image placeholder of the prompt). Raises ValueError (naming the problem)
+        if it can never run."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if lora_request is not None:
@@ -151,6 +165,7 @@ class LLMEngine(EngineBuild):
         else:
             text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = self._check_prompt_ids(prompt_token_ids)
+        prompt_token_ids, image_features = self._with_images(prompt_token_ids, images)
         if priority != 0 and self.config.scheduler.schedule_policy != "priority":
             raise ValueError(f"priority {priority} is honoured only with schedule_policy 'priority' "
                              f"(this engine runs {self.config.scheduler.schedule_policy!r})")
@@ -176,7 +191,7 @@ class LLMEngine(EngineBuild):
             if params.n > 1:
                 raise ValueError("kv_transfer_params: a transferred request has one sample (n must be 1)")
         request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
-                          priority, arrival_time, num_samples_to_fork=params.n - 1)
+                          priority, arrival_time, num_samples_to_fork=params.n - 1, images=image_features)
         transfer = params.kv_transfer_params or {}
         if transfer.get("do_remote_decode"):
             self.kv_transfers.plan_export(request)

@@ -11,6 +11,7 @@ from typing import Optional
 
 from tokenmill.core.kv_spec import KVCacheLayout, KVCacheSpec, group_layers
 from tokenmill.layers.rotary import RopeScaling
+from tokenmill.models.vision.config import VisionConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -100,6 +101,7 @@ class ArchConfig:
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None
+    vision: Optional[VisionConfig] = None  # a vision-language model's image side (models/vision/)
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:

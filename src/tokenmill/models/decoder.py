@@ -133,14 +133,21 @@ class DecoderForCausalLM(nn.Module):
         self.head_quantized: Optional[QuantizedWeight] = None
         self.fused_decode: Any = None  # the one-call step, when asked for and the model qualifies
         self.lora: Any = None  # ModelLoRA (lora/layers.py) when the engine serves LoRA adapters
+        self.vision: Any = None  # a vision-language model's image side (models/vision/), set by build_model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[Any]) -> Optional[torch.Tensor]:
+                attn_metadata: list[Any], image_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> Optional[torch.Tensor]:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (None on a stage before the last).
-        `kv_caches` and `attn_metadata` have one entry per layer of this stage (its KV cache group's)."""
+        `kv_caches` and `attn_metadata` have one entry per layer of this stage (its KV cache group's).
+        `image_embeds` (rows [N], embeddings [N, hidden]): the input embeddings of those rows, in place of
+        their (placeholder) tokens' — a vision-language model's images."""
         residual = None
         if self.stage.is_first:
             hidden = self.embed(input_ids)
+            if image_embeds is not None:
+                rows, embeds = image_embeds
+                hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
             # the fused step runs only models of one KV cache group (_llama_shaped): one metadata for all
             # the native step has no LoRA deltas: a step with adapted rows runs the module path
             if self.fused_decode is not None and not (self.lora is not None and self.lora.active) \
@@ -272,7 +279,11 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
             local = local_experts(self.arch.moe.num_experts, self.tp) if self.tp.expert_parallel else None
             weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size, local)
+        vision_weights = []
         for name, tensor in weights:
+            if name.startswith("vision."):
+                vision_weights.append((name[len("vision."):], tensor))
+                continue
             if name == "rope_freqs":
                 self.rotary.set_frequency_divisors(tensor)
                 continue
@@ -305,6 +316,12 @@ class DecoderForCausalLM(nn.Module):
             loader = getattr(_owner(self, target), "weight_loader", default_weight_loader)
             loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor, shard)
             loaded.add(target if shard is None else f"{target}:{shard}")
+        if self.vision is not None:
+            self.vision.load_weights(vision_weights)
+        elif vision_weights:
+            raise ValueError(f"checkpoint has image-side tensors (e.g. {vision_weights[0][0]!r}) but "
+                             f"{self.arch.architecture} is a text-only model")
+        params = {name: p for name, p in params.items() if not name.startswith("vision.")}
         expected = self._expected_tensor_keys(params)
         missing = sorted(expected - loaded)
         if missing:

@@ -37,4 +37,10 @@ def build_model(arch: ArchConfig, backend: AttentionBackend, max_positions: int,
     if klass is None:
         raise ValueError(f"unsupported architecture {arch.architecture!r}; supported: "
                          f"{', '.join(supported_architectures())}")
-    return klass(arch, backend, max_positions, tp, stage)
+    model = klass(arch, backend, max_positions, tp, stage)
+    if arch.vision is not None and stage.is_first:  # the images' embeddings enter at the first stage
+        from tokenmill.models.vision.llava import LlavaVision
+
+        model.vision = LlavaVision(arch.vision)
+        model.vision.requires_grad_(False)
+    return model

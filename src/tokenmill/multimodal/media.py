@@ -119,6 +119,17 @@ def decode_image(data: bytes, policy: MediaPolicy) -> ImageInput:
     return ImageInput(image, width, height, pixel_hash(image))
 
 
+def image_input(image: Image.Image) -> ImageInput:
+    """A PIL image given in process (`LLM.generate`'s multi_modal_data) as the engine takes images: RGB
+    (transparency laid over white), hashed by its pixels. ValueError for an image without pixels."""
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+    if image.width < 1 or image.height < 1:
+        raise ValueError(f"the image is {image.width}x{image.height} pixels: it has no pixels")
+    rgb = _rgb(image)
+    return ImageInput(rgb, rgb.width, rgb.height, pixel_hash(rgb))
+
+
 def pixel_hash(image: Image.Image) -> str:
     """The sha256 (hex) of `image`'s mode, size and pixels."""
     digest = hashlib.sha256(f"{image.mode} {image.width}x{image.height}\n".encode())

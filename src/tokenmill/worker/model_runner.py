@@ -15,6 +15,7 @@ from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
+from tokenmill.worker.encoder_cache import EncoderCache
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
 from tokenmill.worker.request_state import BatchItem, RequestStates
@@ -37,7 +38,7 @@ class ModelRunner:
                  layout: KVCacheLayout, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: tuple[int, ...], seed: int = 0, tier_slots: int = 0,
                  tier_folder: Optional[str] = None, request_seed: Callable[[int], int] = lambda seed: seed,
-                 swap_slots: int = 0) -> None:
+                 swap_slots: int = 0, encoder_cache_tokens: int = 8192) -> None:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -66,6 +67,9 @@ class ModelRunner:
                                     len(self.kv_pages), cache_dtype, device, tier_folder)
         self.kv_connectors = worker_connectors(self.tier, self.swap)
         self.graphs = None  # DecodeGraphs, once use_decode_graphs is called
+        # a vision-language model's image embeddings (worker/encoder_cache.py), at the stage that embeds
+        vision = getattr(model, "vision", None)
+        self.encoder_cache = EncoderCache(vision, device, encoder_cache_tokens) if vision is not None else None
         self.inputs = StepInputs(block_size)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
@@ -142,8 +146,9 @@ class ModelRunner:
         for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
             chunks[group], slots[group] = self.inputs.group_chunks(batch, group, decode)
         first = chunks[self.layer_groups[0]]
+        images = self.encoder_cache.step_rows(batch) if self.encoder_cache is not None else None
         lora_active = self.model.lora is not None and self.model.lora.active
-        bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None else None
+        bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None and images is None else None
         if bucket is not None:
             return self.graphs.run(batch, bucket, chunks, slots), first
         ids, positions = self.inputs.ids_and_positions(batch, decode)
@@ -151,6 +156,8 @@ class ModelRunner:
         metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device)
                     for group in chunks}
         per_layer = [metadata[group] for group in self.layer_groups]
+        if images is not None:
+            return self.model(input_ids, positions, self.kv_caches, per_layer, image_embeds=images), first
         return self.model(input_ids, positions, self.kv_caches, per_layer), first
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.request import tokens_in_range
 from tokenmill.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class RequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[list[int]]  # per KV cache group
+    images: tuple[ImageFeature, ...] = ()
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) of prompt + output."""
@@ -47,6 +49,7 @@ class BatchItem:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)
+    images: tuple[ImageFeature, ...] = ()  # the request's images (their placeholders lie in the prompt)
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +77,7 @@ class RequestStates:
         for new in schedule.new_requests:
             self.states[new.request_id] = RequestState(new.request_id, list(new.prompt_token_ids),
                                                        list(new.output_token_ids), new.sampling_params,
-                                                       [list(t) for t in new.block_ids])
+                                                       [list(t) for t in new.block_ids], new.images)
         for diff in schedule.cached_requests:
             state = self.states.get(diff.request_id)
             if state is None:
@@ -91,5 +94,5 @@ class RequestStates:
             real_end = chunk.start + chunk.num_tokens - len(spec)
             items.append(BatchItem(chunk.request_id, state.token_ids_range(chunk.start, real_end) + spec,
                                    chunk.start, state.block_ids, chunk.sample, state.sampling_params,
-                                   state.prompt_token_ids, state.output_token_ids, spec))
+                                   state.prompt_token_ids, state.output_token_ids, spec, state.images))
         return items

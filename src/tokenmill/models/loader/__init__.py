@@ -23,6 +23,7 @@ from tokenmill.models.loader.quantized_checkpoints import packed_layer_stream, p
 from tokenmill.models.loader.resolve import DEFAULT_MODEL, model_location, resolve_model_path
 from tokenmill.models.loader.safetensors_weights import SafetensorsWeights
 from tokenmill.models.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+from tokenmill.models.vision.llava import vision_tensor_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -82,6 +83,8 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
     arch = arch_config_from_hf(folder, stored_dtype)
     weights = SafetensorsWeights(folder)
     names = weights.names
+    if arch.vision is not None:
+        return _vision_language_source(folder, arch, weights, with_tokenizer)
     if _embedding_name(names) not in names:
         raise ValueError(f"{folder} has no {_EMBEDDING} tensor")
     if _LM_HEAD not in names and not arch.tie_word_embeddings:  # output layer = embedding
@@ -106,6 +109,42 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         num_tensors=len(wanted),
         weight_stream=stream,
     )
+
+
+def _vision_language_source(folder: str, arch: ArchConfig, weights: SafetensorsWeights,
+                            with_tokenizer: bool) -> ModelSource:
+    """A vision-language folder: the decoder's tensors under the names a causal LM gives them, the image
+    side's under 'vision.' (models/vision/llava.py). Float weights only."""
+    if quantization_config(folder) is not None:
+        raise ValueError(f"{folder}: quantised vision-language checkpoints are not supported yet (float weights only)")
+    renamed = {name: vision_language_name(name) for name in weights.names}
+    if _EMBEDDING not in renamed.values():
+        raise ValueError(f"{folder} has no language_model.embed_tokens.weight tensor")
+    if _LM_HEAD not in renamed.values() and not arch.tie_word_embeddings:
+        arch = dataclasses.replace(arch, tie_word_embeddings=True)
+    wanted = {name for name, ours in renamed.items()
+              if not (ours == _LM_HEAD and arch.tie_word_embeddings) and not ours.endswith("rotary_emb.inv_freq")}
+
+    def stream(keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+        return ((renamed[name], tensor) for name, tensor in weights.iter_tensors(wanted))
+
+    tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
+    return ModelSource(path=folder, arch=arch, tokenizer=tokenizer,
+                       chat_template=tokenizer.chat_template if tokenizer is not None else None,
+                       num_tensors=len(wanted), weight_stream=stream)
+
+
+def vision_language_name(name: str) -> str:
+    """A vision-language checkpoint's tensor name as the model loads it: 'vision.<tower|projector>.…' for the
+    image side, the causal LM's own name ('model.layers.0.…', 'lm_head.weight') for the decoder's."""
+    ours = vision_tensor_name(name)
+    if ours is not None:
+        return "vision." + ours
+    for prefix, replacement in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                                ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
 
 
 def _embedding_name(names: Collection[str]) -> str:

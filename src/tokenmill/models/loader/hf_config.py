@@ -5,12 +5,14 @@ Keys missing from `config.json` take the defaults of the matching transformers c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tokenmill.models.arch import ArchConfig, MLAConfig, MoEConfig, RopeScaling
+from tokenmill.models.vision.config import VISION_ARCHITECTURES, vision_config_from_hf
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -103,7 +105,8 @@ def _architecture(config: dict[str, Any]) -> str:
             return name
     found = declared or config.get("model_type")
     raise ValueError(
-        f"unsupported model architecture {found!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"unsupported model architecture {found!r}; supported: "
+        f"{', '.join((*SUPPORTED_ARCHITECTURES, *VISION_ARCHITECTURES))}"
     )
 
 
@@ -293,6 +296,32 @@ def arch_config_from_hf(
     """
     folder = Path(folder)
     config = _read_json(folder / "config.json")
+    if is_vision_language(config):
+        arch = arch_config_from_hf_dict(text_settings(config), folder, stored_dtype)
+        return dataclasses.replace(arch, vision=vision_config_from_hf(config, arch.hidden_size))
+    return arch_config_from_hf_dict(config, folder, stored_dtype)
+
+
+def is_vision_language(config: dict[str, Any]) -> bool:
+    """Whether `config` (a config.json) is of a vision-language model tokenmill runs."""
+    return any(name in VISION_ARCHITECTURES for name in config.get("architectures") or ())
+
+
+def text_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's decoder settings: its text_config, with what the model keeps at the top
+    level (dtype, tied embeddings, the EOS id) where text_config lacks it."""
+    text = {"model_type": "llama", **(config.get("text_config") or {})}
+    text.pop("architectures", None)
+    for key in ("dtype", "torch_dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if text.get(key) is None and config.get(key) is not None:
+            text[key] = config[key]
+    return text
+
+
+def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
+                             stored_dtype: Callable[[], str] = lambda: "float32") -> ArchConfig:
+    """The `ArchConfig` of decoder settings `config` (a config.json's, or a vision-language model's
+    text_config) in checkpoint folder `folder`."""
     generation_path = folder / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.exists() else {}
 
