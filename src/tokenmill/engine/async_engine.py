@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 from tokenmill.engine.admission import AdmissionLimits, Ticket
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
@@ -32,6 +32,8 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_stream import OutputStream
 from tokenmill.engine.tracing import RequestTracer, incoming_trace
+from tokenmill.multimodal.inputs import ImageFeature
+from tokenmill.multimodal.processing import ImageLike
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
@@ -134,9 +136,21 @@ class AsyncEngine(EngineThread):
             raise ValueError(f"the output constraint did not compile within "
                              f"{self.limits.grammar_compile_timeout:g} s; simplify it") from None
 
+    def prepare_images(self, prompt_token_ids: list[int], images: Sequence[ImageLike]
+                       ) -> tuple[list[int], tuple[ImageFeature, ...]]:
+        """The prompt with each image's placeholder expanded, and the images' features for `generate`
+        (multimodal/processing.py); blocking (the model's image processor runs): call it off the event loop.
+        ValueError for a text-only model, or placeholders and images that do not pair up."""
+        processing = self.engine.image_processing  # set once at build; its processor keeps no state
+        if processing is None:
+            raise ValueError("this model is text-only: it takes no images")
+        return processing.prepare(prompt_token_ids, images)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs (as `params.output_kind` asks) until it finishes.
+                       prompt: Optional[str] = None, priority: int = 0, images: tuple[ImageFeature, ...] = ()
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (as `params.output_kind` asks) until it finishes. `images`: the
+        prompt's images, as `prepare_images` made them with the prompt.
 
         Raises ValueError (bad request), QueueFullError or EngineDeadError before the first output, and
         RequestFailedError or EngineDeadError after it. Closing the generator early (client gone, task
@@ -157,7 +171,7 @@ class AsyncEngine(EngineThread):
                 self._check_open()
                 self._check_room(len(prompt_token_ids))
                 self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                        priority=priority, arrival_time=arrival)
+                                        priority=priority, arrival_time=arrival, images=images)
                 self._streams[request_id] = stream
                 if params.structured_output is not None:
                     self.metrics.record_structured()

@@ -129,12 +129,18 @@ class LLMEngine(EngineBuild):
     # ------------------------------------------------------------------ requests
     def _with_images(self, prompt_token_ids: list[int], images: Sequence[ImageLike]
                      ) -> tuple[list[int], tuple[ImageFeature, ...]]:
-        """The prompt with its images' placeholders expanded, and the images' features; ValueError for images
-        given to a text-only model, or placeholders and images that do not pair up."""
-        if self.image_processing is None:
-            if images:
-                raise ValueError(f"this model ({self.arch.architecture}) is text-only: it takes no images")
+        """The prompt with its images' placeholders expanded, and the images' features (`images` are images, or
+        features that `ImageProcessing.prepare` made with this prompt); ValueError for images given to a
+        text-only model, or placeholders and images that do not pair up."""
+        if not images:
+            if self.image_processing is not None and self.image_processing.image_token_id in prompt_token_ids:
+                raise ValueError(f"the prompt has image placeholders (token {self.image_processing.image_token_id}) "
+                                 "but no image came with it")
             return prompt_token_ids, ()
+        if self.image_processing is None:
+            raise ValueError(f"this model ({self.arch.architecture}) is text-only: it takes no images")
+        if all(isinstance(image, ImageFeature) for image in images):  # prepared with the prompt (prepare_images)
+            return prompt_token_ids, self.image_processing.check_prepared(prompt_token_ids, images)
         return self.image_processing.prepare(prompt_token_ids, images)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

@@ -62,7 +62,27 @@ class ImageProcessing:
         ids.extend(prompt_token_ids[previous:])
         return ids, tuple(features)
 
+    def check_prepared(self, prompt_token_ids: Sequence[int], features: Sequence[ImageFeature]
+                       ) -> tuple[ImageFeature, ...]:
+        """`features` as `prepare` made them with `prompt_token_ids`: in order, each over a run of placeholder
+        tokens of this model's image length, and every placeholder covered; ValueError otherwise."""
+        marker, covered = self.image_token_id, 0
+        for feature in features:
+            run = prompt_token_ids[feature.offset:feature.end]
+            if feature.offset < covered or feature.length != self.vision.num_image_tokens \
+                    or len(run) != feature.length or any(token != marker for token in run):
+                raise ValueError(f"image features do not match the prompt: expected runs of "
+                                 f"{self.vision.num_image_tokens} placeholder tokens {marker}, in order")
+            covered = feature.end
+        if sum(f.length for f in features) != sum(1 for token in prompt_token_ids if token == marker):
+            raise ValueError("the prompt has image placeholders that no image fills")
+        return tuple(features)
+
     def pixels(self, image: ImageInput) -> dict[str, Any]:
         """The image processor's tensors for one image (its batch dimension dropped)."""
-        out = self.processor(images=[image.image], return_tensors="pt")
-        return {"pixel_values": out["pixel_values"][0]}
+        pixels = self.processor(images=[image.image], return_tensors="pt")["pixel_values"][0]
+        size = self.vision.tower.image_size
+        if tuple(pixels.shape[-2:]) != (size, size):
+            raise ValueError(f"the model's image processor made {tuple(pixels.shape[-2:])} pixels of an image; its "
+                             f"vision tower takes {size}x{size}")
+        return {"pixel_values": pixels}

@@ -31,18 +31,24 @@ def chat_prompt_ids(tokenizer: Any, chat_template: str, conversation: list[dict]
 
     text = render(conversation)
     specials = special_token_texts(tokenizer)
-    affected = [i for i, message in enumerate(conversation)
-                if isinstance(message.get("content"), str) and any(s in message["content"] for s in specials)]
+    texts = list(_message_texts(conversation))
+    affected = [(i, j, t) for i, j, t in texts if any(s in t for s in specials)]
     if not affected:
         return text, tokenizer(text, add_special_tokens=False).input_ids
-    if any(_OPEN in m.get("content") or _CLOSE in m.get("content") for m in conversation
-           if isinstance(m.get("content"), str)):
+    if any(_OPEN in t or _CLOSE in t for _, _, t in texts):
         raise ValueError("message content holds both special-token text and private-use characters "
                          "U+E000/U+E001; it cannot be rendered safely")
-    contents = {f"{_OPEN}{i}{_CLOSE}": conversation[i]["content"] for i in affected}
+    contents: dict[str, str] = {}
     stand_ins = [dict(m) for m in conversation]
-    for stand_in, i in zip(contents, affected):
-        stand_ins[i]["content"] = stand_in
+    for n, (i, j, content) in enumerate(affected):
+        stand_in = f"{_OPEN}{n}{_CLOSE}"
+        contents[stand_in] = content
+        if j is None:
+            stand_ins[i]["content"] = stand_in
+        else:  # a text part of a list content (a message with images): the message gets its own list
+            if stand_ins[i]["content"] is conversation[i]["content"]:
+                stand_ins[i]["content"] = list(conversation[i]["content"])
+            stand_ins[i]["content"][j] = {**stand_ins[i]["content"][j], "text": stand_in}
     pieces = re.split(f"({_OPEN}\\d+{_CLOSE})", render(stand_ins))
     if sorted(pieces[1::2]) != sorted(contents) or "".join(contents.get(p, p) for p in pieces) != text:
         raise ValueError("this chat template changes message content as it renders it, so content that holds "
@@ -54,6 +60,19 @@ def chat_prompt_ids(tokenizer: Any, chat_template: str, conversation: list[dict]
         elif piece:
             ids += tokenizer(piece, add_special_tokens=False).input_ids
     return text, ids
+
+
+def _message_texts(conversation: list[dict]):
+    """(message index, part index or None, text) of every text the messages hold: a string content, or the
+    text parts of a list content (a message with images)."""
+    for i, message in enumerate(conversation):
+        content = message.get("content")
+        if isinstance(content, str):
+            yield i, None, content
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                    yield i, j, part["text"]
 
 
 def special_token_texts(tokenizer: Any) -> list[str]:

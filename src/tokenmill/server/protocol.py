@@ -293,6 +293,15 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
+    def template_content(self) -> Union[str, list[dict[str, str]]]:
+        """The content as chat templates take it: plain text (`text`), or, for a message with images, its
+        parts in order as {"type": "image"} and {"type": "text", "text": ...} (the templates of
+        vision-language models write each image's placeholder where its part is)."""
+        if not self.image_urls():
+            return self.text()
+        return [{"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+                for part in self.content]
+
     def image_urls(self) -> list[str]:
         """The URLs of the message's image parts, in order."""
         if not isinstance(self.content, list):

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from pydantic import ValidationError
 
 from tokenmill.engine.admission import Ticket
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.multimodal.media import ImageInput, MediaPolicy
+from tokenmill.multimodal.inputs import ImageFeature
+from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, merge_outputs
 from tokenmill.server.assistant_turn import TurnParsing, TurnStream
 from tokenmill.server.chat_images import check_conversation_images, load_conversation_images
@@ -67,15 +68,15 @@ def chat_request(fields: dict[str, Any], names: Optional[dict[str, str]] = None)
 @dataclass
 class ChatRun:
     """A chat generation under way: its id, prompt, engine stream, how its output is read, the
-    admission ticket the response releases when it ends, and the images of its prompt, loaded and checked
-    (only for a model that accepts images: EngineInfo.accepts_images)."""
+    admission ticket the response releases when it ends, and the images of its prompt (only for a model
+    that accepts images: EngineInfo.accepts_images), whose placeholders `prompt_ids` holds expanded."""
 
     response_id: str
     prompt_ids: list[int]
     outputs: AsyncIterator[RequestOutput]
     parsing: TurnParsing
     ticket: Ticket
-    images: list[ImageInput] = field(default_factory=list)
+    images: tuple[ImageFeature, ...] = ()
 
 
 class ChatHandler:
@@ -142,6 +143,12 @@ class ChatHandler:
             images = await load_conversation_images(body.messages, self.media) if image_count else []
             prompt, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt,
                                                         tools, body.chat_template_kwargs)
+            features = ()
+            if images:  # each image's placeholder becomes the run of positions its embeddings fill
+                token_ids, features = await asyncio.to_thread(self.engine.prepare_images, token_ids, images)
+        except ValueError as exc:
+            ticket.release()
+            raise APIError(400, str(exc), param="messages") from None
         except BaseException:
             ticket.release()
             raise
@@ -151,8 +158,8 @@ class ChatHandler:
             params = dataclasses.replace(params, structured_output=dataclasses.replace(
                 params.structured_output, after_token=self.reasoning.end_token_id))
         request_id = new_id(id_prefix)
-        stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority)
-        return ChatRun(request_id, token_ids, stream, parsing, ticket, images)
+        stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority, features)
+        return ChatRun(request_id, token_ids, stream, parsing, ticket, features)
 
     def _parsing(self, prompt_ids: list[int], tools: Optional[ToolMode]) -> TurnParsing:
         opening = self.reasoning.opening(prompt_ids) if self.reasoning is not None else None

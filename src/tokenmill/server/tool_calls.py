@@ -61,7 +61,7 @@ def render_messages(messages: list[ChatMessage], mode: Optional[ToolMode], templ
     conversation = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        content = m.text()
+        content = m.template_content()
         if m.tool_calls and not template_takes_tools:
             content += "".join(f"{OPEN}\n{_call_json(c.function.name, c.function.arguments)}\n{CLOSE}"
                                for c in m.tool_calls)
