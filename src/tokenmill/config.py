@@ -200,6 +200,15 @@ class SchedulerConfig:
     schedule_policy: str = _opt("fcfs", "order of admission: fcfs (arrival), priority (a request's priority, "
                                 "lower first, then arrival; requests may set it only under this policy) or lpm "
                                 "(longest cached prefix first, never starving others)", choices=SCHEDULE_POLICIES)
+    max_num_encoder_input_tokens: int = _opt(0, "vision-language models: image positions the vision encoder "
+                                             "computes per step (0: max_num_batched_tokens); a chunk that would "
+                                             "start more images waits for the next step at the first that does not "
+                                             "fit, and an image larger than this is encoded alone in its step")
+
+    @property
+    def encoder_budget(self) -> int:
+        """Image positions the vision encoder computes per step."""
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -207,6 +216,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_encoder_input_tokens < 0:
+            raise ValueError(f"max_num_encoder_input_tokens must be >= 0, got {self.max_num_encoder_input_tokens}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                              f"got {self.schedule_policy!r}")

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
+from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.server.chat_images import (
     check_conversation_images, conversation_images, load_conversation_images)
@@ -182,7 +183,12 @@ class _FakeEngine:
     def _release(self) -> None:
         self.released += 1
 
-    def generate(self, request_id, token_ids, params, prompt, priority):
+    def prepare_images(self, token_ids, images):
+        """Features that carry each decoded image's size, over no placeholders (the prompt is fixed)."""
+        return token_ids, tuple(ImageFeature(0, 0, image.content_hash, {"size": (image.width, image.height)})
+                                for image in images)
+
+    def generate(self, request_id, token_ids, params, prompt, priority, images=()):
         self.generated.append(token_ids)
         return iter(())
 
@@ -222,7 +228,7 @@ def test_a_model_that_reads_images_gets_them_loaded_under_its_ticket():
     engine = _FakeEngine(accepts_images=True)
     handler = _Handler(engine, "tiny", None)
     run = asyncio.run(handler.start(chat_body(looking(2))))
-    assert [(image.width, image.height) for image in run.images] == [(3, 2), (3, 2)]
+    assert [image.inputs["size"] for image in run.images] == [(3, 2), (3, 2)]
     assert engine.reserved == 1 and engine.released == 0 and engine.generated == [[1, 2, 3]]
     broken = chat_body({"role": "user", "content": "hi"},
                        {"role": "user", "content": [image_part(), image_part("data:image/png;base64,aGk=")]})

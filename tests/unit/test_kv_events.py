@@ -40,6 +40,7 @@ class Seq:
         self.request_id, self.tokens = request_id, list(tokens)
         self.num_computed_tokens, self.num_tokens = 0, len(self.tokens)
         self.sampling_params = SamplingParams(cache_salt=salt)
+        self.images = ()
 
     def token_ids_range(self, start, end):
         return self.tokens[start:end]

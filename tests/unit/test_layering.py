@@ -21,7 +21,7 @@ LAYERS = [
     ["config", "config_checks"],
     ["kernels", "parallel"],
     ["attention", "layers", "sampling", "structured", "lora"],
-    ["models"],
+    ["models", "multimodal.processing"],  # processing: prompts with images, as the model's image side lays them
     ["worker"],
     ["spec_decode", "pooling"],
     ["executor"],

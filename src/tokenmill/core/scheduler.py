@@ -13,6 +13,7 @@ from tokenmill.core.sched_output import ScheduledChunk, SchedulerOutput
 from tokenmill.core.scheduling import SchedulingLimits, SpecTotals
 from tokenmill.core.step_results import StepResults
 from tokenmill.core.swap_space import SwapSpace
+from tokenmill.multimodal.inputs import overlapping
 from tokenmill.request import Request, RequestStatus
 
 
@@ -22,6 +23,30 @@ def _priority_key(request: Request) -> tuple:
 
 # Under lpm, a waiting request passed over this many times is admitted next: no starvation.
 MAX_TIMES_PASSED_OVER = 8
+
+
+class _EncoderBudget:
+    """What is left of one step's vision-encoder budget (image positions; 0: no limit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = self.left = limit
+
+    def fit(self, request: Request, start: int, num_new: int, first_chunk: bool = False) -> int:
+        """`num_new` cut before the first image the chunk from `start` begins that the budget cannot take
+        (the whole chunk when it can take them all), charging the budget for those it takes. An image begun
+        in an earlier chunk costs nothing: its embeddings wait in the runner's encoder cache. A request's
+        first chunk (`first_chunk`: after a prefix-cache hit it may start inside an image) pays for every
+        image it touches."""
+        if not self.limit or not request.images:
+            return num_new
+        end = start + num_new
+        for image in overlapping(request.images, start, end):
+            if image.offset < start and not first_chunk:
+                continue
+            if image.length > self.left and self.left < self.limit:
+                return max(0, image.offset - start)
+            self.left -= min(image.length, self.left)
+        return num_new
 
 
 def _adapter(request: Request) -> Optional[int]:
@@ -135,6 +160,7 @@ class Scheduler(StepResults):
         num_preempted = 0
         room = self._step_share()
         stalled = False
+        encoder = _EncoderBudget(self.limits.max_num_encoder_input_tokens)
 
         index = 0
         while index < len(self.running) and budget > 0 and room > 0:
@@ -144,7 +170,10 @@ class Scheduler(StepResults):
                 continue
             if not request.num_samples_to_fork:  # a parent about to fork keeps what its samples will share
                 self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
-            num_new = self._grant(request, budget)
+            num_new = encoder.fit(request, request.num_computed_tokens, self._grant(request, budget))
+            if num_new == 0:  # its next image waits for the next step's encoder budget
+                index += 1
+                continue
             while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 if request.spec_token_ids:  # proposals are optional: drop them before preempting anyone
                     request.spec_token_ids = []
@@ -168,7 +197,7 @@ class Scheduler(StepResults):
                 break
 
         if num_preempted == 0 and not stalled:
-            budget = self._admit_waiting(budget, room, scheduled)
+            budget = self._admit_waiting(budget, room, scheduled, encoder)
 
         self.kv_cache.transfer.plan_exports(scheduled, self.requests)
         copies = [c for c in (connector.take_copies() for connector in self.connectors) if c]
@@ -199,7 +228,8 @@ class Scheduler(StepResults):
             request.spec_token_ids = request.spec_token_ids[:max(0, budget - lacking)]
         return min(lacking + len(request.spec_token_ids), budget)
 
-    def _admit_waiting(self, budget: int, room: int, scheduled: list[ScheduledChunk]) -> int:
+    def _admit_waiting(self, budget: int, room: int, scheduled: list[ScheduledChunk],
+                       encoder: "_EncoderBudget") -> int:
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
         computing = set()  # keys of full blocks that requests admitted in this step compute
         adapters = {_adapter(r) for r in self.running} - {None}  # the LoRA adapters this step runs
@@ -230,7 +260,9 @@ class Scheduler(StepResults):
             upcoming = self.kv_cache.prefix_keys_between(request, num_cached, num_cached + self.kv_cache.block_size)
             if upcoming and upcoming[0] in computing:
                 break
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = encoder.fit(request, num_cached, min(request.num_tokens - num_cached, budget), True)
+            if num_new == 0:
+                break
             target = num_cached + num_new
             # With nothing running there is nobody to keep the watermark for: admit if it fits at all.
             if self.running and not self.kv_cache.can_admit(request.request_id, target, cached_blocks):

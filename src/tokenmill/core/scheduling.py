@@ -26,6 +26,10 @@ class SchedulingLimits:
     # back, or (auto) whichever `costs` estimates cheaper for it (core/swap_space.py).
     preemption_mode: str = "recompute"
     costs: Optional[PreemptionCosts] = None
+    # Image positions the vision encoder computes per step (0: no limit): a chunk that would start an image
+    # past it stops before that image, unless the step has encoded none yet (an image larger than the budget
+    # is encoded alone in its step), as vLLM's encoder budget does.
+    max_num_encoder_input_tokens: int = 0
 
 
 @dataclass

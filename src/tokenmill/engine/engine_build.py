@@ -27,6 +27,10 @@ from tokenmill.multimodal.processing import ImageProcessing
 from tokenmill.worker.model_setup import resolve_device, resolve_dtype
 from tokenmill.worker.worker import WorkerSpec
 
+# image positions whose embeddings the runner keeps at least (four steps' encoder budgets when that is more):
+# the rest of an image that chunked prefill split, and the same image in other requests, reuse them
+ENCODER_CACHE_MIN = 8192
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.core.sched_output import SchedulerOutput
@@ -100,7 +104,8 @@ class EngineBuild:
                           expert_parallel=parallel.enable_expert_parallel,
                           profile_tokens=config.scheduler.max_num_batched_tokens,
                           max_num_seqs=config.scheduler.max_num_seqs,
-                          gpu_memory_utilization=config.cache.gpu_memory_utilization)
+                          gpu_memory_utilization=config.cache.gpu_memory_utilization,
+                          encoder_cache_tokens=max(ENCODER_CACHE_MIN, 4 * config.scheduler.encoder_budget))
 
     def _build_kv_cache(self, plan: _KVPlan, events_config: KVEventsConfig,
                         transfer_config: Optional[KVTransferConfig], on_failure: ExitStack) -> None:
@@ -131,7 +136,8 @@ class EngineBuild:
                                   self.config.model.max_loras if self.config.model.enable_lora else 0,
                                   scheduler.preemption_mode,
                                   PreemptionCosts.for_model(self.arch, plan.block_bytes / plan.block_size,
-                                                            self.device.type))
+                                                            self.device.type),
+                                  scheduler.encoder_budget if self.arch.vision is not None else 0)
         self.scheduler = Scheduler(limits, self.kv_cache, plan.swap_slots)
 
     def _build_step_state(self) -> None:

@@ -39,6 +39,7 @@ class WorkerSpec:
     tier_folder: Optional[str]
     eos_token_ids: tuple[int, ...]
     swap_slots: int = 0  # host slots for preempted requests' blocks (core/swap_space.py)
+    encoder_cache_tokens: int = 8192  # image positions whose embeddings the runner keeps (worker/encoder_cache.py)
     # num_blocks 0: size the pool from free GPU memory after a profiling step of this many tokens
     profile_tokens: int = 2048
     max_num_seqs: int = 128  # rows of the profiling step's head, and the largest decode graph's bucket
@@ -95,7 +96,7 @@ class Worker:
         self.num_blocks = spec.num_blocks or self._profile_blocks(backend, layout, dtype)
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
-                                  swap_slots=spec.swap_slots)
+                                  swap_slots=spec.swap_slots, encoder_cache_tokens=spec.encoder_cache_tokens)
         graphs = self._decode_graphs_apply(backend, tp, stage)
         if graphs:
             try:
