@@ -59,14 +59,14 @@ class Engines:
             self.llm, self.key = self.make(max_model_len=512, block_size=BLOCK_SIZE, **self.weights, **options), key
         return self.llm
 
-    def result_alone(self, target: int, kind: str, speculation: str) -> tuple:
+    def result_alone(self, target: int, kind: str, speculation: str, targets=TARGETS) -> tuple:
         """The target's result run alone on a fresh engine, per sampling kind and speculation (greedy output
         must not depend on speculation; seeded sampling with it is compared with itself alone)."""
-        key = (target, kind, speculation if kind == "seeded" else "none")
+        key = (id(targets), target, kind, speculation if kind == "seeded" else "none")
         if key not in self.alone:
-            options = {} if key[2] == "none" else dict(speculative_method=key[2], num_speculative_tokens=3)
+            options = {} if key[3] == "none" else dict(speculative_method=key[3], num_speculative_tokens=3)
             llm = self.make(max_model_len=512, block_size=BLOCK_SIZE, **self.weights, **options)
-            self.alone[key] = result(llm.generate([TARGETS[target]], sampling(kind, 1000 + target), use_tqdm=False)[0])
+            self.alone[key] = result(llm.generate([targets[target]], sampling(kind, 1000 + target), use_tqdm=False)[0])
         return self.alone[key]
 
 
@@ -93,24 +93,34 @@ def scenarios(draw):
                 preempt=draw(st.booleans()), speculation=draw(st.sampled_from(["none", "ngram"])))
 
 
-def check(engines: Engines, s: dict) -> None:
+def check(engines: Engines, s: dict, targets=TARGETS, others=OTHERS) -> None:
     options = dict(max_num_batched_tokens=s["budget"], prefix_caching=s["cache"] != "off")
     if s["preempt"]:  # 12 blocks of 16 tokens: a few requests at a time, the rest preempted and recomputed
         options.update(num_kv_blocks=12, secondary_kv_gb=0.01)
     if s["speculation"] != "none":
         options.update(speculative_method=s["speculation"], num_speculative_tokens=3)
     llm = engines.get(**options)
-    target = TARGETS[s["target"]]
+    index = s["target"] % len(targets)
+    target = targets[index]
     if s["cache"] == "warm":
         llm.generate([target], sampling("greedy", 0), use_tqdm=False)
     elif s["cache"] == "partial":
-        llm.generate([target[:len(target) // 2] + " and so on"], sampling("greedy", 0), use_tqdm=False)
-    prompts = [OTHERS[i] for i in s["others"]]
+        llm.generate([partly(target)], sampling("greedy", 0), use_tqdm=False)
+    prompts = [others[i % len(others)] for i in s["others"]]
     params = [sampling("greedy" if i % 2 else "seeded", i) for i in range(len(prompts))]
     prompts.insert(s["position"], target)
-    params.insert(s["position"], sampling(s["kind"], 1000 + s["target"]))
+    params.insert(s["position"], sampling(s["kind"], 1000 + index))
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert result(outputs[s["position"]]) == engines.result_alone(s["target"], s["kind"], s["speculation"])
+    assert result(outputs[s["position"]]) == engines.result_alone(index, s["kind"], s["speculation"], targets)
+
+
+def partly(prompt):
+    """A prompt that shares the first half of `prompt` (for an image prompt: its text up to and with its
+    first image) and then goes its own way."""
+    if isinstance(prompt, str):
+        return prompt[:len(prompt) // 2] + " and so on"
+    return {"prompt": prompt["prompt"].split("\n", 1)[0] + "\nand so on", "multi_modal_data":
+            {"image": prompt["multi_modal_data"]["image"][:1]}}
 
 
 @pytest.mark.slow
@@ -190,3 +200,36 @@ def test_a_2048_token_prompt_gives_its_own_result_however_it_is_chunked(make_smo
     outputs = llm.generate([{"prompt_token_ids": prompt[other:other + 2 * other]}, {"prompt_token_ids": prompt}],
                            [sampling("seeded", 3), params], use_tqdm=False)
     assert result(outputs[1]) == expected
+
+
+def _image(seed: int, width: int, height: int):
+    import numpy as np
+    from PIL import Image
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+IMAGE_TARGETS = [{"prompt": "USER: " + "<image>\n" * count + question + " ASSISTANT:",
+                  "multi_modal_data": {"image": [_image(seed + k, 30 + 7 * k, 45 - 5 * k) for k in range(count)]}}
+                 for seed, count, question in ((1, 1, "What is this?"), (2, 2, "Compare them."),
+                                               (3, 1, "Describe it in detail."), (4, 2, "Which is brighter?"))]
+IMAGE_OTHERS = ["USER: Hi ASSISTANT:", "USER: Tell me about the sea. ASSISTANT:", *IMAGE_TARGETS[::-1],
+                {"prompt": "USER: <image>\nAnd this one? ASSISTANT:",
+                 "multi_modal_data": {"image": [_image(9, 64, 64)]}}]
+
+
+@pytest.fixture(scope="module")
+def image_engines(tmp_path_factory):
+    """A tiny LLaVA (CLIP tower) served by default: this CPU's default dtype."""
+    from helpers.tiny_models import make_tiny_llava
+    from tokenmill import LLM
+
+    folder = make_tiny_llava(tmp_path_factory.mktemp("llava"), "clip")
+    return Engines(lambda **options: LLM(str(folder), **options))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_output_with_images_does_not_depend_on_what_else_runs(image_engines, scenario):
+    """Prompts with images among prompts with and without them: chunks that split an image (budget 5 and 16
+    against 16 placeholders), the same image's blocks cached by another request, preemption, speculation."""
+    check(image_engines, scenario, IMAGE_TARGETS, IMAGE_OTHERS)
