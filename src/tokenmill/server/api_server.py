@@ -279,7 +279,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
-            _, tokens = await asyncio.to_thread(chat.prompt, body.messages, body.add_generation_prompt)
+            tokens = await chat.prompt_ids(body.messages, body.add_generation_prompt)
         else:
             tokens = (await asyncio.to_thread(engine.tokenizer, body.prompt,
                                               add_special_tokens=body.add_special_tokens)).input_ids
@@ -315,8 +315,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
             tools = tool_mode(body)
         except ValueError as exc:
             raise APIError(400, str(exc), param="tools") from None
-        _, tokens = await asyncio.to_thread(chat.prompt, body.messages, body.add_generation_prompt, tools,
-                                            body.chat_template_kwargs)
+        tokens = await chat.prompt_ids(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
         return {"request_id": new_id("chatcmpl"), "token_ids": tokens, "sampling_params": params,
                 "model": model_name}
 

@@ -116,6 +116,39 @@ class ChatHandler:
         return chat_prompt(self.engine.tokenizer, self.chat_template, messages, add_generation_prompt, tools,
                            family, template_kwargs)
 
+    async def expanded_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                              tools: Optional[ToolMode] = None, template_kwargs: Optional[dict[str, Any]] = None,
+                              image_count: int = 0) -> tuple[str, list[int], tuple[ImageFeature, ...]]:
+        """The prompt text, its token ids with each of its `image_count` images' placeholder expanded to the
+        positions its embeddings fill, and the images' features: the images read and decoded, the template
+        rendered and the processor run off the event loop. APIError 400 naming what is wrong. The caller
+        holds an admission ticket while images load."""
+        images = await load_conversation_images(messages, self.media) if image_count else []
+        prompt, token_ids = await asyncio.to_thread(self.prompt, messages, add_generation_prompt, tools,
+                                                    template_kwargs)
+        if not images:
+            return prompt, token_ids, ()
+        try:
+            token_ids, features = await asyncio.to_thread(self.engine.prepare_images, token_ids, images)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        return prompt, token_ids, features
+
+    async def prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                         tools: Optional[ToolMode] = None, template_kwargs: Optional[dict[str, Any]] = None
+                         ) -> list[int]:
+        """The token ids a chat request of `messages` would run, image positions included (what /tokenize,
+        the render routes and count_tokens report); images load under an admission ticket of their own."""
+        image_count = self.check_images(messages)
+        if not image_count:
+            return (await asyncio.to_thread(self.prompt, messages, add_generation_prompt, tools, template_kwargs))[1]
+        ticket = self.engine.reserve(1)
+        try:
+            return (await self.expanded_prompt(messages, add_generation_prompt, tools, template_kwargs,
+                                               image_count))[1]
+        finally:
+            ticket.release()
+
     async def start(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
         """Check the request, hold admission room for it, load its images and render and tokenise its prompt
         off the event loop and start its engine request. The caller releases the run's ticket when the
@@ -140,15 +173,8 @@ class ChatHandler:
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
         try:  # images are decoded under the ticket, so admission bounds how many requests decode at once
-            images = await load_conversation_images(body.messages, self.media) if image_count else []
-            prompt, token_ids = await asyncio.to_thread(self.prompt, body.messages, body.add_generation_prompt,
-                                                        tools, body.chat_template_kwargs)
-            features = ()
-            if images:  # each image's placeholder becomes the run of positions its embeddings fill
-                token_ids, features = await asyncio.to_thread(self.engine.prepare_images, token_ids, images)
-        except ValueError as exc:
-            ticket.release()
-            raise APIError(400, str(exc), param="messages") from None
+            prompt, token_ids, features = await self.expanded_prompt(
+                body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs, image_count)
         except BaseException:
             ticket.release()
             raise

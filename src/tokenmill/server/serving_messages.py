@@ -8,7 +8,6 @@ and its SSE event sequence.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
@@ -64,7 +63,7 @@ class MessagesHandler:
             tools = tool_mode(chat)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        _, ids = await asyncio.to_thread(self.chat.prompt, chat.messages, True, tools, chat.chat_template_kwargs)
+        ids = await self.chat.prompt_ids(chat.messages, True, tools, chat.chat_template_kwargs)
         return {"input_tokens": len(ids)}
 
     async def complete(self, body: MessagesRequest) -> dict[str, Any]:
