@@ -143,6 +143,7 @@ class ModelRunnerOutput:
     `failed[rid]` says why the step's work for that request raised (its sampling, grammar or logprobs):
     the request ends with an error and has no other entry; the rest of the batch is unaffected.
     `completed` names requests whose output grammar completed (the engine cuts their tokens there).
+    `encoder_images` and `encoder_seconds` count the step's vision-encoder work.
     `prompt_logprobs[rid]` covers the chunk's positions in order; entry j scores the token at
     position start + j + 1 (the first prompt token has no logprob and is never included).
     """
@@ -152,6 +153,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    encoder_images: int = 0  # images the vision encoder encoded in this step (cache misses)
+    encoder_seconds: float = 0.0  # and the time it took
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         """Mark `request_id` failed (dropping what the step had recorded for it)."""

@@ -143,6 +143,7 @@ class EngineBuild:
     def _build_step_state(self) -> None:
         """What lives between steps: grammars, drafts, the steps in flight, telemetry."""
         self._grammar_cache: Optional[GrammarCache] = None
+        self.encoder_totals: tuple[int, float] = (0, 0.0)  # images the vision encoder encoded, and its seconds
         self._grammar_lock = threading.Lock()
         self.step_grammars: Optional[StepGrammars] = None
         self._draft_probs: dict = {}  # request id -> distributions of its drafted proposals, for the next step

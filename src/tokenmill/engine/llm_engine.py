@@ -48,6 +48,8 @@ class EngineStats:
     secondary_cache_hits: int
     secondary_cache_saves: int
     spec: SpecTotals = field(default_factory=SpecTotals)
+    encoder_images: int = 0  # images the vision encoder encoded (encoder-cache misses)
+    encoder_seconds: float = 0.0  # the time it spent on them
 
 
 class LLMEngine(EngineBuild):
@@ -242,7 +244,7 @@ class LLMEngine(EngineBuild):
         tier_saves = kv.tier.num_saves if kv.tier is not None else 0
         return EngineStats(scheduler.num_running, scheduler.num_waiting, kv.usage, scheduler.num_preemptions_total,
                            kv.prefix_queries, kv.prefix_hits, kv.pool.num_evictions, tier_hits, tier_saves,
-                           replace(scheduler.spec_totals))
+                           replace(scheduler.spec_totals), *self.encoder_totals)
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -310,6 +312,8 @@ class LLMEngine(EngineBuild):
         if grammars is not None:
             grammars.finish(schedule, result, mask_failures)
         updates = self.scheduler.update_from_output(schedule, result)
+        self.encoder_totals = (self.encoder_totals[0] + result.encoder_images,
+                               self.encoder_totals[1] + result.encoder_seconds)
         outputs, stopped, failed = self.output_processor.process(updates)
         if self.kv_transfers is not None:
             self._describe_transfers(outputs)

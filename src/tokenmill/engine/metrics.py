@@ -76,6 +76,10 @@ class EngineMetrics:
         self.spec_mean_length = gauge("spec_decode_mean_acceptance_length", "Tokens gained per verification round "
                                       "since start: 1 + accepted / rounds (vLLM's definition).")
         self._last_totals = (0,) * 10
+        self.encoder_images = counter("encoder_images", "Images the vision encoder encoded (encoder-cache misses; "
+                                      "vision-language models).")
+        self.encoder_seconds = counter("encoder_seconds", "Time the vision encoder spent encoding images.")
+        self._last_encoder = (0, 0.0)
         self.structured = counter("structured_output_requests", "Requests admitted with an output constraint "
                                   "(JSON schema, regex, choice, grammar).")
         self.prefill_tokens = counter("iteration_prefill_tokens", "Tokens computed by engine steps as prefill "
@@ -118,6 +122,11 @@ class EngineMetrics:
             if total > last:
                 counter.inc(total - last)
         self._last_totals = totals
+        images, seconds = stats.encoder_images, stats.encoder_seconds
+        if images > self._last_encoder[0]:
+            self.encoder_images.inc(images - self._last_encoder[0])
+            self.encoder_seconds.inc(max(0.0, seconds - self._last_encoder[1]))
+            self._last_encoder = (images, seconds)
         if stats.prefix_cache_queries:
             self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
         if spec.num_rounds:

@@ -91,6 +91,8 @@ class ModelRunner:
         if schedule.is_empty:
             return result
         adapter_failures = self._select_adapters(batch)
+        encoder = self.encoder_cache
+        before = (encoder.images_encoded, encoder.encode_seconds) if encoder is not None else None
         try:
             self._run(schedule, batch, result)
         finally:
@@ -98,6 +100,9 @@ class ModelRunner:
                 self.model.lora.set_step({}, 0, self.device)
         for request_id, exc in adapter_failures.items():  # its rows ran without the adapter: drop them
             fail_request(result, request_id, exc)
+        if before is not None:
+            result.encoder_images = encoder.images_encoded - before[0]
+            result.encoder_seconds = encoder.encode_seconds - before[1]
         return result
 
     def _select_adapters(self, batch: list[BatchItem]) -> dict[str, Exception]:
