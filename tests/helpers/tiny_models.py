@@ -173,6 +173,51 @@ def make_tiny_llava(dir: str | Path, tower: str = "clip") -> Path:
     return path
 
 
+# Qwen2-VL's chat template, its image parts only (no video, no tools): each image part is
+# <|vision_start|><|image_pad|><|vision_end|> where the part is
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def make_tiny_qwen2_vl(dir: str | Path) -> Path:
+    """Save a tiny random Qwen2-VL (Qwen2VLForConditionalGeneration) in `dir`, as transformers' `save_pretrained`
+    writes it: a Qwen2 decoder 64 wide with multimodal RoPE (mrope_section [2, 3, 3] of its 8 frequencies per
+    head), a 2-block vision tower 32 wide over 14-pixel patches merged 2x2, and Qwen2-VL's image processor
+    (the Pil one: torchvision is not installed) bounded to 784-12544 pixels, so an image becomes 1 to 16
+    positions by its size. The SmolLM2 tokenizer with Qwen2-VL's vision tokens added as special tokens, and
+    Qwen2-VL's chat template for image parts. Seeded."""
+    import copy
+
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    path = Path(dir)
+    tokenizer = copy.deepcopy(smollm2_tokenizer())
+    tokenizer.add_tokens(QWEN2_VL_TOKENS, special_tokens=True)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    ids = dict(zip(QWEN2_VL_TOKENS, tokenizer.convert_tokens_to_ids(QWEN2_VL_TOKENS)))
+    text = {**_BASE_CONFIG, "vocab_size": len(tokenizer), "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}}
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": text["hidden_size"], "num_heads": 2, "mlp_ratio": 2,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).to(torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=784, max_pixels=12544).save_pretrained(path)
+    return path
+
+
 def make_tiny_embedding_model(dir: str | Path, arch: str = "bert", pooling: str = "mean", normalize: bool = True,
                               **config_overrides: Any) -> Path:
     """Save a tiny random sentence-transformers model in `dir`, written by sentence-transformers itself:

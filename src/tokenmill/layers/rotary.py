@@ -113,3 +113,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [T, heads, head_dim] by the per-token angles of `RotaryEmbedding.cos_sin`."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class StepRotaryEmbedding:
+    """Multimodal RoPE (Qwen2-VL's M-RoPE) for one step: the cos/sin of each of the step's tokens, row t for
+    token t, from its 3-D position [temporal, height, width]; frequency j turns by the component whose section
+    holds j (`section`: how many frequencies, in order, each component turns). Looked up like a
+    `RotaryEmbedding` with positions 0 .. T-1. A token whose three components are equal gets exactly the 1-D
+    table's row of that position."""
+
+    def __init__(self, table: RotaryEmbedding, positions: torch.Tensor, section: tuple[int, ...]) -> None:
+        component = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section)).to(positions.device)
+        angles = positions[component].float().T * table.inv_freq.to(positions.device)  # [T, head_dim / 2]
+        emb = torch.cat((angles, angles), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+        if table.magnitude != 1.0:
+            self.cos, self.sin = self.cos * table.magnitude, self.sin * table.magnitude
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `RotaryEmbedding.cos_sin`, over this step's rows."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)

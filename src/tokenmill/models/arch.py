@@ -102,6 +102,9 @@ class ArchConfig:
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None
     vision: Optional[VisionConfig] = None  # a vision-language model's image side (models/vision/)
+    # multimodal RoPE (Qwen2-VL): the rotary frequencies, in order, split into temporal, height and width
+    # sections of these sizes, each turned by that component of a token's 3-D position
+    mrope_section: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
@@ -120,6 +123,10 @@ class ArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.mrope_section is not None and (len(self.mrope_section) != 3
+                                               or 2 * sum(self.mrope_section) != self.head_dim):
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 sections of the head's "
+                             f"{self.head_dim // 2} rotary frequencies")
         if self.mla is not None and self.mla.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.mla.qk_rope_head_dim}) must be even: RoPE rotates pairs")
 

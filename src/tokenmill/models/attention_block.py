@@ -11,7 +11,7 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend, AttentionLayer
 from tokenmill.layers.linear import QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.rotary import RotaryEmbedding, StepRotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig, LayerSpec, RopeScaling
 from tokenmill.parallel.group import TPGroup
 
@@ -90,6 +90,17 @@ class RotaryTables(nn.Module):
         """Move every table to `device`."""
         for table in self.tables.values():
             table.to_device(device)
+
+    def for_step(self, positions: torch.Tensor, section: tuple[int, ...]) -> "StepTables":
+        """Tables of this step's M-RoPE rows, one per token, for its 3-D `positions` [3, T]."""
+        return StepTables({key: StepRotaryEmbedding(table, positions, section) for key, table in self.tables.items()})
+
+
+class StepTables:
+    """One step's rotary tables, keyed as `RotaryTables.tables` (RopeInputs reads either)."""
+
+    def __init__(self, tables: dict) -> None:
+        self.tables = tables
 
 
 class RopeInputs:

@@ -138,7 +138,8 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[Any], image_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                 ) -> Optional[torch.Tensor]:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (None on a stage before the last).
+        """input_ids, positions: [T] (or [3, T]: M-RoPE's temporal, height and width positions, in a step that
+        computes image positions) -> final hidden states [T, hidden] (None on a stage before the last).
         `kv_caches` and `attn_metadata` have one entry per layer of this stage (its KV cache group's).
         `image_embeds` (rows [N], embeddings [N, hidden]): the input embeddings of those rows, in place of
         their (placeholder) tokens' — a vision-language model's images."""
@@ -151,14 +152,18 @@ class DecoderForCausalLM(nn.Module):
             # the fused step runs only models of one KV cache group (_llama_shaped): one metadata for all
             # the native step has no LoRA deltas: a step with adapted rows runs the module path
             if self.fused_decode is not None and not (self.lora is not None and self.lora.active) \
-                    and self.fused_decode.applies(attn_metadata[0], hidden.shape[0]):
+                    and positions.dim() == 1 and self.fused_decode.applies(attn_metadata[0], hidden.shape[0]):
                 fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata[0])
                 if fused is not None:
                     return fused
         else:
             hidden, residual = self.stage.recv(input_ids.shape[0], self.arch.hidden_size, self.norm.weight.dtype,
                                                input_ids.device)
-        rope = RopeInputs(self.rotary, positions, hidden.dtype, self.kernels)
+        rotary = self.rotary
+        if positions.dim() == 2:  # M-RoPE positions [3, T]: this step's own tables, row t for token t
+            rotary = self.rotary.for_step(positions, self.arch.mrope_section)
+            positions = torch.arange(positions.shape[1], device=positions.device)
+        rope = RopeInputs(rotary, positions, hidden.dtype, self.kernels)
         for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         if not self.stage.is_last:

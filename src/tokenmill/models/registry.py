@@ -7,6 +7,7 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.decoder import DecoderForCausalLM
+from tokenmill.models.vision.config import Qwen2VLVisionConfig, VisionConfig
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
 # every architecture runs as the one decoder; what differs is data in its ArchConfig (hf_config.py and
@@ -39,8 +40,15 @@ def build_model(arch: ArchConfig, backend: AttentionBackend, max_positions: int,
                          f"{', '.join(supported_architectures())}")
     model = klass(arch, backend, max_positions, tp, stage)
     if arch.vision is not None and stage.is_first:  # the images' embeddings enter at the first stage
-        from tokenmill.models.vision.llava import LlavaVision
-
-        model.vision = LlavaVision(arch.vision)
+        model.vision = build_vision(arch.vision)
         model.vision.requires_grad_(False)
     return model
+
+
+def build_vision(config: VisionConfig) -> nn.Module:
+    """The image side of a vision-language model (models/vision/), uninitialised."""
+    if isinstance(config, Qwen2VLVisionConfig):
+        from tokenmill.models.vision.qwen2_vl import Qwen2VLVision
+        return Qwen2VLVision(config)
+    from tokenmill.models.vision.llava import LlavaVision
+    return LlavaVision(config)

@@ -4,7 +4,7 @@ the prompt, what identifies its content, and the model's processed inputs for it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class ImageFeature:
     length: int
     content_hash: str
     inputs: Any = field(compare=False, repr=False)
+    grid: Optional[tuple[int, int, int]] = None  # M-RoPE models: its positions' (t, h, w) grid, row-major
 
     @property
     def end(self) -> int:

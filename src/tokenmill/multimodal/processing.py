@@ -20,7 +20,8 @@ ImageLike = Union[ImageInput, Image.Image]
 class ImageProcessing:
     """Turns (prompt token ids, images) into the engine's prompt and `ImageFeature`s. The prompt names where
     each image goes with one `image_token_id` per image (as the model's chat template writes it); each
-    becomes `num_image_tokens` of them. Thread-safe: the HF processor keeps no state between calls."""
+    becomes as many of them as the image has positions (`VisionConfig.placeholders`). Thread-safe: the HF
+    processor keeps no state between calls."""
 
     def __init__(self, folder: str, vision: VisionConfig) -> None:
         import transformers
@@ -49,14 +50,15 @@ class ImageProcessing:
         if len(places) != len(images):
             raise ValueError(f"the prompt has {len(places)} image placeholder(s) (token {marker}) but "
                              f"{len(images)} image(s) came with it: write one placeholder per image")
-        length = self.vision.num_image_tokens
         ids: list[int] = []
         features = []
         previous = 0
         for place, image in zip(places, images):
             decoded = image if isinstance(image, ImageInput) else image_input(image)
+            inputs = self.pixels(decoded)
+            length, grid = self.vision.placeholders(inputs)
             ids.extend(prompt_token_ids[previous:place])
-            features.append(ImageFeature(len(ids), length, decoded.content_hash, self.pixels(decoded)))
+            features.append(ImageFeature(len(ids), length, decoded.content_hash, inputs, grid))
             ids.extend([marker] * length)
             previous = place + 1
         ids.extend(prompt_token_ids[previous:])
@@ -65,24 +67,22 @@ class ImageProcessing:
     def check_prepared(self, prompt_token_ids: Sequence[int], features: Sequence[ImageFeature]
                        ) -> tuple[ImageFeature, ...]:
         """`features` as `prepare` made them with `prompt_token_ids`: in order, each over a run of placeholder
-        tokens of this model's image length, and every placeholder covered; ValueError otherwise."""
+        tokens, and every placeholder covered; ValueError otherwise."""
         marker, covered = self.image_token_id, 0
         for feature in features:
             run = prompt_token_ids[feature.offset:feature.end]
-            if feature.offset < covered or feature.length != self.vision.num_image_tokens \
-                    or len(run) != feature.length or any(token != marker for token in run):
-                raise ValueError(f"image features do not match the prompt: expected runs of "
-                                 f"{self.vision.num_image_tokens} placeholder tokens {marker}, in order")
+            if feature.offset < covered or len(run) != feature.length or any(token != marker for token in run):
+                raise ValueError(f"image features do not match the prompt: expected a run of placeholder tokens "
+                                 f"{marker} for each, in order")
             covered = feature.end
         if sum(f.length for f in features) != sum(1 for token in prompt_token_ids if token == marker):
             raise ValueError("the prompt has image placeholders that no image fills")
         return tuple(features)
 
     def pixels(self, image: ImageInput) -> dict[str, Any]:
-        """The image processor's tensors for one image (its batch dimension dropped)."""
-        pixels = self.processor(images=[image.image], return_tensors="pt")["pixel_values"][0]
-        size = self.vision.tower.image_size
-        if tuple(pixels.shape[-2:]) != (size, size):
-            raise ValueError(f"the model's image processor made {tuple(pixels.shape[-2:])} pixels of an image; its "
-                             f"vision tower takes {size}x{size}")
-        return {"pixel_values": pixels}
+        """The image processor's tensors for one image (its batch dimension dropped; a dynamic-resolution
+        processor's patches [patches, values] and their grid (t, h, w))."""
+        out = self.processor(images=[image.image], return_tensors="pt")
+        if "image_grid_thw" in out:  # dynamic resolution: the image's patches, and their grid
+            return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]}
+        return {"pixel_values": out["pixel_values"][0]}

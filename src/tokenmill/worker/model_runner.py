@@ -16,6 +16,7 @@ from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.encoder_cache import EncoderCache
+from tokenmill.worker.mrope import mrope_positions
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
 from tokenmill.worker.request_state import BatchItem, RequestStates
@@ -70,6 +71,7 @@ class ModelRunner:
         # a vision-language model's image embeddings (worker/encoder_cache.py), at the stage that embeds
         vision = getattr(model, "vision", None)
         self.encoder_cache = EncoderCache(vision, device, encoder_cache_tokens) if vision is not None else None
+        self.mrope = getattr(getattr(model, "arch", None), "mrope_section", None) is not None
         self.inputs = StepInputs(block_size)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
@@ -153,10 +155,14 @@ class ModelRunner:
         first = chunks[self.layer_groups[0]]
         images = self.encoder_cache.step_rows(batch) if self.encoder_cache is not None else None
         lora_active = self.model.lora is not None and self.model.lora.active
-        bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None and images is None else None
+        # the graphs compute positions from the sequence index: not M-RoPE's, which images shift
+        plain_positions = images is None and not self.mrope
+        bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None and plain_positions else None
         if bucket is not None:
             return self.graphs.run(batch, bucket, chunks, slots), first
         ids, positions = self.inputs.ids_and_positions(batch, decode)
+        if self.mrope:
+            positions = mrope_positions(batch, positions)
         input_ids, positions = self._tensor(ids), torch.from_numpy(positions).to(self.device)
         metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device)
                     for group in chunks}

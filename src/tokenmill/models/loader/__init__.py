@@ -141,7 +141,8 @@ def vision_language_name(name: str) -> str:
     if ours is not None:
         return "vision." + ours
     for prefix, replacement in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                                ("language_model.lm_head.", "lm_head.")):
+                                ("language_model.lm_head.", "lm_head."), ("model.visual.", "vision."),
+                                ("visual.", "vision.")):
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
     return name

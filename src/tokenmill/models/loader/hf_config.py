@@ -30,6 +30,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl_text": "Qwen2ForCausalLM",  # Qwen2-VL's decoder: Qwen2 with multimodal RoPE (mrope_section)
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -116,7 +117,7 @@ def rope_scaling_from_hf(params: Optional[dict[str, Any]], max_position_embeddin
     if not params:
         return None
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
+    if kind in ("default", "mrope"):  # mrope: Qwen2-VL's multimodal sections of unscaled frequencies
         return None
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(params["factor"]))
@@ -297,8 +298,11 @@ def arch_config_from_hf(
     folder = Path(folder)
     config = _read_json(folder / "config.json")
     if is_vision_language(config):
-        arch = arch_config_from_hf_dict(text_settings(config), folder, stored_dtype)
-        return dataclasses.replace(arch, vision=vision_config_from_hf(config, arch.hidden_size))
+        text = text_settings(config)
+        arch = arch_config_from_hf_dict(text, folder, stored_dtype)
+        section = (text.get("rope_parameters") or text.get("rope_scaling") or {}).get("mrope_section")
+        return dataclasses.replace(arch, vision=vision_config_from_hf(config, arch.hidden_size),
+                                   mrope_section=tuple(section) if section else None)
     return arch_config_from_hf_dict(config, folder, stored_dtype)
 
 

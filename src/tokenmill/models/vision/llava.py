@@ -8,8 +8,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from tokenmill.models.vision.config import VisionConfig
-from tokenmill.models.vision.vit import VisionTower, activation
+from tokenmill.models.vision.config import LlavaVisionConfig
+from tokenmill.models.vision.vit import VisionTower, activation, load_named_weights
 
 # checkpoint prefixes of the image side, as transformers 5 saves them and as llava-hf's older files name them
 _PREFIXES = (("model.vision_tower.", "tower."), ("vision_tower.", "tower."),
@@ -31,7 +31,7 @@ def vision_tensor_name(name: str) -> str | None:
 
 
 class _Projector(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         width = config.tower.hidden_size * len(config.feature_layers)
         self.act = config.projector_act
@@ -45,7 +45,7 @@ class _Projector(nn.Module):
 class LlavaVision(nn.Module):
     """Pixels of one image -> its `config.num_image_tokens` embeddings in the decoder's width."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: LlavaVisionConfig) -> None:
         super().__init__()
         self.config = config
         self.tower = VisionTower(config.tower, config.layers_needed)
@@ -55,12 +55,7 @@ class LlavaVision(nn.Module):
     def encode(self, inputs: dict[str, Any]) -> torch.Tensor:
         """`inputs["pixel_values"]` [channels, H, W] (the image processor's output for one image) ->
         embeddings [num_image_tokens, text hidden]."""
-        pixels = inputs["pixel_values"]
-        size = self.config.tower.image_size
-        if tuple(pixels.shape[-2:]) != (size, size):
-            raise ValueError(f"the image processor gave {tuple(pixels.shape[-2:])} pixels; the vision tower "
-                             f"takes {size}x{size}")
-        states = self.tower.hidden_states(pixels)
+        states = self.tower.hidden_states(inputs["pixel_values"])
         depth = self.config.tower.num_hidden_layers + 1  # the indices count the layers not run, too
         picked = [states[index % depth] for index in self.config.feature_layers]
         if self.config.select_strategy == "default" and self.config.tower.class_token:
@@ -68,26 +63,15 @@ class LlavaVision(nn.Module):
         return self.projector(torch.cat(picked, dim=-1))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load tensors named as `vision_tensor_name` names them; raise if one has no place (unless the tower
-        never reads it, or it is a layer past those it runs) or a parameter is left unset."""
-        params = dict(self.named_parameters())
-        loaded = set()
+        """Load tensors named as `vision_tensor_name` names them, but those the tower never reads (its last norm,
+        SigLIP's pooling head, layers past the deepest feature)."""
         kept_layers = self.config.layers_needed
-        for name, tensor in weights:
+
+        def unused(name: str) -> bool:
             inner = name.split(".", 1)[1]
-            if inner.startswith(_UNUSED) or _layer_index(inner) >= kept_layers:
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model "
-                                 f"expects {tuple(param.shape)}")
-            param.data.copy_(tensor.to(param.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {missing[:5]}")
+            return inner.startswith(_UNUSED) or _layer_index(inner) >= kept_layers
+
+        load_named_weights(self, weights, self.config.architecture, "vision.", unused)
 
 
 def _layer_index(name: str) -> int:

@@ -1,9 +1,36 @@
-// The three chat APIs the playground speaks: each turns one conversation into its request body and reads
+// The three chat APIs the playground speaks: each turns one conversation (images included) into its request body and reads
 // its stream of events back into the same pieces (text, thinking, tool calls, usage, finish).
 
 // OpenAI tool definitions ({type: "function", function: {...}}) as each API writes them.
 function functions(tools) {
   return tools.map((t) => (t.function || t));
+}
+
+// A chat message's content as Responses' input parts: plain text stays text; chat's parts (images, then
+// text, as the playground writes a user turn) become input_image and input_text parts in the same order.
+function responsesContent(content) {
+  if (!Array.isArray(content)) return content;
+  return content.map((part) => (part.type === "image_url"
+    ? { type: "input_image", image_url: part.image_url.url }
+    : { type: "input_text", text: part.text }));
+}
+
+// The media types Messages takes in a base64 image source; other images (BMP) go as a URL source holding
+// the data URL, which this server reads as chat reads an image_url part.
+const BASE64_MEDIA = ["image/jpeg", "image/png", "image/gif", "image/webp"];
+
+// A chat message's content as Messages' blocks: plain text stays text; image parts become image blocks.
+function messagesContent(content) {
+  if (!Array.isArray(content)) return content;
+  return content.map((part) => {
+    if (part.type !== "image_url") return { type: "text", text: part.text };
+    const url = part.image_url.url;
+    const inline = /^data:([\w.+-]+\/[\w.+-]+);base64,/.exec(url);
+    if (inline && BASE64_MEDIA.includes(inline[1])) {
+      return { type: "image", source: { type: "base64", media_type: inline[1], data: url.slice(inline[0].length) } };
+    }
+    return { type: "image", source: { type: "url", url } };
+  });
 }
 
 // A request body's conversation, sampling and constraint per API; `chat` is the Chat Completions body
@@ -19,7 +46,8 @@ export const APIS = {
       const body = { model, stream: true, store: false };
       const system = chat.messages.filter((m) => m.role === "system").map((m) => m.content).join("\n");
       if (system) body.instructions = system;
-      body.input = chat.messages.filter((m) => m.role !== "system").map((m) => ({ role: m.role, content: m.content }));
+      body.input = chat.messages.filter((m) => m.role !== "system")
+        .map((m) => ({ role: m.role, content: responsesContent(m.content) }));
       for (const name of ["temperature", "top_p", "top_k", "min_p", "seed", "stop", "guided_regex", "guided_choice"]) {
         if (chat[name] !== undefined) body[name] = chat[name];
       }
@@ -41,7 +69,8 @@ export const APIS = {
       const body = { model, stream: true, max_tokens: chat.max_tokens || 256 };
       const system = chat.messages.filter((m) => m.role === "system").map((m) => m.content).join("\n");
       if (system) body.system = system;
-      body.messages = chat.messages.filter((m) => m.role !== "system").map((m) => ({ role: m.role, content: m.content }));
+      body.messages = chat.messages.filter((m) => m.role !== "system")
+        .map((m) => ({ role: m.role, content: messagesContent(m.content) }));
       for (const name of ["temperature", "top_p", "seed", "guided_regex", "guided_choice"]) {
         if (chat[name] !== undefined) body[name] = chat[name];
       }

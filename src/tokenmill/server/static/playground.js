@@ -1,4 +1,5 @@
-// The playground: chat (through Chat Completions, Responses or Messages) and completions, streamed token by token.
+// The playground: chat (through Chat Completions, Responses or Messages, with attached images) and completions,
+// streamed token by token.
 import { ApiError, askForKey, call, el, events } from "/static/api.js";
 import { APIS, readEvent } from "/static/chat_apis.js";
 
@@ -10,12 +11,76 @@ const FIELDS = ["mode", "api", "system", "temperature", "top_p", "top_k", "min_p
 
 let state = { messages: [], settings: {} };
 let running = null; // {controller, message} while an answer streams
-let lastRequest = null; // what Retry sends again
+let lastRequest = null; // what Retry sends again: {prompt, images}
+let attachments = []; // {name, url}: the images (data URLs) that go with the next message, in order
+let reading = Promise.resolve(); // the files being read into attachments
 let modelId = null; // the served model's name, which Responses and Messages bodies carry
 
 function save() {
   state.messages = state.messages.slice(-MAX_KEPT_MESSAGES);
-  localStorage.setItem(STORE, JSON.stringify(state));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(state));
+  } catch (_) { // over the storage quota (images are large): keep the conversation without its images
+    const messages = state.messages.map((m) => (imagesOf(m.content).length
+      ? { ...m, content: textOf(m.content), images_not_kept: imagesOf(m.content).length } : m));
+    try { localStorage.setItem(STORE, JSON.stringify({ ...state, messages })); } catch (_) { /* nothing kept */ }
+  }
+}
+
+// A user turn's content: plain text, or (with images) the image parts in order, then the text part.
+function userContent(prompt, images) {
+  if (!images.length) return prompt;
+  const parts = images.map((image) => ({ type: "image_url", image_url: { url: image.url } }));
+  if (prompt.trim()) parts.push({ type: "text", text: prompt });
+  return parts;
+}
+
+function textOf(content) {
+  if (!Array.isArray(content)) return content || "";
+  return content.filter((part) => part.type === "text").map((part) => part.text).join("");
+}
+
+function imagesOf(content) {
+  return Array.isArray(content) ? content.filter((part) => part.type === "image_url").map((part) => part.image_url.url) : [];
+}
+
+function readAsDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error || new Error("the file could not be read"));
+    reader.readAsDataURL(file);
+  });
+}
+
+// Reads the chosen files, in order, into the attachments.
+async function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) {
+      showError(`${file.name} is not an image`, false);
+      continue;
+    }
+    try {
+      attachments.push({ name: file.name, url: await readAsDataUrl(file) });
+    } catch (err) {
+      showError(`${file.name} could not be read: ${err.message}`, false);
+    }
+  }
+  renderAttachments();
+}
+
+function renderAttachments() {
+  const list = $("attachments");
+  list.replaceChildren(...attachments.map((image, index) => {
+    const remove = el("button", { type: "button", class: "remove", "aria-label": `Remove ${image.name}`, text: "✕" });
+    remove.addEventListener("click", () => {
+      attachments.splice(index, 1);
+      renderAttachments();
+      $("prompt").focus();
+    });
+    return el("li", {}, el("img", { class: "thumb", src: image.url, alt: image.name }), remove);
+  }));
+  list.hidden = attachments.length === 0;
 }
 
 function load() {
@@ -53,8 +118,9 @@ function number(value) {
   return value === "" || value === undefined ? undefined : Number(value);
 }
 
-// The request body for the current settings; throws Error with a message for bad settings.
-function buildBody(settings, prompt) {
+// The request body for the current settings and the new user turn's content (text, or chat content parts);
+// throws Error with a message for bad settings.
+function buildBody(settings, content) {
   const body = { stream: true, stream_options: { include_usage: true } };
   for (const name of ["temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"]) {
     const value = number(settings[name]);
@@ -78,7 +144,7 @@ function buildBody(settings, prompt) {
     for (const m of state.messages) {
       if (m.kind === "chat") messages.push({ role: m.role, content: m.content || "" });
     }
-    messages.push({ role: "user", content: prompt });
+    messages.push({ role: "user", content });
     body.messages = messages;
     if (settings.logprobs) { body.logprobs = true; body.top_logprobs = 5; }
     if (settings.tools.trim()) {
@@ -86,7 +152,7 @@ function buildBody(settings, prompt) {
       body.tool_choice = settings.tool_choice;
     }
   } else {
-    body.prompt = prompt;
+    body.prompt = content;
     if (settings.logprobs) body.logprobs = 5;
   }
   return body;
@@ -127,10 +193,18 @@ function renderMessage(message) {
   if (message.tokens && message.tokens.length) {
     for (const token of message.tokens) body.append(tokenSpan(token));
   } else {
-    body.textContent = message.content || "";
+    body.textContent = textOf(message.content);
   }
   const item = el("li", { class: `message ${message.role}`, "data-role": message.role },
     el("div", { class: "role", text: message.kind === "completion" && message.role === "user" ? "prompt" : message.role }));
+  const images = imagesOf(message.content);
+  if (images.length) {
+    item.append(el("div", { class: "images" }, ...images.map((url, i) =>
+      el("img", { class: "thumb", src: url, alt: `attached image ${i + 1} of ${images.length}` }))));
+  }
+  if (message.images_not_kept) {
+    item.append(el("div", { class: "muted", text: `${message.images_not_kept} image(s) not kept: the browser's storage is full` }));
+  }
   if (thinking) item.append(thinking);
   item.append(body);
   if (message.tool_calls && message.tool_calls.length) {
@@ -140,12 +214,13 @@ function renderMessage(message) {
   return item;
 }
 
-async function send(prompt) {
+async function send(prompt, images = []) {
   clearError();
   const settings = readSettings();
+  const content = userContent(prompt, images);
   let body;
   try {
-    body = buildBody(settings, prompt);
+    body = buildBody(settings, content);
   } catch (err) {
     showError(err.message, false);
     return;
@@ -153,12 +228,12 @@ async function send(prompt) {
   const kind = settings.mode;
   const api = kind === "chat" ? settings.api || "chat_completions" : null;
   if (api) body = APIS[api].body(body, modelId);
-  const user = { kind, role: "user", content: prompt };
+  const user = { kind, role: "user", content };
   const answer = { kind, role: "assistant", content: "", reasoning: "", tokens: [], tool_calls: [], stats: {} };
   state.messages.push(user, answer);
   render();
   let node = $("messages").lastElementChild;
-  lastRequest = prompt;
+  lastRequest = { prompt, images };
   const controller = new AbortController();
   running = { controller, answer };
   $("stop-button").disabled = false;
@@ -283,12 +358,25 @@ async function showModel() {
 function setup() {
   load();
   render();
-  $("composer").addEventListener("submit", (event) => {
+  $("composer").addEventListener("submit", async (event) => {
     event.preventDefault();
+    await reading; // images still being read go with this message
     const prompt = $("prompt").value;
-    if (!prompt.trim() || running) return;
+    const images = attachments;
+    if ((!prompt.trim() && !images.length) || running) return;
+    if (images.length && $("mode").value !== "chat") {
+      showError("images go with chat only: set Mode to Chat, or remove them", false);
+      return;
+    }
     $("prompt").value = "";
-    send(prompt);
+    attachments = [];
+    renderAttachments();
+    send(prompt, images);
+  });
+  $("attach").addEventListener("change", (event) => {
+    const files = [...event.target.files];
+    event.target.value = ""; // the same file can be chosen again
+    reading = reading.then(() => attach(files));
   });
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("composer").requestSubmit();
@@ -298,7 +386,7 @@ function setup() {
   $("retry").addEventListener("click", () => {
     if (lastRequest === null || running) return;
     state.messages.splice(-2, 2); // the failed exchange
-    send(lastRequest);
+    send(lastRequest.prompt, lastRequest.images);
   });
   $("key-button").addEventListener("click", async () => { if (await askForKey("")) showModel(); });
   $("settings").addEventListener("change", readSettings);
