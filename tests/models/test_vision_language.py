@@ -1,9 +1,11 @@
-"""Vision-language models against HF transformers (issue 44): tiny random LLaVA checkpoints (a CLIP tower with its
-class token dropped, and a SigLIP tower with every patch kept), written by transformers itself with the
-processor of the llava-hf layout. Greedy ids and logprobs equal `generate` of LlavaForConditionalGeneration in
-float32 on the processor's own outputs, for prompts of 1-3 images of different sizes batched with text-only
-prompts, with chunks smaller than an image and after prefix-cache hits; an image that differs in one pixel
-never reuses another image's blocks.
+"""Vision-language models against HF transformers (issue 44), two families that lay images into the sequence
+differently: tiny random LLaVA checkpoints (a CLIP tower with its class token dropped, and a SigLIP tower with
+every patch kept: 16 positions per image) written by transformers with the processor of the llava-hf layout,
+and a tiny random Qwen2-VL (dynamic resolution: 1-16 positions by the image's size, multimodal RoPE) with
+Qwen2-VL's image processor. Greedy ids and logprobs equal `generate` of the HF model in float32 on the
+processor's own outputs, for prompts of 1-3 images of different sizes batched with text-only prompts, with
+chunks smaller than an image and after prefix-cache hits; an image that differs in one pixel never reuses
+another image's blocks.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers.tiny_models import make_tiny_llava
+from helpers.tiny_models import make_tiny_llava, make_tiny_qwen2_vl
 from tokenmill import LLM, SamplingParams
 
 MAX_TOKENS = 32
-IMAGE_TOKENS = 16  # both tiny towers: 16 patches of 8x8 in a 32x32 image
 QUESTIONS = ["What is this?", "Describe the picture.", "Which one is brighter?", "Count the shapes.",
              "What colour dominates?", "Is there a face?", "Compare them.", "Tell me a story about it."]
 TEXT_ONLY = ["USER: Hello there ASSISTANT:", "USER: Write a poem about the sea ASSISTANT:"]
@@ -27,15 +28,38 @@ def random_image(seed: int, width: int, height: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def image_prompts() -> list[tuple[str, list[Image.Image]]]:
-    """8 prompts of 1-3 images each, every image of its own size (landscape, portrait, square, tiny, large)."""
-    sizes = [(40, 50), (64, 32), (32, 32), (17, 90), (120, 80), (9, 9), (50, 41), (33, 70)]
-    prompts = []
+SIZES = [(40, 50), (64, 32), (32, 32), (17, 90), (120, 80), (9, 9), (50, 41), (33, 70)]
+
+
+def conversations() -> list[tuple[list[dict], list[Image.Image]]]:
+    """8 user turns of 1-3 images each, every image of its own size (landscape, portrait, square, tiny, large)."""
+    turns = []
     for index, question in enumerate(QUESTIONS):
         count = 1 + index % 3
-        images = [random_image(10 * index + k, *sizes[(index + k) % len(sizes)]) for k in range(count)]
-        prompts.append(("USER: " + "<image>\n" * count + question + " ASSISTANT:", images))
-    return prompts
+        images = [random_image(10 * index + k, *SIZES[(index + k) % len(SIZES)]) for k in range(count)]
+        content = [{"type": "image"}] * count + [{"type": "text", "text": question}]
+        turns.append(([{"role": "user", "content": content}], images))
+    return turns
+
+
+def image_prompts(folder) -> list[tuple[str, list[Image.Image]]]:
+    """The conversations as the model's own chat template writes them, with their images."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return [(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), images)
+            for messages, images in conversations()]
+
+
+def placeholder(folder) -> str:
+    """The text of the model's image placeholder token."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((folder / "config.json").read_text())
+    token = config.get("image_token_id", config.get("image_token_index"))
+    return AutoTokenizer.from_pretrained(folder).convert_ids_to_tokens(token)
 
 
 def greedy(logprobs: int = 0) -> SamplingParams:
@@ -47,24 +71,58 @@ def chosen(output) -> tuple[list[int], list[float]]:
     return list(completion.token_ids), [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
 
 
-@pytest.fixture(scope="module", params=["clip", "siglip"])
-def tiny_llava(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=["llava-clip", "llava-siglip", "qwen2-vl"])
+def tiny_vlm(request, tmp_path_factory):
     """(folder, the HF oracle's (prompt ids, greedy ids, their logprobs) per image prompt)."""
-    from transformers import LlavaForConditionalGeneration, LlavaProcessor
-
-    folder = make_tiny_llava(tmp_path_factory.mktemp(f"llava_{request.param}"), request.param)
-    processor = LlavaProcessor.from_pretrained(folder)
-    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen2-vl":
+        folder = make_tiny_qwen2_vl(folder)
+        oracle = qwen2_vl_oracle(folder)
+    else:
+        folder = make_tiny_llava(folder, request.param.split("-")[1])
+        oracle = llava_oracle(folder)
     expected = []
-    for text, images in image_prompts():
-        inputs = processor(text=text, images=images, return_tensors="pt")
+    for text, images in image_prompts(folder):
+        model, inputs = oracle(text, images)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
                                  output_scores=True, return_dict_in_generate=True)
-        ids = out.sequences[0, inputs.input_ids.shape[1]:].tolist()
+        ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
         logprobs = [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, ids)]
-        expected.append((inputs.input_ids[0].tolist(), ids, logprobs))
+        expected.append((inputs["input_ids"][0].tolist(), ids, logprobs))
     return folder, expected
+
+
+def llava_oracle(folder):
+    """HF's LLaVA and its own processor's inputs for (prompt text, images)."""
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+    processor = LlavaProcessor.from_pretrained(folder)
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return lambda text, images: (model, dict(processor(text=text, images=images, return_tensors="pt")))
+
+
+def qwen2_vl_oracle(folder):
+    """HF's Qwen2-VL and the inputs Qwen2VLProcessor makes (it cannot be built without torchvision's video
+    processor, so its steps are done here as it does them): Qwen2-VL's image processor, and each <|image_pad|>
+    repeated grid t*h*w / 4 times."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    tokenizer, processor = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def inputs(text, images):
+        pixels = processor(images=images, return_tensors="pt")
+        counts = iter(int(grid.prod()) // 4 for grid in pixels["image_grid_thw"])
+        ids = []
+        for token in tokenizer(text).input_ids:
+            ids += [pad] * next(counts) if token == pad else [token]
+        input_ids = torch.tensor([ids])
+        return model, {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                       "pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
+                       "mm_token_type_ids": (input_ids == pad).int()}
+    return inputs
 
 
 def assert_matches_hf(outputs, expected) -> None:
@@ -75,39 +133,42 @@ def assert_matches_hf(outputs, expected) -> None:
         assert np.allclose(got_logprobs, logprobs, rtol=0, atol=1e-4)
 
 
-def test_greedy_output_equals_hf_batched_with_text_chunked_and_after_a_prefix_hit(tiny_llava):
-    folder, expected = tiny_llava
+def test_greedy_output_equals_hf_batched_with_text_chunked_and_after_a_prefix_hit(tiny_vlm):
+    folder, expected = tiny_vlm
     # chunks of 8 tokens: every image's 16 placeholders are split over chunks (and shared with other requests)
     llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=8, max_num_encoder_input_tokens=16,
               block_size=16, max_model_len=256)
-    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in image_prompts()]
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in image_prompts(folder)]
     mixed = prompts[:4] + TEXT_ONLY + prompts[4:]
     params = [greedy()] * len(mixed)
     outputs = llm.generate(mixed, params, use_tqdm=False)
     assert_matches_hf(outputs[:4] + outputs[6:], expected)
     again = llm.generate(prompts, [greedy()] * len(prompts), use_tqdm=False)
-    assert all(output.metrics.num_cached_tokens >= 16 for output in again)  # the images' blocks came from the cache
+    # every full block before the last token came from the cache, the images' blocks included
+    assert [o.metrics.num_cached_tokens for o in again] == [(len(o.prompt_token_ids) - 1) // 16 * 16 for o in again]
     assert_matches_hf(again, expected)
     text_alone = LLM(str(folder), dtype="float32", max_model_len=256).generate(TEXT_ONLY, [greedy()] * 2,
                                                                                  use_tqdm=False)
     assert [chosen(o) for o in outputs[4:6]] == [chosen(o) for o in text_alone]
 
 
-def test_an_image_one_pixel_apart_never_reads_another_images_blocks(tiny_llava):
-    folder, _ = tiny_llava
+def test_an_image_one_pixel_apart_never_reads_another_images_blocks(tiny_vlm):
+    folder, _ = tiny_vlm
     llm = LLM(str(folder), dtype="float32", block_size=4, max_model_len=256)
     first = random_image(1, 40, 50)
     changed = first.copy()
     changed.putpixel((13, 21), tuple((v + 1) % 256 for v in changed.getpixel((13, 21))))
-    text = "USER: <image>\nWhat is this? ASSISTANT:"
+    marker = placeholder(folder)
+    text = f"USER: {marker}\nWhat is this? ASSISTANT:"
     prefix = len(llm.get_tokenizer()("USER: ").input_ids)  # the tokens before the image's placeholders
 
     def run(image):
         return llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, greedy(1), use_tqdm=False)[0]
 
     original = run(first)
+    positions = original.prompt_token_ids.count(llm.get_tokenizer().convert_tokens_to_ids(marker))
     same = run(first.copy())
-    assert same.metrics.num_cached_tokens >= prefix + IMAGE_TOKENS and chosen(same) == chosen(original)
+    assert same.metrics.num_cached_tokens >= prefix + positions and chosen(same) == chosen(original)
     other = run(changed)
     assert other.metrics.num_cached_tokens <= prefix  # only the blocks before the image
     fresh = LLM(str(folder), dtype="float32", block_size=4, max_model_len=256)
@@ -115,20 +176,20 @@ def test_an_image_one_pixel_apart_never_reads_another_images_blocks(tiny_llava):
     assert chosen(other) == chosen(alone) and chosen(other) != chosen(original)
 
 
-def test_prompts_and_images_must_pair_up(tiny_llava):
-    folder, _ = tiny_llava
+def test_prompts_and_images_must_pair_up(tiny_vlm):
+    folder, _ = tiny_vlm
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
-    image = random_image(0, 8, 8)
+    image, marker = random_image(0, 8, 8), placeholder(folder)
     with pytest.raises(ValueError, match=r"2 image placeholder\(s\) .* but 1 image\(s\)"):
-        llm.generate({"prompt": "USER: <image><image> hi", "multi_modal_data": {"image": image}}, use_tqdm=False)
+        llm.generate({"prompt": f"USER: {marker}{marker} hi", "multi_modal_data": {"image": image}}, use_tqdm=False)
     with pytest.raises(ValueError, match="placeholders .* but no image came with it"):
-        llm.generate("USER: <image> hi", use_tqdm=False)
+        llm.generate(f"USER: {marker} hi", use_tqdm=False)
     with pytest.raises(ValueError, match="multi_modal_data takes"):
-        llm.generate({"prompt": "USER: <image> hi", "multi_modal_data": {"video": image}}, use_tqdm=False)
+        llm.generate({"prompt": f"USER: {marker} hi", "multi_modal_data": {"video": image}}, use_tqdm=False)
     with pytest.raises(ValueError, match="must be a PIL.Image.Image"):
-        llm.generate({"prompt": "USER: <image> hi", "multi_modal_data": {"image": b"png"}}, use_tqdm=False)
+        llm.generate({"prompt": f"USER: {marker} hi", "multi_modal_data": {"image": b"png"}}, use_tqdm=False)
     # the engine goes on serving
-    ok = llm.generate({"prompt": "USER: <image> hi", "multi_modal_data": {"image": image}}, greedy(), use_tqdm=False)
+    ok = llm.generate({"prompt": f"USER: {marker} hi", "multi_modal_data": {"image": image}}, greedy(), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == MAX_TOKENS
 
 
