@@ -208,28 +208,36 @@ def _image(seed: int, width: int, height: int):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-IMAGE_TARGETS = [{"prompt": "USER: " + "<image>\n" * count + question + " ASSISTANT:",
-                  "multi_modal_data": {"image": [_image(seed + k, 30 + 7 * k, 45 - 5 * k) for k in range(count)]}}
-                 for seed, count, question in ((1, 1, "What is this?"), (2, 2, "Compare them."),
-                                               (3, 1, "Describe it in detail."), (4, 2, "Which is brighter?"))]
-IMAGE_OTHERS = ["USER: Hi ASSISTANT:", "USER: Tell me about the sea. ASSISTANT:", *IMAGE_TARGETS[::-1],
-                {"prompt": "USER: <image>\nAnd this one? ASSISTANT:",
-                 "multi_modal_data": {"image": [_image(9, 64, 64)]}}]
+def image_prompts(marker: str) -> tuple[list, list]:
+    """(targets, others) of prompts with images, written with the model's placeholder token `marker`."""
+    targets = [{"prompt": "USER: " + f"{marker}\n" * count + question + " ASSISTANT:",
+                "multi_modal_data": {"image": [_image(seed + k, 30 + 7 * k, 45 - 5 * k) for k in range(count)]}}
+               for seed, count, question in ((1, 1, "What is this?"), (2, 2, "Compare them."),
+                                             (3, 1, "Describe it in detail."), (4, 2, "Which is brighter?"))]
+    others = ["USER: Hi ASSISTANT:", "USER: Tell me about the sea. ASSISTANT:", *targets[::-1],
+              {"prompt": f"USER: {marker}\nAnd this one? ASSISTANT:", "multi_modal_data": {"image": [_image(9, 64, 64)]}}]
+    return targets, others
 
 
-@pytest.fixture(scope="module")
-def image_engines(tmp_path_factory):
-    """A tiny LLaVA (CLIP tower) served by default: this CPU's default dtype."""
-    from helpers.tiny_models import make_tiny_llava
+@pytest.fixture(scope="module", params=["llava", "qwen2-vl"])
+def image_engines(request, tmp_path_factory):
+    """A tiny LLaVA (CLIP tower: 16 positions per image) or Qwen2-VL (positions by the image's size, M-RoPE)
+    served by default: this CPU's default dtype; with its prompts."""
+    from helpers.tiny_models import make_tiny_llava, make_tiny_qwen2_vl
     from tokenmill import LLM
 
-    folder = make_tiny_llava(tmp_path_factory.mktemp("llava"), "clip")
-    return Engines(lambda **options: LLM(str(folder), **options))
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "llava":
+        folder, marker = make_tiny_llava(folder, "clip"), "<image>"
+    else:
+        folder, marker = make_tiny_qwen2_vl(folder), "<|image_pad|>"
+    return Engines(lambda **options: LLM(str(folder), **options)), image_prompts(marker)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 def test_output_with_images_does_not_depend_on_what_else_runs(image_engines, scenario):
-    """Prompts with images among prompts with and without them: chunks that split an image (budget 5 and 16
-    against 16 placeholders), the same image's blocks cached by another request, preemption, speculation."""
-    check(image_engines, scenario, IMAGE_TARGETS, IMAGE_OTHERS)
+    """Prompts with images among prompts with and without them: chunks that split an image (budget 5 and 16),
+    the same image's blocks cached by another request, preemption, speculation."""
+    engines, (targets, others) = image_engines
+    check(engines, scenario, targets, others)
