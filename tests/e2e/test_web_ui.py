@@ -4,6 +4,7 @@ model. Screenshots go to test-artifacts/web/ at the repository's root."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers.tiny_models import make_tiny_hf_model
+from helpers.tiny_models import make_tiny_hf_model, make_tiny_llava
 from server_harness import ServerProcess, metric, metric_samples, wait_for_metrics
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "web"
@@ -50,6 +51,24 @@ def servers(model, tmp_path_factory):
     finally:
         open_server.stop()
         guarded.stop()
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory):
+    """`tokenmill serve` on a tiny random LLaVA (a vision-language model)."""
+    model = make_tiny_llava(tmp_path_factory.mktemp("llava") / "model", "clip")
+    proc = ServerProcess(str(model), "--max-model-len", "512", log_path=tmp_path_factory.mktemp("logs") / "vlm.log")
+    with proc.running():
+        yield proc
+
+
+def write_png(path: Path, seed: int = 0) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (24, 20, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, "PNG")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +213,89 @@ def test_the_servers_4xx_message_is_shown_verbatim_and_a_dropped_connection_can_
     page.click("#retry")
     assert wait_answered(page)
     assert page.locator("#error").is_hidden()
+
+
+IMAGE_PATHS = {"chat_completions": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+def sent_images(api: str, body: dict) -> list[str]:
+    """The images (data URLs) of the last user turn of a request body the page sent, read in each API's shape;
+    asserts the text part comes after them."""
+    turn = (body["input"] if api == "responses" else body["messages"])[-1]
+    assert turn["role"] == "user" and isinstance(turn["content"], list), turn
+    *images, text = turn["content"]
+    if api == "chat_completions":
+        assert text == {"type": "text", "text": "What is this?"}
+        return [part["image_url"]["url"] for part in images if part["type"] == "image_url"]
+    if api == "responses":
+        assert text == {"type": "input_text", "text": "What is this?"}
+        return [part["image_url"] for part in images if part["type"] == "input_image"]
+    assert text == {"type": "text", "text": "What is this?"}
+    return [f"data:{part['source']['media_type']};base64,{part['source']['data']}"
+            for part in images if part["type"] == "image" and part["source"]["type"] == "base64"]
+
+
+def test_an_attached_image_goes_with_the_message_through_each_chat_api(vision_server, page, tmp_path):
+    url = vision_server.url
+    png = write_png(tmp_path / "picture.png")
+    expected_url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    encoded = metric(metric_samples(url), "tokenmill:encoder_images_total")
+    page.goto(url + "/")
+    page.wait_for_function("document.querySelector('#model').textContent.startsWith('model:')")
+    settings(page, mode="chat", temperature=0, max_tokens=8)
+    answers = {}
+    for api, path in IMAGE_PATHS.items():
+        page.click("#clear")
+        settings(page, api=api)
+        page.set_input_files("#attach", str(png))
+        page.wait_for_selector("#attachments:not([hidden]) img.thumb[alt='picture.png']")
+        with page.expect_request(lambda r, path=path: r.url.endswith(path) and r.method == "POST") as request:
+            send(page, "What is this?")
+        assert sent_images(api, request.value.post_data_json) == [expected_url], api
+        answers[api] = wait_answered(page)
+        assert "finish:" in page.locator(".message.assistant .stats").last.inner_text()
+        assert page.locator("#attachments").is_hidden()  # sent: the attachments are cleared
+        assert page.locator(".message.user .images img.thumb").count() == 1  # and shown in the user's bubble
+        if api == "chat_completions":
+            wait_for_metrics(url, lambda s: metric(s, "tokenmill:encoder_images_total") > encoded)
+            with page.expect_request(lambda r: r.url.endswith(path) and r.method == "POST") as request:
+                send(page, "And its colours?")  # a later turn: the history keeps the image
+            history = request.value.post_data_json["messages"]
+            assert [p["image_url"]["url"] for p in history[0]["content"] if p["type"] == "image_url"] == [expected_url]
+            assert history[-1] == {"role": "user", "content": "And its colours?"}
+            assert wait_answered(page)
+    assert answers["chat_completions"] and len(set(answers.values())) == 1, answers  # greedy: the same answer
+    assert page.locator("#error").is_hidden()
+
+
+def test_a_text_only_model_refuses_an_attached_image_with_its_message_verbatim(servers, page, tmp_path):
+    url = servers["open"].url
+    first, second = write_png(tmp_path / "first.png", 1), write_png(tmp_path / "second.png", 2)
+    second_url = "data:image/png;base64," + base64.b64encode(second.read_bytes()).decode()
+    response = httpx.post(f"{url}/v1/chat/completions", json={"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": second_url}}, {"type": "text", "text": "What is this?"}]}]})
+    assert response.status_code == 400
+    expected = response.json()["error"]["message"]
+    assert "takes no images" in expected
+    page.goto(url + "/")
+    page.click("#clear")
+    settings(page, mode="chat", api="chat_completions", max_tokens=8, tools="", tool_choice="auto")
+    page.set_input_files("#attach", [str(first), str(second)])
+    page.wait_for_function("document.querySelectorAll('#attachments img.thumb').length === 2")
+    from axe_playwright_python.sync_playwright import Axe
+
+    violations = Axe().run(page).response["violations"]  # the thumbnails and their remove buttons are labelled
+    assert not [(v["id"], v["help"]) for v in violations if v["impact"] in ("serious", "critical")]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.locator("#composer").screenshot(path=str(ARTIFACTS / "attachments.png"))
+    page.click("#attachments button[aria-label='Remove first.png']")
+    page.wait_for_function("document.querySelectorAll('#attachments img.thumb').length === 1")
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions") and r.method == "POST") as request:
+        send(page, "What is this?")
+    assert sent_images("chat_completions", request.value.post_data_json) == [second_url]
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.inner_text("#error-text") == expected
+    assert page.locator("#retry").is_hidden()
 
 
 def test_with_an_api_key_the_pages_load_and_ask_for_it(servers, page):
