@@ -96,6 +96,7 @@ def test_a_sample_follows_the_documented_schema(server):
         assert sum(histogram["counts"]) == histogram["count"]
     assert set(sample["requests"]["finished"]) == {"stop", "length", "abort", "error"}
     assert {"drafts", "draft_tokens", "accepted_tokens", "acceptance_rate"} <= set(sample["spec"])
+    assert sample["encoder"] == {"images_total": 0, "seconds_total": 0}  # a text-only model encodes no image
 
 
 def test_load_shows_as_steps_timeline_and_cached_blocks(server):

@@ -6,6 +6,7 @@ in the OpenAI error shape and the server keeps serving everyone else."""
 from __future__ import annotations
 
 import base64
+import json
 import concurrent.futures
 import io
 import struct
@@ -156,8 +157,13 @@ def test_too_many_images_and_placeholder_text_are_refused(client, offline):
     assert chat(client, looking(good)).choices[0].message.content == offline(picture())[0]
 
 
-def test_encoder_work_is_in_the_metrics(server, client):
-    chat(client, looking(data_url(png_bytes(picture(7)))))
+def test_encoder_work_is_in_the_metrics_and_the_live_stream(server, client):
+    before = metric(metric_samples(server.url), "tokenmill:encoder_images_total")
+    chat(client, looking(data_url(png_bytes(picture(7)))))  # an image no earlier test sent: encoded now
     samples = metric_samples(server.url)
-    assert metric(samples, "tokenmill:encoder_images_total") >= 1
+    assert metric(samples, "tokenmill:encoder_images_total") == before + 1
     assert metric(samples, "tokenmill:encoder_seconds_total") > 0
+    with httpx.stream("GET", f"{server.url}/v1/engine/stream", timeout=60) as stream:
+        line = next(line for line in stream.iter_lines() if line.startswith("data:"))
+    encoder = json.loads(line[len("data:"):])["encoder"]
+    assert encoder["images_total"] == before + 1 and encoder["seconds_total"] > 0

@@ -68,6 +68,7 @@ def build_sample(engine: Any, families: Iterable[Any], model_name: str, after_st
             "structured": total("structured_output_requests_total"),
             "engine_faults": total("engine_faults_total"),
         },
+        "encoder": {"images_total": total("encoder_images_total"), "seconds_total": total("encoder_seconds_total")},
         "spec": {"drafts": total("spec_decode_num_drafts_total"), "draft_tokens": drafts, "accepted_tokens": accepted,
                  "acceptance_rate": accepted / drafts if drafts else None},
         "timeline": [_trace(trace, wall) for trace in telemetry.traces()],

@@ -98,6 +98,8 @@ function onSample(sample) {
   figure("fig-kv", percent(sample.kv.usage));
   figure("fig-hits", percent(sample.kv.prefix_cache.hit_rate));
   figure("fig-spec", percent(sample.spec.acceptance_rate));
+  const images = sample.encoder.images_total;
+  figure("fig-images", images ? `${images} (${(1000 * sample.encoder.seconds_total / images).toFixed(1)} ms each)` : "–");
   const finished = Object.values(sample.requests.finished).reduce((a, b) => a + b, 0);
   figure("fig-structured", finished ? percent(sample.requests.structured / finished) : "–");
   figure("fig-errors", String(sample.requests.finished.error + sample.requests.engine_faults));
