@@ -140,3 +140,20 @@ def test_bench_kv_transfer_moves_every_full_block_and_times_both_ways(tiny_model
     assert row["transfer_bytes"] in (32 * per_token * 2, 32 * per_token * 4)  # 8 full blocks, bf16 or float32
     assert row["transfer_ttft_ms"] == pytest.approx(row["fetch_ms"] + row["remote_ms"], abs=0.02)
     assert min(row["local_ms"], row["prefill_ms"], row["fetch_ms"], row["remote_ms"]) > 0
+
+
+def test_bench_images_times_one_image_prompts_and_the_encoder(tiny_model, tmp_path):
+    from helpers.tiny_models import make_tiny_qwen2_vl
+
+    out = tmp_path / "images.json"
+    model = str(make_tiny_qwen2_vl(tmp_path / "qwen2_vl"))
+    run = tokenmill("bench", "images", "--model", model, "--repeats", "2", "--image-size", "56", "84",
+                    "--output-json", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["image_positions"] == 6  # 56x84 pixels: 4x6 patches of 14, merged 2x2
+    assert result["encoder_images"] == 2  # one per fresh image: the cached repeats hit the encoder cache
+    assert min(result["processor_ms"], result["cold_ttft_ms"], result["cached_ttft_ms"], result["text_ttft_ms"],
+               result["encoder_images_per_s"]) > 0
+    refused = tokenmill("bench", "images", "--model", tiny_model, "--repeats", "1")
+    assert refused.returncode != 0 and "needs a vision-language model" in refused.stderr

@@ -16,13 +16,15 @@ from tokenmill.bench import linear_products
 from tokenmill.bench.datasets import add_dataset_args, build_prompts, describe_dataset
 from tokenmill.bench.linear_products import add_linear_products_args, run_linear_products
 from tokenmill.bench.report import RequestResult, emit, own_peak_rss_gib, summarise
+from tokenmill.cli import bench_images as images
 from tokenmill.cli import bench_kv_transfer as kv_transfer
 from tokenmill.cli.bench_serve import add_bench_serve_parser
 from tokenmill.cli.engine_args import add_engine_args, engine_kwargs
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `tokenmill bench throughput`, `bench serve`, `bench linears` and `bench kv-transfer`."""
+    """Register `tokenmill bench throughput`, `bench serve`, `bench linears`, `bench kv-transfer` and
+    `bench images`."""
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(kinds)
@@ -35,6 +37,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                 description=kv_transfer.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     kv_transfer.add_kv_transfer_args(transfer)
     transfer.set_defaults(func=kv_transfer.run_kv_transfer)
+    vision = kinds.add_parser("images", help="a vision-language model's one-image prompts: TTFT cold, cached and "
+                              "against text of the same length, and images/s through the vision encoder",
+                              description=images.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    images.add_bench_images_args(vision)
+    vision.set_defaults(func=images.run_bench_images)
     p = kinds.add_parser("throughput", help="offline, in-process throughput on a seeded dataset",
                          description="Generate OUTPUT_LEN tokens (greedy, ignore_eos) for every prompt of the "
                                      "dataset, all submitted at once, and report tokens/s and latencies.")
