@@ -4,6 +4,7 @@ OLMoE, LLaVA) with the SmolLM2 tokenizer."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -125,14 +126,28 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_llava(dir: str | Path, tower: str = "clip") -> Path:
+REAL_PROCESSORS = Path(__file__).resolve().parents[1] / "data" / "processors"
+
+
+def real_image_processor(name: str, klass: Any) -> Any:
+    """The image processor of a real model's preprocessor_config.json (tests/data/processors/NAME.json, as
+    the model's Hub repository has it), as `klass` (the Pil variant: torchvision is not installed)."""
+    settings = json.loads((REAL_PROCESSORS / f"{name}.json").read_text())
+    for key in ("image_processor_type", "processor_class"):
+        settings.pop(key)
+    return klass(**settings)
+
+
+def make_tiny_llava(dir: str | Path, tower: str = "clip", real_processor: bool = False) -> Path:
     """Save a tiny random LLaVA (LlavaForConditionalGeneration) and its LlavaProcessor in `dir`, as
     transformers' `save_pretrained` writes them: a Llama text model (the sizes of `make_tiny_hf_model`),
     a 2-layer vision tower of 32x32 images in 8x8 patches and a 2-layer GELU projector. `tower` "clip":
     CLIP (quick_gelu), features of the second-to-last layer without CLS ("default"), CLIP's image processor
     (shortest edge 32, centre crop 32x32); "siglip": SigLIP, the last layer's features, all of them ("full"),
-    SigLIP's processor (resized to 32x32). 16 image tokens per image either way. The SmolLM2 tokenizer with
-    `<image>` added as a special token (the model's image_token_id) and llava-hf's chat template. Seeded."""
+    SigLIP's processor (resized to 32x32). 16 image tokens per image either way. `real_processor` (CLIP only):
+    llava-1.5-7b-hf's own processor config (336x336, 14-pixel patches: 576 image tokens) and a tower of that
+    size. The SmolLM2 tokenizer with `<image>` added as a special token (the model's image_token_id) and
+    llava-hf's chat template. Seeded."""
     import copy
 
     from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
@@ -145,11 +160,11 @@ def make_tiny_llava(dir: str | Path, tower: str = "clip") -> Path:
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE  # the processor's too: both write chat_template.jinja
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     tower_config = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                    "image_size": 32, "patch_size": 8}
+                    "image_size": 336 if real_processor else 32, "patch_size": 14 if real_processor else 8}
     if tower == "clip":
         vision_config = CLIPVisionConfig(**tower_config, hidden_act="quick_gelu")
-        image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32},
-                                                crop_size={"height": 32, "width": 32})
+        image_processor = (real_image_processor("llava-1.5-7b-hf", CLIPImageProcessorPil) if real_processor else
+                           CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}))
         feature_layer, strategy, additional_tokens = -2, "default", 1
     elif tower == "siglip":
         vision_config = SiglipVisionConfig(**tower_config)
@@ -160,13 +175,14 @@ def make_tiny_llava(dir: str | Path, tower: str = "clip") -> Path:
     text_config = LlamaConfig(**{**_BASE_CONFIG, "vocab_size": len(tokenizer), "max_position_embeddings": 2048,
                                  "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
     config = LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_index=image_token_id,
-                         image_seq_length=16, projector_hidden_act="gelu", vision_feature_layer=feature_layer,
+                         image_seq_length=576 if real_processor else 16, projector_hidden_act="gelu", vision_feature_layer=feature_layer,
                          vision_feature_select_strategy=strategy, multimodal_projector_bias=True,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     model.save_pretrained(path)
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               patch_size=tower_config["patch_size"],
                                vision_feature_select_strategy=strategy, chat_template=LLAVA_CHAT_TEMPLATE,
                                image_token="<image>", num_additional_image_tokens=additional_tokens)
     processor.save_pretrained(path)
@@ -187,13 +203,14 @@ QWEN2_VL_CHAT_TEMPLATE = (
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def make_tiny_qwen2_vl(dir: str | Path) -> Path:
+def make_tiny_qwen2_vl(dir: str | Path, real_processor: bool = False) -> Path:
     """Save a tiny random Qwen2-VL (Qwen2VLForConditionalGeneration) in `dir`, as transformers' `save_pretrained`
     writes it: a Qwen2 decoder 64 wide with multimodal RoPE (mrope_section [2, 3, 3] of its 8 frequencies per
     head), a 2-block vision tower 32 wide over 14-pixel patches merged 2x2, and Qwen2-VL's image processor
     (the Pil one: torchvision is not installed) bounded to 784-12544 pixels, so an image becomes 1 to 16
-    positions by its size. The SmolLM2 tokenizer with Qwen2-VL's vision tokens added as special tokens, and
-    Qwen2-VL's chat template for image parts. Seeded."""
+    positions by its size; `real_processor`: Qwen2-VL-2B-Instruct's own processor config (up to 12.8M pixels).
+    The SmolLM2 tokenizer with Qwen2-VL's vision tokens added as special tokens, and Qwen2-VL's chat template
+    for image parts. Seeded."""
     import copy
 
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
@@ -214,7 +231,9 @@ def make_tiny_qwen2_vl(dir: str | Path) -> Path:
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(config).to(torch.float32).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=784, max_pixels=12544).save_pretrained(path)
+    processor = (real_image_processor("qwen2-vl-2b-instruct", Qwen2VLImageProcessorPil) if real_processor else
+                 Qwen2VLImageProcessorPil(min_pixels=784, max_pixels=12544))
+    processor.save_pretrained(path)
     return path
 
 

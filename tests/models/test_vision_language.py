@@ -199,3 +199,34 @@ def test_a_text_only_model_refuses_images(tmp_path):
     llm = LLM(str(make_tiny_hf_model(tmp_path / "text")), max_model_len=128)
     with pytest.raises(ValueError, match="text-only: it takes no images"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(0, 4, 4)}}, use_tqdm=False)
+
+
+@pytest.mark.parametrize("family", ["llava-1.5", "qwen2-vl"])
+def test_real_processor_configs_give_hfs_output(tmp_path, family):
+    """Real models' own image processor configs (llava-1.5-7b-hf: 336x336, 576 positions per image; Qwen2-VL-2B:
+    up to 12.8M pixels, a 640x480 photo is 391 positions) over tiny towers of the matching geometry: the same
+    prompt ids and greedy output as HF, with chunks of 64 tokens."""
+    if family == "qwen2-vl":
+        folder = make_tiny_qwen2_vl(tmp_path / "model", real_processor=True)
+        oracle = qwen2_vl_oracle(folder)
+    else:
+        folder = make_tiny_llava(tmp_path / "model", "clip", real_processor=True)
+        oracle = llava_oracle(folder)
+    images = [random_image(5, 640, 480), random_image(6, 200, 300)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What differs?"},
+                                             {"type": "image"}]}]
+    from transformers import AutoTokenizer
+    text = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    model, inputs = oracle(text, images)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, ids)]
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=64, max_model_len=2048)
+    output = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False)[0]
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert len(output.prompt_token_ids) > (2 * 576 if family == "llava-1.5" else 391)
+    got_ids, got_logprobs = chosen(output)
+    assert got_ids == ids and np.allclose(got_logprobs, logprobs, rtol=0, atol=1e-4)
