@@ -167,3 +167,30 @@ def test_encoder_work_is_in_the_metrics_and_the_live_stream(server, client):
         line = next(line for line in stream.iter_lines() if line.startswith("data:"))
     encoder = json.loads(line[len("data:"):])["encoder"]
     assert encoder["images_total"] == before + 1 and encoder["seconds_total"] > 0
+
+
+def test_qwen2_vl_images_of_different_sizes_through_the_openai_sdk(tmp_path):
+    """The second family (dynamic resolution, M-RoPE): two images of different sizes in one turn get the offline
+    engine's answer, and usage counts each image's own number of positions."""
+    from helpers.tiny_models import make_tiny_qwen2_vl
+    from tokenmill import LLM, SamplingParams
+
+    model = str(make_tiny_qwen2_vl(tmp_path / "model"))
+    images = [picture(3, 40, 50), picture(4, 130, 90)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compare"},
+                                             {"type": "image"}, {"type": "text", "text": " these."}]}]
+    llm = LLM(model, max_model_len=512)
+    text = llm.apply_chat_template(messages)
+    offline = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    del llm
+    proc = ServerProcess(model, "--max-model-len", "512", "--served-model-name", "tiny-llava",
+                         log_path=tmp_path / "qwen2_vl.log")
+    with proc.running():
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0)
+        urls = [data_url(png_bytes(image)) for image in images]
+        content = [{"type": "image_url", "image_url": {"url": urls[0]}}, {"type": "text", "text": "Compare"},
+                   {"type": "image_url", "image_url": {"url": urls[1]}}, {"type": "text", "text": " these."}]
+        answer = chat(client, [{"role": "user", "content": content}])
+    assert answer.choices[0].message.content == offline.outputs[0].text
+    assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
