@@ -60,12 +60,12 @@ class _Attention(nn.Module):
         tokens, width = x.shape
         heads = self.num_heads
 
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(tokens, heads, width // heads).transpose(0, 1)
+        def split(t: torch.Tensor) -> torch.Tensor:  # [1, heads, tokens, head_dim]: the 4-D shape PyTorch's
+            return t.view(tokens, heads, width // heads).transpose(0, 1).unsqueeze(0)  # fused CPU attention takes
 
         out = F.scaled_dot_product_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)),
                                              scale=1.0 / math.sqrt(width // heads))
-        return self.out_proj(out.transpose(0, 1).reshape(tokens, width))
+        return self.out_proj(out[0].transpose(0, 1).reshape(tokens, width))
 
 
 class _MLP(nn.Module):
