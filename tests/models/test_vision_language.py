@@ -230,3 +230,29 @@ def test_real_processor_configs_give_hfs_output(tmp_path, family):
     assert len(output.prompt_token_ids) > (2 * 576 if family == "llava-1.5" else 391)
     got_ids, got_logprobs = chosen(output)
     assert got_ids == ids and np.allclose(got_logprobs, logprobs, rtol=0, atol=1e-4)
+
+
+def test_llm_chat_takes_image_parts_as_vllm_does(tmp_path):
+    import base64
+    import io
+
+    folder = make_tiny_qwen2_vl(tmp_path / "model")
+    llm = LLM(str(folder), dtype="float32", max_model_len=512)
+    image = random_image(2, 60, 40)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    params = SamplingParams(temperature=0, max_tokens=6)
+    by_url = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                    {"type": "text", "text": "What is this?"}]}], params,
+                      use_tqdm=False)[0]
+    by_pil = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                    {"type": "text", "text": "What is this?"}]}], params,
+                      use_tqdm=False)[0]
+    text = llm.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                 {"type": "text", "text": "What is this?"}]}])
+    direct = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
+    assert by_url.outputs[0].token_ids == by_pil.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: .*file://"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
+                 params, use_tqdm=False)

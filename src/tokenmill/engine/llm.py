@@ -12,6 +12,8 @@ from tokenmill.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSear
                                           top_logprobs, with_texts)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
+from tokenmill.multimodal.chat_parts import conversation_images
+from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
 from tokenmill.pooling.pooler_config import runs_pooling
@@ -169,10 +171,18 @@ class LLM:
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: Optional[str] = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate the assistant's reply."""
+        """Apply the model's chat template to each conversation and generate the assistant's reply. A
+        vision-language model takes images in the messages' content lists (multimodal/chat_parts.py):
+        `image_url` parts with data URLs, and `image_pil` parts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template),
-                    "add_special_tokens": False} for c in conversations]
+        prompts = []
+        for conversation in conversations:
+            rendered, images = conversation_images(conversation, MediaPolicy())
+            prompt = {"prompt": self.apply_chat_template(rendered, add_generation_prompt, chat_template),
+                      "add_special_tokens": False}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
@@ -246,7 +256,7 @@ def _prompt_images(prompt: PromptType) -> list[Any]:
         kinds = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"multi_modal_data takes {{'image': image or [images]}}; got {kinds}")
     images = data.get("image")
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+    return list(images) if isinstance(images, (list, tuple)) else [images]  # PIL images or ImageInputs
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
