@@ -74,3 +74,20 @@ def test_a_prompt_with_images_prefilled_elsewhere_decodes_to_the_single_engines_
         assert out.metrics.num_cached_tokens == full_blocks * BLOCK  # the images' blocks came over
         assert answers([out]) == answers([reference])
     assert consumer.llm_engine.encoder_totals[0] <= 2  # at most the last block's image positions, encoded there
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_ranks_in_processes_give_the_one_rank_output(tmp_path, parallel):
+    """Worker processes get the images with the request (the first pipeline stage encodes them; every
+    tensor-parallel rank does) and compute Qwen2-VL's positions as one rank does."""
+    folder = str(make_tiny_qwen2_vl(tmp_path / "model"))
+    prompt = {"prompt": "USER: <|image_pad|>\nand <|image_pad|>\nWhat changed? ASSISTANT:",
+              "multi_modal_data": {"image": [image(1, 50, 40), image(2, 90, 130)]}}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = LLM(folder, dtype="float32").generate(prompt, params, use_tqdm=False)[0]
+    llm = LLM(folder, dtype="float32", **parallel)
+    try:
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    finally:
+        llm.shutdown()

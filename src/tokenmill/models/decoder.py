@@ -323,7 +323,7 @@ class DecoderForCausalLM(nn.Module):
             loaded.add(target if shard is None else f"{target}:{shard}")
         if self.vision is not None:
             self.vision.load_weights(vision_weights)
-        elif vision_weights:
+        elif vision_weights and self.arch.vision is None:  # (a later pipeline stage holds no image side)
             raise ValueError(f"checkpoint has image-side tensors (e.g. {vision_weights[0][0]!r}) but "
                              f"{self.arch.architecture} is a text-only model")
         params = {name: p for name, p in params.items() if not name.startswith("vision.")}

@@ -16,9 +16,9 @@ from tokenmill.sampling.logprobs import token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.encoder_cache import EncoderCache
-from tokenmill.worker.mrope import mrope_positions
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
+from tokenmill.worker.mrope import mrope_positions
 from tokenmill.worker.request_state import BatchItem, RequestStates
 from tokenmill.worker.step_inputs import StepInputs, is_decode_step
 
