@@ -6,7 +6,9 @@ keyword form (`LLM(dtype=..., block_size=...)`) and routes each keyword to its s
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -28,6 +30,23 @@ KV_CACHE_FORMATS = {"int8": "int8", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
+
+
+def image_limit(text: str) -> int:
+    """--limit-mm-per-prompt: a number of images, or vLLM's JSON '{"image": N}' (other kinds of input must be
+    absent or 0: images are the only kind served)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or JSON like '{{\"image\": 4}}', got {text!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("image"), int):
+        others = {kind: count for kind, count in value.items() if kind != "image" and count}
+        if not others:
+            return value["image"]
+        raise argparse.ArgumentTypeError(f"only images are served; {sorted(others)} must be 0 or absent")
+    raise argparse.ArgumentTypeError(f"expected a number or JSON like '{{\"image\": 4}}', got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -468,7 +487,8 @@ class ServerConfig:
     allowed_media_domains: Optional[list[str]] = _opt(
         None, "image inputs: fetch http(s):// image URLs from these hosts only (exact names, e.g. "
         "images.example.com); default: nothing is fetched, images come as data:image/...;base64 URLs", nargs="+")
-    limit_mm_per_prompt: int = _opt(8, "image inputs: most images one prompt may hold (a 400 past it)")
+    limit_mm_per_prompt: int = _opt(8, "image inputs: most images one prompt may hold (a 400 past it); a number, or "
+                                    "vLLM's JSON form '{\"image\": N}'", parse=image_limit)
     max_image_pixels: int = _opt(4096 * 4096, "image inputs: largest image, in pixels (width x height, read from "
                                  "its header before it is decoded; a 400 past it)")
     media_fetch_timeout: float = _opt(10.0, "image inputs: seconds fetching one http(s) image may take")

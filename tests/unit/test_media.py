@@ -252,6 +252,17 @@ def test_the_policy_comes_from_the_server_flags(tmp_path):
     assert MediaPolicy.from_config(ServerConfig()) == POLICY
 
 
+
+def test_the_image_limit_takes_vllms_json_form_too():
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, ServerConfig, "server")
+    assert parser.parse_args(["--limit-mm-per-prompt", '{"image": 4}']).limit_mm_per_prompt == 4
+    assert parser.parse_args(["--limit-mm-per-prompt", '{"image": 2, "video": 0}']).limit_mm_per_prompt == 2
+    for bad in ('{"image": 2, "video": 1}', "four", '{"audio": 1}'):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--limit-mm-per-prompt", bad])
+
+
 @pytest.mark.parametrize("fields, says", [
     ({"limit_mm_per_prompt": 0}, "limit_mm_per_prompt must be >= 1"),
     ({"max_image_pixels": 0}, "max_image_pixels must be >= 1"),

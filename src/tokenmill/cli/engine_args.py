@@ -33,7 +33,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, klass: type, title: str,
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
             continue
-        group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=default,
+        group.add_argument(flag, dest=f.name, type=f.metadata.get("parse") or _flag_type(hints[f.name]), default=default,
                            choices=f.metadata.get("choices"), nargs=f.metadata.get("nargs"), help=help_text)
 
 
