@@ -203,17 +203,20 @@ QWEN2_VL_CHAT_TEMPLATE = (
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def make_tiny_qwen2_vl(dir: str | Path, real_processor: bool = False) -> Path:
+def make_tiny_qwen2_vl(dir: str | Path, real_processor: bool = False, version: str = "2") -> Path:
     """Save a tiny random Qwen2-VL (Qwen2VLForConditionalGeneration) in `dir`, as transformers' `save_pretrained`
     writes it: a Qwen2 decoder 64 wide with multimodal RoPE (mrope_section [2, 3, 3] of its 8 frequencies per
     head), a 2-block vision tower 32 wide over 14-pixel patches merged 2x2, and Qwen2-VL's image processor
     (the Pil one: torchvision is not installed) bounded to 784-12544 pixels, so an image becomes 1 to 16
     positions by its size; `real_processor`: Qwen2-VL-2B-Instruct's own processor config (up to 12.8M pixels).
+    `version` "2.5": Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): its tower's RMSNorm and SwiGLU, attention
+    within windows of 56 pixels (2x2 merge units) in block 0 and over the whole image in block 1.
     The SmolLM2 tokenizer with Qwen2-VL's vision tokens added as special tokens, and Qwen2-VL's chat template
     for image parts. Seeded."""
     import copy
 
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil)
 
     path = Path(dir)
     tokenizer = copy.deepcopy(smollm2_tokenizer())
@@ -225,11 +228,17 @@ def make_tiny_qwen2_vl(dir: str | Path, real_processor: bool = False) -> Path:
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}}
     vision = {"depth": 2, "embed_dim": 32, "hidden_size": text["hidden_size"], "num_heads": 2, "mlp_ratio": 2,
               "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+    config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    if version == "2.5":
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "out_hidden_size": text["hidden_size"],
+                  "num_heads": 2, "window_size": 56, "fullatt_block_indexes": [1], "patch_size": 14,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).to(torch.float32).save_pretrained(path)
+    model_class(config).to(torch.float32).save_pretrained(path)
     tokenizer.save_pretrained(path)
     processor = (real_image_processor("qwen2-vl-2b-instruct", Qwen2VLImageProcessorPil) if real_processor else
                  Qwen2VLImageProcessorPil(min_pixels=784, max_pixels=12544))

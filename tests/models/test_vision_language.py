@@ -1,8 +1,8 @@
 """Vision-language models against HF transformers (issue 44), two families that lay images into the sequence
 differently: tiny random LLaVA checkpoints (a CLIP tower with its class token dropped, and a SigLIP tower with
 every patch kept: 16 positions per image) written by transformers with the processor of the llava-hf layout,
-and a tiny random Qwen2-VL (dynamic resolution: 1-16 positions by the image's size, multimodal RoPE) with
-Qwen2-VL's image processor. Greedy ids and logprobs equal `generate` of the HF model in float32 on the
+and tiny random Qwen2-VL and Qwen2.5-VL (dynamic resolution: 1-16 positions by the image's size, multimodal
+RoPE; Qwen2.5-VL's windowed attention) with Qwen2-VL's image processor. Greedy ids and logprobs equal `generate` of the HF model in float32 on the
 processor's own outputs, for prompts of 1-3 images of different sizes batched with text-only prompts, with
 chunks smaller than an image and after prefix-cache hits; an image that differs in one pixel never reuses
 another image's blocks.
@@ -71,12 +71,12 @@ def chosen(output) -> tuple[list[int], list[float]]:
     return list(completion.token_ids), [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
 
 
-@pytest.fixture(scope="module", params=["llava-clip", "llava-siglip", "qwen2-vl"])
+@pytest.fixture(scope="module", params=["llava-clip", "llava-siglip", "qwen2-vl", "qwen2.5-vl"])
 def tiny_vlm(request, tmp_path_factory):
     """(folder, the HF oracle's (prompt ids, greedy ids, their logprobs) per image prompt)."""
     folder = tmp_path_factory.mktemp(request.param)
-    if request.param == "qwen2-vl":
-        folder = make_tiny_qwen2_vl(folder)
+    if request.param.startswith("qwen"):
+        folder = make_tiny_qwen2_vl(folder, version="2.5" if request.param == "qwen2.5-vl" else "2")
         oracle = qwen2_vl_oracle(folder)
     else:
         folder = make_tiny_llava(folder, request.param.split("-")[1])
@@ -103,13 +103,13 @@ def llava_oracle(folder):
 
 
 def qwen2_vl_oracle(folder):
-    """HF's Qwen2-VL and the inputs Qwen2VLProcessor makes (it cannot be built without torchvision's video
-    processor, so its steps are done here as it does them): Qwen2-VL's image processor, and each <|image_pad|>
-    repeated grid t*h*w / 4 times."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+    """HF's Qwen2-VL (or Qwen2.5-VL) and the inputs Qwen2VLProcessor makes (it cannot be built without
+    torchvision's video processor, so its steps are done here as it does them): Qwen2-VL's image processor, and
+    each <|image_pad|> repeated grid t*h*w / 4 times."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     tokenizer, processor = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
     def inputs(text, images):

@@ -31,6 +31,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_vl_text": "Qwen2ForCausalLM",  # Qwen2-VL's decoder: Qwen2 with multimodal RoPE (mrope_section)
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",  # and Qwen2.5-VL's
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",

@@ -4,9 +4,11 @@ Two families lay images into the sequence differently:
 - LLaVA (`LlavaForConditionalGeneration`): a vision transformer (CLIP or SigLIP) and a two-layer projector into
   the decoder's width; every image becomes the same number of positions (`LlavaVisionConfig.num_image_tokens`)
   and the decoder's positions stay 1-D.
-- Qwen2-VL (`Qwen2VLForConditionalGeneration`): a ViT over the image at its own resolution (14-pixel patches,
-  2x2 of them merged into one position), so an image's positions follow its size; the decoder's rotary
-  embedding is multimodal (M-RoPE: temporal, height and width positions, `ArchConfig.mrope_section`).
+- Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`): a ViT
+  over the image at its own resolution (14-pixel patches, 2x2 of them merged into one position; Qwen2.5-VL's
+  with RMSNorm, SwiGLU and attention within windows but in a few blocks), so an image's positions follow its
+  size; the decoder's rotary embedding is multimodal (M-RoPE: temporal, height and width positions,
+  `ArchConfig.mrope_section`).
 Either way the prompt holds a run of `image_token_id` where each image goes, and the image side's output is
 the embeddings of those positions (`placeholders` says how many, from the image processor's output).
 """
@@ -16,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *QWEN_VL_ARCHITECTURES)
 TOWERS = ("clip_vision_model", "siglip_vision_model")
 _ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
@@ -88,9 +91,11 @@ class LlavaVisionConfig:
 
 @dataclass(frozen=True)
 class Qwen2VLVisionConfig:
-    """The image side of a Qwen2-VL model: patches of `patch_size` pixels over `temporal_patch_size` frames (an
-    image is its frame repeated), `depth` ViT blocks with 2-D rotary embeddings, and a merger of
-    `spatial_merge_size` x `spatial_merge_size` patches into one position of the decoder's width."""
+    """The image side of a Qwen2-VL or Qwen2.5-VL model: patches of `patch_size` pixels over
+    `temporal_patch_size` frames (an image is its frame repeated), `depth` ViT blocks with 2-D rotary
+    embeddings, and a merger of `spatial_merge_size` x `spatial_merge_size` patches into one position of the
+    decoder's width. Qwen2.5-VL (`gated`): RMSNorm and a SwiGLU MLP of `intermediate_size` in the blocks, and
+    attention within windows of `window_size` pixels except in `fullatt_block_indexes`."""
 
     architecture: str
     depth: int
@@ -104,6 +109,15 @@ class Qwen2VLVisionConfig:
     temporal_patch_size: int
     text_hidden_size: int
     image_token_id: int
+    gated: bool = False
+    intermediate_size: int = 0  # the MLP's width (0: embed_dim x mlp_ratio)
+    window_size: int = 0  # 0: every block attends over the whole image
+    fullatt_block_indexes: tuple[int, ...] = ()
+
+    @property
+    def mlp_width(self) -> int:
+        """The blocks' MLP width."""
+        return self.intermediate_size or int(self.embed_dim * self.mlp_ratio)
 
     def placeholders(self, inputs: dict[str, Any]) -> tuple[int, Optional[tuple[int, int, int]]]:
         """(positions, their (t, h, w) grid) of one image whose processor output is `inputs` (pixel_values of
@@ -123,7 +137,7 @@ def vision_config_from_hf(config: dict[str, Any], text_hidden_size: int) -> Visi
     """The image side's config of a vision-language `config.json` (whose `architectures` name one of
     VISION_ARCHITECTURES); ValueError naming what is not supported."""
     architecture = next(a for a in config.get("architectures") or () if a in VISION_ARCHITECTURES)
-    if architecture == "Qwen2VLForConditionalGeneration":
+    if architecture in QWEN_VL_ARCHITECTURES:
         return _qwen2_vl(config, architecture, text_hidden_size)
     return _llava(config, architecture, text_hidden_size)
 
@@ -137,19 +151,26 @@ def _token(config: dict[str, Any], architecture: str) -> int:
 
 def _qwen2_vl(config: dict[str, Any], architecture: str, text_hidden_size: int) -> Qwen2VLVisionConfig:
     vision = config.get("vision_config") or {}
-    act = vision.get("hidden_act", "quick_gelu")
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"unsupported activation {act!r} in {architecture}; supported: {', '.join(_ACTIVATIONS)}")
-    if vision.get("hidden_size", text_hidden_size) != text_hidden_size:
-        raise ValueError(f"{architecture}: the vision merger's output ({vision.get('hidden_size')}) is not the "
-                         f"decoder's width ({text_hidden_size})")
+    gated = architecture == "Qwen2_5_VLForConditionalGeneration"
+    act = vision.get("hidden_act", "silu" if gated else "quick_gelu")
+    if act not in (*_ACTIVATIONS, "silu"):
+        raise ValueError(f"unsupported activation {act!r} in {architecture}; supported: {', '.join(_ACTIVATIONS)}, silu")
+    output = vision.get("out_hidden_size" if gated else "hidden_size", text_hidden_size)
+    if output != text_hidden_size:
+        raise ValueError(f"{architecture}: the vision merger's output ({output}) is not the decoder's width "
+                         f"({text_hidden_size})")
     return Qwen2VLVisionConfig(architecture=architecture, depth=vision.get("depth", 32),
-                               embed_dim=vision.get("embed_dim", 1280), num_heads=vision.get("num_heads", 16),
-                               mlp_ratio=float(vision.get("mlp_ratio", 4)), hidden_act=act,
-                               in_channels=vision.get("in_channels", 3), patch_size=vision.get("patch_size", 14),
+                               embed_dim=vision.get("hidden_size" if gated else "embed_dim", 1280),
+                               num_heads=vision.get("num_heads", 16), mlp_ratio=float(vision.get("mlp_ratio", 4)),
+                               hidden_act=act, in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+                               patch_size=vision.get("patch_size", 14),
                                spatial_merge_size=vision.get("spatial_merge_size", 2),
                                temporal_patch_size=vision.get("temporal_patch_size", 2),
-                               text_hidden_size=text_hidden_size, image_token_id=_token(config, architecture))
+                               text_hidden_size=text_hidden_size, image_token_id=_token(config, architecture),
+                               gated=gated, intermediate_size=vision.get("intermediate_size", 3420) if gated else 0,
+                               window_size=vision.get("window_size", 112) if gated else 0,
+                               fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))
+                                                           if gated else ()))
 
 
 def _llava(config: dict[str, Any], architecture: str, text_hidden_size: int) -> LlavaVisionConfig:

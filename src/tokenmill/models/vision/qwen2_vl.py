@@ -1,11 +1,15 @@
-"""Qwen2-VL's image side: a ViT over 14-pixel patches of the image at its own resolution, with 2-D rotary
-embeddings, and a merger of 2x2 patches into one position of the decoder's width (HF's
-Qwen2VisionTransformerPretrainedModel), for one image at a time."""
+"""Qwen2-VL's and Qwen2.5-VL's image side: a ViT over 14-pixel patches of the image at its own resolution, with
+2-D rotary embeddings, and a merger of 2x2 patches into one position of the decoder's width (HF's
+Qwen2VisionTransformerPretrainedModel and Qwen2_5_VisionTransformerPretrainedModel), for one image at a time.
+
+Qwen2.5-VL's blocks use RMSNorm and a SwiGLU MLP, and most attend within windows: the patches are reordered
+window by window (each window a square of merge units), attention runs per window (windows of one length in
+one batched call), and the merged outputs are put back in the image's order at the end."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -22,6 +26,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (y * cos + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin).to(x.dtype)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            windows: Optional[list[int]]) -> torch.Tensor:
+    """Attention of [tokens, heads, head_dim] q, k, v over all tokens, or within consecutive windows of
+    these lengths (the windows of one length in one call), as [tokens, heads, head_dim]."""
+    if windows is None:  # [1, heads, tokens, head_dim]: the 4-D shape PyTorch's fused CPU attention takes
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
+    out = torch.empty_like(q)
+    starts = [0]
+    for length in windows[:-1]:
+        starts.append(starts[-1] + length)
+    for length in sorted(set(windows)):
+        first = torch.tensor([s for s, n in zip(starts, windows) if n == length], device=q.device)
+        rows = (first.unsqueeze(1) + torch.arange(length, device=q.device)).flatten()
+        q_w, k_w, v_w = (t[rows].view(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        out[rows] = F.scaled_dot_product_attention(q_w, k_w, v_w, scale=scale).transpose(1, 2).reshape(
+            -1, *q.shape[1:])
+    return out
+
+
 class _Attention(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
@@ -29,14 +53,13 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                windows: Optional[list[int]] = None) -> torch.Tensor:
         tokens, width = x.shape
         q, k, v = self.qkv(x).reshape(tokens, 3, self.heads, -1).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # [1, heads, tokens, head_dim]: the 4-D shape PyTorch's fused CPU attention takes (3-D runs the math path)
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(width // self.heads))
-        return self.proj(out[0].transpose(0, 1).reshape(tokens, width))
+        out = _attend(q, k, v, 1.0 / math.sqrt(width // self.heads), windows)
+        return self.proj(out.reshape(tokens, width))
 
 
 class _MLP(nn.Module):
@@ -49,16 +72,45 @@ class _MLP(nn.Module):
         return self.fc2(activation(self.act, self.fc1(x)))
 
 
+class _GatedMLP(nn.Module):
+    def __init__(self, width: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.act = act
+        self.gate_proj, self.up_proj = nn.Linear(width, hidden), nn.Linear(width, hidden)
+        self.down_proj = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(activation(self.act, self.gate_proj(x)) * self.up_proj(x))
+
+
+class _RMSNorm(nn.Module):
+    """Qwen2.5-VL's RMSNorm: normalised in float32, scaled in the input's dtype."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        return self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def _norm(config: Qwen2VLVisionConfig, width: int) -> nn.Module:
+    return _RMSNorm(width) if config.gated else nn.LayerNorm(width, eps=1e-6)
+
+
 class _Block(nn.Module):
     def __init__(self, config: Qwen2VLVisionConfig) -> None:
         super().__init__()
         width = config.embed_dim
-        self.norm1, self.norm2 = nn.LayerNorm(width, eps=1e-6), nn.LayerNorm(width, eps=1e-6)
+        self.norm1, self.norm2 = _norm(config, width), _norm(config, width)
         self.attn = _Attention(width, config.num_heads)
-        self.mlp = _MLP(width, int(width * config.mlp_ratio), config.hidden_act)
+        mlp = _GatedMLP if config.gated else _MLP
+        self.mlp = mlp(width, config.mlp_width, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                windows: Optional[list[int]] = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, windows)
         return x + self.mlp(self.norm2(x))
 
 
@@ -80,7 +132,7 @@ class _Merger(nn.Module):
     def __init__(self, config: Qwen2VLVisionConfig) -> None:
         super().__init__()
         merged = config.embed_dim * config.spatial_merge_size ** 2
-        self.ln_q = nn.LayerNorm(config.embed_dim, eps=1e-6)
+        self.ln_q = _norm(config, config.embed_dim)
         self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, config.text_hidden_size))
 
     def forward(self, x: torch.Tensor, merged_width: int) -> torch.Tensor:
@@ -123,10 +175,33 @@ class Qwen2VLVision(nn.Module):
             raise ValueError(f"an image is one frame; got a grid of {t} temporal patches (videos are not supported)")
         x = self.patch_embed(inputs["pixel_values"])
         angles = self._angles(t, h, w)
+        order, windows = self._windows(h, w) if self.config.window_size else (None, None)
+        if order is not None:  # window by window, in groups of one merge unit's patches
+            unit = self.config.spatial_merge_size ** 2
+            x = x.view(-1, unit, x.shape[-1])[order].view(x.shape)
+            angles = angles.view(-1, unit, angles.shape[-1])[order].view(angles.shape)
         cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.merger(x, self.config.embed_dim * self.config.spatial_merge_size ** 2)
+        for index, block in enumerate(self.blocks):
+            whole = windows is None or index in self.config.fullatt_block_indexes
+            x = block(x, cos, sin, None if whole else windows)
+        merged = self.merger(x, self.config.embed_dim * self.config.spatial_merge_size ** 2)
+        return merged if order is None else merged[torch.argsort(order)]
+
+    def _windows(self, h: int, w: int) -> tuple[torch.Tensor, list[int]]:
+        """Qwen2.5-VL's windows of one frame: the merge units' order, window by window (each window a square
+        of units, row-major within it; windows row-major, those at the edges cut), and each window's length in
+        patches."""
+        merge = self.config.spatial_merge_size
+        side = self.config.window_size // merge // self.config.patch_size  # merge units per window side
+        rows, cols = h // merge, w // merge
+        order, windows = [], []
+        for top in range(0, rows, side):
+            for left in range(0, cols, side):
+                units = [r * cols + c for r in range(top, min(top + side, rows))
+                         for c in range(left, min(left + side, cols))]
+                order += units
+                windows.append(len(units) * merge * merge)
+        return torch.tensor(order, device=self.inv_freq.device), windows
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the checkpoint's `visual.…` tensors (named here without that prefix)."""

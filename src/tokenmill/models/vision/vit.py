@@ -17,11 +17,13 @@ from tokenmill.models.vision.config import TowerConfig
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """HF's activation of that name (config_checks in vision/config.py admit only these)."""
+    """HF's activation of that name (vision/config.py admits only these)."""
     if name == "quick_gelu":
         return x * torch.sigmoid(1.702 * x)
     if name == "gelu":
         return F.gelu(x)
+    if name == "silu":
+        return F.silu(x)
     return F.gelu(x, approximate="tanh")  # gelu_pytorch_tanh, gelu_new
 
 
