@@ -256,3 +256,29 @@ def test_llm_chat_takes_image_parts_as_vllm_does(tmp_path):
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: .*file://"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
                  params, use_tqdm=False)
+
+
+def test_an_image_the_encoder_fails_on_ends_its_request_only(tmp_path, monkeypatch):
+    from tokenmill.worker.encoder_cache import EncoderCache
+
+    folder = make_tiny_llava(tmp_path / "model", "clip")
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    broken, fine = random_image(1, 40, 40), random_image(2, 50, 30)
+    prompt = "USER: <image>\nWhat is this? ASSISTANT:"
+    alone = llm.generate({"prompt": prompt, "multi_modal_data": {"image": fine}}, greedy(1), use_tqdm=False)[0]
+    encode = EncoderCache.embeddings
+    from tokenmill.multimodal.media import image_input
+    target = image_input(broken).content_hash
+
+    def failing(self, image):
+        if image.content_hash == target:
+            raise RuntimeError("the encoder ran out of memory")
+        return encode(self, image)
+
+    monkeypatch.setattr(EncoderCache, "embeddings", failing)
+    outputs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": fine}},
+                            {"prompt": prompt, "multi_modal_data": {"image": broken}},
+                            "USER: Hello ASSISTANT:"], greedy(1), use_tqdm=False)
+    assert outputs[1].outputs[0].finish_reason == "error" and "ran out of memory" in outputs[1].error
+    assert chosen(outputs[0]) == chosen(alone)
+    assert len(outputs[2].outputs[0].token_ids) == MAX_TOKENS

@@ -46,24 +46,32 @@ class EncoderCache:
         self._held += image.length
         return embeds
 
-    def step_rows(self, batch: list[BatchItem]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(rows of the flat batch, their embeddings) for every placeholder position the step computes; None
-        when it computes none."""
+    def step_rows(self, batch: list[BatchItem]
+                  ) -> tuple[Optional[tuple[torch.Tensor, torch.Tensor]], dict[str, Exception]]:
+        """(rows of the flat batch, their embeddings) for every placeholder position the step computes (None
+        when it computes none), and the requests whose image the encoder failed on, with why: their rows keep
+        their placeholder tokens' embeddings, and the caller fails them; the others are unaffected."""
         rows, parts = [], []
-        used = set()
+        used: set[str] = set()
+        failures: dict[str, Exception] = {}
         query_start = 0
         for item in batch:
             end = item.start + item.num_tokens
             for image in overlapping(item.images, item.start, end):
                 first, last = max(image.offset, item.start), min(image.end, end)
-                parts.append(self.embeddings(image)[first - image.offset:last - image.offset])
+                try:
+                    embeds = self.embeddings(image)
+                except Exception as exc:  # this image's own failure (its inputs, memory): its request ends
+                    failures[item.request_id] = exc
+                    continue
+                parts.append(embeds[first - image.offset:last - image.offset])
                 rows.append(torch.arange(query_start + first - item.start, query_start + last - item.start))
                 used.add(image.content_hash)
             query_start += item.num_tokens
         self._evict(used)
         if not parts:
-            return None
-        return torch.cat(rows).to(self.device), torch.cat(parts)
+            return None, failures
+        return (torch.cat(rows).to(self.device), torch.cat(parts)), failures
 
     def _evict(self, keep: set[str]) -> None:
         for digest in list(self._entries):

@@ -72,6 +72,7 @@ class ModelRunner:
         vision = getattr(model, "vision", None)
         self.encoder_cache = EncoderCache(vision, device, encoder_cache_tokens) if vision is not None else None
         self.mrope = getattr(getattr(model, "arch", None), "mrope_section", None) is not None
+        self.encoder_failures: dict[str, Exception] = {}  # the step's requests whose image failed to encode
         self.inputs = StepInputs(block_size)
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
@@ -95,12 +96,15 @@ class ModelRunner:
         adapter_failures = self._select_adapters(batch)
         encoder = self.encoder_cache
         before = (encoder.images_encoded, encoder.encode_seconds) if encoder is not None else None
+        self.encoder_failures = {}
         try:
             self._run(schedule, batch, result)
         finally:
             if self.model.lora is not None:
                 self.model.lora.set_step({}, 0, self.device)
         for request_id, exc in adapter_failures.items():  # its rows ran without the adapter: drop them
+            fail_request(result, request_id, exc)
+        for request_id, exc in self.encoder_failures.items():  # its rows ran without its image: drop them
             fail_request(result, request_id, exc)
         if before is not None:
             result.encoder_images = encoder.images_encoded - before[0]
@@ -153,7 +157,9 @@ class ModelRunner:
         for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
             chunks[group], slots[group] = self.inputs.group_chunks(batch, group, decode)
         first = chunks[self.layer_groups[0]]
-        images = self.encoder_cache.step_rows(batch) if self.encoder_cache is not None else None
+        images = None
+        if self.encoder_cache is not None:
+            images, self.encoder_failures = self.encoder_cache.step_rows(batch)
         lora_active = self.model.lora is not None and self.model.lora.active
         # the graphs compute positions from the sequence index: not M-RoPE's, which images shift
         plain_positions = images is None and not self.mrope
