@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear import ColumnParallelLinear
+from tokenmill.models.named_weights import load_named_weights
 
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -136,24 +137,13 @@ class BertEncoder(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (a `bert.`/`roberta.` prefix is dropped; pooler and heads are ignored);
         ValueError if a parameter is left unset, a name is unknown or a shape differs."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+        def own_name(name: str) -> str:
             for prefix in ("bert.", "roberta.", "model."):
                 name = name.removeprefix(prefix)
-            if name.startswith(_IGNORED_PREFIXES):
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(param.shape)}")
-            param.data.copy_(tensor.to(param.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+            return name
+
+        load_named_weights(self, ((own_name(name), tensor) for name, tensor in weights), type(self).__name__, "",
+                           lambda name: name.startswith(_IGNORED_PREFIXES))
 
     def use_linear_kernels(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: route every projection through the engine's linear kernels (layers/linear_kernels.py)."""

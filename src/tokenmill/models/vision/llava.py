@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from tokenmill.models.vision.config import LlavaVisionConfig
-from tokenmill.models.vision.vit import VisionTower, activation, load_named_weights
+from tokenmill.models.named_weights import load_named_weights
+from tokenmill.models.vision.vit import VisionTower, activation
 
 # checkpoint prefixes of the image side, as transformers 5 saves them and as llava-hf's older files name them
 _PREFIXES = (("model.vision_tower.", "tower."), ("vision_tower.", "tower."),

@@ -16,7 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.models.vision.config import Qwen2VLVisionConfig
-from tokenmill.models.vision.vit import activation, load_named_weights
+from tokenmill.models.named_weights import load_named_weights
+from tokenmill.models.vision.vit import activation
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
