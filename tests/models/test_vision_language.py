@@ -282,3 +282,26 @@ def test_an_image_the_encoder_fails_on_ends_its_request_only(tmp_path, monkeypat
     assert outputs[1].outputs[0].finish_reason == "error" and "ran out of memory" in outputs[1].error
     assert chosen(outputs[0]) == chosen(alone)
     assert len(outputs[2].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_real_models_configs_as_transformers_4_saved_them(tmp_path):
+    """llava-1.5-7b-hf's config.json (a text_config of a few fields, the rest Llama's defaults) and Qwen2-VL-2B's
+    (the decoder's settings at the top level, rope_scaling of type mrope) read as transformers reads them."""
+    from pathlib import Path
+
+    from tokenmill.models.loader.hf_config import arch_config_from_hf
+
+    configs = Path(__file__).resolve().parents[1] / "data" / "vlm_configs"
+    for name in ("llava-1.5-7b-hf", "qwen2-vl-2b-instruct"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((configs / f"{name}.json").read_text())
+    llava = arch_config_from_hf(tmp_path / "llava-1.5-7b-hf")
+    assert (llava.architecture, llava.hidden_size, llava.num_hidden_layers, llava.vocab_size) == \
+        ("LlamaForCausalLM", 4096, 32, 32064)
+    assert llava.vision.image_token_id == 32000 and llava.vision.num_image_tokens == 576
+    assert llava.vision.layers_needed == 23  # features of the second-to-last of 24 layers
+    qwen = arch_config_from_hf(tmp_path / "qwen2-vl-2b-instruct")
+    assert (qwen.architecture, qwen.hidden_size, qwen.num_hidden_layers, qwen.tie_word_embeddings) == \
+        ("Qwen2ForCausalLM", 1536, 28, True)
+    assert qwen.mrope_section == (16, 24, 24) and qwen.attention_bias and qwen.eos_token_ids == (151645,)
+    assert (qwen.vision.embed_dim, qwen.vision.depth, qwen.vision.image_token_id) == (1280, 32, 151655)

@@ -299,6 +299,7 @@ def arch_config_from_hf(
     folder = Path(folder)
     config = _read_json(folder / "config.json")
     if is_vision_language(config):
+        config = normalized_vision_language_config(folder, config)
         text = text_settings(config)
         arch = arch_config_from_hf_dict(text, folder, stored_dtype)
         section = (text.get("rope_parameters") or text.get("rope_scaling") or {}).get("mrope_section")
@@ -307,15 +308,28 @@ def arch_config_from_hf(
     return arch_config_from_hf_dict(config, folder, stored_dtype)
 
 
+def normalized_vision_language_config(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with complete `text_config` and `vision_config` dicts, as transformers' own config class reads
+    the folder: it fills what the file leaves to defaults (llava-hf's text_config names only a few fields) and
+    moves the decoder's settings of older, flat files (Qwen2-VL saved by transformers 4) into text_config."""
+    from transformers import AutoConfig
+
+    try:
+        loaded = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{folder}: transformers cannot read this vision-language config.json: {exc}") from exc
+    return {**config, "text_config": loaded.get_text_config().to_dict(), "vision_config": loaded.vision_config.to_dict()}
+
+
 def is_vision_language(config: dict[str, Any]) -> bool:
     """Whether `config` (a config.json) is of a vision-language model tokenmill runs."""
     return any(name in VISION_ARCHITECTURES for name in config.get("architectures") or ())
 
 
 def text_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """A vision-language config's decoder settings: its text_config, with what the model keeps at the top
-    level (dtype, tied embeddings, the EOS id) where text_config lacks it."""
-    text = {"model_type": "llama", **(config.get("text_config") or {})}
+    """A (normalised) vision-language config's decoder settings: its text_config, with what the model keeps at
+    the top level (dtype, tied embeddings, the EOS id) where text_config lacks it."""
+    text = dict(config["text_config"])
     text.pop("architectures", None)
     for key in ("dtype", "torch_dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id"):
         if text.get(key) is None and config.get(key) is not None:
