@@ -305,3 +305,16 @@ def test_real_models_configs_as_transformers_4_saved_them(tmp_path):
         ("Qwen2ForCausalLM", 1536, 28, True)
     assert qwen.mrope_section == (16, 24, 24) and qwen.attention_bias and qwen.eos_token_ids == (151645,)
     assert (qwen.vision.embed_dim, qwen.vision.depth, qwen.vision.image_token_id) == (1280, 32, 151655)
+
+
+def test_a_chat_template_kept_by_the_processor_is_found(tmp_path):
+    """llava-hf's folders keep the chat template in the processor's chat_template.json only."""
+    import json
+
+    from helpers.tiny_models import LLAVA_CHAT_TEMPLATE
+    from tokenmill.models.loader import load_model_source
+
+    folder = make_tiny_llava(tmp_path / "model", "clip")
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA_CHAT_TEMPLATE}))
+    assert load_model_source(str(folder)).chat_template == LLAVA_CHAT_TEMPLATE

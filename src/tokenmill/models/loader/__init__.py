@@ -7,6 +7,7 @@ and a single GGUF file (llama.cpp). Both produce a `ModelSource` with HF paramet
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,9 +130,23 @@ def _vision_language_source(folder: str, arch: ArchConfig, weights: SafetensorsW
         return ((renamed[name], tensor) for name, tensor in weights.iter_tensors(wanted))
 
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
+    template = tokenizer.chat_template if tokenizer is not None else None
     return ModelSource(path=folder, arch=arch, tokenizer=tokenizer,
-                       chat_template=tokenizer.chat_template if tokenizer is not None else None,
+                       chat_template=template or (processor_chat_template(folder) if tokenizer is not None else None),
                        num_tensors=len(wanted), weight_stream=stream)
+
+
+def processor_chat_template(folder: str) -> Optional[str]:
+    """The chat template a vision-language model's processor keeps (llava-hf saves it in chat_template.json,
+    not with the tokenizer), or None."""
+    path = Path(folder) / "chat_template.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) else None
 
 
 def vision_language_name(name: str) -> str:
