@@ -3,7 +3,6 @@ and its placeholder token expanded to the run of positions its embeddings fill."
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence, Union
 
 from PIL import Image
@@ -11,8 +10,6 @@ from PIL import Image
 from tokenmill.models.vision.config import VisionConfig
 from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.multimodal.media import ImageInput, image_input
-
-logger = logging.getLogger(__name__)
 
 ImageLike = Union[ImageInput, Image.Image]
 
