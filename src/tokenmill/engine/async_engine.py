@@ -139,12 +139,9 @@ class AsyncEngine(EngineThread):
     def prepare_images(self, prompt_token_ids: list[int], images: Sequence[ImageLike]
                        ) -> tuple[list[int], tuple[ImageFeature, ...]]:
         """The prompt with each image's placeholder expanded, and the images' features for `generate`
-        (multimodal/processing.py); blocking (the model's image processor runs): call it off the event loop.
-        ValueError for a text-only model, or placeholders and images that do not pair up."""
-        processing = self.engine.image_processing  # set once at build; its processor keeps no state
-        if processing is None:
-            raise ValueError("this model is text-only: it takes no images")
-        return processing.prepare(prompt_token_ids, images)
+        (`LLMEngine.prepare_images`, thread-safe); blocking (the model's image processor runs): call it off the
+        event loop. ValueError for a text-only model, or placeholders and images that do not pair up."""
+        return self.engine.prepare_images(prompt_token_ids, images)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: Optional[str] = None, priority: int = 0, images: tuple[ImageFeature, ...] = ()

@@ -12,7 +12,7 @@ from tokenmill.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSear
                                           top_logprobs, with_texts)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
-from tokenmill.multimodal.chat_parts import conversation_images
+from tokenmill.multimodal.chat_parts import messages_and_images
 from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
@@ -177,7 +177,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            rendered, images = conversation_images(conversation, MediaPolicy())
+            rendered, images = messages_and_images(conversation, MediaPolicy())
             prompt = {"prompt": self.apply_chat_template(rendered, add_generation_prompt, chat_template),
                       "add_special_tokens": False}
             if images:

@@ -139,10 +139,18 @@ class LLMEngine(EngineBuild):
                 raise ValueError(f"the prompt has image placeholders (token {self.image_processing.image_token_id}) "
                                  "but no image came with it")
             return prompt_token_ids, ()
+        if self.image_processing is not None and all(isinstance(image, ImageFeature) for image in images):
+            # features `prepare_images` made with this prompt
+            return prompt_token_ids, self.image_processing.check_prepared(prompt_token_ids, images)
+        return self.prepare_images(prompt_token_ids, images)
+
+    def prepare_images(self, prompt_token_ids: list[int], images: Sequence[ImageLike]
+                       ) -> tuple[list[int], tuple[ImageFeature, ...]]:
+        """The prompt with each image's placeholder expanded, and the images' features (multimodal/processing.py);
+        thread-safe (the engine's processing is set once at build and its processor keeps no state). ValueError
+        for a text-only model, or placeholders and images that do not pair up."""
         if self.image_processing is None:
             raise ValueError(f"this model ({self.arch.architecture}) is text-only: it takes no images")
-        if all(isinstance(image, ImageFeature) for image in images):  # prepared with the prompt (prepare_images)
-            return prompt_token_ids, self.image_processing.check_prepared(prompt_token_ids, images)
         return self.image_processing.prepare(prompt_token_ids, images)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

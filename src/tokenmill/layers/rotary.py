@@ -89,11 +89,8 @@ class RotaryEmbedding(nn.Module):
         self._build_table()
 
     def _build_table(self) -> None:
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
-        if self.magnitude != 1.0:  # YaRN's attention factor scales q and k alike
-            self.cos, self.sin = self.cos * self.magnitude, self.sin * self.magnitude
+        angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
+        self.cos, self.sin = cos_sin_rows(angles, self.magnitude)
 
     def set_frequency_divisors(self, divisors: torch.Tensor) -> None:
         """Divide the inverse frequencies by per-frequency factors (GGUF's rope_freqs) and rebuild."""
@@ -106,7 +103,23 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The [T, 1, head_dim] cos and sin of each token's position, looked up once per step for all layers."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return rows_at(self.cos, self.sin, positions, dtype)
+
+
+def cos_sin_rows(angles: torch.Tensor, magnitude: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, head_dim] cos and sin tables of per-row angles [rows, head_dim / 2], in the rotate-half layout;
+    `magnitude` (YaRN's attention factor) scales q and k alike."""
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
+    return cos, sin
+
+
+def rows_at(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' [T, 1, head_dim] rows at `positions`, in `dtype`."""
+    return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,11 +138,8 @@ class StepRotaryEmbedding:
     def __init__(self, table: RotaryEmbedding, positions: torch.Tensor, section: tuple[int, ...]) -> None:
         component = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section)).to(positions.device)
         angles = positions[component].float().T * table.inv_freq.to(positions.device)  # [T, head_dim / 2]
-        emb = torch.cat((angles, angles), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
-        if table.magnitude != 1.0:
-            self.cos, self.sin = self.cos * table.magnitude, self.sin * table.magnitude
+        self.cos, self.sin = cos_sin_rows(angles, table.magnitude)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """As `RotaryEmbedding.cos_sin`, over this step's rows."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return rows_at(self.cos, self.sin, positions, dtype)

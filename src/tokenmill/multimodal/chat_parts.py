@@ -15,7 +15,7 @@ from PIL import Image
 from tokenmill.multimodal.media import ImageInput, MediaPolicy, check_count, image_input, load_image
 
 
-def conversation_images(messages: list[dict[str, Any]], policy: MediaPolicy
+def messages_and_images(messages: list[dict[str, Any]], policy: MediaPolicy
                         ) -> tuple[list[dict[str, Any]], list[ImageInput]]:
     """The messages as the chat template takes them, and their images in order; ValueError naming the part
     ('messages[1].content[0]: ...') that is not an image the policy lets through."""

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from tokenmill.models.vision.config import Qwen2VLVisionConfig
 from tokenmill.models.named_weights import load_named_weights
-from tokenmill.models.vision.vit import activation
+from tokenmill.models.vision.vit import MLP, activation
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,16 +63,6 @@ class _Attention(nn.Module):
         return self.proj(out.reshape(tokens, width))
 
 
-class _MLP(nn.Module):
-    def __init__(self, width: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.act = act
-        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.act, self.fc1(x)))
-
-
 class _GatedMLP(nn.Module):
     def __init__(self, width: int, hidden: int, act: str) -> None:
         super().__init__()
@@ -106,7 +96,7 @@ class _Block(nn.Module):
         width = config.embed_dim
         self.norm1, self.norm2 = _norm(config, width), _norm(config, width)
         self.attn = _Attention(width, config.num_heads)
-        mlp = _GatedMLP if config.gated else _MLP
+        mlp = _GatedMLP if config.gated else MLP
         self.mlp = mlp(width, config.mlp_width, config.hidden_act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -45,12 +45,13 @@ class _Attention(nn.Module):
         return self.out_proj(out[0].transpose(0, 1).reshape(tokens, width))
 
 
-class _MLP(nn.Module):
-    def __init__(self, config: TowerConfig) -> None:
+class MLP(nn.Module):
+    """fc1, the activation, fc2: the MLP of CLIP's, SigLIP's and Qwen2-VL's blocks."""
+
+    def __init__(self, width: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.act = config.hidden_act
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = act
+        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(activation(self.act, self.fc1(x)))
@@ -62,7 +63,7 @@ class _EncoderLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.self_attn = _Attention(config)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = _MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
