@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean cross-compiler browser asan reliability soak readme-plots
+.PHONY: serve test coverage install clean cross-compiler browser asan reliability soak readme-plots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,15 @@ serve: $(STAMP)
 
 # The whole suite at the best level this CPU runs, then the engine-level tests (marked every_level)
 # again without the native kernels and at the lowest x86 level, so both fallbacks are tested products.
+# Each pass runs on TEST_WORKERS pytest-xdist workers, a test file to a worker (its module fixtures, servers
+# among them, are built once); the main pass writes every test's duration to test-artifacts/durations.tsv.
 test: $(STAMP) cross-compiler browser
-	$(PY) -m pytest -q --durations=20
-	TOKENMILL_KERNELS=off $(PY) -m pytest -q -m every_level
-	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q -m every_level
+	$(PY) -m pytest -q $(XDIST) --durations=20 --durations-tsv test-artifacts/durations.tsv
+	TOKENMILL_KERNELS=off $(PY) -m pytest -q $(XDIST) -m every_level
+	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q $(XDIST) -m every_level
+
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if platform.machine() in ('x86_64', 'AMD64') else 'generic')")
 
@@ -66,6 +71,14 @@ asan: $(STAMP)
 	TOKENMILL_KERNEL_CFLAGS="-fsanitize=address -fno-omit-frame-pointer" TOKENMILL_KERNELS=required \
 	  ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 	  $(PY) -m pytest -q tests/kernels -k "not test_build"
+
+# Line and branch coverage of src/ over the main pass, server and rank subprocesses included
+# (test-artifacts/coverage.txt; the settings are pyproject.toml's [tool.coverage.*]).
+coverage: $(STAMP) cross-compiler browser
+	rm -rf test-artifacts/coverage && mkdir -p test-artifacts/coverage
+	$(PY) -m coverage run -m pytest -q $(XDIST) --durations-tsv test-artifacts/durations.tsv
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report > test-artifacts/coverage.txt; tail -1 test-artifacts/coverage.txt
 
 clean:
 	rm -rf $(VENV)

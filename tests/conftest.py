@@ -1,7 +1,9 @@
-"""Shared test setup: make `tests/` importable so tests can `import helpers`."""
+"""Shared test setup: make `tests/` importable so tests can `import helpers`, share the cores between
+pytest-xdist workers, and record every test's duration (`--durations-tsv`, which `make test` sets)."""
 
 import os
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 # no GPU here: Triton kernels (the triton_paged backend) run in Triton's interpreter on CPU tensors. Triton
@@ -11,3 +13,49 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 TESTS_DIR = str(Path(__file__).parent)
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
+
+# Under pytest-xdist each worker gets an equal share of the cores, and so does every server or rank process
+# it starts (they inherit OMP_NUM_THREADS): N workers each using every core would oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+# (test id, phase, seconds) of every report; on xdist's controller these are the workers' reports
+_PHASES: list[tuple[str, str, float]] = []
+
+
+def pytest_addoption(parser):
+    parser.addoption("--durations-tsv", metavar="PATH", default=None,
+                     help="write each test's setup, call and teardown seconds to PATH (test<TAB>phase<TAB>seconds) "
+                          "and print the 20 slowest files")
+
+
+def pytest_runtest_logreport(report):
+    _PHASES.append((report.nodeid, report.when, report.duration))
+
+
+def _writes_durations(config) -> bool:
+    """Only the process that sees every report writes: xdist's controller, or pytest without xdist."""
+    return config.getoption("durations_tsv") is not None and not hasattr(config, "workerinput")
+
+
+def pytest_sessionfinish(session):
+    config = session.config
+    if not _writes_durations(config):
+        return
+    path = Path(config.getoption("durations_tsv"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [f"{test}\t{phase}\t{seconds:.3f}" for test, phase, seconds in _PHASES]
+    path.write_text("\n".join(["test\tphase\tseconds", *rows]) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _writes_durations(config) or not _PHASES:
+        return
+    per_file: dict[str, float] = defaultdict(float)
+    for test, _, seconds in _PHASES:
+        per_file[test.split("::")[0]] += seconds
+    terminalreporter.write_sep("=", f"slowest 20 files (setup + call + teardown; {sum(per_file.values()):.0f} s "
+                                    f"of test time in all, {config.getoption('durations_tsv')})")
+    for path, seconds in sorted(per_file.items(), key=lambda item: -item[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
