@@ -34,15 +34,18 @@ test: $(STAMP) cross-compiler browser
 	TOKENMILL_KERNELS=off $(PY) -m pytest -q $(XDIST) -m every_level
 	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q $(XDIST) -m every_level
 
+# a worker that dies (killed for memory, say) fails the pass at once instead of being replaced
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadfile
+XDIST = -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 
 LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if platform.machine() in ('x86_64', 'AMD64') else 'generic')")
 
 # The reliability suite at full size (docs/reliability.md): thousands of generated requests per endpoint,
-# 10x overload and a 300-stream disconnect storm. `make test` runs the same tests at CI size.
+# 10x overload and a 300-stream disconnect storm, and the batch-invariance property with 10x the examples
+# and larger batches. `make test` runs the same tests at CI size.
 reliability: $(STAMP)
-	TOKENMILL_FUZZ_EXAMPLES=1000 TOKENMILL_RELIABILITY_SCALE=10 $(PY) -m pytest -q -s tests/reliability
+	TOKENMILL_FUZZ_EXAMPLES=1000 TOKENMILL_RELIABILITY_SCALE=10 $(PY) -m pytest -q -s tests/reliability \
+	  tests/models/test_batch_invariance.py
 
 # 30 minutes of mixed, partly hostile load on the default model; RSS and KV blocks must stay flat.
 soak: $(STAMP)
@@ -76,9 +79,13 @@ asan: $(STAMP)
 # (test-artifacts/coverage.txt; the settings are pyproject.toml's [tool.coverage.*]).
 coverage: $(STAMP) cross-compiler browser
 	rm -rf test-artifacts/coverage && mkdir -p test-artifacts/coverage
-	$(PY) -m coverage run -m pytest -q $(XDIST) --durations-tsv test-artifacts/durations.tsv
-	$(PY) -m coverage combine -q
-	$(PY) -m coverage report > test-artifacts/coverage.txt; tail -1 test-artifacts/coverage.txt
+	COVERAGE_FILE=$(COVERAGE_DATA) $(PY) -m coverage run -m pytest -q $(XDIST)
+	COVERAGE_FILE=$(COVERAGE_DATA) $(PY) -m coverage combine -q
+	COVERAGE_FILE=$(COVERAGE_DATA) $(PY) -m coverage report > test-artifacts/coverage.txt
+	tail -1 test-artifacts/coverage.txt
+
+# absolute: a subprocess a test starts in another folder writes its data here too
+COVERAGE_DATA = $(CURDIR)/test-artifacts/coverage/.coverage
 
 clean:
 	rm -rf $(VENV)

@@ -41,28 +41,42 @@ def tiny_model(tmp_path_factory) -> str:
     return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=4096))
 
 
+class Fleet:
+    """The module's servers by role, each started the first time a test asks for it (a pass that selects a
+    few tests, such as `-m every_level`, boots only the servers they use) and all stopped at the end."""
+
+    def __init__(self, tiny_model: str, logs):
+        blocks = ("--num-kv-blocks", "1024")
+        self.servers = {
+            "main": ServerProcess(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", SERVED,
+                                  *blocks, log_path=logs / "main.log"),
+            "guarded": ServerProcess(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+                                     "--max-waiting-requests", "0", *blocks, log_path=logs / "guarded.log"),
+            "slow": ServerProcess(tiny_model, "--max-model-len", "4096", *blocks, log_path=logs / "slow.log"),
+            "drain": ServerProcess(tiny_model, "--max-model-len", "4096", "--shutdown-timeout", "120", *blocks,
+                                   log_path=logs / "drain.log"),
+        }
+
+    def __getitem__(self, role: str) -> ServerProcess:
+        server = self.servers[role]
+        if server.proc is None:
+            server.start()
+        return server
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.terminate()
+        for server in self.servers.values():
+            server.stop()
+
+
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("server-logs")
-    blocks = ("--num-kv-blocks", "1024")
-    servers = {
-        "main": ServerProcess(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", SERVED,
-                              *blocks, log_path=logs / "main.log"),
-        "guarded": ServerProcess(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-                                 "--max-waiting-requests", "0", *blocks, log_path=logs / "guarded.log"),
-        "slow": ServerProcess(tiny_model, "--max-model-len", "4096", *blocks, log_path=logs / "slow.log"),
-        "drain": ServerProcess(tiny_model, "--max-model-len", "4096", "--shutdown-timeout", "120", *blocks,
-                               log_path=logs / "drain.log"),
-    }
+    servers = Fleet(tiny_model, tmp_path_factory.mktemp("server-logs"))
     try:
-        for server in servers.values():
-            server.start()
         yield servers
     finally:
-        for server in servers.values():
-            server.terminate()
-        for server in servers.values():
-            server.stop()
+        servers.stop()
 
 
 @pytest.fixture(scope="module")

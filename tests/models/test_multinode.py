@@ -49,6 +49,15 @@ def start_node(model: str, node_rank: int, port: int, secret: str, log_path, *ex
                              *extra], env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
+def wait_for_log(path, text: str, process: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Block until `text` appears in the log at `path` (raise if the process ends first, or after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text(errors="replace"):
+        assert process.poll() is None, f"the node exited before logging {text!r}:\n{path.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"{text!r} not logged within {timeout:g} s"
+        time.sleep(0.1)
+
+
 def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
 
@@ -107,6 +116,8 @@ def test_a_node_with_the_wrong_secret_is_refused_and_node_0_names_the_missing_ra
                        "--distributed-timeout", "20")
     monkeypatch.setenv("TOKENMILL_DIST_KEY", SECRET)
     try:
+        # node 0 waits 6 s for node 1's worker: it must be up and knocking by then, however loaded the machine
+        wait_for_log(tmp_path / "node1.log", "engine at", node1)
         with pytest.raises(RuntimeError, match=r"worker ranks \[1\] \(node_rank 1\) did not connect"):
             LLM(tiny_llama, tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout=6)
         assert node1.wait(timeout=60) == 1
