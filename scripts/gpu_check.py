@@ -41,6 +41,9 @@ LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, n
                   rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+# the dry run's prompts: three, so that the graph runner pads its decode batch (to its bucket of 4) and their
+# 22 tokens overflow the chunked run's 16-token budget, as the eight do on a GPU
+DRY_PROMPTS = PROMPTS[:3]
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
             tie_word_embeddings=False)
@@ -223,13 +226,15 @@ def tokenmill_greedy(llm: Any, prompts: list[Any], max_tokens: int) -> list[list
 
 
 def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
-    """Float32 greedy ids of tokenmill's Triton backend against HF float32: 8 prompts x 32 tokens with
-    CUDA graphs, eagerly, with chunked prefill (a 16-token budget) and again after a prefix-cache hit."""
+    """Float32 greedy ids of tokenmill's Triton backend against HF float32: 8 prompts x 32 tokens (a dry run:
+    3 x 4) with CUDA graphs, eagerly, with chunked prefill (a 16-token budget) and again after a prefix-cache
+    hit."""
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    tokens = 8 if dry else 32  # the interpreter is slow: the dry run proves the plumbing
-    expected = hf_greedy(path, device, PROMPTS, tokens)
+    # the interpreter is slow: the dry run proves the plumbing
+    prompts, tokens = (DRY_PROMPTS, 4) if dry else (PROMPTS, 32)
+    expected = hf_greedy(path, device, prompts, tokens)
 
     def score(got: list[list[int]]) -> str:
         return f"{sum(g == e for g, e in zip(got, expected))}/{len(expected)}"
@@ -238,19 +243,19 @@ def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
     llm = make_llm(path, device, dry, dtype="float32", enforce_eager=dry)
     if dry:  # no GPU to capture on: the graph runner's padded buffers, uncaptured
         llm.llm_engine.runner.use_decode_graphs(8, 256, capture=False)
-    result["graphs"] = score(tokenmill_greedy(llm, PROMPTS, tokens))
-    result["prefix_hit"] = score(tokenmill_greedy(llm, PROMPTS, tokens))  # the prompts' blocks are cached now
+    result["graphs"] = score(tokenmill_greedy(llm, prompts, tokens))
+    result["prefix_hit"] = score(tokenmill_greedy(llm, prompts, tokens))  # the prompts' blocks are cached now
     llm.shutdown()
     del llm
     free_memory()
     llm = make_llm(path, device, dry, dtype="float32", enforce_eager=True)
-    result["eager"] = score(tokenmill_greedy(llm, PROMPTS, tokens))
+    result["eager"] = score(tokenmill_greedy(llm, prompts, tokens))
     llm.shutdown()
     del llm
     free_memory()
     llm = make_llm(path, device, dry, dtype="float32", enforce_eager=True, max_num_batched_tokens=16,
                    prefix_caching=False)
-    result["chunked"] = score(tokenmill_greedy(llm, PROMPTS, tokens))
+    result["chunked"] = score(tokenmill_greedy(llm, prompts, tokens))
     llm.shutdown()
     del llm
     free_memory()
@@ -267,20 +272,21 @@ def quantized_checkpoints(path: Path, device: str, dry: bool) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from helpers.packed_checkpoints import write_compressed, write_pair
     torch.backends.cuda.matmul.allow_tf32 = False
-    tokens = 8 if dry else 32
+    # a dry run: each format's plumbing, a prefill and one decode step of two prompts
+    prompts, tokens = (DRY_PROMPTS[:2], 2) if dry else (PROMPTS, 32)
     work = path.parent / "quantized"
     pairs = {"gptq": write_pair(path, work / "gptq", "gptq", 4), "awq": write_pair(path, work / "awq", "awq", 4)}
     for preset in ("W4A16", "W8A8", "FP8"):
         pairs[f"ct-{preset}"] = (work / preset, write_compressed(path, work / preset, preset))
     result = {}
     for name, (packed, floats) in pairs.items():
-        expected = hf_greedy(floats, device, PROMPTS, tokens)
+        expected = hf_greedy(floats, device, prompts, tokens)
         found = {}
         # on CUDA the default --quantization dequantises once; the dry run's CPU would keep them packed
         float32 = dict(dtype="float32", quantization="none" if dry else "auto")
         for label, options in (("float32", float32), ("default", {})):
             llm = make_llm(packed, device, dry, **options)
-            found[label] = tokenmill_greedy(llm, PROMPTS, tokens)
+            found[label] = tokenmill_greedy(llm, prompts, tokens)
             llm.shutdown()
             del llm
             free_memory()
@@ -344,7 +350,7 @@ def bf16_agreement(path: Path, device: str, dry: bool, text: Any = None) -> dict
 
     from tokenmill import SamplingParams
     if text is None:
-        text = [" ".join(PROMPTS) * (2 if dry else 12), " ".join(reversed(PROMPTS)) * (2 if dry else 12)]
+        text = [" ".join(PROMPTS) * (1 if dry else 12), " ".join(reversed(PROMPTS)) * (1 if dry else 12)]
     prompts = [AutoTokenizer.from_pretrained(path)(t).input_ids for t in text]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     tops: dict[str, list[int]] = {}
@@ -388,12 +394,12 @@ def timed_generate(llm: Any, prompts: list[Any], max_tokens: int, device: str) -
     return time.perf_counter() - t
 
 
-def decode_step_seconds(llm: Any, prompts: list[Any], steps: int, device: str) -> float:
-    """Seconds per decode step: (time for 1 + steps tokens - time for 1 token) / steps, medians of 3, the
-    prompts' blocks cached by a warm-up run (so both timings pay the same prefill)."""
+def decode_step_seconds(llm: Any, prompts: list[Any], steps: int, device: str, repeats: int = 3) -> float:
+    """Seconds per decode step: (time for 1 + steps tokens - time for 1 token) / steps, medians of `repeats`,
+    the prompts' blocks cached by a warm-up run (so both timings pay the same prefill)."""
     timed_generate(llm, prompts, 2, device)
-    one = statistics.median(timed_generate(llm, prompts, 1, device) for _ in range(3))
-    many = statistics.median(timed_generate(llm, prompts, 1 + steps, device) for _ in range(3))
+    one = statistics.median(timed_generate(llm, prompts, 1, device) for _ in range(repeats))
+    many = statistics.median(timed_generate(llm, prompts, 1 + steps, device) for _ in range(repeats))
     return max(many - one, 1e-9) / steps
 
 
@@ -429,19 +435,20 @@ def graph_replay_ms(llm: Any, bucket: int, device: str) -> Any:
 def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth_gbs: float) -> dict[str, Any]:
     """The decode, TTFT and graph figures (see the module docstring); tiny counts in a dry run."""
     out: dict[str, Any] = {}
-    steps, ctx, batch = (4, 24, 4) if dry else (64, 576, 64)
+    steps, ctx, batch = (2, 24, 4) if dry else (64, 576, 64)
     prompt_len = 16 if dry else 2048
+    repeats, prefills = (1, 2) if dry else (3, 6)  # a dry run's timings mean nothing: one of each (and a warm-up)
     llm = make_llm(path_1b, device, dry, dtype="bfloat16" if not dry else "float32",
                    max_num_seqs=max(batch, 64 if not dry else 4), max_num_batched_tokens=8192 if not dry else 64)
     arch = llm.llm_engine.arch
     weights = weight_bytes(llm)
-    step64 = decode_step_seconds(llm, random_prompts(batch, ctx, 1), steps, device)
+    step64 = decode_step_seconds(llm, random_prompts(batch, ctx, 1), steps, device, repeats)
     mean_context = ctx + steps / 2
     kv_bytes = batch * mean_context * arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2
     out["decode_1b_bs64_step_ms"] = round(step64 * 1e3, 3)
     out["decode_1b_bs64_replay_ms"] = graph_replay_ms(llm, batch, device)
     out["decode_1b_bs64_bandwidth_fraction"] = round((weights + kv_bytes) / step64 / (bandwidth_gbs * 1e9), 3)
-    step1 = decode_step_seconds(llm, random_prompts(1, ctx, 2), steps, device)
+    step1 = decode_step_seconds(llm, random_prompts(1, ctx, 2), steps, device, repeats)
     out["decode_1b_bs1_step_ms"] = round(step1 * 1e3, 3)
     replay1 = graph_replay_ms(llm, 1, device)
     out["decode_1b_bs1_replay_ms"] = replay1
@@ -449,7 +456,7 @@ def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth
     out["decode_1b_bs1_over_floor"] = round(step1 / (weights / (bandwidth_gbs * 1e9)), 2)
     out["weights_1b_bytes"] = weights
     ttfts = []
-    for seed in range(6):  # distinct prompts: no prefix-cache hit
+    for seed in range(prefills):  # distinct prompts: no prefix-cache hit
         ttfts.append(timed_generate(llm, random_prompts(1, prompt_len, 100 + seed), 1, device))
     out["ttft_1b_2048_ms"] = round(statistics.median(ttfts[1:]) * 1e3, 2)
     tm_bs1 = 1 / step1
@@ -468,7 +475,7 @@ def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth
                        enforce_eager=eager or dry, max_num_seqs=8)
         if dry and not eager:
             llm.llm_engine.runner.use_decode_graphs(8, 256, capture=False)
-        small[eager] = decode_step_seconds(llm, random_prompts(1, 32, 3), steps, device)
+        small[eager] = decode_step_seconds(llm, random_prompts(1, 32, 3), steps, device, repeats)
         llm.shutdown()
         del llm
         free_memory()
@@ -484,8 +491,8 @@ def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str
     from torch.profiler import ProfilerActivity, profile
     llm = make_llm(path, device, dry, dtype="bfloat16" if not dry else "float32", max_num_seqs=64,
                    max_num_batched_tokens=8192 if not dry else 64)
-    context = 64 if dry else 576
-    tokens = 5 if dry else 17  # the dry run proves the plumbing: one short decode
+    context = 32 if dry else 576
+    tokens = 3 if dry else 17  # the dry run proves the plumbing: one short decode
     phases = {"decode_bs1_16_tokens": (random_prompts(1, context, 11), tokens),
               "decode_bs64_16_tokens": (random_prompts(64, context, 14), tokens),
               "prefill_2048": (random_prompts(1, 16 if dry else 2048, 12), 1)}
@@ -522,7 +529,8 @@ def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str
 
 def hf_generate_tok_s(path: Path, device: str, dry: bool, ctx: int, steps: int, batch: int) -> tuple[float, float]:
     """HF transformers generate in bfloat16 (float32 in a dry run) on the same prompt shapes: decode tokens
-    per second at batch 1 and at `batch`, from (time for 1 + steps tokens - time for 1 token)."""
+    per second at batch 1 and at `batch`, from (time for 1 + steps tokens - time for 1 token), medians of 2
+    (one in a dry run)."""
     import torch
     from transformers import AutoModelForCausalLM
     dtype = torch.float32 if dry else torch.bfloat16
@@ -541,8 +549,8 @@ def hf_generate_tok_s(path: Path, device: str, dry: bool, ctx: int, steps: int, 
     rates = []
     for rows in (1, batch):
         run(rows, 2)
-        one = statistics.median(run(rows, 1) for _ in range(2))
-        many = statistics.median(run(rows, 1 + steps) for _ in range(2))
+        one = statistics.median(run(rows, 1) for _ in range(1 if dry else 2))
+        many = statistics.median(run(rows, 1 + steps) for _ in range(1 if dry else 2))
         rates.append(rows * steps / max(many - one, 1e-9))
     del model
     free_memory()
@@ -580,7 +588,7 @@ def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, 
                 time.sleep(1)
             else:
                 raise RuntimeError("the server did not answer /health within 180 s")
-            body = {"model": "gpu-check", "stream": True, "max_tokens": 16, "temperature": 0,
+            body = {"model": "gpu-check", "stream": True, "max_tokens": 4 if dry else 16, "temperature": 0,
                     "messages": [{"role": "user", "content": "Say hello."}]}
             pieces = []
             with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
@@ -590,9 +598,9 @@ def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, 
                         delta = json.loads(line[5:])["choices"][0]["delta"]
                         pieces.append(delta.get("content") or "")
             bench = subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "bench", "serve", "--base-url", base,
-                                    "--model", "gpu-check", "--num-prompts", "8" if dry else "256",
-                                    "--max-concurrency", "4" if dry else "64", "--input-len", "16" if dry else "512",
-                                    "--output-len", "8" if dry else "128"],
+                                    "--model", "gpu-check", "--num-prompts", "4" if dry else "256",
+                                    "--max-concurrency", "2" if dry else "64", "--input-len", "8" if dry else "512",
+                                    "--output-len", "4" if dry else "128"],
                                    env=env, capture_output=True, text=True, timeout=240)
             if bench.returncode:
                 raise RuntimeError(f"bench serve failed: {bench.stderr[-1000:]}")

@@ -1,7 +1,12 @@
-"""`tokenmill bench serve` against a real server and `tokenmill bench throughput` in-process, as a user runs them."""
+"""`tokenmill bench serve` against a real server and `tokenmill bench throughput` in-process, as a user runs them.
+
+Each subcommand runs once as a user runs it (a `tokenmill` process); the further cases of a subcommand (other
+flags, other datasets, refusals) call the same entry point in this process, which spares them an interpreter
+start and adds nothing that the process runs do not prove."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -11,6 +16,7 @@ import torch
 
 from e2e.server_harness import ServerProcess
 from helpers.tiny_models import make_tiny_hf_model
+from tokenmill.cli.main import main
 from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.layers.linear_kernels import onednn_packing_available
@@ -19,8 +25,23 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def tokenmill(*args: str) -> subprocess.CompletedProcess:
+    """`tokenmill ARGS` in its own process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "tokenmill.cli.main", *args], capture_output=True, text=True,
                           timeout=600)
+
+
+def tokenmill_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`tokenmill ARGS` through the command's entry point (`sys.exit(main())`) in this process: its exit status
+    as the interpreter would set it (a SystemExit message goes to stderr with status 1), stdout and stderr."""
+    capsys.readouterr()
+    try:
+        status = main(list(args))
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    if isinstance(status, str):
+        err, status = err + status + "\n", 1
+    return subprocess.CompletedProcess(["tokenmill", *args], status or 0, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -67,30 +88,32 @@ def test_bench_serve_reports_exact_token_counts_latencies_memory_and_plots(serve
                                   "slo_attainment": 1.0}
 
 
-def test_goodput_counts_only_the_requests_that_met_every_slo(server):
-    result = tokenmill("bench", "serve", "--base-url", server.url, "--model", "bench-test", "--num-prompts", "4",
-                       "--input-len", "8", "--output-len", "4", "--goodput", "ttft:0.001", "tpot:600000")
+def test_goodput_counts_only_the_requests_that_met_every_slo(server, capsys):
+    result = tokenmill_here(capsys, "bench", "serve", "--base-url", server.url, "--model", "bench-test",
+                            "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                            "--goodput", "ttft:0.001", "tpot:600000")
     summary = json.loads(result.stdout)
     assert (summary["completed"], summary["goodput"]["good_requests"], summary["goodput"]["slo_attainment"]) == (4, 0, 0)
 
 
-def test_bench_serve_counts_errors_instead_of_stopping(server):
-    result = tokenmill("bench", "serve", "--base-url", server.url, "--model", "no-such-model",
-                       "--num-prompts", "2", "--input-len", "4", "--output-len", "2")
+def test_bench_serve_counts_errors_instead_of_stopping(server, capsys):
+    result = tokenmill_here(capsys, "bench", "serve", "--base-url", server.url, "--model", "no-such-model",
+                            "--num-prompts", "2", "--input-len", "4", "--output-len", "2")
     assert result.returncode == 1
     summary = json.loads(result.stdout)
     assert (summary["completed"], summary["errors"]) == (0, 2)
     assert "404" in summary["first_error"]
 
 
-def test_bench_throughput_runs_the_same_datasets_in_process(tiny_model, tmp_path):
+def test_bench_throughput_runs_the_same_datasets_in_process(tiny_model, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me a story about the number {i}."})
                                  for i in range(5)) + "\n")
-    for dataset in (("--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "4"),
-                    ("--dataset", "jsonl", "--dataset-path", str(prompts))):
-        result = tokenmill("bench", "throughput", "--model", tiny_model, "--num-kv-blocks", "256",
-                           "--num-prompts", "5", "--output-len", "3", *dataset)
+    for run, dataset in ((tokenmill, ("--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "4")),
+                         (functools.partial(tokenmill_here, capsys), ("--dataset", "jsonl", "--dataset-path",
+                                                                      str(prompts)))):
+        result = run("bench", "throughput", "--model", tiny_model, "--num-kv-blocks", "256",
+                     "--num-prompts", "5", "--output-len", "3", *dataset)
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout)
         assert (summary["completed"], summary["errors"]) == (5, 0)
@@ -99,13 +122,15 @@ def test_bench_throughput_runs_the_same_datasets_in_process(tiny_model, tmp_path
         assert summary["peak_rss_gib"] > 0.05
 
 
-def test_bench_rejects_bad_flags_clearly():
-    result = tokenmill("bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
-                       "--max-concurrency", "0")
+def test_bench_rejects_bad_flags_clearly(capsys):
+    """In this process an exception other than the usage error would reach pytest: no traceback either way."""
+    result = tokenmill_here(capsys, "bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                            "--max-concurrency", "0")
     assert result.returncode == 2
     assert "--max-concurrency must be at least 1" in result.stderr and "Traceback" not in result.stderr
     for bad in ("ttft", "latency:100", "ttft:-5", "ttft:abc"):
-        result = tokenmill("bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--goodput", bad)
+        result = tokenmill_here(capsys, "bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                                "--goodput", bad)
         assert result.returncode == 2, bad
         assert "--goodput takes NAME:MILLISECONDS" in result.stderr and repr(bad) in result.stderr
 
@@ -142,7 +167,7 @@ def test_bench_kv_transfer_moves_every_full_block_and_times_both_ways(tiny_model
     assert min(row["local_ms"], row["prefill_ms"], row["fetch_ms"], row["remote_ms"]) > 0
 
 
-def test_bench_images_times_one_image_prompts_and_the_encoder(tiny_model, tmp_path):
+def test_bench_images_times_one_image_prompts_and_the_encoder(tiny_model, tmp_path, capsys):
     from helpers.tiny_models import make_tiny_qwen2_vl
 
     out = tmp_path / "images.json"
@@ -155,5 +180,5 @@ def test_bench_images_times_one_image_prompts_and_the_encoder(tiny_model, tmp_pa
     assert result["encoder_images"] == 2  # one per fresh image: the cached repeats hit the encoder cache
     assert min(result["processor_ms"], result["cold_ttft_ms"], result["cached_ttft_ms"], result["text_ttft_ms"],
                result["encoder_images_per_s"]) > 0
-    refused = tokenmill("bench", "images", "--model", tiny_model, "--repeats", "1")
+    refused = tokenmill_here(capsys, "bench", "images", "--model", tiny_model, "--repeats", "1")
     assert refused.returncode != 0 and "needs a vision-language model" in refused.stderr

@@ -34,15 +34,34 @@ def transfer_configs(connector: str, folder: Path) -> tuple[str, str]:
                         "kv_connector_extra_config": {"fetch_timeout_s": 120}}))
 
 
+# a small KV pool: the prompts here take a few blocks, and a pool sized from memory costs each server a GiB and
+# seconds to start
+COMMON = ("--block-size", "4", "--num-kv-blocks", "256", "--served-model-name", "m")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
+
+
+@pytest.fixture(scope="module")
+def single(model, tmp_path_factory):
+    """The plain server whose answers the pairs must give: it has no connector, so both connectors share it.
+    Started here, waited for by `servers`, so that it boots alongside the first pair."""
+    server = ServerProcess(model, *COMMON, log_path=tmp_path_factory.mktemp("single") / "single.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module", params=["SharedStorageConnector", "TCPConnector"])
-def servers(request, tmp_path_factory):
-    model = str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
+def servers(request, model, single, tmp_path_factory):
+    """A prefill and a decode server joined by the connector, and the proxy in front of them."""
     logs = tmp_path_factory.mktemp("disagg")
     produce, consume = transfer_configs(request.param, logs / "kv")
-    common = ("--block-size", "4", "--served-model-name", "m")
-    single = ServerProcess(model, *common, log_path=logs / "single.log").start()
-    prefill = ServerProcess(model, *common, "--kv-transfer-config", produce, log_path=logs / "prefill.log").start()
-    decode = ServerProcess(model, *common, "--kv-transfer-config", consume, log_path=logs / "decode.log").start()
+    prefill = ServerProcess(model, *COMMON, "--kv-transfer-config", produce, log_path=logs / "prefill.log").start()
+    decode = ServerProcess(model, *COMMON, "--kv-transfer-config", consume, log_path=logs / "decode.log").start()
     port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", "disagg-proxy", "--host", HOST,
                               "--port", str(port), "--prefill", f"http://{HOST}:{prefill.port}",
@@ -64,7 +83,10 @@ def servers(request, tmp_path_factory):
         yield single, prefill, decode, url
     finally:
         proxy.kill()
-        for server in (single, prefill, decode):
+        proxy.wait()
+        for server in (prefill, decode):  # both stop at once
+            server.terminate()
+        for server in (prefill, decode):
             server.stop()
 
 

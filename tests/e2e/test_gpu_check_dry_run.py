@@ -13,6 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 KEYS = ["device", "commit", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top1_agreement", "trained_135m",
         "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
         "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64"]
+# the sections the issue reads whole, each from its own step
+SECTIONS = ["kernel_max_abs_error", "bf16_agreement_trained", "bf16_agreement_random_weights", "quantized_checkpoints",
+            "served", "profile"]
 
 
 def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
@@ -21,15 +24,17 @@ def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "gpu-check.json").read_text())
     assert result["errors"] == {}, result["errors"]
-    missing = [key for key in KEYS if result.get(key) is None]
+    missing = [key for key in KEYS + SECTIONS if result.get(key) is None]
     assert not missing, missing
-    # the Triton kernels in the interpreter give HF float32's greedy ids in every mode
-    assert result["hf_fp32_identical"] == {"graphs": "8/8", "prefix_hit": "8/8", "eager": "8/8", "chunked": "8/8"}
+    assert result["skipped"] == []
+    assert set(result["quantized_checkpoints"]) == {"gptq", "awq", "ct-W4A16", "ct-W8A8", "ct-FP8"}
+    # the Triton kernels in the interpreter give HF float32's greedy ids in every mode (the dry run's 3 prompts)
+    assert result["hf_fp32_identical"] == {"graphs": "3/3", "prefix_hit": "3/3", "eager": "3/3", "chunked": "3/3"}
     assert result["bf16_top1_agreement"] == 1.0  # float32 in the dry run: the two backends agree
     assert result["bf16_agreement_trained"]["triton_vs_fp32"] >= 0.99  # and HF float32 with them
     assert all(error < 1e-5 for error in result["kernel_max_abs_error"].values())
     served = result["served"]
-    assert served["chat_stream_chunks"] > 0 and '"completed": 8' in served["bench_serve_table"]
+    assert served["chat_stream_chunks"] > 0 and '"completed": 4' in served["bench_serve_table"]  # every prompt
     assert "| graphs_speedup_135m_bs1 |" in run.stdout
     # the profile's device-op table and the host's Python functions per step
     assert "decode_bs1_16_tokens" in (tmp_path / "profile.txt").read_text()

@@ -42,24 +42,28 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
+    """"open": the server without a key that most tests share, on the tiny text model (the restart test restarts
+    it last). "guarded": a tiny random LLaVA behind API_KEY, which the image tests and the API-key test share
+    (that test needs no particular model, so one server serves both)."""
     logs = tmp_path_factory.mktemp("logs")
-    common = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", "16")
-    open_server = ServerProcess(model, *common, log_path=logs / "open.log").start()
-    guarded = ServerProcess(model, *common, "--api-key", API_KEY, log_path=logs / "guarded.log").start()
+    open_server = ServerProcess(model, "--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", "16",
+                                log_path=logs / "open.log").start()
+    vision = make_tiny_llava(tmp_path_factory.mktemp("llava") / "model", "clip")
+    guarded = ServerProcess(str(vision), "--max-model-len", "512", "--num-kv-blocks", "256", "--api-key", API_KEY,
+                            log_path=logs / "vlm.log").start()
     try:
         yield {"open": open_server.wait_ready(), "guarded": guarded.wait_ready()}
     finally:
+        open_server.terminate()
+        guarded.terminate()
         open_server.stop()
         guarded.stop()
 
 
 @pytest.fixture(scope="module")
-def vision_server(tmp_path_factory):
-    """`tokenmill serve` on a tiny random LLaVA (a vision-language model)."""
-    model = make_tiny_llava(tmp_path_factory.mktemp("llava") / "model", "clip")
-    proc = ServerProcess(str(model), "--max-model-len", "512", log_path=tmp_path_factory.mktemp("logs") / "vlm.log")
-    with proc.running():
-        yield proc
+def vision_server(servers):
+    """`tokenmill serve` on a tiny random LLaVA (a vision-language model), behind API_KEY (see `save_key`)."""
+    return servers["guarded"]
 
 
 def write_png(path: Path, seed: int = 0) -> Path:
@@ -93,6 +97,15 @@ def page(browser, request):
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
     context.close()
     assert not page.errors, f"the page raised: {page.errors}"
+
+
+def save_key(page, url: str) -> None:
+    """Open the playground at `url` and give it API_KEY in the key dialog it opens, as a user does."""
+    page.goto(url + "/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", API_KEY)
+    page.click("#key-dialog button[value=save]")
+    page.wait_for_function("document.querySelector('#model').textContent.startsWith('model:')")
 
 
 def settings(page, **values) -> None:
@@ -240,8 +253,7 @@ def test_an_attached_image_goes_with_the_message_through_each_chat_api(vision_se
     png = write_png(tmp_path / "picture.png")
     expected_url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
     encoded = metric(metric_samples(url), "tokenmill:encoder_images_total")
-    page.goto(url + "/")
-    page.wait_for_function("document.querySelector('#model').textContent.startsWith('model:')")
+    save_key(page, url)
     settings(page, mode="chat", temperature=0, max_tokens=8)
     answers = {}
     for api, path in IMAGE_PATHS.items():
@@ -302,11 +314,7 @@ def test_with_an_api_key_the_pages_load_and_ask_for_it(servers, page):
     url = servers["guarded"].url
     assert httpx.get(f"{url}/").status_code == 200 and httpx.get(f"{url}/static/playground.js").status_code == 200
     assert httpx.get(f"{url}/v1/engine/stream").status_code == 401
-    page.goto(url + "/")
-    page.wait_for_selector("#key-dialog[open]")
-    page.fill("#key-input", API_KEY)
-    page.click("#key-dialog button[value=save]")
-    page.wait_for_function("document.querySelector('#model').textContent.startsWith('model:')")
+    save_key(page, url)
     settings(page, max_tokens=8)
     send(page, "hi")
     assert wait_answered(page)
@@ -353,27 +361,6 @@ def test_the_dashboard_moves_under_load_and_shows_cached_blocks(servers, page):
     assert "(0.0%)" in result.inner_text()
 
 
-def test_the_dashboard_reconnects_after_a_server_restart(model, browser, tmp_path):
-    server = ServerProcess(model, "--max-model-len", "1024", "--num-kv-blocks", "64",
-                           log_path=tmp_path / "restart.log").start()
-    context = browser.new_context()
-    page = context.new_page()
-    try:
-        page.goto(server.wait_ready().url + "/dashboard")
-        page.wait_for_function("window.tokenmillDashboard.samples > 1", timeout=20_000)
-        port = server.port
-        server.stop()
-        page.wait_for_function("document.querySelector('#connection').dataset.state === 'reconnecting'",
-                               timeout=20_000)
-        seen = page.evaluate("window.tokenmillDashboard.samples")
-        server.start(port=port).wait_ready()
-        page.wait_for_function(f"window.tokenmillDashboard.samples > {seen + 1} && "
-                               "document.querySelector('#connection').dataset.state === 'connected'", timeout=30_000)
-    finally:
-        context.close()
-        server.stop()
-
-
 @pytest.mark.parametrize("path", ["/", "/dashboard"])
 def test_the_pages_pass_an_accessibility_check(servers, page, path):
     from axe_playwright_python.sync_playwright import Axe
@@ -387,3 +374,27 @@ def test_the_pages_pass_an_accessibility_check(servers, page, path):
     assert not serious, serious
     page.keyboard.press("Tab")  # keyboard navigation reaches the controls
     assert page.evaluate("document.activeElement.tagName") in ("A", "BUTTON", "SELECT", "INPUT", "TEXTAREA")
+
+
+def test_the_dashboard_reconnects_after_a_server_restart(servers, browser):
+    """Restarts the open server in place: the same command on the same port, so the tests that share it see
+    the same server afterwards (it is last all the same, so that a failed restart fails no other test)."""
+    server = servers["open"]
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(server.url + "/dashboard")
+        page.wait_for_function("window.tokenmillDashboard.samples > 1", timeout=20_000)
+        port = server.port
+        # killed: a graceful stop waits for open connections, and the dashboard's stream ends only with the
+        # process (stop() would kill it after 15 s all the same)
+        server.proc.kill()
+        server.stop()
+        page.wait_for_function("document.querySelector('#connection').dataset.state === 'reconnecting'",
+                               timeout=20_000)
+        seen = page.evaluate("window.tokenmillDashboard.samples")
+        server.start(port=port).wait_ready()
+        page.wait_for_function(f"window.tokenmillDashboard.samples > {seen + 1} && "
+                               "document.querySelector('#connection').dataset.state === 'connected'", timeout=30_000)
+    finally:
+        context.close()

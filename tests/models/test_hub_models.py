@@ -1,7 +1,7 @@
 """Models by Hugging Face Hub id, against a stand-in of the Hub's HTTP API on loopback (helpers/fake_hub.py):
 what is downloaded, pinned revisions, GGUF files picked by quantisation, resumed downloads, offline mode,
 and the errors a user meets. Each case runs in a fresh process: `huggingface_hub` reads HF_ENDPOINT,
-HF_HOME and HF_HUB_OFFLINE when it is imported."""
+HF_HOME and HF_HUB_OFFLINE when it is imported; the steps of one case that share those run in one process."""
 
 from __future__ import annotations
 
@@ -24,17 +24,18 @@ MAIN, V1 = "a" * 40, "b" * 40
 RUN = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from tokenmill import LLM, SamplingParams
 from tokenmill.models.loader import resolve_model_path
-kind, name, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-try:
-    if kind == "resolve":
-        print(json.dumps({"path": resolve_model_path(name, **options)}))
-    else:
-        (out,) = LLM(name, **options).generate({"prompt_token_ids": %r}, SamplingParams(**%r), use_tqdm=False)
-        print(json.dumps({"ids": list(out.outputs[0].token_ids)}))
-except ValueError as exc:
-    print(json.dumps({"error": str(exc)}))
+for kind, name, options in json.loads(sys.argv[1]):
+    try:
+        if kind == "resolve":
+            answer = {"path": resolve_model_path(name, **options)}
+        else:
+            from tokenmill import LLM, SamplingParams  # the engine's imports only where it runs
+            (out,) = LLM(name, **options).generate({"prompt_token_ids": %r}, SamplingParams(**%r), use_tqdm=False)
+            answer = {"ids": list(out.outputs[0].token_ids)}
+    except ValueError as exc:
+        answer = {"error": str(exc)}
+    print(json.dumps(answer), flush=True)
 """ % (PROMPT, GREEDY)
 
 
@@ -56,13 +57,23 @@ def hub(folder):
 
 
 def run(hub, home, kind, name, offline=False, **options):
+    """One step (`resolve` a name, or `generate` from it) in a fresh process: its answer and the process's log."""
+    answers, log = run_steps(hub, home, [(kind, name, options)], offline)
+    return answers[0], log
+
+
+def run_steps(hub, home, steps, offline=False):
+    """Steps (kind, name, options) one after the other in one fresh process started with the Hub's
+    environment: their answers, in order, and the process's log."""
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1",
            "HF_HUB_OFFLINE": "1" if offline else "0"}
     env.pop("HF_TOKEN", None)
-    done = subprocess.run([sys.executable, "-c", RUN, kind, name, json.dumps(options)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", RUN, json.dumps(steps)], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+    answers = [json.loads(line) for line in done.stdout.strip().splitlines()[-len(steps):]]
+    assert len(answers) == len(steps), done.stdout[-3000:]
+    return answers, done.stderr
 
 
 def test_a_hub_id_downloads_only_what_the_engine_reads_and_answers_as_the_local_folder(hub, folder, tmp_path):
@@ -78,11 +89,11 @@ def test_a_hub_id_downloads_only_what_the_engine_reads_and_answers_as_the_local_
 
 
 def test_a_pinned_revision_resolves_to_its_commit(hub, tmp_path):
-    answer, log = run(hub, tmp_path, "resolve", "org/tiny", revision="v1")
+    (answer, missing), log = run_steps(hub, tmp_path, [("resolve", "org/tiny", dict(revision="v1")),
+                                                       ("resolve", "org/tiny", dict(revision="v2"))])
     assert answer["path"].endswith(f"snapshots/{V1}")
     assert f"model org/tiny revision v1 is commit {V1}" in log
-    assert run(hub, tmp_path, "resolve", "org/tiny", revision="v2")[0] == {
-        "error": "model 'org/tiny' has no revision 'v2' on the Hub"}
+    assert missing == {"error": "model 'org/tiny' has no revision 'v2' on the Hub"}
 
 
 def test_download_dir_takes_the_place_of_the_cache(hub, tmp_path):
@@ -92,21 +103,21 @@ def test_download_dir_takes_the_place_of_the_cache(hub, tmp_path):
 
 
 def test_a_gguf_file_is_picked_by_its_quantisation(hub, tmp_path):
-    path = run(hub, tmp_path, "resolve", "org/quants:q8_0")[0]["path"]
-    assert path.endswith("tiny-Q8_0.gguf") and open(path, "rb").read() == b"8"
-    assert run(hub, tmp_path, "resolve", "org/quants", gguf_file="tiny-Q4_K_M.gguf")[0]["path"].endswith("Q4_K_M.gguf")
-    error = run(hub, tmp_path, "resolve", "org/quants:Q5_K_M")[0]["error"]
-    assert "no GGUF file for 'Q5_K_M'" in error and "tiny-Q4_K_M.gguf" in error
+    (q8, q4, q5), _ = run_steps(hub, tmp_path, [("resolve", "org/quants:q8_0", {}),
+                                                ("resolve", "org/quants", dict(gguf_file="tiny-Q4_K_M.gguf")),
+                                                ("resolve", "org/quants:Q5_K_M", {})])
+    assert q8["path"].endswith("tiny-Q8_0.gguf") and open(q8["path"], "rb").read() == b"8"
+    assert q4["path"].endswith("Q4_K_M.gguf")
+    assert "no GGUF file for 'Q5_K_M'" in q5["error"] and "tiny-Q4_K_M.gguf" in q5["error"]
 
 
-@pytest.mark.parametrize("name, offline, message", [
-    ("org/missing", False, "model 'org/missing' was not found on the Hub"),
-    ("org/gated", False, "model 'org/gated' is gated on the Hub: accept its terms on its page, then give a token"),
-    ("org/tiny", True, "model org/tiny is not in the local cache and HF_HUB_OFFLINE is set"),
-])
-def test_what_cannot_be_had_is_a_clear_error(hub, tmp_path, name, offline, message):
-    answer, _ = run(hub, tmp_path, "generate", name, offline=offline)
-    assert answer["error"].startswith(message)
+def test_what_cannot_be_had_is_a_clear_error(hub, tmp_path):
+    (missing, gated), _ = run_steps(hub, tmp_path, [("generate", "org/missing", {}), ("generate", "org/gated", {})])
+    assert missing["error"].startswith("model 'org/missing' was not found on the Hub")
+    assert gated["error"].startswith(
+        "model 'org/gated' is gated on the Hub: accept its terms on its page, then give a token")
+    offline, _ = run(hub, tmp_path, "generate", "org/tiny", offline=True)
+    assert offline["error"].startswith("model org/tiny is not in the local cache and HF_HUB_OFFLINE is set")
 
 
 def test_an_interrupted_download_resumes_and_never_leaves_half_a_model(hub, folder, tmp_path):
@@ -126,6 +137,7 @@ def test_an_interrupted_download_resumes_and_never_leaves_half_a_model(hub, fold
 
 
 def test_tokenmill_serve_takes_a_hub_id_and_serves_it_under_that_name(hub, tmp_path):
+    # a server process of its own: what it proves is that `serve` resolves the id when it starts
     from e2e.server_harness import ServerProcess
 
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}

@@ -45,42 +45,52 @@ def tiny_models(tmp_path_factory):
             for arch in ("llama", "qwen2")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "partial_sums"])
-def test_tiny_models_split_over_2_and_4_ranks_equal_hf(tiny_models, arch, exact):
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    """Per tiny model, computed on its first use: HF's greedy ids and the one-rank float32 ids and logprobs."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
-    with torch.inference_mode():
-        expected = [hf_greedy_tokens(hf, ids, 12) for ids in PROMPT_IDS]
-    single = ids_and_logprobs(LLM(tiny_models[arch], dtype="float32").generate(PROMPT_IDS, greedy(), use_tqdm=False))
+    found = {}
+
+    def reference(arch: str) -> tuple[list, tuple]:
+        if arch not in found:
+            hf = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
+            with torch.inference_mode():
+                expected = [hf_greedy_tokens(hf, ids, 12) for ids in PROMPT_IDS]
+            single = LLM(tiny_models[arch], dtype="float32").generate(PROMPT_IDS, greedy(), use_tqdm=False)
+            found[arch] = expected, ids_and_logprobs(single)
+        return found[arch]
+    return reference
+
+
+# Pairwise over model x way of summing x size: each model sums both ways, each way runs at 2 and 4 ranks,
+# each model at 2 and 4 ranks. Partial sums add two operands with an all-reduce and more in rank order,
+# hence both sizes; the model (QKV bias or not) only changes the column-parallel projections.
+@pytest.mark.parametrize("arch, exact, tp", [("llama", True, 4), ("llama", False, 2), ("qwen2", True, 2),
+                                             ("qwen2", False, 4)],
+                         ids=["llama-exact-4", "llama-partial_sums-2", "qwen2-exact-2", "qwen2-partial_sums-4"])
+def test_tiny_models_split_over_2_and_4_ranks_equal_hf(references, tiny_models, arch, exact, tp):
+    expected, single = references(arch)
     assert single[0] == expected
-    # exact gathers the same way at any size (2 ranks: the features test); partial sums add two operands
-    # with an all-reduce and more in rank order, so both sizes
-    for tp in (2, 4) if not exact else (4,):
-        llm = LLM(tiny_models[arch], dtype="float32", tensor_parallel_size=tp, tensor_parallel_exact=exact)
-        try:
-            ids, logprobs = ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False))
-        finally:
-            llm.shutdown()
-        assert ids == expected, f"tp={tp}"
-        if exact:
-            assert logprobs == single[1], f"tp={tp}"
-        else:
-            assert max_gap(logprobs, single[1]) < 1e-4, f"tp={tp}"
+    llm = LLM(tiny_models[arch], dtype="float32", tensor_parallel_size=tp, tensor_parallel_exact=exact)
+    try:
+        ids, logprobs = ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False))
+    finally:
+        llm.shutdown()
+    assert ids == expected
+    if exact:
+        assert logprobs == single[1]
+    else:
+        assert max_gap(logprobs, single[1]) < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["llama"])
-def test_tiny_models_in_pipeline_stages_equal_one_rank_bit_for_bit(tiny_models, arch):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
-    with torch.inference_mode():
-        expected = [hf_greedy_tokens(hf, ids, 12) for ids in PROMPT_IDS]
-    single = ids_and_logprobs(LLM(tiny_models[arch], dtype="float32").generate(PROMPT_IDS, greedy(), use_tqdm=False))
+def test_tiny_models_in_pipeline_stages_equal_one_rank_bit_for_bit(references, tiny_models, arch):
+    expected, single = references(arch)
     assert single[0] == expected
-    for sizes in (dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=4),
-                  dict(pipeline_parallel_size=2, tensor_parallel_size=2)):
+    # 4 stages: a first, two middle and a last one; 2 stages of 2 ranks each: stages of tensor-parallel ranks
+    # (2 stages of one rank each add nothing these two do not cover)
+    for sizes in (dict(pipeline_parallel_size=4), dict(pipeline_parallel_size=2, tensor_parallel_size=2)):
         llm = LLM(tiny_models[arch], dtype="float32", **sizes)
         try:
             assert ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False)) == single, sizes
@@ -110,11 +120,16 @@ def test_features_work_split_and_a_row_does_not_depend_on_its_batch(tiny_models)
         llm.shutdown()
 
 
-def test_smollm2_float32_in_stages_equals_one_rank(make_smollm2, smollm2):
-    params = greedy(16)
-    single = ids_and_logprobs(smollm2.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
-    for sizes in (dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3),
-                  dict(tensor_parallel_size=3, pipeline_parallel_size=2)):
+@pytest.fixture(scope="module")
+def smollm2_single(smollm2):
+    """The float32 default model's ids and logprobs on one rank, in this process."""
+    return ids_and_logprobs(smollm2.generate(SMOLLM2_PROMPTS, greedy(16), use_tqdm=False))
+
+
+def test_smollm2_float32_in_stages_equals_one_rank(make_smollm2, smollm2_single):
+    params, single = greedy(16), smollm2_single
+    # 3 stages (a middle one) and 2 stages of 3 ranks; 2 stages of one rank each add nothing those cover
+    for sizes in (dict(pipeline_parallel_size=3), dict(tensor_parallel_size=3, pipeline_parallel_size=2)):
         split = make_smollm2(dtype="float32", quantization="none", **sizes)
         try:
             assert ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)) == single, sizes
@@ -122,9 +137,8 @@ def test_smollm2_float32_in_stages_equals_one_rank(make_smollm2, smollm2):
             split.shutdown()
 
 
-def test_smollm2_float32_over_3_ranks_summing_partial_products(make_smollm2, smollm2):
-    params = greedy(16)
-    single = ids_and_logprobs(smollm2.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
+def test_smollm2_float32_over_3_ranks_summing_partial_products(make_smollm2, smollm2_single):
+    params, single = greedy(16), smollm2_single
     split = make_smollm2(dtype="float32", quantization="none", tensor_parallel_size=3, tensor_parallel_exact=False)
     try:
         ids, logprobs = ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
@@ -157,6 +171,7 @@ def test_smollm2_packed_q4_weights_over_3_ranks(make_smollm2):
 
 
 def test_a_killed_rank_fails_the_engine_naming_it(tiny_models):
+    # a fresh engine of its own: the test kills one of its ranks
     engine = LLMEngine(EngineConfig.from_kwargs(model=tiny_models["llama"], tensor_parallel_size=2,
                                                 num_kv_blocks=32))
     try:
