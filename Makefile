@@ -34,8 +34,10 @@ test: $(STAMP) cross-compiler browser
 	TOKENMILL_KERNELS=off $(PY) -m pytest -q $(XDIST) -m every_level
 	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q $(XDIST) -m every_level
 
-# a worker that dies (killed for memory, say) fails the pass at once instead of being replaced
-TEST_WORKERS ?= 2
+# a worker that dies (killed for memory, say) fails the pass at once instead of being replaced.
+# One worker until two have been measured on an idle machine: each worker holds its own session fixtures,
+# and two of them beside other suites were killed for memory (docs/testing.md). `make test TEST_WORKERS=2`.
+TEST_WORKERS ?= 1
 XDIST = -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 
 LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if platform.machine() in ('x86_64', 'AMD64') else 'generic')")
