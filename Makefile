@@ -30,7 +30,7 @@ serve: $(STAMP)
 # Each pass runs on TEST_WORKERS pytest-xdist workers, a test file to a worker (its module fixtures, servers
 # among them, are built once); the main pass writes every test's duration to test-artifacts/durations.tsv.
 test: $(STAMP) cross-compiler browser
-	$(PY) -m pytest -q $(XDIST) --durations=20 --durations-tsv test-artifacts/durations.tsv
+	$(PY) -m pytest -q $(XDIST) --durations=20 --durations-tsv=test-artifacts/durations.tsv
 	TOKENMILL_KERNELS=off $(PY) -m pytest -q $(XDIST) -m every_level
 	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q $(XDIST) -m every_level
 
