@@ -31,8 +31,11 @@ serve: $(STAMP)
 # among them, are built once); the main pass writes every test's duration to test-artifacts/durations.tsv.
 test: $(STAMP) cross-compiler browser
 	$(PY) -m pytest -q $(XDIST) --durations=20 --durations-tsv=test-artifacts/durations.tsv
-	TOKENMILL_KERNELS=off $(PY) -m pytest -q $(XDIST) -m every_level
-	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q $(XDIST) -m every_level
+	TOKENMILL_KERNELS=off $(PY) -m pytest -q $(XDIST) -m every_level $(EVERY_LEVEL_FILES)
+	TOKENMILL_CPU_CAPABILITY=$(LOWEST_LEVEL) $(PY) -m pytest -q $(XDIST) -m every_level $(EVERY_LEVEL_FILES)
+
+# the files that mark tests every_level: the two later passes collect only these, not the whole suite
+EVERY_LEVEL_FILES = $(shell grep -rl every_level tests --include='test_*.py')
 
 # a worker that dies (killed for memory, say) fails the pass at once instead of being replaced.
 # One worker until two have been measured on an idle machine: each worker holds its own session fixtures,

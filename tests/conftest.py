@@ -1,7 +1,8 @@
-"""Shared test setup: make `tests/` importable so tests can `import helpers`, share the cores between
-pytest-xdist workers, and record every test's duration (`--durations-tsv`, which `make test` sets)."""
+"""Shared test setup: make `tests/` importable so tests can `import helpers`, build the kernels with warnings
+as errors, share the cores between pytest-xdist workers, and record every test's duration (`--durations-tsv`, which `make test` sets)."""
 
 import os
+import shlex
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -9,6 +10,13 @@ from pathlib import Path
 # no GPU here: Triton kernels (the triton_paged backend) run in Triton's interpreter on CPU tensors. Triton
 # reads this when it is first imported, so it is set before any test imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every kernel library the suite builds is compiled with warnings as errors: test_build asserts that every level
+# compiles warning-free, and with the same flags (part of a library's cache name) it reuses the libraries the
+# other tests and their servers build instead of compiling each level a second time. The flag changes no code.
+_KERNEL_CFLAGS = shlex.split(os.environ.get("TOKENMILL_KERNEL_CFLAGS", ""))
+if "-Werror" not in _KERNEL_CFLAGS:
+    os.environ["TOKENMILL_KERNEL_CFLAGS"] = shlex.join([*_KERNEL_CFLAGS, "-Werror"])
 
 TESTS_DIR = str(Path(__file__).parent)
 if TESTS_DIR not in sys.path:

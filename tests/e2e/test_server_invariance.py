@@ -21,7 +21,7 @@ REQUEST = dict(model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=12, 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     server = ServerProcess(None, "--max-model-len", "1024", "--max-num-batched-tokens", "32",
-                           log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
+                           "--num-kv-blocks", "512", log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
     try:
         server.wait_ready()
         yield OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -59,7 +59,7 @@ def traced(tmp_path_factory):
     collector = Collector()
     model = str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama"))
     server = ServerProcess(model, "--otlp-traces-endpoint", f"http://127.0.0.1:{collector.port}",
-                           log_path=tmp_path_factory.mktemp("traced") / "server.log",
+                           "--num-kv-blocks", "128", log_path=tmp_path_factory.mktemp("traced") / "server.log",
                            env={"OTEL_BSP_SCHEDULE_DELAY": "50"}).start()
     try:
         yield server.wait_ready(), collector

@@ -76,7 +76,7 @@ def offline(model):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     proc = ServerProcess(model, "--max-model-len", "512", "--served-model-name", "tiny-llava",
-                         "--limit-mm-per-prompt", "4", log_path=tmp_path_factory.mktemp("logs") / "vlm.log")
+                         "--limit-mm-per-prompt", "4", "--num-kv-blocks", "256", log_path=tmp_path_factory.mktemp("logs") / "vlm.log")
     with proc.running():
         yield proc
 
@@ -185,7 +185,7 @@ def test_qwen2_vl_images_of_different_sizes_through_the_openai_sdk(tmp_path):
                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     del llm
     proc = ServerProcess(model, "--max-model-len", "512", "--served-model-name", "tiny-llava",
-                         log_path=tmp_path / "qwen2_vl.log")
+                         "--num-kv-blocks", "256", log_path=tmp_path / "qwen2_vl.log")
     with proc.running():
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0)
         urls = [data_url(png_bytes(image)) for image in images]

@@ -40,6 +40,21 @@ def hf_greedy_tokens(model, ids: list[int], count: int) -> list[int]:
 
 
 @torch.inference_mode()
+def hf_greedy_tokens_from(model, ids: list[int], count: int, candidate: list[int]) -> list[int]:
+    """HF's greedy tokens (what hf_greedy_tokens returns), found by checking `candidate` (the engine's, say) in
+    one forward pass: each of its tokens that is HF's argmax after the ones before it is HF's greedy token, by
+    induction. From the first that is not, HF decodes on its own, token by token."""
+    tokens = list(candidate[:count])
+    if tokens:
+        logits = model(torch.tensor([list(ids) + tokens[:-1]]), use_cache=False).logits[0, len(ids) - 1:]
+        argmax = logits.argmax(dim=-1).tolist()
+        agreed = next((i for i, (a, b) in enumerate(zip(tokens, argmax)) if a != b), len(tokens))
+        tokens = tokens[:agreed] + argmax[agreed:agreed + 1]
+    tokens = tokens[:count]
+    return tokens + hf_greedy_tokens(model, list(ids) + tokens, count - len(tokens)) if len(tokens) < count else tokens
+
+
+@torch.inference_mode()
 def hf_greedy_logprobs(model, ids: list[int], count: int) -> tuple[list[int], list[float]]:
     """Greedy decoding with HF's own KV cache: the tokens and each one's float32 log-probability."""
     out = model(torch.tensor([ids]), use_cache=True)

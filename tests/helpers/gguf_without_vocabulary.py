@@ -10,6 +10,8 @@ takes from that array.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import mmap
 import shutil
 import struct
@@ -95,3 +97,32 @@ def _header_without_vocabulary(head, source: Path) -> tuple[bytes, int, int]:
         kept.append((vocab_key, _entry(vocab_key, _UINT32, struct.pack("<I", values["vocabulary"]))))
     header = struct.pack("<4sIQQ", magic, version, num_tensors, len(kept)) + b"".join(raw for _, raw in kept) + table
     return header, data_start, alignment
+
+
+def hf_float32_model(gguf_path: str | Path, folder: Path):
+    """HF transformers' float32 model of GGUF file `gguf_path`, dequantised by transformers itself, loaded from a
+    copy without the vocabulary arrays written in `folder` (and removed once the weights are in memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    copy = write_without_vocabulary(gguf_path, Path(folder) / Path(gguf_path).name)
+    try:
+        with _tensor_name_maps_built_once():
+            return AutoModelForCausalLM.from_pretrained(copy.parent, gguf_file=copy.name, dtype=torch.float32).eval()
+    finally:
+        copy.unlink()
+
+
+@contextlib.contextmanager
+def _tensor_name_maps_built_once():
+    """transformers asks gguf-py for the same (architecture, layers) name map once per module of the model, and
+    each costs tens of milliseconds to build (~10 s for a 30-layer model). The map is a read-only lookup table,
+    so one per key serves every call; gguf-py's own function is put back afterwards."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original

@@ -27,7 +27,8 @@ EM_AARCH64 = 183  # the ELF header's e_machine of an aarch64 binary
 def warnings_are_errors(monkeypatch):
     """Builds through the kernel cache with -Werror added to TOKENMILL_KERNEL_CFLAGS. The flags are part of a
     library's cache name, so a cached library of that name was compiled without a warning from exactly these
-    sources, flags and compiler: a later run reuses it, and any change to those inputs compiles again."""
+    sources, flags and compiler: a later run reuses it, and any change to those inputs compiles again.
+    tests/conftest.py adds the flag for the whole suite, so these are the libraries every other test loads."""
     flags = envs.extra_kernel_cflags()
     if "-Werror" not in flags:
         monkeypatch.setenv("TOKENMILL_KERNEL_CFLAGS", shlex.join([*flags, "-Werror"]))

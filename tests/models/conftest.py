@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +30,8 @@ def smollm2(make_smollm2):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_source):
-    from transformers import AutoModelForCausalLM
-    folder, name = os.path.split(smollm2_source.path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval()
+def hf_smollm2(smollm2_source, tmp_path_factory):
+    """HF transformers' float32 model of the default GGUF, dequantised by transformers itself (from a copy
+    without the vocabulary arrays, which the weights do not depend on: helpers/gguf_without_vocabulary.py)."""
+    from helpers.gguf_without_vocabulary import hf_float32_model
+    return hf_float32_model(smollm2_source.path, tmp_path_factory.mktemp("hf-smollm2"))

@@ -4,10 +4,8 @@ file as the oracle; and the packed default's perplexity, held to the figure meas
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
-import torch
 
 from helpers.engine_probe import PERPLEXITY_TEXT as TEXT
 from helpers.engine_probe import perplexity
@@ -30,20 +28,26 @@ def hf_gemma(gemma_path, tmp_path_factory):
     """HF transformers' float32 model of the file, dequantised by transformers itself. It loads a copy without
     the vocabulary arrays (helpers/gguf_without_vocabulary.py): every weight and setting byte for byte, but
     not the 262k tokens that its loader would parse twice, for most of a minute, to learn only their count."""
-    from transformers import AutoModelForCausalLM
-
-    from helpers.gguf_without_vocabulary import write_without_vocabulary
-
-    copy = write_without_vocabulary(gemma_path, tmp_path_factory.mktemp("gemma") / os.path.basename(gemma_path))
-    try:
-        return AutoModelForCausalLM.from_pretrained(copy.parent, gguf_file=copy.name, dtype=torch.float32).eval()
-    finally:
-        copy.unlink()  # the weights are in memory now: 250 MB less left in the temporary folder
+    from helpers.gguf_without_vocabulary import hf_float32_model
+    return hf_float32_model(gemma_path, tmp_path_factory.mktemp("gemma"))
 
 
 @pytest.fixture(scope="module")
-def gemma_float(gemma_path):
-    return LLM(gemma_path, dtype="float32", quantization="none", block_size=16, num_kv_blocks=512)
+def make_gemma(gemma_path):
+    """Build an LLM on the file with engine options; the file is opened once (its 262k-token vocabulary
+    costs seconds to read) and every engine shares it."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.models.loader import load_model_source
+
+    source = load_model_source(gemma_path)
+    return lambda **options: LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(model=gemma_path, **options),
+                                                       source=source))
+
+
+@pytest.fixture(scope="module")
+def gemma_float(make_gemma):
+    return make_gemma(dtype="float32", quantization="none", block_size=16, num_kv_blocks=512)
 
 
 def test_float32_greedy_ids_and_logprobs_equal_hf(gemma_float, hf_gemma):
@@ -52,10 +56,10 @@ def test_float32_greedy_ids_and_logprobs_equal_hf(gemma_float, hf_gemma):
     assert_greedy_matches_hf_forced(gemma_float, hf_gemma, [tokenizer(p).input_ids for p in PROMPTS], count=16)
 
 
-def test_packed_default_perplexity(gemma_path, gemma_float):
+def test_packed_default_perplexity(make_gemma, gemma_float):
     ids = gemma_float.get_tokenizer()(TEXT).input_ids
     reference = perplexity(gemma_float, ids)
-    packed = LLM(gemma_path, block_size=16, num_kv_blocks=512)  # default: Q4_K/Q5_0/Q6_K/Q8_0 packed
+    packed = make_gemma(block_size=16, num_kv_blocks=512)  # default: Q4_K/Q5_0/Q6_K/Q8_0 packed
     assert "int4+int8 projections, int8 embedding" in packed.llm_engine.model.describe_weights()
     # measured: 29.78 float32 (dequantised), 29.60 packed default in bfloat16 (AVX-512 machine)
     assert perplexity(packed, ids) == pytest.approx(reference, rel=0.03)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.engine_probe import hf_greedy_tokens
+from helpers.engine_probe import hf_greedy_tokens_from
 from tokenmill import SamplingParams
 
 PROMPTS = [
@@ -28,9 +28,12 @@ def greedy(max_tokens=NUM_TOKENS, **kw):
 
 @pytest.fixture(scope="module")
 def hf_greedy(hf_smollm2, smollm2):
+    """HF's greedy tokens for every prompt, from one HF forward pass per prompt over the batched engine's tokens
+    where they are HF's own (helpers.engine_probe.hf_greedy_tokens_from)."""
     tokenizer = smollm2.get_tokenizer()
-    with torch.inference_mode():
-        return [hf_greedy_tokens(hf_smollm2, tokenizer(p).input_ids, NUM_TOKENS) for p in PROMPTS]
+    candidates = token_ids(smollm2.generate(PROMPTS, greedy(), use_tqdm=False))
+    return [hf_greedy_tokens_from(hf_smollm2, tokenizer(p).input_ids, NUM_TOKENS, list(candidate))
+            for p, candidate in zip(PROMPTS, candidates)]
 
 
 def token_ids(outputs):

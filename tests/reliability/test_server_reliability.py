@@ -34,7 +34,7 @@ def server(tmp_path_factory):
     logs = tmp_path_factory.mktemp("reliability")
     proc = ServerProcess(None, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
                          "--max-model-len", "1024", "--max-request-body-mb", "1", "--max-stop-strings", "8",
-                         log_path=logs / "server.log")
+                         "--num-kv-blocks", "512", log_path=logs / "server.log")
     proc.start().wait_ready()
     yield proc
     assert proc.stop() == 0, proc.log()[-3000:]
