@@ -38,9 +38,9 @@ test: $(STAMP) cross-compiler browser
 EVERY_LEVEL_FILES = $(shell grep -rl every_level tests --include='test_*.py')
 
 # a worker that dies (killed for memory, say) fails the pass at once instead of being replaced.
-# One worker until two have been measured on an idle machine: each worker holds its own session fixtures,
-# and two of them beside other suites were killed for memory (docs/testing.md). `make test TEST_WORKERS=2`.
-TEST_WORKERS ?= 1
+# Two workers, one per core of the project machine: each holds its own session fixtures (docs/testing.md has
+# the measured time and peak memory). `make test TEST_WORKERS=1` runs one.
+TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 
 LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if platform.machine() in ('x86_64', 'AMD64') else 'generic')")
