@@ -1,12 +1,12 @@
 """`tokenmill bench serve` against a real server and `tokenmill bench throughput` in-process, as a user runs them.
 
-Each subcommand runs once as a user runs it (a `tokenmill` process); the further cases of a subcommand (other
-flags, other datasets, refusals) call the same entry point in this process, which spares them an interpreter
-start and adds nothing that the process runs do not prove."""
+`bench serve` runs as a user runs it (a `tokenmill` process, against a server process): that proves the command's
+wiring, its exit status and its output. Every other case (the other subcommands, other flags, other datasets,
+refusals) calls the same entry point, `main()`, in this process, which dispatches them exactly as the process
+would: a process of its own would add an interpreter start and nothing that the process run does not prove."""
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -109,11 +109,10 @@ def test_bench_throughput_runs_the_same_datasets_in_process(tiny_model, tmp_path
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me a story about the number {i}."})
                                  for i in range(5)) + "\n")
-    for run, dataset in ((tokenmill, ("--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "4")),
-                         (functools.partial(tokenmill_here, capsys), ("--dataset", "jsonl", "--dataset-path",
-                                                                      str(prompts)))):
-        result = run("bench", "throughput", "--model", tiny_model, "--num-kv-blocks", "256",
-                     "--num-prompts", "5", "--output-len", "3", *dataset)
+    for dataset in (("--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "4"),
+                    ("--dataset", "jsonl", "--dataset-path", str(prompts))):
+        result = tokenmill_here(capsys, "bench", "throughput", "--model", tiny_model, "--num-kv-blocks", "256",
+                                "--num-prompts", "5", "--output-len", "3", *dataset)
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout)
         assert (summary["completed"], summary["errors"]) == (5, 0)
@@ -135,8 +134,8 @@ def test_bench_rejects_bad_flags_clearly(capsys):
         assert "--goodput takes NAME:MILLISECONDS" in result.stderr and repr(bad) in result.stderr
 
 
-def test_bench_linears_prints_one_line_per_row_count():
-    run = tokenmill("bench", "linears", "--rows", "1", "20", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16")
+def test_bench_linears_prints_one_line_per_row_count(capsys):
+    run = tokenmill_here(capsys, "bench", "linears", "--rows", "1", "20", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16")
     assert run.returncode == 0, run.stderr
     title, header, *lines = run.stdout.strip().splitlines()
     kernels = cpu_kernels()
@@ -152,9 +151,9 @@ def test_bench_linears_prints_one_line_per_row_count():
                for line in lines for cell in line.split()[1:])
 
 
-def test_bench_kv_transfer_moves_every_full_block_and_times_both_ways(tiny_model, tmp_path):
+def test_bench_kv_transfer_moves_every_full_block_and_times_both_ways(tiny_model, tmp_path, capsys):
     out = tmp_path / "kv.json"
-    run = tokenmill("bench", "kv-transfer", "--model", tiny_model, "--block-size", "4", "--num-kv-blocks", "256",
+    run = tokenmill_here(capsys, "bench", "kv-transfer", "--model", tiny_model, "--block-size", "4", "--num-kv-blocks", "256",
                     "--prompt-lens", "33", "--repeats", "1", "--output-json", str(out))
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(out.read_text())["rows"]
@@ -172,7 +171,7 @@ def test_bench_images_times_one_image_prompts_and_the_encoder(tiny_model, tmp_pa
 
     out = tmp_path / "images.json"
     model = str(make_tiny_qwen2_vl(tmp_path / "qwen2_vl"))
-    run = tokenmill("bench", "images", "--model", model, "--repeats", "2", "--image-size", "56", "84",
+    run = tokenmill_here(capsys, "bench", "images", "--model", model, "--repeats", "2", "--image-size", "56", "84",
                     "--output-json", str(out))
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())

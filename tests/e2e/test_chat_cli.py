@@ -2,10 +2,15 @@
 
 One real `tokenmill serve` (tiny random Llama, --api-key) runs for the module on 127.0.0.1; the chat
 CLI's replies are checked against the server's own greedy answers for the same conversation.
+
+Each way of chatting runs once as a `tokenmill chat` process (against the server, and with its own engine);
+the further remote cases (/reset, --system, errors) call the same entry point, `main()`, in this process with the
+typed lines on sys.stdin: a process of its own would add an interpreter start and nothing more.
 """
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -14,6 +19,7 @@ import pytest
 
 from e2e.server_harness import ServerProcess, free_port
 from helpers.tiny_models import make_tiny_hf_model
+from tokenmill.cli.main import main
 
 API_KEY = "chat-cli-key"
 MAX_TOKENS = 6
@@ -41,6 +47,21 @@ def chat(*args: str, stdin: str, timeout: float = 120) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
+def chat_here(monkeypatch, capsys, *args: str, stdin: str) -> subprocess.CompletedProcess:
+    """`chat` through the command's entry point (`sys.exit(main())`) in this process, `stdin` on sys.stdin: its
+    exit status as the interpreter would set it, stdout and stderr."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    capsys.readouterr()
+    try:
+        status = main(["chat", "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *args])
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    if isinstance(status, str):
+        err, status = err + status + "\n", 1
+    return subprocess.CompletedProcess(["tokenmill", "chat", *args], status or 0, out, err)
+
+
 def server_reply(server: ServerProcess, messages: list[dict[str, str]]) -> str:
     response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                           headers={"Authorization": f"Bearer {API_KEY}"},
@@ -62,26 +83,29 @@ def test_remote_chat_streams_replies_and_keeps_history(server):
     assert "Traceback" not in result.stderr
 
 
-def test_reset_forgets_and_system_prompt_is_sent(server):
+def test_reset_forgets_and_system_prompt_is_sent(server, monkeypatch, capsys):
     fresh = server_reply(server, [{"role": "user", "content": "Hello"}])
-    result = chat("--url", server.url, "--api-key", API_KEY, stdin="Hello\n/reset\nHello\n")  # ends with EOF
+    result = chat_here(monkeypatch, capsys, "--url", server.url, "--api-key", API_KEY,
+                       stdin="Hello\n/reset\nHello\n")  # ends with EOF
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{PROMPT}{fresh}\n{PROMPT}{PROMPT}{fresh}\n{PROMPT}"
 
     system = [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hello"}]
     with_system = server_reply(server, system)
     assert with_system != fresh
-    result = chat("--url", server.url, "--api-key", API_KEY, "--system", "You are a pirate.", stdin="Hello\n")
+    result = chat_here(monkeypatch, capsys, "--url", server.url, "--api-key", API_KEY, "--system", "You are a pirate.",
+                       stdin="Hello\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{PROMPT}{with_system}\n{PROMPT}"
 
 
-def test_remote_errors_are_one_clear_line(server):
-    no_key = chat("--url", server.url, stdin="Hello\n")
+def test_remote_errors_are_one_clear_line(server, monkeypatch, capsys):
+    """In this process an exception other than the clear error would reach pytest: no traceback either way."""
+    no_key = chat_here(monkeypatch, capsys, "--url", server.url, stdin="Hello\n")
     assert no_key.returncode == 2
     assert "401" in no_key.stderr and "Traceback" not in no_key.stderr
 
-    nobody = chat("--url", f"http://127.0.0.1:{free_port()}", stdin="Hello\n")
+    nobody = chat_here(monkeypatch, capsys, "--url", f"http://127.0.0.1:{free_port()}", stdin="Hello\n")
     assert nobody.returncode == 2
     assert "cannot reach" in nobody.stderr and "Traceback" not in nobody.stderr
 

@@ -1,4 +1,7 @@
-"""`tokenmill generate` as a user runs it."""
+"""`tokenmill generate` as a user runs it.
+
+`generate` and `serve` run as `tokenmill` processes; the help and the usage errors call the same entry point,
+`main()`, in this process: a process of its own would add an interpreter start and nothing more."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import sys
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.cli.main import main
 from tokenmill.config import SECTIONS
 
 
@@ -16,8 +20,22 @@ def tokenmill(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_help_explains_every_engine_flag():
-    result = tokenmill("generate", "--help")
+def tokenmill_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`tokenmill ARGS` through the command's entry point (`sys.exit(main())`) in this process: its exit status
+    as the interpreter would set it, stdout and stderr."""
+    capsys.readouterr()
+    try:
+        status = main(list(args))
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    if isinstance(status, str):
+        err, status = err + status + "\n", 1
+    return subprocess.CompletedProcess(["tokenmill", *args], status or 0, out, err)
+
+
+def test_help_explains_every_engine_flag(capsys):
+    result = tokenmill_here(capsys, "generate", "--help")
     assert result.returncode == 0
     for klass in SECTIONS.values():
         for f in dataclasses.fields(klass):
@@ -33,22 +51,24 @@ def test_generate_streams_the_greedy_completion(tmp_path):
     assert result.stdout == expected[0].outputs[0].text + "\n"
 
 
-def test_missing_model_path_is_a_clear_error(tmp_path):
-    result = tokenmill("generate", "hi", "--model", str(tmp_path / "nope"))
+def test_missing_model_path_is_a_clear_error(tmp_path, capsys):
+    """In this process an exception other than the clear error would reach pytest: no traceback either way."""
+    result = tokenmill_here(capsys, "generate", "hi", "--model", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert "nope" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_serve_takes_the_model_as_vllm_does_positional_or_flag(tmp_path):
+def test_serve_takes_the_model_as_vllm_does_positional_or_flag(tmp_path, capsys):
     from tokenmill.cli.main import build_parser, serve_model
 
     parser = build_parser()
     assert serve_model(parser.parse_args(["serve", "gemma3-270m"])) == "gemma3-270m"
     assert serve_model(parser.parse_args(["serve", "--model", "gemma3-270m"])) == "gemma3-270m"
     assert serve_model(parser.parse_args(["serve"])) is None  # the default model
-    result = tokenmill("serve", "one", "--model", "two")
+    result = tokenmill_here(capsys, "serve", "one", "--model", "two")
     assert result.returncode == 2
     assert "serve was given two models: 'one' and --model 'two'" in result.stderr and "Traceback" not in result.stderr
+    # a process: a server that wrongly started would not return here
     result = tokenmill("serve", "--model", str(tmp_path / "nope"), "--port", "0")
     assert result.returncode == 2 and "nope" in result.stderr  # the flag reaches the loader
 

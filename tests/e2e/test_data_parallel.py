@@ -25,8 +25,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def front(tiny, tmp_path_factory):
+    # a KV pool per replica that holds its longest load (4 streams of up to 1,009 tokens, in blocks of 4) without
+    # preempting: a pool sized from memory costs each replica seconds to start
     server = ServerProcess(tiny, "--data-parallel-size", "2", "--block-size", "4", "--max-num-seqs", "4",
-                           "--served-model-name", "m",
+                           "--num-kv-blocks", "1100", "--served-model-name", "m",
                            log_path=tmp_path_factory.mktemp("dp") / "dp.log").start()
     try:
         server.wait_ready()

@@ -32,7 +32,8 @@ def replicas(tmp_path_factory):
     for rank in range(2):
         events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
                   "replay_endpoint": f"tcp://*:{free_port()}"}
-        server = ServerProcess(model, "--block-size", str(BLOCK), "--served-model-name", "m",
+        # a small KV pool (the prompts here take a few blocks): a pool sized from memory costs seconds to start
+        server = ServerProcess(model, "--block-size", str(BLOCK), "--num-kv-blocks", "256", "--served-model-name", "m",
                                "--kv-events-config", json.dumps(events), log_path=logs / f"r{rank}.log")
         server.events = {k: v.replace("*", HOST) for k, v in events.items() if k.endswith("endpoint")}
         servers.append(server.start())
@@ -41,6 +42,8 @@ def replicas(tmp_path_factory):
             server.wait_ready()
         yield servers
     finally:
+        for server in servers:  # both stop at once
+            server.terminate()
         for server in servers:
             server.stop()
 

@@ -14,6 +14,8 @@ from e2e.server_harness import ServerProcess
 from helpers.tiny_models import make_tiny_hf_model
 
 BODY = dict(prompt="The lighthouse keeper", max_tokens=24, temperature=0, logprobs=2)
+# a small KV pool (the one request takes 2 blocks): a pool sized from memory costs each rank seconds to start
+KV = ("--num-kv-blocks", "64")
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +48,27 @@ def worker_pids(server_pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def one_rank_answer(tiny, tmp_path_factory):
-    one = ServerProcess(tiny, log_path=tmp_path_factory.mktemp("one") / "one.log").start().wait_ready()
+def one_rank_answer(tiny):
+    """One rank's greedy text and token logprobs for BODY, from the engine in this process: the ranks' servers
+    must stream exactly what the engine alone makes (a one-rank server of its own would add only its start)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(tiny, num_kv_blocks=64)
     try:
-        return streamed(one.url)
+        (out,) = llm.generate(BODY["prompt"], SamplingParams(max_tokens=BODY["max_tokens"], temperature=0,
+                                                             logprobs=BODY["logprobs"]), use_tqdm=False)
     finally:
-        one.stop()
+        llm.shutdown()
+    (completion,) = out.outputs
+    return completion.text, [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
 def test_two_ranks_stream_the_one_rank_answer_and_a_killed_rank_stops_the_server(tiny, one_rank_answer, flag,
                                                                                    tmp_path):
     expected = one_rank_answer
-    two = ServerProcess(tiny, flag, "2", log_path=tmp_path / "two.log").start().wait_ready()
+    assert expected[1], "the engine answered nothing to compare with"
+    two = ServerProcess(tiny, flag, "2", *KV, log_path=tmp_path / "two.log").start().wait_ready()
     try:
         assert streamed(two.url) == expected
         workers = worker_pids(two.proc.pid)
@@ -72,7 +82,7 @@ def test_two_ranks_stream_the_one_rank_answer_and_a_killed_rank_stops_the_server
 
 
 def test_a_size_that_does_not_divide_the_model_stops_the_server_with_the_numbers(tiny, tmp_path):
-    server = ServerProcess(tiny, "--tensor-parallel-size", "3", log_path=tmp_path / "bad.log").start()
+    server = ServerProcess(tiny, "--tensor-parallel-size", "3", *KV, log_path=tmp_path / "bad.log").start()
     assert server.proc.wait(timeout=120) != 0
     assert "tensor_parallel_size 3 does not divide the model's attention heads (4)" in server.log()
     server.stop()

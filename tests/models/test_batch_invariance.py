@@ -160,7 +160,7 @@ def partly(prompt):
 
 
 @pytest.mark.slow
-@settings(max_examples=examples(5), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(3), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 @example(scenario=COVERING[0])
 @example(scenario=COVERING[1])
@@ -171,7 +171,7 @@ def test_output_does_not_depend_on_what_else_runs(engines, scenario):
 
 
 @pytest.mark.slow
-@settings(max_examples=examples(2), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 @example(scenario=COVERING[0])
 def test_output_with_float_weights_does_not_depend_on_what_else_runs(float_engines, scenario):
@@ -210,7 +210,7 @@ def packed_checkpoint_engines(tmp_path_factory):
 
 
 @pytest.mark.parametrize("checkpoint", ["gptq", "compressed-tensors"])
-@settings(max_examples=examples(2), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 @example(scenario=COVERING[0])
 def test_output_of_a_packed_checkpoint_does_not_depend_on_what_else_runs(packed_checkpoint_engines, checkpoint,
@@ -235,7 +235,7 @@ def long_prompt_alone(make_smollm2):
 
 
 @pytest.mark.slow
-@settings(max_examples=examples(2), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(budget=st.integers(16, 1024), other=st.integers(1, 300), cache=st.booleans())
 @example(budget=100, other=37, cache=True)  # a partial hit, then chunks that end off the blocks' boundaries
 def test_a_2048_token_prompt_gives_its_own_result_however_it_is_chunked(make_smollm2, long_prompt_alone, budget,
@@ -285,7 +285,7 @@ def image_engines(request, tmp_path_factory):
     return Engines(lambda **options: LLM(str(folder), **options)), image_prompts(marker)
 
 
-@settings(max_examples=examples(3), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 @example(scenario=COVERING[0])
 def test_output_with_images_does_not_depend_on_what_else_runs(image_engines, scenario):

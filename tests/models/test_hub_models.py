@@ -22,8 +22,12 @@ GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
 MAIN, V1 = "a" * 40, "b" * 40
 
 RUN = """
-import json, logging, sys
+import json, logging, sys, types
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+import huggingface_hub.file_download
+# huggingface_hub pauses a second before each retry of a broken download: a wait that proves nothing here (the
+# retries and the resumed ranges are what the tests read)
+huggingface_hub.file_download.time = types.SimpleNamespace(sleep=lambda seconds: None)
 from tokenmill.models.loader import resolve_model_path
 for kind, name, options in json.loads(sys.argv[1]):
     try:
@@ -78,14 +82,17 @@ def run_steps(hub, home, steps, offline=False):
 
 def test_a_hub_id_downloads_only_what_the_engine_reads_and_answers_as_the_local_folder(hub, folder, tmp_path):
     (reference,) = LLM(str(folder)).generate({"prompt_token_ids": PROMPT}, SamplingParams(**GREEDY), use_tqdm=False)
-    answer, log = run(hub, tmp_path, "generate", "org/tiny")
+    (answer, cached), log = run_steps(hub, tmp_path, [("generate", "org/tiny", {}), ("resolve", "org/tiny", {})])
     assert answer == {"ids": list(reference.outputs[0].token_ids)}
     fetched = {r.split("/")[-1] for r in hub.requests if r.startswith("GET /org/tiny/resolve/")}
     assert fetched == {p.name for p in folder.iterdir()} - {"README.md", "pytorch_model.bin"}
     assert f"model org/tiny is commit {MAIN}" in log
-    hub.close()  # from the cache, without the network: unreachable, and in offline mode
-    assert run(hub, tmp_path, "generate", "org/tiny")[0] == answer
-    assert run(hub, tmp_path, "generate", "org/tiny", offline=True)[0] == answer
+    assert cached["path"].endswith(f"snapshots/{MAIN}")  # the folder the engine just answered from
+    # from the cache, without the network (unreachable, and in offline mode): the same folder, so the same answer
+    # (resolved only: the engine would load the very files it loaded above)
+    hub.close()
+    assert run(hub, tmp_path, "resolve", "org/tiny")[0] == cached
+    assert run(hub, tmp_path, "resolve", "org/tiny", offline=True)[0] == cached
 
 
 def test_a_pinned_revision_resolves_to_its_commit(hub, tmp_path):
@@ -141,7 +148,8 @@ def test_tokenmill_serve_takes_a_hub_id_and_serves_it_under_that_name(hub, tmp_p
     from e2e.server_harness import ServerProcess
 
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
-    server = ServerProcess("org/tiny", "--revision", "v1", log_path=tmp_path / "server.log", env=env).start()
+    server = ServerProcess("org/tiny", "--revision", "v1", "--num-kv-blocks", "64", log_path=tmp_path / "server.log",
+                           env=env).start()
     try:
         server.wait_ready()
         import httpx

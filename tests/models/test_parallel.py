@@ -17,10 +17,10 @@ from tokenmill.executor import ExecutorDiedError
 from tokenmill.sampling_params import SamplingParams
 
 PROMPT_IDS = [[1, 5, 9, 13, 2, 7, 5, 9, 13], [3, 3, 8], list(range(20, 57)), [400, 12, 77, 5]]
-SMOLLM2_PROMPTS = ["The capital of France is", "List three fruits:", "def add(a, b):",
-                   "Once upon a time, in a small village at the edge of a vast forest,",
-                   "Q: What is the boiling point of water at sea level in Celsius?\nA:", "Hi",
-                   "Translate to French: The cat sleeps.", "In 1969, the first humans landed on"]
+# short and long prompts, one of a single token: 4 prompts x 8 tokens show a split that changes a sum
+SMOLLM2_PROMPTS = ["The capital of France is", "def add(a, b):",
+                   "Once upon a time, in a small village at the edge of a vast forest,", "Hi"]
+SMOLLM2_TOKENS = 8
 
 
 def greedy(max_tokens=12, **kw):
@@ -88,14 +88,13 @@ def test_tiny_models_split_over_2_and_4_ranks_equal_hf(references, tiny_models, 
 def test_tiny_models_in_pipeline_stages_equal_one_rank_bit_for_bit(references, tiny_models, arch):
     expected, single = references(arch)
     assert single[0] == expected
-    # 4 stages: a first, two middle and a last one; 2 stages of 2 ranks each: stages of tensor-parallel ranks
-    # (2 stages of one rank each add nothing these two do not cover)
-    for sizes in (dict(pipeline_parallel_size=4), dict(pipeline_parallel_size=2, tensor_parallel_size=2)):
-        llm = LLM(tiny_models[arch], dtype="float32", **sizes)
-        try:
-            assert ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False)) == single, sizes
-        finally:
-            llm.shutdown()
+    # 4 stages: a first, two middle and a last one. Stages of tensor-parallel ranks: the default model's
+    # TP=3 x PP=2 below, and 2 x 2 over two nodes in test_multinode.py
+    llm = LLM(tiny_models[arch], dtype="float32", pipeline_parallel_size=4)
+    try:
+        assert ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False)) == single
+    finally:
+        llm.shutdown()
 
 
 def test_features_work_split_and_a_row_does_not_depend_on_its_batch(tiny_models):
@@ -123,22 +122,11 @@ def test_features_work_split_and_a_row_does_not_depend_on_its_batch(tiny_models)
 @pytest.fixture(scope="module")
 def smollm2_single(smollm2):
     """The float32 default model's ids and logprobs on one rank, in this process."""
-    return ids_and_logprobs(smollm2.generate(SMOLLM2_PROMPTS, greedy(16), use_tqdm=False))
-
-
-def test_smollm2_float32_in_stages_equals_one_rank(make_smollm2, smollm2_single):
-    params, single = greedy(16), smollm2_single
-    # 3 stages (a middle one) and 2 stages of 3 ranks; 2 stages of one rank each add nothing those cover
-    for sizes in (dict(pipeline_parallel_size=3), dict(tensor_parallel_size=3, pipeline_parallel_size=2)):
-        split = make_smollm2(dtype="float32", quantization="none", **sizes)
-        try:
-            assert ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)) == single, sizes
-        finally:
-            split.shutdown()
+    return ids_and_logprobs(smollm2.generate(SMOLLM2_PROMPTS, greedy(SMOLLM2_TOKENS), use_tqdm=False))
 
 
 def test_smollm2_float32_over_3_ranks_summing_partial_products(make_smollm2, smollm2_single):
-    params, single = greedy(16), smollm2_single
+    params, single = greedy(SMOLLM2_TOKENS), smollm2_single
     split = make_smollm2(dtype="float32", quantization="none", tensor_parallel_size=3, tensor_parallel_exact=False)
     try:
         ids, logprobs = ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
@@ -150,13 +138,15 @@ def test_smollm2_float32_over_3_ranks_summing_partial_products(make_smollm2, smo
 
 def test_smollm2_packed_q4_weights_over_3_ranks(make_smollm2):
     """The default configuration: packed Q4 weights, int8-quantised activations. Exact row-parallel
-    products give the single-rank ids and logprobs bit for bit; partial sums are reported."""
-    params = greedy(16)
+    products in 2 pipeline stages of 3 ranks give the single-rank ids and logprobs bit for bit (real
+    weights split 3 ways, and stages of tensor-parallel ranks: the float32 stages of the tiny models add
+    nothing dtype-specific, a stage only hands on its hidden state); partial sums over 3 ranks are reported."""
+    params = greedy(SMOLLM2_TOKENS)
     one = make_smollm2()
     single = ids_and_logprobs(one.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
     results = {}
-    for exact in (True, False):
-        split = make_smollm2(tensor_parallel_size=3, tensor_parallel_exact=exact)
+    for exact, sizes in ((True, dict(pipeline_parallel_size=2)), (False, {})):
+        split = make_smollm2(tensor_parallel_size=3, tensor_parallel_exact=exact, **sizes)
         try:
             assert "int4 projections" in split.llm_engine.executor.description  # still packed, not dequantised
             results[exact] = ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
@@ -166,8 +156,8 @@ def test_smollm2_packed_q4_weights_over_3_ranks(make_smollm2):
     ids, logprobs = results[False]
     same = sum(a == b for a, b in zip(ids, single[0]))
     first_gap = max(abs(a[0] - b[0]) for a, b in zip(logprobs, single[1]))
-    print(f"\nTP=3 partial sums vs TP=1, packed weights: {same}/8 prompts identical over 16 tokens; "
-          f"first-token logprob gap up to {first_gap:.2e}")
+    print(f"\nTP=3 partial sums vs TP=1, packed weights: {same}/{len(ids)} prompts identical over "
+          f"{SMOLLM2_TOKENS} tokens; first-token logprob gap up to {first_gap:.2e}")
 
 
 def test_a_killed_rank_fails_the_engine_naming_it(tiny_models):

@@ -16,8 +16,10 @@ PROMPTS = ["one two three four five six seven eight nine ten. one two three four
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):",
            "A much longer prompt about nothing in particular, repeated. " * 8,
            "Hello"]
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True)
+# 24 tokens: every prompt takes several rounds of proposals after the long prompt's last chunk
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
 # A 32-token budget chunks the long prompt, so its prefill chunks run beside the others' verifications.
 # Float32 with float weights: there a row's result does not depend on how many rows its batch has. (With
 # quantised weights in bfloat16 the products change method at 16 rows, so where two tokens nearly tie,
@@ -36,7 +38,7 @@ def run(llm: LLM) -> tuple[list[list[int]], list]:
 
     llm.llm_engine.runner.execute = recording
     outputs = llm.generate(PROMPTS + [PROMPTS[0]], [GREEDY] * len(PROMPTS) + [SAMPLED], use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
     return [o.outputs[0].token_ids for o in outputs[:len(PROMPTS)]], schedules
 
 
@@ -55,7 +57,7 @@ def test_ngram_speculation_keeps_greedy_output_identical(make_smollm2, plain_gre
     assert spec.emitted_tokens == spec.accepted_tokens + spec.num_rounds  # nothing stopped early (ignore_eos)
     mixed = [s for s in schedules if any(n for _, n, _ in s) and any(not sample for _, _, sample in s)]
     assert mixed, "some step must verify proposals beside another request's prefill chunk"
-    assert len(schedules) < 40 + 10  # fewer steps than one token per step would take
+    assert len(schedules) < MAX_TOKENS + 10  # fewer steps than one token per step would take
 
 
 @pytest.mark.slow

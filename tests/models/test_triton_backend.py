@@ -13,8 +13,7 @@ from tokenmill.worker.model_setup import resolve_batch_invariant
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
            "A much longer prompt about nothing in particular, repeated. " * 3, "1 2 3 4 5 6 7"]
 # Triton's interpreter runs every kernel program in Python, so each step counts: 8 tokens still take the first
-# prompt (10 tokens) past the gemma window of 16 and leave steps where all three decode rows of the graph
-# test run together (its long prompt of 34 tokens prefills in the first 4 steps)
+# prompt (10 tokens) past the gemma window of 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 # a 16-token budget splits the long prompt into chunks that run beside the others' decodes
 ENGINE = dict(dtype="float32", linear_kernel="dense", block_size=8, num_kv_blocks=96, max_model_len=256,
@@ -67,9 +66,12 @@ def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(llama, 
     # without batch invariance (CUDA's default) the graph splits every sequence's keys, short ones too
     path = llama
     prompts = PROMPTS[:3]
-    options = {**ENGINE, "batch_invariant": invariant}
+    # every prompt (45 tokens in all, the long one 34: several key tiles to split) prefills in the first step,
+    # so each later step is a decode step of all three rows: 4 tokens give 3 of them
+    options = {**ENGINE, "batch_invariant": invariant, "max_num_batched_tokens": 64}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     eager = LLM(path, attention_backend="triton_paged", **options)
-    expected = eager.generate(prompts, GREEDY, use_tqdm=False)
+    expected = eager.generate(prompts, params, use_tqdm=False)
     graphed = LLM(path, attention_backend="triton_paged", **options)
     runner = graphed.llm_engine.runner
     runner.use_decode_graphs(max_num_seqs=8, max_model_len=256, capture=False)
@@ -77,7 +79,7 @@ def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(llama, 
     original = runner.graphs.run
     runner.graphs.run = lambda batch, bucket, *rest: replays.append((len(batch), bucket)) or original(batch, bucket,
                                                                                                       *rest)
-    got = graphed.generate(prompts, GREEDY, use_tqdm=False)
+    got = graphed.generate(prompts, params, use_tqdm=False)
     assert (3, 4) in replays and all(bucket in (1, 2, 4) for _, bucket in replays)
     for e, g in zip(expected, got):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids

@@ -18,7 +18,7 @@ from PIL import Image
 from helpers.tiny_models import make_tiny_llava, make_tiny_qwen2_vl
 from tokenmill import LLM, SamplingParams
 
-MAX_TOKENS = 32
+MAX_TOKENS = 16
 QUESTIONS = ["What is this?", "Describe the picture.", "Which one is brighter?", "Count the shapes.",
              "What colour dominates?", "Is there a face?", "Compare them.", "Tell me a story about it."]
 TEXT_ONLY = ["USER: Hello there ASSISTANT:", "USER: Write a poem about the sea ASSISTANT:"]
