@@ -1,6 +1,7 @@
 """Compile the C kernels into one shared library per instruction-set level (kernels/isa.py).
 
-A library is built on first use of its level (1.5 s for x86-64-v2, 7-11 s for a vector level on 2 cores), and kept in the kernel cache
+A library is built on first use of its level, its sources compiled one per core at once and then linked,
+and kept in the kernel cache
 ($TOKENMILL_CACHE_DIR/kernels, default ~/.cache/tokenmill/kernels; where that cannot be written, a
 per-user folder in the system's temporary directory), named by the level and a hash of the sources,
 the flags and the compiler's version: the same library serves every process and every later run.
@@ -138,9 +139,9 @@ def _objects(work: Path) -> list[str]:
 
 
 def _compile_objects(compiler: str, level: IsaLevel, work: Path) -> None:
-    """Compile every source into `work`, one compiler per core at once (a library's sources take 7-11 s
-    one after another on one core; the longest alone about 3 s). Raises KernelBuildError naming the first
-    source that failed."""
+    """Compile every source into `work`, one compiler per core at once (one after another a vector level's
+    sources take 8-13 s; the longest, attention_tiles.c, about a third of that). Raises KernelBuildError
+    naming a source that failed."""
     commands = [object_command(compiler, level, source, out) for source, out in zip(SOURCES, _objects(work))]
     workers = max(1, min(len(commands), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                          else os.cpu_count() or 1))
