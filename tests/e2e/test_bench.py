@@ -8,40 +8,18 @@ would: a process of its own would add an interpreter start and nothing that the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from e2e.server_harness import ServerProcess
+from helpers.cli_runs import tokenmill, tokenmill_here
 from helpers.tiny_models import make_tiny_hf_model
-from tokenmill.cli.main import main
 from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.kernels.isa import native_bf16
 from tokenmill.layers.linear_kernels import onednn_packing_available
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def tokenmill(*args: str) -> subprocess.CompletedProcess:
-    """`tokenmill ARGS` in its own process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "tokenmill.cli.main", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
-def tokenmill_here(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`tokenmill ARGS` through the command's entry point (`sys.exit(main())`) in this process: its exit status
-    as the interpreter would set it (a SystemExit message goes to stderr with status 1), stdout and stderr."""
-    capsys.readouterr()
-    try:
-        status = main(list(args))
-    except SystemExit as exc:
-        status = exc.code
-    out, err = capsys.readouterr()
-    if isinstance(status, str):
-        err, status = err + status + "\n", 1
-    return subprocess.CompletedProcess(["tokenmill", *args], status or 0, out, err)
 
 
 @pytest.fixture(scope="module")

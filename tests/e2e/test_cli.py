@@ -9,29 +9,10 @@ import dataclasses
 import subprocess
 import sys
 
+from helpers.cli_runs import tokenmill, tokenmill_here
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.cli.main import main
 from tokenmill.config import SECTIONS
-
-
-def tokenmill(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenmill.cli.main", *args], capture_output=True, text=True,
-                          timeout=300)
-
-
-def tokenmill_here(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`tokenmill ARGS` through the command's entry point (`sys.exit(main())`) in this process: its exit status
-    as the interpreter would set it, stdout and stderr."""
-    capsys.readouterr()
-    try:
-        status = main(list(args))
-    except SystemExit as exc:
-        status = exc.code
-    out, err = capsys.readouterr()
-    if isinstance(status, str):
-        err, status = err + status + "\n", 1
-    return subprocess.CompletedProcess(["tokenmill", *args], status or 0, out, err)
 
 
 def test_help_explains_every_engine_flag(capsys):
