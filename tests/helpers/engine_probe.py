@@ -49,9 +49,10 @@ def hf_greedy_tokens_from(model, ids: list[int], count: int, candidate: list[int
         logits = model(torch.tensor([list(ids) + tokens[:-1]]), use_cache=False).logits[0, len(ids) - 1:]
         argmax = logits.argmax(dim=-1).tolist()
         agreed = next((i for i, (a, b) in enumerate(zip(tokens, argmax)) if a != b), len(tokens))
-        tokens = tokens[:agreed] + argmax[agreed:agreed + 1]
-    tokens = tokens[:count]
-    return tokens + hf_greedy_tokens(model, list(ids) + tokens, count - len(tokens)) if len(tokens) < count else tokens
+        tokens = tokens[:agreed] + argmax[agreed:agreed + 1]  # HF's own token where the first disagreement is
+    if len(tokens) < count:
+        tokens += hf_greedy_tokens(model, list(ids) + tokens, count - len(tokens))
+    return tokens
 
 
 @torch.inference_mode()
@@ -112,3 +113,13 @@ def token_logprobs(llm, ids: list[int]) -> list[float]:
 def perplexity(llm, ids: list[int]) -> float:
     """exp of the mean negative log-probability of `ids` after their prefixes."""
     return teacher_forced(llm, [ids])[0]
+
+
+def llm_maker(source, **fixed):
+    """A function that builds an LLM from options on an already opened ModelSource (weights re-read per engine,
+    the file's parsing and tokenizer shared): make(**options) uses `fixed` and then `options`."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    return lambda **options: LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**fixed, **options), source=source))

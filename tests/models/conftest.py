@@ -14,13 +14,8 @@ def smollm2_source():
 @pytest.fixture(scope="session")
 def make_smollm2(smollm2_source):
     """Build an LLM on the default model with extra engine options (weights are re-read, tokenizer shared)."""
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.llm_engine import LLMEngine
-
-    def make(**options):
-        return LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**options), source=smollm2_source))
-    return make
+    from helpers.engine_probe import llm_maker
+    return llm_maker(smollm2_source)
 
 
 @pytest.fixture(scope="session")

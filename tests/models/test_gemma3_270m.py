@@ -8,9 +8,8 @@ import math
 import pytest
 
 from helpers.engine_probe import PERPLEXITY_TEXT as TEXT
-from helpers.engine_probe import perplexity
+from helpers.engine_probe import llm_maker, perplexity
 from helpers.hf_teacher_forced import assert_greedy_matches_hf_forced
-from tokenmill import LLM
 from tokenmill.models.loader.resolve import GEMMA3_270M, resolve_model_path
 
 # prose, code, a question and numbers, of different lengths, in one batch
@@ -36,13 +35,8 @@ def hf_gemma(gemma_path, tmp_path_factory):
 def make_gemma(gemma_path):
     """Build an LLM on the file with engine options; the file is opened once (its 262k-token vocabulary
     costs seconds to read) and every engine shares it."""
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.models.loader import load_model_source
-
-    source = load_model_source(gemma_path)
-    return lambda **options: LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(model=gemma_path, **options),
-                                                       source=source))
+    return llm_maker(load_model_source(gemma_path), model=gemma_path)
 
 
 @pytest.fixture(scope="module")

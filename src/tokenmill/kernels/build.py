@@ -56,19 +56,18 @@ def find_compiler() -> Optional[str]:
     return envs.c_compiler() or shutil.which("gcc") or shutil.which("cc")
 
 
-def _flags(level: IsaLevel, extra: Sequence[str] = ()) -> list[str]:
-    return [*COMMON_FLAGS, *level.compiler_flags, *extra, *envs.extra_kernel_cflags()]
+def _flags(level: IsaLevel) -> list[str]:
+    return [*COMMON_FLAGS, *level.compiler_flags, *envs.extra_kernel_cflags()]
 
 
-def object_command(compiler: str, level: IsaLevel, source: Path, output: str, extra: Sequence[str] = ()) -> list[str]:
+def object_command(compiler: str, level: IsaLevel, source: Path, output: str) -> list[str]:
     """The command that compiles one of SOURCES for `level` into the object file `output`."""
-    return [compiler, *_flags(level, extra), "-c", "-o", output, str(source)]
+    return [compiler, *_flags(level), "-c", "-o", output, str(source)]
 
 
-def link_command(compiler: str, level: IsaLevel, objects: Sequence[str], output: str,
-                 extra: Sequence[str] = ()) -> list[str]:
+def link_command(compiler: str, level: IsaLevel, objects: Sequence[str], output: str) -> list[str]:
     """The command that links `level`'s object files into the shared library `output`."""
-    return [compiler, *_flags(level, extra), "-o", output, *objects, *LINK_FLAGS]
+    return [compiler, *_flags(level), "-o", output, *objects, *LINK_FLAGS]
 
 
 def _compiler_identity(compiler: str) -> str:
@@ -124,9 +123,9 @@ def built_library(level: IsaLevel) -> Path:
         logger.info("building the native kernels for %s (once per machine and version)", level.name)
         work = Path(tempfile.mkdtemp(dir=folder, prefix=f".build-{level.name}-"))
         try:
-            _compile_objects(compiler, level, work)
+            objects = _compile_objects(compiler, level, work)
             library = str(work / "library.so")
-            _run(link_command(compiler, level, _objects(work), library), level, "linking")
+            _run(link_command(compiler, level, objects, library), level, "linking")
             os.replace(library, target)  # atomic: the cache never holds a partial library
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -134,15 +133,12 @@ def built_library(level: IsaLevel) -> Path:
     return target
 
 
-def _objects(work: Path) -> list[str]:
-    return [str(work / f"{source.stem}.o") for source in SOURCES]
-
-
-def _compile_objects(compiler: str, level: IsaLevel, work: Path) -> None:
+def _compile_objects(compiler: str, level: IsaLevel, work: Path) -> list[str]:
     """Compile every source into `work`, one compiler per core at once (one after another a vector level's
     sources take 8-13 s; the longest, attention_tiles.c, about a third of that). Raises KernelBuildError
-    naming a source that failed."""
-    commands = [object_command(compiler, level, source, out) for source, out in zip(SOURCES, _objects(work))]
+    naming a source that failed; returns the object files' paths."""
+    objects = [str(work / f"{source.stem}.o") for source in SOURCES]
+    commands = [object_command(compiler, level, source, out) for source, out in zip(SOURCES, objects)]
     workers = max(1, min(len(commands), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                          else os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
@@ -150,6 +146,7 @@ def _compile_objects(compiler: str, level: IsaLevel, work: Path) -> None:
                 for command, source in zip(commands, SOURCES)]
     for run in runs:
         run.result()
+    return objects
 
 
 def _run(command: list[str], level: IsaLevel, what: str) -> None:
