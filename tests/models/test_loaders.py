@@ -22,6 +22,7 @@ from tokenmill.models.loader import (
     load_model_source,
     resolve_model_path,
 )
+from tokenmill.models.loader.gguf_file import GGUFCheckpoint
 from tokenmill.models.loader.hf_config import arch_config_from_hf
 from tokenmill.models.loader.tokenizer import gguf_tokenizer_cache_dir
 
@@ -265,6 +266,24 @@ def test_gguf_arch_config_of_tiny_files(tmp_path, isolated_cache):
     qwen3 = load_tiny_gguf(tmp_path, "BF16", architecture="qwen3").arch
     assert qwen3.architecture == "Qwen3ForCausalLM"
     assert (qwen3.head_dim, qwen3.qk_norm, qwen3.checkpoint_dtype) == (128, True, "bfloat16")
+
+
+def test_gguf_metadata_reads_every_field_as_the_gguf_library_does(tmp_path):
+    """The checkpoint's one-pass array reader gives the gguf library's values for every field: string,
+    integer, float and bool arrays (the vocabulary among them), scalars, and an empty array."""
+    def arrays(writer: gguf.GGUFWriter) -> None:
+        writer.add_array("test.floats", [0.5, -2.25, 3e-8])
+        writer.add_array("test.bools", [True, False, True])
+        writer.add_array("test.empty", [])
+        writer.add_array("test.nested", [[1, 2], [3]])
+
+    path = write_tiny_gguf(tmp_path / "fields.gguf", "Q8_0", extra_metadata=arrays)
+    ours, library = GGUFCheckpoint(path).reader, gguf.GGUFReader(path)
+    assert set(ours.fields) == set(library.fields)
+    for name, field in library.fields.items():
+        assert (ours.fields[name].types, ours.fields[name].contents()) == (field.types, field.contents()), name
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == 512
+    assert [t.name for t in ours.tensors] == [t.name for t in library.tensors]
 
 
 def test_gguf_rope_freqs_become_factor_scaling(tmp_path, isolated_cache):
