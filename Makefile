@@ -47,7 +47,7 @@ EVERY_LEVEL_FILES = $(shell grep -rl every_level tests --include='test_*.py')
 # Two workers, one per core of the project machine: each holds its own session fixtures (docs/testing.md has
 # the measured time and peak memory). `make test TEST_WORKERS=1` runs one.
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0
 
 LOWEST_LEVEL := $(shell $(PYTHON) -c "import platform; print('x86-64-v2' if platform.machine() in ('x86_64', 'AMD64') else 'generic')")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -71,7 +70,8 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(front):
     first = complete(front.url, PREFIX + [1])
     after_first = routed(front.url)
     holder = next(r for r in "01" if after_first[r] > before[r])
-    time.sleep(0.5)  # the replica's KV events reach the front
+    # the holder's KV events reach the front's prefix index
+    wait_for_metrics(front.url, lambda s: metric(s, "tokenmill_dp_prefix_index_blocks", engine=holder) > 0, timeout=60)
     for question in range(2, 6):
         answer = complete(front.url, PREFIX + [question, question])
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PREFIX)

@@ -140,24 +140,17 @@ def test_smollm2_packed_q4_weights_over_3_ranks(make_smollm2):
     """The default configuration: packed Q4 weights, int8-quantised activations. Exact row-parallel
     products in 2 pipeline stages of 3 ranks give the single-rank ids and logprobs bit for bit (real
     weights split 3 ways, and stages of tensor-parallel ranks: the float32 stages of the tiny models add
-    nothing dtype-specific, a stage only hands on its hidden state); partial sums over 3 ranks are reported."""
+    nothing dtype-specific, a stage only hands on its hidden state). Partial sums over 3 ranks are held
+    to the one-rank output in float32 above, where their gap has a bound."""
     params = greedy(SMOLLM2_TOKENS)
     one = make_smollm2()
     single = ids_and_logprobs(one.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
-    results = {}
-    for exact, sizes in ((True, dict(pipeline_parallel_size=2)), (False, {})):
-        split = make_smollm2(tensor_parallel_size=3, tensor_parallel_exact=exact, **sizes)
-        try:
-            assert "int4 projections" in split.llm_engine.executor.description  # still packed, not dequantised
-            results[exact] = ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
-        finally:
-            split.shutdown()
-    assert results[True] == single
-    ids, logprobs = results[False]
-    same = sum(a == b for a, b in zip(ids, single[0]))
-    first_gap = max(abs(a[0] - b[0]) for a, b in zip(logprobs, single[1]))
-    print(f"\nTP=3 partial sums vs TP=1, packed weights: {same}/{len(ids)} prompts identical over "
-          f"{SMOLLM2_TOKENS} tokens; first-token logprob gap up to {first_gap:.2e}")
+    split = make_smollm2(tensor_parallel_size=3, tensor_parallel_exact=True, pipeline_parallel_size=2)
+    try:
+        assert "int4 projections" in split.llm_engine.executor.description  # still packed, not dequantised
+        assert ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)) == single
+    finally:
+        split.shutdown()
 
 
 def test_a_killed_rank_fails_the_engine_naming_it(tiny_models):

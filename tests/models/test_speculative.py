@@ -43,21 +43,30 @@ def run(llm: LLM) -> tuple[list[list[int]], list]:
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(make_smollm2):
-    return run(make_smollm2(**ENGINE))[0]
+def plain_run(make_smollm2):
+    """The greedy outputs and the schedules without speculation."""
+    return run(make_smollm2(**ENGINE))
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain_run):
+    return plain_run[0]
 
 
 @pytest.mark.slow
-def test_ngram_speculation_keeps_greedy_output_identical(make_smollm2, plain_greedy):
+def test_ngram_speculation_keeps_greedy_output_identical(make_smollm2, plain_run):
     llm = make_smollm2(**ENGINE, speculative_method="ngram", num_speculative_tokens=4)
     greedy, schedules = run(llm)
+    plain_greedy, plain_schedules = plain_run
     assert greedy == plain_greedy
     spec = llm.llm_engine.stats().spec
     assert spec.accepted_tokens > 0 and spec.num_rounds > 0
     assert spec.emitted_tokens == spec.accepted_tokens + spec.num_rounds  # nothing stopped early (ignore_eos)
     mixed = [s for s in schedules if any(n for _, n, _ in s) and any(not sample for _, _, sample in s)]
     assert mixed, "some step must verify proposals beside another request's prefill chunk"
-    assert len(schedules) < MAX_TOKENS + 10  # fewer steps than one token per step would take
+    # accepted proposals take requests through fewer steps (measured: 87 requests' steps against 125); the
+    # steps themselves are as many, as long as the seeded request, which draws no proposal, runs
+    assert sum(map(len, schedules)) < sum(map(len, plain_schedules))
 
 
 @pytest.mark.slow

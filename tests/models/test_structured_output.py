@@ -43,10 +43,10 @@ def constraints():
     yield StructuredOutput.choice(COLOURS), lambda text: text in COLOURS or pytest.fail(text)
 
 
-def test_two_hundred_sampled_outputs_all_parse_and_validate(tiny_llm):
+def test_a_hundred_sampled_outputs_all_parse_and_validate(tiny_llm):
     checks = list(constraints())
     prompts, params = [], []
-    for i in range(200):
+    for i in range(100):
         spec, _ = checks[i % len(checks)]
         prompts.append(f"Request {i}:")
         params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=160, structured_output=spec))
@@ -58,7 +58,7 @@ def test_two_hundred_sampled_outputs_all_parse_and_validate(tiny_llm):
         if completion.finish_reason == "stop":  # a complete document; 'length' means max_tokens cut it
             checks[i % len(checks)][1](completion.text)
             completed += 1
-    assert completed >= 180, f"only {completed} of 200 outputs completed within max_tokens"
+    assert completed >= 90, f"only {completed} of 100 outputs completed within max_tokens"
 
 
 def test_max_tokens_cutting_a_document_reports_length(tiny_llm):

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HTTPRoute
 
 from tokenmill.balancer.forwarding import answer_headers, request_headers
+from tokenmill.balancer.kv_index import PrefixIndex
 from tokenmill.balancer.policy import Balancer, Replica, Route
 from tokenmill.balancer.replicas import ReplicaProcess
 from tokenmill.balancer.response_homes import RESPONSES_PATH, ResponseHomes
@@ -89,12 +90,18 @@ class BalancerMetrics:
                                 "died", ["engine"], registry=self.registry)
         self.outstanding = Gauge("tokenmill_dp_outstanding_tokens", "prompt + max_tokens of the requests the "
                                  "replica is serving", ["engine"], registry=self.registry)
+        self.indexed_blocks = Gauge("tokenmill_dp_prefix_index_blocks", "KV blocks the front's prefix index, fed "
+                                    "by the replica's KV events, believes the replica holds", ["engine"],
+                                    registry=self.registry)
 
-    def render(self, replica_texts: dict[int, str], replicas: list[Replica]) -> bytes:
+    def render(self, replica_texts: dict[int, str], replicas: list[Replica],
+               index: Optional[PrefixIndex] = None) -> bytes:
         """The exposition text: the front's series, then the replicas' (each with its engine label)."""
         for replica in replicas:
             self.outstanding.labels(str(replica.rank)).set(replica.outstanding_tokens)
             self.up.labels(str(replica.rank)).set(1 if replica.healthy else 0)
+            if index is not None:
+                self.indexed_blocks.labels(str(replica.rank)).set(index.num_blocks(replica.rank))
         merged: dict[str, Metric] = {}
         for rank, text in sorted(replica_texts.items()):
             for family in text_string_to_metric_families(text):
@@ -182,7 +189,8 @@ def build_balancer_app(balancer: Balancer, processes: list[ReplicaProcess], prom
             except httpx.HTTPError:
                 return replica.rank, ""
         texts = dict(await asyncio.gather(*(scrape(r) for r in balancer.replicas if r.healthy)))
-        body = metrics.render({rank: text for rank, text in texts.items() if text}, balancer.replicas)
+        body = metrics.render({rank: text for rank, text in texts.items() if text}, balancer.replicas,
+                              balancer.index)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def proxy(request: Request) -> Response:
