@@ -24,7 +24,7 @@ from tokenmill.models.loader import (
 )
 from tokenmill.models.loader.gguf_file import GGUFCheckpoint
 from tokenmill.models.loader.hf_config import arch_config_from_hf
-from tokenmill.models.loader.tokenizer import gguf_tokenizer_cache_dir
+from tokenmill.models.loader.tokenizer import gguf_tokenizer_cache_dir, load_hf_tokenizer
 
 QUANTIZABLE_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 K_QUANT_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # gguf-py cannot quantize: random blocks
@@ -436,3 +436,26 @@ def test_converted_gguf_tokenizer_is_cached_and_reused(tmp_path, isolated_cache,
 def test_iter_weights_shows_progress_on_stderr(tmp_path, isolated_cache, capsys):
     loaded_weights(load_tiny_gguf(tmp_path, "F16"))
     assert "Loading llama-F16.gguf" in capsys.readouterr().err
+
+
+def test_an_hf_folders_tokenizer_class_is_remembered_and_loads_the_same_tokenizer(tmp_path, isolated_cache,
+                                                                                 monkeypatch):
+    from transformers import AutoTokenizer
+
+    folder = make_tiny_hf_model(tmp_path / "model")
+    first = load_hf_tokenizer(folder)
+    records = list((isolated_cache / "tokenizer-classes").iterdir())
+    assert [record.read_text() for record in records] == [type(first).__name__]
+
+    def asked_again(*args, **kwargs):
+        raise AssertionError("AutoTokenizer asked again")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", asked_again)
+    second = load_hf_tokenizer(folder)
+    assert type(second) is type(first)
+    assert (second.chat_template, second.all_special_tokens) == (first.chat_template, first.all_special_tokens)
+    for text in SAMPLE_TEXTS:
+        assert second.encode(text) == first.encode(text)
+    edit_config(folder, rms_norm_eps=1e-6)  # another config is another choice: AutoTokenizer is asked
+    with pytest.raises(AssertionError, match="asked again"):
+        load_hf_tokenizer(folder)

@@ -3,16 +3,24 @@
 transformers needs seconds to build a tokenizer from GGUF metadata, so the result is saved with
 `save_pretrained` under `$TOKENMILL_CACHE_DIR/tokenizers/<key>` (default `~/.cache/tokenmill`)
 and reloaded from there; the key changes whenever the GGUF file's path, size or mtime does.
+
+For an HF folder, AutoTokenizer picks the tokenizer's class from the folder's config, and reading the
+config imports transformers' model code for the architecture: about a second per process, more than a
+small tokenizer takes to load. The class it picked is remembered under
+`$TOKENMILL_CACHE_DIR/tokenizer-classes/<key>`, the key a hash of everything the choice reads (the
+transformers version, the folder's file names and its config and tokenizer files); a later load of the
+same files calls that class's `from_pretrained`, as AutoTokenizer does once it has picked.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from tokenmill import envs
 
@@ -28,11 +36,58 @@ def gguf_tokenizer_cache_dir(gguf_path: str | Path) -> Path:
     return envs.cache_root() / "tokenizers" / f"{path.stem}-{key}"
 
 
-def load_hf_tokenizer(folder: str | Path) -> "PreTrainedTokenizerBase":
-    """The tokenizer saved in an HF checkpoint folder."""
-    from transformers import AutoTokenizer
+# the files besides config.json whose bytes AutoTokenizer's choice of class reads
+_CLASS_CHOICE_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
+                       "tokenizer.model", "tekken.json", "params.json")
 
-    return AutoTokenizer.from_pretrained(str(folder))
+
+def load_hf_tokenizer(folder: str | Path) -> "PreTrainedTokenizerBase":
+    """The tokenizer saved in an HF checkpoint folder: AutoTokenizer's, by the class it picked for the same
+    files before where the cache remembers it (see the module docstring)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    record = _class_record(Path(folder))
+    if record is not None and record.is_file():
+        chosen = tokenizer_class_from_name(record.read_text().strip())
+        if chosen is not None:
+            return chosen.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    name = type(tokenizer).__name__
+    if record is not None and tokenizer_class_from_name(name) is type(tokenizer):  # not remote code
+        _write_atomically(record, name)
+    return tokenizer
+
+
+def _class_record(folder: Path) -> Optional[Path]:
+    """Where the class AutoTokenizer picks for `folder` is remembered; None where the choice also depends
+    on the path itself (transformers overrides a few Hub ids by name)."""
+    import transformers
+    from transformers.models.auto.tokenization_auto import MODEL_IDS_TO_TOKENIZERS_BACKEND
+
+    if any(fnmatch.fnmatch(str(folder).lower(), pattern) for pattern in MODEL_IDS_TO_TOKENIZERS_BACKEND):
+        return None
+    digest = hashlib.sha256(transformers.__version__.encode())
+    try:
+        digest.update("\0".join(sorted(os.listdir(folder))).encode())
+        for name in _CLASS_CHOICE_FILES:
+            if (folder / name).is_file():
+                digest.update(b"\0" + name.encode() + b"\0" + (folder / name).read_bytes())
+    except OSError:
+        return None
+    return envs.cache_root() / "tokenizer-classes" / digest.hexdigest()[:32]
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    """Write `text` to `target` by a rename, so a reader sees all of it or nothing; a cache that cannot be
+    written is skipped (the next load asks AutoTokenizer again)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}-", delete=False) as out:
+            out.write(text)
+        os.replace(out.name, target)
+    except OSError:
+        pass
 
 
 def _save_atomically(tokenizer: "PreTrainedTokenizerBase", target: Path) -> None:
