@@ -113,11 +113,12 @@ def test_a_node_with_the_wrong_secret_is_refused_and_node_0_names_the_missing_ra
                                                                                     monkeypatch):
     port = two_free_ports()
     node1 = start_node(tiny_llama, 1, port, "not-the-secret", tmp_path / "node1.log", "--tensor-parallel-size", "2",
-                       "--distributed-timeout", "20")
+                       "--distributed-timeout", "120")
     monkeypatch.setenv("TOKENMILL_DIST_KEY", SECRET)
     try:
-        # node 0 waits 6 s for node 1's worker: it must be up and knocking by then, however loaded the machine
-        wait_for_log(tmp_path / "node1.log", "engine at", node1)
+        # node 0 waits 6 s for node 1's worker, so the worker is knocking before node 0 starts (it knocks for up
+        # to 120 s: node 0 is listening long before that, however loaded the machine)
+        wait_for_log(tmp_path / "node1.log", "connecting to node 0's engine", node1)
         with pytest.raises(RuntimeError, match=r"worker ranks \[1\] \(node_rank 1\) did not connect"):
             LLM(tiny_llama, tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout=6)
         assert node1.wait(timeout=60) == 1

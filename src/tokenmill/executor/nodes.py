@@ -180,6 +180,7 @@ def remote_worker_main(address: tuple[str, int], key: bytes, rank: int, model_pa
     from tokenmill.executor.worker_process import worker_main
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger(__name__).info("connecting to node 0's engine at %s:%d (for up to %g s)", *address, timeout)
     try:
         conn = connect_to_engine(address, key, rank, timeout)
         spec = pickle.loads(conn.recv_bytes())
