@@ -36,7 +36,7 @@ def gguf_tokenizer_cache_dir(gguf_path: str | Path) -> Path:
     return envs.cache_root() / "tokenizers" / f"{path.stem}-{key}"
 
 
-# the files besides config.json whose bytes AutoTokenizer's choice of class reads
+# the files whose bytes AutoTokenizer's choice of class reads (besides the names of all the folder's files)
 _CLASS_CHOICE_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                        "tokenizer.model", "tekken.json", "params.json")
 
@@ -55,7 +55,7 @@ def load_hf_tokenizer(folder: str | Path) -> "PreTrainedTokenizerBase":
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     name = type(tokenizer).__name__
     if record is not None and tokenizer_class_from_name(name) is type(tokenizer):  # not remote code
-        _write_atomically(record, name)
+        _write_text_atomically(record, name)
     return tokenizer
 
 
@@ -78,7 +78,7 @@ def _class_record(folder: Path) -> Optional[Path]:
     return envs.cache_root() / "tokenizer-classes" / digest.hexdigest()[:32]
 
 
-def _write_atomically(target: Path, text: str) -> None:
+def _write_text_atomically(target: Path, text: str) -> None:
     """Write `text` to `target` by a rename, so a reader sees all of it or nothing; a cache that cannot be
     written is skipped (the next load asks AutoTokenizer again)."""
     try:
