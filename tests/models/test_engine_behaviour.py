@@ -113,6 +113,17 @@ def test_oversized_requests_raise_with_both_numbers(llm):
     assert llm.generate(PROMPT, SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
+def test_each_request_is_checked_against_the_scheduler_once(llm, monkeypatch):
+    scheduler = llm.llm_engine.scheduler
+    sizes = []
+    check = scheduler.check_admissible
+    monkeypatch.setattr(scheduler, "check_admissible", lambda *args: (sizes.append(args), check(*args))[1])
+    outputs = llm.generate([PROMPT, "Hello"], SamplingParams(max_tokens=3, n=2, ignore_eos=True))
+    assert [len(o.outputs) for o in outputs] == [2, 2]
+    prompt_lens = [len(o.prompt_token_ids) for o in outputs]
+    assert sizes == [(n, n + 3) for n in prompt_lens]
+
+
 def test_max_tokens_none_fills_the_context(llm):
     out = llm.generate([5] * 500, SamplingParams(max_tokens=None, ignore_eos=True, temperature=0))[0].outputs[0]
     assert len(out.token_ids) == 12 and out.finish_reason == "length"

