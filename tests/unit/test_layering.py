@@ -2,8 +2,11 @@
 the environment is read in one module (envs.py).
 
 Read from the source with `ast`, so function-level imports count as much as top-level ones (an import
-inside a function still ties the two modules together); imports under `if TYPE_CHECKING:` do not count.
-docs/architecture.md ("Layers") describes the order.
+inside a function still ties the two modules together). Imports under `if TYPE_CHECKING:` count for circles
+(a type-only circle still leaves two modules that cannot be understood or type-checked apart), not for
+layers: an annotation may name a higher layer's data without running its code (layers/moe.py's MoEConfig
+from models/arch.py, multimodal/media.py's ServerConfig from config.py). docs/architecture.md ("Layers")
+describes the order.
 """
 
 import ast
@@ -41,8 +44,9 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package's modules that `name` imports anywhere in its source, except under TYPE_CHECKING."""
+def imported(name: str, path: Path, known: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """The package's modules that `name` imports anywhere in its source; under TYPE_CHECKING only if
+    `type_checking`."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
 
@@ -53,7 +57,7 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if not type_checking and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 for other in child.orelse:
                     visit(other)
                 continue
@@ -77,9 +81,10 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
+def graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """Each module's imports of the package's modules (see `imported`)."""
     known = modules()
-    return {name: imported(name, path, known) for name, path in known.items()}
+    return {name: imported(name, path, known, type_checking) for name, path in known.items()}
 
 
 def layer(module: str) -> int:
@@ -140,7 +145,7 @@ def test_every_module_has_a_layer_and_imports_none_above_it():
 
 
 def test_no_import_circles():
-    edges = graph()
+    edges = graph(type_checking=True)
     found = cycles(edges)
     detail = ["  ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a]) if b in c) for c in found]
     assert not found, "\n".join(detail)
@@ -164,3 +169,13 @@ def test_the_checker_sees_function_level_imports_and_circles():
     source = graph()
     # tokenmill.kernels.build reads tokenmill.envs at the top level: a known edge the walk must find
     assert "tokenmill.envs" in source["tokenmill.kernels.build"]
+
+
+def test_the_circle_check_counts_type_checking_imports(tmp_path):
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                                   "if TYPE_CHECKING:\n    from tokenmill.b import B\n")
+    (tmp_path / "b.py").write_text("import tokenmill.a\n")
+    known = {f"{PACKAGE}.a": tmp_path / "a.py", f"{PACKAGE}.b": tmp_path / "b.py"}
+    for type_checking, expected in ((False, []), (True, [[f"{PACKAGE}.a", f"{PACKAGE}.b"]])):
+        edges = {name: imported(name, path, known, type_checking) for name, path in known.items()}
+        assert cycles(edges) == expected

@@ -6,16 +6,34 @@ Imports run in phase `into` (before the forward pass), exports in phase `after` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from tokenmill.core.kv_connector import TRANSFER, KVConnectorScheduler
 
 if TYPE_CHECKING:
     from tokenmill.core.block_hash import KeySalt
     from tokenmill.core.block_keys import BlockKey
-    from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.core.block_pool import BlockPool
     from tokenmill.core.sched_output import ScheduledChunk
     from tokenmill.request import Request
+
+
+class TransferKV(Protocol):
+    """What `TransferConnector` uses of the KV cache manager (core/kv_cache_manager.py) it belongs to."""
+
+    block_size: int
+    watermark_blocks: int
+    pool: BlockPool
+
+    @property
+    def num_groups(self) -> int: ...
+
+    def held_elsewhere(self, key: tuple[int, BlockKey]) -> bool: ...
+
+    def record_adopted(self, request_id: str, keys: Sequence[BlockKey], indices: Sequence[int],
+                       salt: Optional[KeySalt]) -> None: ...
+
+    def block_tables(self, request_id: str) -> list[list[int]]: ...
 
 
 class TransferConnector(KVConnectorScheduler):
@@ -23,7 +41,7 @@ class TransferConnector(KVConnectorScheduler):
 
     name = TRANSFER
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: TransferKV) -> None:
         # pending: imports in (file, pool blocks, the file's block of each), exports after (file, pool blocks)
         super().__init__()
         self.kv = kv

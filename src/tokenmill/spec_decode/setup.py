@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.spec_decode.controller import SpeculationController
 from tokenmill.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
-    from tokenmill.engine.llm_engine import LLMEngine
+    import torch
+
+    from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.models.arch import ArchConfig
+    from tokenmill.structured.step_grammars import StepGrammars
 
 
-def make_speculation(config: EngineConfig, engine: "LLMEngine") -> SpeculationController:
+class SpeculationTarget(Protocol):
+    """What a draft proposer's setup reads of the engine it proposes for (engine/llm_engine.py's `LLMEngine`);
+    `step_grammars` is read at every proposal, as the engine builds it on the first constrained request."""
+
+    arch: ArchConfig
+    tokenizer: Any
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache: KVCacheManager
+    eos_token_ids: tuple[int, ...]
+    step_grammars: Optional[StepGrammars]
+
+
+def make_speculation(config: EngineConfig, engine: SpeculationTarget) -> SpeculationController:
     """The controller for config.speculative (method ngram or draft), proposing for `engine`'s requests."""
     spec = config.speculative
     if spec.speculative_method == "ngram":
@@ -24,7 +42,7 @@ def make_speculation(config: EngineConfig, engine: "LLMEngine") -> SpeculationCo
                                  spec.speculative_min_acceptance)
 
 
-def _draft_proposer(config: EngineConfig, engine: "LLMEngine"):
+def _draft_proposer(config: EngineConfig, engine: SpeculationTarget):
     from tokenmill.worker.model_setup import load_model
     from tokenmill.models.loader import load_model_source
     from tokenmill.spec_decode.draft import DraftProposer
