@@ -106,6 +106,15 @@ class Request:
         return len(self.prompt_token_ids) + self.max_tokens
 
     @property
+    def needs_last_token(self) -> bool:
+        """Whether the runner needs this request's last token on the host before it samples the next one: a
+        grammar's mask or penalties read it, min_tokens counts it while it matters, and an n>1 parent forks
+        its samples from it. Async scheduling schedules such a request only once its last token is known."""
+        params = self.sampling_params
+        return (params.structured_output is not None or params.uses_penalties or self.num_samples_to_fork > 0
+                or len(self.output_token_ids) < params.min_tokens)
+
+    @property
     def priority_key(self) -> tuple[int, int]:
         """Sort key: smaller is served first (vLLM's convention: lower priority value wins, then FCFS)."""
         return (self.priority, self.arrival_seq)

@@ -10,7 +10,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduling import SchedulingLimits
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.request_state import RequestStates
+from tokenmill.worker.request_state import PLACEHOLDER, RequestStates
 
 EOS = 2
 
@@ -35,19 +35,30 @@ class FakeRunner:
         self.requests = None  # the scheduler's requests, to compare with, when given
         self.block_contents: dict[int, dict[int, int]] = {}  # block -> offset -> token written there
         self.tier_contents: dict[int, dict[int, int]] = {}  # second-tier slot -> saved block contents
+        self.sampled: dict[str, list[int]] = {}  # the previous step's sampled tokens: what placeholders stand for
+        self.num_placeholders = 0
 
-    def _check_reads_and_write(self, item) -> None:
+    def sequence(self, item) -> list[int]:
+        """The item's tokens so far, its placeholder filled in as the real runner does: with the token the
+        previous step sampled for it."""
+        tokens = item.prompt_token_ids + item.output_token_ids
+        if item.placeholder:
+            assert item.token_ids == [PLACEHOLDER] and item.start == len(tokens)
+            tokens = tokens + [self.sampled[item.request_id][-1]]
+        return tokens
+
+    def _check_reads_and_write(self, item, tokens: list[int]) -> None:
         """What attention would read must be what was written: no stale or foreign KV, ever. In each KV
         cache group, a query at position p reads the keys its group's window leaves it, (p - W, p]."""
         bs = self.kv.block_size
-        tokens = item.prompt_token_ids + item.output_token_ids
         for group, (table, window) in enumerate(zip(item.block_ids, self.kv.windows)):
             first_read = 0 if window is None else max(0, item.start - window + 1)
             for position in range(first_read, item.start):
                 written = self.block_contents.get(table[position // bs], {}).get(position % bs)
                 assert written == tokens[position], \
                     f"{item.request_id} reads stale KV at position {position} in group {group}"
-            for position, token in enumerate(item.token_ids, start=item.start):
+            for position, token in enumerate(tokens[item.start:item.start + item.num_tokens - len(item.spec_token_ids)]
+                                             + item.spec_token_ids, start=item.start):
                 self.block_contents.setdefault(table[position // bs], {})[position % bs] = token
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
@@ -67,11 +78,12 @@ class FakeRunner:
         for slot, block in tier.into if tier else ():
             self.block_contents[block] = dict(self.tier_contents[slot])
         for item in self.items:
-            self._check_reads_and_write(item)
-            tokens = item.prompt_token_ids + item.output_token_ids
+            tokens = self.sequence(item)
+            self.num_placeholders += item.placeholder
+            self._check_reads_and_write(item, tokens)
             end = item.start + item.num_tokens
             drafts = item.spec_token_ids
-            assert item.token_ids == tokens[item.start:end - len(drafts)] + drafts, \
+            assert item.placeholder or item.token_ids == tokens[item.start:end - len(drafts)] + drafts, \
                 "a chunk computes the request's next tokens, then its proposals"
             assert all(len(t) * self.kv.block_size >= end for t in item.block_ids), \
                 "blocks must cover every computed token"
@@ -81,6 +93,7 @@ class FakeRunner:
                 out.sampled_token_ids[item.request_id] = verify(tokens, drafts)
             else:
                 assert not drafts, "proposals come only with the tokens a request lacks"
+        self.sampled = dict(out.sampled_token_ids)
         return out
 
 
@@ -109,12 +122,13 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, 
                    max_model_len: int = 256, watermark: float = 0.0,
                    prefix_caching: bool = False, secondary_slots: int = 0,
                    steps_in_flight: int = 1, windows: tuple = (None,),
-                   record_events: bool = False) -> tuple[Scheduler, FakeRunner]:
+                   record_events: bool = False, async_scheduling: bool = False) -> tuple[Scheduler, FakeRunner]:
     """A scheduler over a KV cache manager of one group per entry of `windows` (None: full attention,
     W: a sliding window of W tokens), and the fake runner it drives."""
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching,
                         secondary_slots=secondary_slots, windows=windows, record_events=record_events)
-    limits = SchedulingLimits(budget, max_seqs, max_model_len, max_steps_in_flight=steps_in_flight)
+    limits = SchedulingLimits(budget, max_seqs, max_model_len, max_steps_in_flight=steps_in_flight,
+                              async_scheduling=async_scheduling)
     scheduler, runner = Scheduler(limits, kv), FakeRunner(kv)
     runner.requests = scheduler.requests
     return scheduler, runner

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import bisect
 import time
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_connector import KVConnectorScheduler
 from tokenmill.core.runner_views import RunnerViews
-from tokenmill.core.sched_output import ScheduledChunk, SchedulerOutput
+from tokenmill.core.sched_output import ModelRunnerOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
 from tokenmill.core.scheduling import SchedulingLimits, SpecTotals
-from tokenmill.core.step_results import StepResults
 from tokenmill.core.swap_space import SwapSpace
 from tokenmill.multimodal.inputs import overlapping
 from tokenmill.request import Request, RequestStatus
@@ -49,15 +49,24 @@ class _EncoderBudget:
         return num_new
 
 
+@dataclass(slots=True)
+class InFlight:
+    """A request's share of the steps sent to the runner and not yet updated: the tokens they compute, and
+    how many of them sample a token the host does not know yet (each stands as a placeholder)."""
+
+    tokens: int = 0
+    samples: int = 0
+
+
 def _adapter(request: Request) -> Optional[int]:
     """The request's LoRA adapter id (None: the base model)."""
     lora = request.sampling_params.lora_request
     return None if lora is None else lora.lora_int_id
 
 
-class Scheduler(StepResults):
-    """Decides, each step, which requests compute how many tokens (and, through `StepResults`,
-    core/step_results.py, advances them by what each step computed).
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, and advances them by what each step
+    computed and sampled (`update_from_output`).
 
     Every step hands out a token budget: running requests first (in priority order), then waiting
     ones. A request gets min(tokens it lacks, budget left), so long prompts are chunked and mixed
@@ -69,10 +78,16 @@ class Scheduler(StepResults):
     Invariant: `running` and `waiting` are both sorted by Request.priority_key, so the preemption
     victim is always running[-1] and, under fcfs, the next admission is always waiting[0].
 
-    Steps in flight (pipeline stages): a step may be built while earlier ones still run, up to
-    `limits.max_steps_in_flight`. A request is in at most one step in flight (its next tokens depend
-    on that step's result), and nothing is preempted while any step is in flight: a step that cannot
-    grow a request's blocks stops there, and the request waits for the steps ahead to come back.
+    Steps in flight: a step may be built while earlier ones still run, up to `limits.max_steps_in_flight`
+    (pipeline stages), or one ahead of the step running with async scheduling. Nothing is preempted
+    while any step is in flight: a step that cannot grow a request's blocks stops there, and the request
+    waits for the steps ahead to come back. A request in a step in flight is scheduled again only with
+    async scheduling, only when that step is its only one in flight, and only when its next step needs
+    nothing of the token that step samples but its value on the device (`_may_overlap`): its next chunk
+    is then one token, the placeholder, which the runner fills from the previous step's sampled ids.
+    Its stops (EOS, stop ids, max_tokens, stop strings) are found when that step's output comes back,
+    one step late: the following step's output for it is dropped (`update_from_output` skips a request
+    that finished), never appended, counted or cached.
     """
 
     def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager, swap_slots: int = 0) -> None:
@@ -92,7 +107,7 @@ class Scheduler(StepResults):
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
         self._runner_views = RunnerViews()
-        self.in_flight: set[str] = set()  # ids of requests in a step sent to the runner and not yet updated
+        self.in_flight: dict[str, InFlight] = {}  # requests in steps sent to the runner and not yet updated
         self.num_preemptions_total = 0
         self.spec_totals = SpecTotals()
 
@@ -151,6 +166,91 @@ class Scheduler(StepResults):
         """True while any request is waiting or running."""
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------ results
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance requests by what the step computed and sampled; returns one update per request touched."""
+        for connector in self.connectors:
+            connector.end_step()
+        updates = []
+        for item in output.scheduled:
+            flight = self.in_flight[item.request_id]
+            flight.tokens -= item.num_tokens
+            flight.samples -= item.sample
+            if not flight.tokens:
+                del self.in_flight[item.request_id]
+            request = self.requests.get(item.request_id)
+            if request is None or request.status.finished:
+                continue  # finished (e.g. aborted) while the step ran
+            update = RequestUpdate(item.request_id, first_scheduled_time=request.first_scheduled_time,
+                                   num_cached_tokens=request.num_cached_tokens)
+            error = result.failed.get(item.request_id)
+            if error is not None:  # its blocks return to the pool; the rest of the batch is unaffected
+                self.finish_requests([item.request_id], RequestStatus.FINISHED_ERROR)
+                update.finish_reason, update.error = RequestStatus.FINISHED_ERROR.value, error
+                updates.append(update)
+                continue
+            if item.request_id in result.prompt_logprobs:
+                update.new_prompt_logprobs = result.prompt_logprobs[item.request_id]
+                update.prompt_logprobs_start = item.start + 1
+            request.num_computed_tokens += item.num_tokens
+            request.spec_token_ids = []
+            if item.sample:
+                if request.num_samples_to_fork:
+                    self._fork_samples(request)
+                self._append_sampled(request, item, result, update)
+            self.kv_cache.cache_computed_blocks(request)
+            if request.status.finished:
+                self.running.remove(request)
+                self._release(request)
+                update.finish_reason = request.status.value
+                update.stop_reason = request.stop_reason
+            updates.append(update)
+        return updates
+
+    def _append_sampled(self, request: Request, item: ScheduledChunk, result: ModelRunnerOutput,
+                        update: RequestUpdate) -> None:
+        """Append the step's tokens (accepted proposals, then the sampled one) up to the first that
+        stops the request, and roll num_computed_tokens and the block table back past rejected proposals."""
+        tokens = result.sampled_token_ids[item.request_id]
+        num_drafts = len(item.spec_token_ids)
+        if num_drafts:
+            accepted = len(tokens) - 1
+            update.num_draft_tokens, update.num_accepted_tokens = num_drafts, accepted
+            self.spec_totals.add(num_drafts, accepted)
+            request.num_computed_tokens -= num_drafts - accepted
+        logprobs = result.logprobs.get(item.request_id)
+        for index, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            update.new_token_ids.append(token)
+            if logprobs is not None:
+                update.new_logprobs.append(logprobs[index])
+            if request.check_stop_token(token):
+                break
+        # A complete output grammar ends the request as a stop, even on its max_tokens-th token: the
+        # runner cut the tokens at the completing one, so it is the last appended.
+        if item.request_id in result.completed and request.status is not RequestStatus.FINISHED_STOPPED:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        if num_drafts:
+            self.spec_totals.emitted_tokens += len(update.new_token_ids)
+            # The KV of tokens past a stop is not part of the sequence: it must not be cached as computed.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache.trim(request.request_id, request.num_computed_tokens)
+
+    def _fork_samples(self, parent: Request) -> None:
+        """Start samples 1..n-1 of an n>1 request, sharing the prompt's full blocks with it.
+
+        Each child recomputes at least the last prompt token (to get its own logits), so it shares
+        only the blocks before the one holding that token.
+        """
+        params = parent.sampling_params
+        for index in range(1, parent.num_samples_to_fork + 1):
+            child_id = f"{parent.request_id}#{index}"
+            shared = self.kv_cache.fork(parent.request_id, child_id, parent.num_prompt_tokens - 1)
+            child = parent.fork(child_id, params.for_sample(index), shared)
+            self.requests[child_id] = child
+            self._insert(self.running, child)
+        parent.num_samples_to_fork = 0
+
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch. Invariant of the step contract: every output must reach the runner,
@@ -165,19 +265,21 @@ class Scheduler(StepResults):
         index = 0
         while index < len(self.running) and budget > 0 and room > 0:
             request = self.running[index]
-            if request.request_id in self.in_flight:
+            flight = self.in_flight.get(request.request_id)
+            if flight is not None and not self._may_overlap(request, flight):
                 index += 1
                 continue
+            start, known_end = self._next_span(request, flight)
             if not request.num_samples_to_fork:  # a parent about to fork keeps what its samples will share
                 self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
-            num_new = encoder.fit(request, request.num_computed_tokens, self._grant(request, budget))
+            num_new = encoder.fit(request, start, self._grant(request, start, known_end, budget))
             if num_new == 0:  # its next image waits for the next step's encoder budget
                 index += 1
                 continue
-            while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            while not self.kv_cache.allocate_slots(request.request_id, start + num_new):
                 if request.spec_token_ids:  # proposals are optional: drop them before preempting anyone
                     request.spec_token_ids = []
-                    num_new = self._grant(request, budget)
+                    num_new = self._grant(request, start, known_end, budget)
                     continue
                 if self.in_flight:  # no preemption under a step in flight: wait for it instead
                     stalled = True
@@ -188,7 +290,7 @@ class Scheduler(StepResults):
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
+                scheduled.append(self._scheduled(request, start, num_new, known_end))
                 budget -= num_new
                 room -= 1
                 index += 1
@@ -206,7 +308,10 @@ class Scheduler(StepResults):
         for connector in self.connectors:
             connector.step_built()
         self._runner_views.describe(output, self.requests, self.kv_cache)
-        self.in_flight.update(chunk.request_id for chunk in scheduled)
+        for chunk in scheduled:
+            flight = self.in_flight.setdefault(chunk.request_id, InFlight())
+            flight.tokens += chunk.num_tokens
+            flight.samples += chunk.sample
         self._finished_since_last_step = []
         self.num_preemptions_total += num_preempted
         return output
@@ -219,11 +324,27 @@ class Scheduler(StepResults):
             return len(self.running) + len(self.waiting)
         return max(1, -(-(len(self.running) + len(self.waiting)) // steps))
 
+    def _may_overlap(self, request: Request, flight: InFlight) -> bool:
+        """Whether the running `request`, in a step in flight, may be scheduled again now (see the class):
+        with async scheduling, in one step in flight only, with its last known token still short of its
+        limit, and nothing of the placeholder's value needed on the host (`Request.needs_last_token`)."""
+        if not self.limits.async_scheduling or flight.samples > 1 or self.limits.speculative:
+            return False
+        if flight.samples and (request.needs_last_token or request.num_tokens + 1 >= request.max_total_tokens):
+            return False
+        return True
+
+    def _next_span(self, request: Request, flight: Optional[InFlight]) -> tuple[int, int]:
+        """(first position the request's next chunk computes, the end of its tokens counting placeholders)."""
+        if flight is None:
+            return request.num_computed_tokens, request.num_tokens
+        return request.num_computed_tokens + flight.tokens, request.num_tokens + flight.samples
+
     @staticmethod
-    def _grant(request: Request, budget: int) -> int:
-        """Tokens the running `request` computes this step: what it lacks, then as many of its
-        speculative proposals as the budget leaves room for (the others are dropped)."""
-        lacking = request.num_tokens - request.num_computed_tokens
+    def _grant(request: Request, start: int, known_end: int, budget: int) -> int:
+        """Tokens the running `request` computes this step from `start`: what it lacks up to `known_end`,
+        then as many of its speculative proposals as the budget leaves room for (the others are dropped)."""
+        lacking = known_end - start
         if request.spec_token_ids:
             request.spec_token_ids = request.spec_token_ids[:max(0, budget - lacking)]
         return min(lacking + len(request.spec_token_ids), budget)
@@ -248,7 +369,7 @@ class Scheduler(StepResults):
                     break
                 budget, room, num_seqs = budget - num_new, room - 1, num_seqs + 1 + request.num_samples_to_fork
                 adapters |= {adapter} - {None}
-                scheduled.append(self._scheduled(request, num_new))
+                scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new, request.num_tokens))
                 continue
             # Cached tokens cost neither budget nor compute: the request starts past them. A request
             # that wants prompt logprobs must compute every prompt position, so it takes no hit.
@@ -278,7 +399,7 @@ class Scheduler(StepResults):
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
             self._insert(self.running, request)
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(request, num_cached, num_new, request.num_tokens))
             budget -= num_new
             room -= 1
             num_seqs += 1 + request.num_samples_to_fork
@@ -318,11 +439,12 @@ class Scheduler(StepResults):
                 r.num_times_passed_over += 1
         return chosen
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        # Invariant (from _grant): proposals are scheduled only with every token the request lacks.
+    @staticmethod
+    def _scheduled(request: Request, start: int, num_new: int, known_end: int) -> ScheduledChunk:
+        """The chunk of `num_new` tokens from `start`; it samples when it reaches `known_end` (the request's
+        tokens and placeholders). Invariant (from _grant): proposals come only with every token it lacks."""
         real = num_new - len(request.spec_token_ids)
-        return ScheduledChunk(request.request_id, start, num_new, start + real == request.num_tokens,
+        return ScheduledChunk(request.request_id, start, num_new, start + real == known_end,
                               list(request.spec_token_ids))
 
     def _preempt(self, request: Request) -> None:

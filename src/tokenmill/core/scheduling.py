@@ -30,6 +30,11 @@ class SchedulingLimits:
     # past it stops before that image, unless the step has encoded none yet (an image larger than the budget
     # is encoded alone in its step), as vLLM's encoder budget does.
     max_num_encoder_input_tokens: int = 0
+    # Async scheduling: a request in the step running may be scheduled in the next one with a placeholder
+    # for the token that step samples (core/scheduler.py), except when speculative decoding proposes from
+    # every request's last token.
+    async_scheduling: bool = False
+    speculative: bool = False
 
 
 @dataclass

@@ -14,6 +14,10 @@ from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.request import tokens_in_range
 from tokenmill.sampling_params import SamplingParams
 
+# The id a placeholder chunk carries on the host: the token the previous step sampled for the request, which
+# only the device holds yet (async scheduling, core/scheduler.py); the runner fills it in on the device.
+PLACEHOLDER = -1
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -36,8 +40,9 @@ class BatchItem:
     """One request's chunk as the runner computes it: `token_ids` at positions start .. start+len-1.
 
     `prompt_token_ids` and `output_token_ids` are the request's tokens so far (read only: penalties
-    and min_tokens use them). When `sample` is true the runner samples the next token from the
-    chunk's last position; `spec_token_ids` are the proposals at the end of `token_ids` to verify.
+    and min_tokens use them); a `placeholder` chunk's token is not among them yet. When `sample` is true
+    the runner samples the next token from the chunk's last position; `spec_token_ids` are the proposals
+    at the end of `token_ids` to verify.
     """
 
     request_id: str
@@ -50,6 +55,8 @@ class BatchItem:
     output_token_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)
     images: tuple[ImageFeature, ...] = ()  # the request's images (their placeholders lie in the prompt)
+    # the chunk is one token, the one the previous step sampled: `token_ids` is [PLACEHOLDER] (see above)
+    placeholder: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +99,14 @@ class RequestStates:
             state = self.states[chunk.request_id]
             spec = chunk.spec_token_ids
             real_end = chunk.start + chunk.num_tokens - len(spec)
-            items.append(BatchItem(chunk.request_id, state.token_ids_range(chunk.start, real_end) + spec,
-                                   chunk.start, state.block_ids, chunk.sample, state.sampling_params,
-                                   state.prompt_token_ids, state.output_token_ids, spec, state.images))
+            known = len(state.prompt_token_ids) + len(state.output_token_ids)
+            # Invariant (core/scheduler.py): a chunk past the known tokens is one token, the placeholder
+            placeholder = real_end > known
+            if placeholder and (real_end != known + 1 or chunk.num_tokens != 1):
+                raise RuntimeError(f"step contract broken: request {chunk.request_id!r} computes [{chunk.start}, "
+                                   f"{real_end}) but the runner knows {known} tokens")
+            token_ids = [PLACEHOLDER] if placeholder else state.token_ids_range(chunk.start, real_end) + spec
+            items.append(BatchItem(chunk.request_id, token_ids, chunk.start, state.block_ids, chunk.sample,
+                                   state.sampling_params, state.prompt_token_ids, state.output_token_ids, spec,
+                                   state.images, placeholder))
         return items
