@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from typing import AsyncIterator, Callable, Optional, Sequence
@@ -26,7 +25,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 from tokenmill.engine.admission import AdmissionLimits, Ticket
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.engine.engine_info import EngineInfo
-from tokenmill.engine.engine_thread import EngineThread
+from tokenmill.engine.engine_loop import EngineLoop
 from tokenmill.engine.live_sample import build_sample
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
@@ -43,9 +42,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError"]
 
 
-class AsyncEngine(EngineThread):
-    """Runs an LLMEngine on a background thread and streams outputs to asyncio callers (the thread's
-    side is `EngineThread`'s, engine/engine_thread.py).
+class AsyncEngine:
+    """Runs an LLMEngine on a background thread and streams outputs to asyncio callers. The thread is
+    its `EngineLoop` (engine/engine_loop.py); this side admits requests and turns them into commands
+    for it.
 
     The engine is built on that thread too (`make_engine`): all PyTorch work must happen on one
     thread. Measured on this 2-core machine, a model loaded on the main thread and stepped on
@@ -60,32 +60,36 @@ class AsyncEngine(EngineThread):
         self.model_name = model_name
         self.tracer = tracer
         self.limits = limits or AdmissionLimits()
-        self.on_dead = on_dead
         self.metrics = EngineMetrics(model_name)
-        self._commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._streams: dict[str, OutputStream] = {}
-        self._stopping = False
         self._accepting = True
         self._reserved = 0  # sequences of requests between arrival and their end
         self._reserve_lock = threading.Lock()
-        self._submit_lock = threading.Lock()
-        self.fault: Optional[str] = None  # why the engine is unhealthy right now (None = healthy)
-        self.dead = False
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                    thread_name_prefix="tokenmill-grammar")
         # KV transfers fetched over TCP (engine/kv_transfer_tcp.py): each fetch ends by its own deadline
         self._transfer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-fetch")
-        self._ready = threading.Event()
-        self._startup_error: Optional[BaseException] = None
-        self.engine: LLMEngine  # the engine thread's alone (see the module's docstring)
-        self.info: EngineInfo  # what other threads read of it
-        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="tokenmill-engine",
-                                        daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
+        self._engine_loop = EngineLoop(make_engine, self.limits, self.metrics, on_dead)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The LLMEngine. Only the engine thread steps it or changes its requests (commands do, through
+        `EngineLoop.submit`); other threads call only its thread-safe parts."""
+        return self._engine_loop.engine
+
+    @property
+    def info(self) -> EngineInfo:
+        """What other threads may read of the engine, taken once it was built."""
+        return self._engine_loop.info
+
+    @property
+    def fault(self) -> Optional[str]:
+        """Why the engine is unhealthy right now (None = healthy)."""
+        return self._engine_loop.fault
+
+    @property
+    def dead(self) -> bool:
+        """True once the engine can run no more (`on_dead` was called)."""
+        return self._engine_loop.dead
 
     @property
     def tokenizer(self):
@@ -166,10 +170,8 @@ class AsyncEngine(EngineThread):
         def add() -> None:
             try:
                 self._check_open()
-                self._check_room(len(prompt_token_ids))
-                self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                        priority=priority, arrival_time=arrival, images=images)
-                self._streams[request_id] = stream
+                self._engine_loop.admit(request_id, stream, prompt, params, prompt_token_ids, priority, arrival,
+                                        images)
                 if params.structured_output is not None:
                     self.metrics.record_structured()
                 admitted.set_result(None)
@@ -184,7 +186,7 @@ class AsyncEngine(EngineThread):
                 fetched = await asyncio.get_running_loop().run_in_executor(
                     self._transfer_pool, transfers.fetch, params.kv_transfer_params, len(prompt_token_ids))
                 params = dataclasses.replace(params, kv_transfer_params=fetched)
-            self._submit(add)
+            self._engine_loop.submit(add)
             submitted = True
             await asyncio.wrap_future(admitted)
             while True:
@@ -222,7 +224,7 @@ class AsyncEngine(EngineThread):
                 sampled.set_result(build_sample(self.engine, self.metrics.families, self.model_name, after_step))
             except BaseException as exc:
                 sampled.set_exception(exc)
-        self._submit(take)
+        self._engine_loop.submit(take)
         return await asyncio.wrap_future(sampled)
 
     def watch(self, change: int) -> None:
@@ -234,9 +236,10 @@ class AsyncEngine(EngineThread):
             if telemetry.watchers <= 0:
                 telemetry.watchers = 0
                 telemetry.stop_tracing()
-        self._submit(apply)
+        self._engine_loop.submit(apply)
 
     def _check_open(self) -> None:
+        # `dead` first: it never clears, and the engine loop leaves `_accepting` alone when it dies
         if self.dead:
             raise EngineDeadError(f"the engine has stopped: {self.fault}")
         if not self._accepting:
@@ -244,24 +247,7 @@ class AsyncEngine(EngineThread):
 
     def abort(self, request_id: str) -> None:
         """Abort a request (safe from any thread; unknown or finished ids are ignored)."""
-        if self._stopping:
-            return
-
-        def abort() -> None:
-            if self._streams.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
-                self.metrics.record_abort(request_id)
-                self._refresh_gauges()  # no step may follow (idle engine): publish the freed blocks now
-        self._submit(abort)
-
-    def _submit(self, command: Callable[[], None]) -> None:
-        # Invariant: a command queued while the engine is alive always runs; `_die` sets `dead` under
-        # this lock and then runs what is queued, so no caller waits on a command nobody will run.
-        with self._submit_lock:
-            if self._stopping or self.dead:
-                raise EngineDeadError(f"the engine loop has stopped{': ' + self.fault if self.dead else ''}")
-            self._commands.put(command)
-        self._wakeup.set()
+        self._engine_loop.abort(request_id)
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (running ones continue)."""
@@ -270,20 +256,14 @@ class AsyncEngine(EngineThread):
     @property
     def is_alive(self) -> bool:
         """True while the engine thread runs and is not recovering from a fault."""
-        return self._thread.is_alive() and not self._stopping and self.fault is None
+        return self._engine_loop.healthy
 
     def shutdown(self) -> None:
         """Abort every live request, stop the loop and wait for the thread."""
         self._accepting = False
-        for request_id in list(self._streams):
-            self.abort(request_id)
-        self._stopping = True
-        self._wakeup.set()
-        self._thread.join(timeout=30)
+        self._engine_loop.stop()
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self._transfer_pool.shutdown(wait=False, cancel_futures=True)
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        self._engine_loop.close()
         if self.tracer is not None:
             self.tracer.shutdown()

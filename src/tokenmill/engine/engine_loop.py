@@ -1,6 +1,6 @@
-"""The engine thread's side of `AsyncEngine`: the step loop, admission checks run on it, delivery of
-outputs to the event loops, and recovery from a failed step (engine/async_engine.py says how the two
-sides talk)."""
+"""The engine thread that `AsyncEngine` owns: it builds the LLMEngine, runs the commands other threads
+submit and the steps between them, hands each step's outputs to the requests' streams, and recovers
+from a failed step or declares the engine dead (engine/async_engine.py says how the two sides talk)."""
 
 from __future__ import annotations
 
@@ -21,40 +21,109 @@ if TYPE_CHECKING:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.metrics import EngineMetrics
     from tokenmill.engine.output_stream import OutputStream
+    from tokenmill.multimodal.inputs import ImageFeature
 
 logger = logging.getLogger(__name__)
 
 _PROBE_MAX_STEPS = 64
 
 
-class EngineThread:
-    """`AsyncEngine`'s base class: what runs on the engine thread. Only this side touches `engine`."""
+class EngineLoop:
+    """One thread that owns an LLMEngine: it builds it (`make_engine`), then runs submitted commands and
+    steps until `stop`. Only this thread steps `engine` or changes its requests, so the engine needs no
+    lock; other threads read `info`, `fault` and `dead`, and call only the engine's thread-safe parts.
 
-    engine: LLMEngine
-    info: EngineInfo
-    limits: AdmissionLimits
-    metrics: EngineMetrics
-    fault: Optional[str]
-    dead: bool
-    on_dead: Optional[Callable[[str], None]]
-    _streams: dict[str, OutputStream]
-    _commands: queue.SimpleQueue
-    _wakeup: threading.Event
-    _ready: threading.Event
-    _startup_error: Optional[BaseException]
-    _stopping: bool
-    _accepting: bool
-    _submit_lock: threading.Lock
+    The constructor returns once the engine is built, and raises what building it raised. `on_dead` is
+    called on this thread, once, with the reason when the engine can run no more.
+    """
+
+    def __init__(self, make_engine: Callable[[], LLMEngine], limits: AdmissionLimits, metrics: EngineMetrics,
+                 on_dead: Optional[Callable[[str], None]] = None) -> None:
+        self._limits = limits
+        self._metrics = metrics
+        self._on_dead = on_dead
+        self._commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        # the requests in the engine, by id; changed on this thread only (`stop` reads the ids from another)
+        self._streams: dict[str, OutputStream] = {}
+        self._stopping = False
+        self._submit_lock = threading.Lock()
+        self.fault: Optional[str] = None  # why the engine is unhealthy right now (None = healthy)
+        self.dead = False
+        self._ready = threading.Event()
+        self._startup_error: Optional[BaseException] = None
+        self.engine: LLMEngine  # this thread's alone (see the class's docstring)
+        self.info: EngineInfo  # what other threads read of it
+        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="tokenmill-engine",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, command: Callable[[], None]) -> None:
+        """Run `command` on the engine thread, between steps and in submission order. Raises
+        EngineDeadError once the loop is stopping or dead."""
+        # Invariant: a command queued while the engine is alive always runs; `_die` sets `dead` under
+        # this lock and then runs what is queued, so no caller waits on a command nobody will run.
+        with self._submit_lock:
+            if self._stopping or self.dead:
+                raise EngineDeadError(f"the engine loop has stopped{': ' + self.fault if self.dead else ''}")
+            self._commands.put(command)
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored; nothing once the loop is stopping)."""
+        if self._stopping:
+            return
+
+        def abort() -> None:
+            if self._streams.pop(request_id, None) is not None:
+                self.engine.abort_request(request_id)
+                self._metrics.record_abort(request_id)
+                self._refresh_gauges()  # no step may follow (idle engine): publish the freed blocks now
+        self.submit(abort)
+
+    @property
+    def healthy(self) -> bool:
+        """True while the thread runs, is not stopping and is not recovering from a fault."""
+        return self._thread.is_alive() and not self._stopping and self.fault is None
+
+    def stop(self) -> None:
+        """Abort every live request, end the loop and wait for the thread (30 s at most); `close` then
+        shuts the engine down."""
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        """Shut the engine down (its workers and servers); after `stop`."""
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ the engine thread
+    def admit(self, request_id: str, stream: OutputStream, prompt: Optional[str], params: SamplingParams,
+              prompt_token_ids: list[int], priority: int, arrival_time: float,
+              images: tuple[ImageFeature, ...]) -> None:
+        """From a submitted command only: queue the request in the engine, its outputs bound for `stream`.
+        Raises QueueFullError when the waiting queue is at a bound, and what `LLMEngine.add_request`
+        raises for a request that can never run."""
+        self._check_room(len(prompt_token_ids))
+        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                                priority=priority, arrival_time=arrival_time, images=images)
+        self._streams[request_id] = stream
 
     def _check_room(self, prompt_len: int) -> None:
         scheduler = self.engine.scheduler
-        limit = self.limits.max_waiting_requests
+        limit = self._limits.max_waiting_requests
         if scheduler.num_waiting >= limit:
-            self.metrics.record_rejection()
+            self._metrics.record_rejection()
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-        tokens, token_limit = scheduler.num_waiting_tokens, self.limits.max_waiting_tokens
+        tokens, token_limit = scheduler.num_waiting_tokens, self._limits.max_waiting_tokens
         if scheduler.num_waiting and tokens + prompt_len > token_limit:
-            self.metrics.record_rejection()
+            self._metrics.record_rejection()
             raise QueueFullError(f"the waiting queue holds {tokens} prompt tokens and takes at most "
                                  f"{token_limit}; retry later")
 
@@ -68,12 +137,12 @@ class EngineThread:
             return
         self._ready.set()
         try:
-            self._loop()
+            self._serve()
         except BaseException as exc:  # the loop itself broke: nothing can run any more
             logger.exception("the engine loop stopped")
             self._die(f"the engine loop stopped: {type(exc).__name__}: {exc}")
 
-    def _loop(self) -> None:
+    def _serve(self) -> None:
         while True:
             self._run_commands()
             if self._stopping:
@@ -111,8 +180,8 @@ class EngineThread:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        new_steps = self.engine.telemetry.steps_after(self.metrics.last_step)
-        self.metrics.observe_step(outputs, self.engine.stats(), new_steps)
+        new_steps = self.engine.telemetry.steps_after(self._metrics.last_step)
+        self._metrics.observe_step(outputs, self.engine.stats(), new_steps)
         # one wake-up per event loop and step, however many streams: each wake-up is a socket write,
         # after which the loop takes the GIL to stream what it was handed
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
@@ -129,7 +198,7 @@ class EngineThread:
             loop.call_soon_threadsafe(deliver, items)
 
     def _refresh_gauges(self) -> None:
-        self.metrics.observe_step([], self.engine.stats())
+        self._metrics.observe_step([], self.engine.stats())
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -141,7 +210,7 @@ class EngineThread:
         """After a fault of the engine itself: fail the requests in flight, then run a one-token probe.
         Healthy again if it completes with the pool empty; otherwise dead."""
         self.fault = f"engine step failed: {reason}"
-        self.metrics.record_fault()
+        self._metrics.record_fault()
         self._fail_all(EngineDeadError(f"the engine failed while running this request ({reason})"))
         try:
             self._probe()
@@ -169,11 +238,10 @@ class EngineThread:
     def _die(self, reason: str) -> None:
         with self._submit_lock:
             self.fault, self.dead = reason, True
-        self._accepting = False
         try:
             self._fail_all(EngineDeadError(f"the engine has stopped: {reason}"))
         except Exception:
             logger.exception("could not fail the requests in flight")
-        self._run_commands()  # adds queued before the death now fail fast (`_check_open`)
-        if self.on_dead is not None:
-            self.on_dead(reason)
+        self._run_commands()  # adds queued before the death now fail fast (`AsyncEngine._check_open`)
+        if self._on_dead is not None:
+            self._on_dead(reason)
