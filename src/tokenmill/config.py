@@ -219,6 +219,13 @@ class SchedulerConfig:
     schedule_policy: str = _opt("fcfs", "order of admission: fcfs (arrival), priority (a request's priority, "
                                 "lower first, then arrival; requests may set it only under this policy) or lpm "
                                 "(longest cached prefix first, never starving others)", choices=SCHEDULE_POLICIES)
+    async_scheduling: Optional[bool] = _opt(
+        None, "schedule and prepare step n+1 while step n runs on the device: a request's next step takes a "
+        "placeholder for the token being sampled, filled in on the device, and its stops are found one step "
+        "late (the surplus token dropped); requests whose next step needs that token on the host (structured "
+        "output, penalties, min_tokens, n>1 before forking, speculative decoding) wait for it. Default: on for "
+        "CUDA with one rank (the in-process executor), off on CPU, where a paired benchmark showed no gain; "
+        "--no-async-scheduling runs one step at a time")
     max_num_encoder_input_tokens: int = _opt(0, "vision-language models: image positions the vision encoder "
                                              "computes per step (0: max_num_batched_tokens); a chunk that would "
                                              "start more images waits for the next step at the first that does not "

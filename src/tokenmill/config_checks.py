@@ -54,3 +54,18 @@ def check_kv_transfer(config: EngineConfig, num_kv_groups: int) -> None:
     if problem:
         raise ValueError(f"kv_transfer_config: transfers load blocks into the prefix cache of one rank's "
                          f"single KV group, but {problem}")
+
+
+def async_scheduling_applies(config: EngineConfig, device_type: str) -> bool:
+    """Whether steps are scheduled one ahead of the device (`SchedulerConfig.async_scheduling`): by default on
+    CUDA with one rank in the engine's process; asked for explicitly, refused with several ranks or worker
+    processes, whose non-sampling ranks cannot fill a placeholder."""
+    asked, parallel = config.scheduler.async_scheduling, config.parallel
+    if asked is None:
+        return device_type == "cuda" and parallel.backend == "uni"
+    if asked and parallel.backend != "uni":
+        raise ValueError("async_scheduling: placeholders are filled on the rank that sampled them, so async "
+                         "scheduling runs the model on one rank in the engine's process (distributed_executor_backend "
+                         f"uni), but this engine uses {parallel.backend} with {parallel.world_size} rank(s); "
+                         "use --no-async-scheduling")
+    return asked

@@ -60,6 +60,7 @@ class EngineBuild:
 
     config: EngineConfig
     executor: Executor
+    async_scheduling: bool
 
     def _read_model(self, source: ModelSource) -> None:
         """The model's facts: source, tokenizer, architecture, device, dtype, context, adapters."""
@@ -137,7 +138,8 @@ class EngineBuild:
                                   scheduler.preemption_mode,
                                   PreemptionCosts.for_model(self.arch, plan.block_bytes / plan.block_size,
                                                             self.device.type),
-                                  scheduler.encoder_budget if self.arch.vision is not None else 0)
+                                  scheduler.encoder_budget if self.arch.vision is not None else 0,
+                                  self.async_scheduling, self.config.speculative.enabled)
         self.scheduler = Scheduler(limits, self.kv_cache, plan.swap_slots)
 
     def _build_step_state(self) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 from tokenmill.config import EngineConfig
-from tokenmill.config_checks import check_kv_events, check_kv_transfer, check_lora, check_node_rank
+from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, check_kv_transfer, check_lora,
+                                     check_node_rank)
 from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduling import SpecTotals
@@ -71,6 +72,7 @@ class LLMEngine(EngineBuild):
             check_kv_transfer(config, len(self.kv_layout.groups))
         check_divisible(self.arch, config.parallel.tensor_parallel_size, config.parallel.tensor_parallel_exact,
                         config.parallel.pipeline_parallel_size, config.parallel.enable_expert_parallel)
+        self.async_scheduling = async_scheduling_applies(config, self.device.type)
         # every check is done: what starts from here is stopped again if a later part fails
         with ExitStack() as on_failure:
             self.executor: Executor = make_executor(self._worker_spec(plan), config.parallel, self.source)
@@ -88,6 +90,8 @@ class LLMEngine(EngineBuild):
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
                     self.kv_cache.num_blocks, plan.block_size, self.max_model_len)
+        logger.info("async scheduling: %s", "on (a step is prepared while the one before it runs)"
+                    if self.async_scheduling else "off (one step at a time; --async-scheduling turns it on)")
         rows = config.cache.kv_cache_dtype
         rows = f"{rows} rows, a float32 scale each" if rows != "auto" else str(self.dtype).replace("torch.", "") + " rows"
         logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each, %s); %s", self.kv_cache.num_blocks,
@@ -198,9 +202,11 @@ class LLMEngine(EngineBuild):
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Schedule and submit steps while the executor has room for one more in flight (one at a time with
-        a single stage), then finish the oldest: the outputs of every request it touched."""
+        a single stage, one ahead of the device with async scheduling), then finish the oldest: the outputs
+        of every request it touched."""
+        depth = self.executor.max_steps_in_flight + self.async_scheduling
         try:
-            while len(self._in_flight) < self.executor.max_steps_in_flight and self._submit_next():
+            while len(self._in_flight) < depth and self._submit_next():
                 pass
             return self._finish_oldest() if self._in_flight else []
         except BaseException:

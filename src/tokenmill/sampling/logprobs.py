@@ -12,14 +12,24 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[
 
     Rank 1 is the most likely token; ties rank the chosen token first.
     """
+    return logprob_entries(logprob_tensors(logits, token_ids, max(num_top, default=0)), num_top)
+
+
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, max_top: int) -> tuple[torch.Tensor, ...]:
+    """`token_logprobs`' figures as tensors on the logits' device, nothing read on the host yet: (token ids,
+    their log-probabilities, their ranks[, the top `max_top` log-probabilities and ids])."""
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-    max_top = max(num_top, default=0)
-    top_values = top_ids = None
     if max_top > 0:
-        top_values, top_ids = logprobs.topk(max_top, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        return (token_ids, chosen, ranks, *logprobs.topk(max_top, dim=-1))
+    return token_ids, chosen, ranks
+
+
+def logprob_entries(tensors: tuple[torch.Tensor, ...], num_top: list[int]) -> list[TokenLogprobs]:
+    """The entries of `logprob_tensors`' figures (read on the host), each row with its own top-N."""
+    token_ids, chosen, ranks = tensors[:3]
+    top_values, top_ids = (tensors[3].tolist(), tensors[4].tolist()) if len(tensors) > 3 else (None, None)
     result = []
     for row, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen.tolist(), ranks.tolist())):
         top = []

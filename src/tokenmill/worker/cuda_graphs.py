@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -67,10 +67,12 @@ class DecodeGraphs:
         return next(b for b in self.sizes if b >= len(batch))
 
     def run(self, batch: list[BatchItem], bucket: int, chunks: dict[int, list[SequenceChunk]],
-            slots: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Hidden states [len(batch), hidden] of a decode-only step: `chunks` and host `slots` per KV group."""
+            slots: dict[int, torch.Tensor], fill_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Hidden states [len(batch), hidden] of a decode-only step: `chunks` and host `slots` per KV group;
+        `fill_ids` writes the device-side ids (placeholders) into the step's input ids."""
         n = len(batch)
         self.input_ids[:n].copy_(torch.tensor([item.token_ids[0] for item in batch]))
+        fill_ids(self.input_ids[:n])
         self.input_ids[n:bucket].zero_()
         self.positions[:n].copy_(torch.tensor([item.start for item in batch]))
         self.positions[n:bucket].zero_()

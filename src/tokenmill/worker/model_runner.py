@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -12,17 +11,16 @@ from tokenmill.attention.kv_quant import STORAGE, row_width
 from tokenmill.core.kv_spec import KVCacheLayout
 from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling.batch import SamplingRow
-from tokenmill.sampling.logprobs import token_logprobs
+from tokenmill.sampling.logprobs import logprob_entries, logprob_tensors, token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.encoder_cache import EncoderCache
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
 from tokenmill.worker.mrope import mrope_positions
+from tokenmill.worker.pending_output import HostRead, PendingOutput, fail_request, step_event, to_host
 from tokenmill.worker.request_state import BatchItem, RequestStates
 from tokenmill.worker.step_inputs import StepInputs, is_decode_step
-
-logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -78,10 +76,23 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        # request id -> (the step's sampled ids on the device, its row there): this step's and the previous
+        # step's, whose ids fill the placeholder chunks (async scheduling, core/scheduler.py)
+        self._sampled: dict[str, tuple[torch.Tensor, int]] = {}
+        self._previous_sampled: dict[str, tuple[torch.Tensor, int]] = {}
+        self._reads: list[HostRead] = []  # the step's host reads of its sampled ids and logprobs
+
+    def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and read its output on the host."""
+        return self.execute_async(schedule).result()
 
     @torch.inference_mode()
-    def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step."""
+    def execute_async(self, schedule: SchedulerOutput) -> PendingOutput:
+        """Run one step without waiting for the device: its sampled ids stay there (the next step's
+        placeholders read them there) and are copied to the host on the way, to be read when the returned
+        output's `result` is asked for. Steps must be executed in order (placeholders are the previous
+        step's ids)."""
+        self._previous_sampled, self._sampled, self._reads = self._sampled, {}, []
         for request_id in schedule.finished_request_ids:
             self.generators.pop(request_id, None)
         for adapter_id in schedule.lora_unloads:
@@ -92,7 +103,7 @@ class ModelRunner:
         run_phase(self.kv_connectors, self.kv_pages, schedule.kv_copies, "into")
         result = ModelRunnerOutput()
         if schedule.is_empty:
-            return result
+            return PendingOutput(result, [], [], None)
         adapter_failures = self._select_adapters(batch)
         encoder = self.encoder_cache
         before = (encoder.images_encoded, encoder.encode_seconds) if encoder is not None else None
@@ -102,14 +113,12 @@ class ModelRunner:
         finally:
             if self.model.lora is not None:
                 self.model.lora.set_step({}, 0, self.device)
-        for request_id, exc in adapter_failures.items():  # its rows ran without the adapter: drop them
-            fail_request(result, request_id, exc)
-        for request_id, exc in self.encoder_failures.items():  # its rows ran without its image: drop them
-            fail_request(result, request_id, exc)
+        # their rows ran without the adapter, or without the image: drop them
+        failures = [*adapter_failures.items(), *self.encoder_failures.items()]
         if before is not None:
             result.encoder_images = encoder.images_encoded - before[0]
             result.encoder_seconds = encoder.encode_seconds - before[1]
-        return result
+        return PendingOutput(result, self._reads, failures, step_event(self.device) if self._reads else None)
 
     def _select_adapters(self, batch: list[BatchItem]) -> dict[str, Exception]:
         """Group the step's rows by LoRA adapter for the model, loading adapters on first use; returns the
@@ -165,17 +174,38 @@ class ModelRunner:
         plain_positions = images is None and not self.mrope
         bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None and plain_positions else None
         if bucket is not None:
-            return self.graphs.run(batch, bucket, chunks, slots), first
+            return self.graphs.run(batch, bucket, chunks, slots, lambda ids: self._fill_placeholders(ids, batch)), first
         ids, positions = self.inputs.ids_and_positions(batch, decode)
         if self.mrope:
             positions = mrope_positions(batch, positions)
         input_ids, positions = self._tensor(ids), torch.from_numpy(positions).to(self.device)
+        self._fill_placeholders(input_ids, batch)
         metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device)
                     for group in chunks}
         per_layer = [metadata[group] for group in self.layer_groups]
         if images is not None:
             return self.model(input_ids, positions, self.kv_caches, per_layer, image_embeds=images), first
         return self.model(input_ids, positions, self.kv_caches, per_layer), first
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, batch: list[BatchItem]) -> None:
+        """Write each placeholder chunk's token into the flat `input_ids`, on the device: the id the previous
+        step sampled for its request (0 where that sampling failed: the request ends, and this step's
+        output for it is dropped)."""
+        flat, picks, offset = [], [], 0
+        for item in batch:
+            if item.placeholder:
+                flat.append(offset)
+                picks.append(self._previous_sampled.get(item.request_id))
+            offset += item.num_tokens
+        if not flat:
+            return
+        sources = {id(pick[0]): pick[0] for pick in picks if pick is not None}
+        if len(sources) == 1 and all(pick is not None for pick in picks):  # the usual case: one gather
+            values = next(iter(sources.values()))[self._tensor([row for _, row in picks])]
+        else:
+            zero = torch.zeros((), dtype=torch.long, device=self.device)
+            values = torch.stack([zero if pick is None else pick[0][pick[1]] for pick in picks])
+        input_ids[self._tensor(flat)] = values.clamp(min=0)  # NO_TOKEN (a row that allowed none) is -1
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through CUDA graphs of the model (worker/cuda_graphs.py); `capture`
@@ -258,21 +288,17 @@ class ModelRunner:
         sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
         constrained = self._masked(sample_logits, step.grammar, [(k, batch[i]) for k, i in enumerate(plain)])
         tokens = sample(constrained, [self.sampling_row(batch[i]) for i in plain], self.default_generator)
+        request_ids = [batch[i].request_id for i in plain]
+        self._sampled.update((request_id, (tokens, k)) for k, request_id in enumerate(request_ids))
         wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
-        entries = []
+        figures = None
         if wanted:
             picked = torch.tensor(wanted, device=self.device)
-            entries = token_logprobs(sample_logits[picked], tokens[picked].clamp(min=0),
-                                     [batch[plain[k]].sampling_params.logprobs for k in wanted])
-        picked_ids = tokens.tolist()
-        for k, entry in zip(wanted, entries):
-            if picked_ids[k] != NO_TOKEN:
-                result.logprobs[batch[plain[k]].request_id] = [entry]
-        for i, token in zip(plain, picked_ids):
-            if token == NO_TOKEN:  # sampled on a GPU, which marks the row instead of raising
-                fail_request(result, batch[i].request_id, ValueError(f"no token is allowed: {NOTHING_ALLOWED}"))
-                continue
-            result.sampled_token_ids[batch[i].request_id] = [token]
+            figures = logprob_tensors(sample_logits[picked], tokens[picked].clamp(min=0),
+                                      max(batch[plain[k]].sampling_params.logprobs for k in wanted))
+        self._reads.append(_PlainSamples(request_ids, wanted, [batch[plain[k]].sampling_params.logprobs
+                                                               for k in wanted], to_host(tokens), to_host(figures)
+                                         if figures is not None else None))
 
     def _verify(self, batch, logits: torch.Tensor, sample_rows: dict[int, int], speculative: list[int],
                 step: "_StepExtras", result: ModelRunnerOutput) -> None:
@@ -341,7 +367,22 @@ class _StepExtras(NamedTuple):
     grammar: Optional[GrammarMasks]
 
 
-def fail_request(result: ModelRunnerOutput, request_id: str, exc: Exception) -> None:
-    """Mark `request_id` failed in `result`, and say so in the log."""
-    logger.warning("request %s failed in the step: %s: %s", request_id, type(exc).__name__, exc)
-    result.fail(request_id, exc)
+class _PlainSamples:
+    """The host read of a group of plain rows' sampled ids and logprobs (copied with `to_host`)."""
+
+    def __init__(self, request_ids: list[str], wanted: list[int], num_top: list[int], tokens: torch.Tensor,
+                 figures: Optional[tuple]) -> None:
+        self.request_ids, self.wanted, self.num_top = request_ids, wanted, num_top
+        self.tokens, self.figures = tokens, figures
+
+    def __call__(self, result: ModelRunnerOutput) -> None:
+        picked_ids = self.tokens.tolist()
+        entries = logprob_entries(self.figures, self.num_top) if self.figures is not None else []
+        for k, entry in zip(self.wanted, entries):
+            if picked_ids[k] != NO_TOKEN:
+                result.logprobs[self.request_ids[k]] = [entry]
+        for request_id, token in zip(self.request_ids, picked_ids):
+            if token == NO_TOKEN:  # sampled on a GPU, which marks the row instead of raising
+                fail_request(result, request_id, ValueError(f"no token is allowed: {NOTHING_ALLOWED}"))
+                continue
+            result.sampled_token_ids[request_id] = [token]

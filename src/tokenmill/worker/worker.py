@@ -15,6 +15,7 @@ from tokenmill.models.arch import ArchConfig, kv_cache_geometry, kv_cache_layout
 from tokenmill.models.loader import ModelSource, load_model_source
 from tokenmill.parallel.group import PipelineStage, TPGroup, init_parallel, rank_device, stage_layers
 from tokenmill.worker.model_runner import ModelRunner, kv_cache_storage
+from tokenmill.worker.pending_output import PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,10 @@ class Worker:
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on this rank."""
         return self.runner.execute(schedule)
+
+    def execute_async(self, schedule: SchedulerOutput) -> PendingOutput:
+        """Issue one step on this rank without waiting for the device (`ModelRunner.execute_async`)."""
+        return self.runner.execute_async(schedule)
 
 
 def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size: int = 1,
