@@ -30,13 +30,13 @@ ENGINE = dict(dtype="float32", quantization="none", max_num_batched_tokens=32, s
 def run(llm: LLM) -> tuple[list[list[int]], list]:
     """Greedy outputs of PROMPTS (with one seeded sampling request in the same batch), and every step's schedule."""
     schedules = []
-    execute = llm.llm_engine.runner.execute
+    execute = llm.llm_engine.runner.execute_async
 
     def recording(schedule):
         schedules.append([(s.request_id, len(s.spec_token_ids), s.sample) for s in schedule.scheduled])
         return execute(schedule)
 
-    llm.llm_engine.runner.execute = recording
+    llm.llm_engine.runner.execute_async = recording
     outputs = llm.generate(PROMPTS + [PROMPTS[0]], [GREEDY] * len(PROMPTS) + [SAMPLED], use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
     return [o.outputs[0].token_ids for o in outputs[:len(PROMPTS)]], schedules

@@ -133,7 +133,7 @@ def test_an_engine_fault_fails_the_batch_then_the_engine_recovers(model_path):
     engine = make_async(model_path)
     try:
         runner = engine.engine.runner
-        real_execute = runner.execute
+        real_execute = runner.execute_async
         calls = {"n": 0}
 
         def fail_once(schedule):
@@ -141,7 +141,7 @@ def test_an_engine_fault_fails_the_batch_then_the_engine_recovers(model_path):
             if calls["n"] == 3:
                 raise MemoryError("simulated: out of memory in the forward pass")
             return real_execute(schedule)
-        runner.execute = fail_once
+        runner.execute_async = fail_once
 
         async def main():
             return await asyncio.gather(*(collect(engine, f"r{i}", ids, GREEDY) for i, ids in enumerate(PROMPTS)),
@@ -164,7 +164,7 @@ def test_an_engine_that_cannot_step_is_declared_dead(model_path):
     try:
         def broken(schedule):
             raise RuntimeError("simulated kernel error")
-        engine.engine.runner.execute = broken
+        engine.engine.runner.execute_async = broken
         with pytest.raises(EngineDeadError):
             asyncio.run(collect(engine, "r", PROMPTS[0], GREEDY))
         wait_until(lambda: engine.dead)
