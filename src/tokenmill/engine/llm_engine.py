@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
@@ -14,18 +16,20 @@ from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, 
 from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduling import SpecTotals
-from tokenmill.engine.engine_build import EngineBuild
+from tokenmill.engine.engine_build import (build_kv_cache, build_scheduler, make_image_processing,
+                                           make_lora_registry, plan_kv_cache, read_model, worker_spec)
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.kv_event_publisher import to_wire
+from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo
+from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kv_events_config import KVEventsConfig
 from tokenmill.kv_transfer_config import KVTransferConfig
 from tokenmill.lora.request import LoRARequest
 from tokenmill.models.loader import ModelSource, load_model_source, model_location
 from tokenmill.multimodal.inputs import ImageFeature
-from tokenmill.multimodal.processing import ImageLike
+from tokenmill.multimodal.processing import ImageLike, ImageProcessing
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -54,17 +58,23 @@ class EngineStats:
     encoder_seconds: float = 0.0  # the time it spent on them
 
 
-class LLMEngine(EngineBuild):
+class LLMEngine:
     """Loads a model and runs requests through scheduler -> runner -> output processor, one step at a time.
-    Its construction's sections are `EngineBuild`'s (engine/engine_build.py)."""
+    Its parts are made by engine/engine_build.py's functions, in the order `__init__` calls them."""
 
     def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None) -> None:
         check_node_rank(config.parallel)
         check_lora(config)
         self.config = config
         started = time.perf_counter()
-        self._read_model(source or load_model_source(config.model.model, **model_location(config.model)))
-        plan = self._plan_kv_cache()
+        model = read_model(config, source or load_model_source(config.model.model, **model_location(config.model)))
+        self.source, self.tokenizer, self.arch = model.source, model.source.tokenizer, model.arch
+        self.device, self.dtype, self.max_model_len = model.device, model.dtype, model.max_model_len
+        self.eos_token_ids = self.arch.eos_token_ids
+        self.image_processing: Optional[ImageProcessing] = make_image_processing(model)
+        self.loras: Optional[LoRARegistry] = make_lora_registry(config, self.arch)
+        plan = plan_kv_cache(config, model)
+        self.kv_layout = plan.layout
         events_config = KVEventsConfig.parse(config.cache.kv_events_config).for_rank(config.parallel.data_parallel_rank)
         check_kv_events(config, events_config.active)
         transfer_config = KVTransferConfig.parse(config.cache.kv_transfer_config)
@@ -75,11 +85,15 @@ class LLMEngine(EngineBuild):
         self.async_scheduling = async_scheduling_applies(config, self.device.type)
         # every check is done: what starts from here is stopped again if a later part fails
         with ExitStack() as on_failure:
-            self.executor: Executor = make_executor(self._worker_spec(plan), config.parallel, self.source)
+            self.executor: Executor = make_executor(worker_spec(config, model, plan), config.parallel, self.source)
             on_failure.callback(self.executor.shutdown)
-            self._build_kv_cache(plan, events_config, transfer_config, on_failure)
-            self._build_scheduler(plan)
-            self._build_step_state()
+            self.kv_cache, self.kv_transfers, self.kv_events = build_kv_cache(
+                config, model, plan, self.executor.num_blocks, events_config, transfer_config, on_failure)
+            if self.kv_events is not None:
+                self._publish_kv_events()
+            self.scheduler = build_scheduler(config, model, plan, self.kv_cache, self.executor.max_steps_in_flight,
+                                             self.async_scheduling)
+            self._init_step_state()
             self.speculation = make_speculation(config, self) if config.speculative.enabled else None
             on_failure.pop_all()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -97,6 +111,19 @@ class LLMEngine(EngineBuild):
         logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each, %s); %s", self.kv_cache.num_blocks,
                     plan.block_size, self.kv_layout.layers_per_group, plan.block_bytes / 1024, rows,
                     self.kv_layout.describe())
+
+    def _init_step_state(self) -> None:
+        """What lives between steps: grammars, drafts, the steps in flight, telemetry."""
+        self._grammar_cache: Optional[GrammarCache] = None
+        self.encoder_totals: tuple[int, float] = (0, 0.0)  # images the vision encoder encoded, and its seconds
+        self._grammar_lock = threading.Lock()
+        self.step_grammars: Optional[StepGrammars] = None
+        self._draft_probs: dict = {}  # request id -> distributions of its drafted proposals, for the next step
+        # Steps submitted and not yet finished, oldest first: each with its grammar-mask failures, when it
+        # was submitted and its chunks' telemetry. Invariant: the executor returns outputs in this order; at
+        # most executor.max_steps_in_flight, plus one with async scheduling (`step`).
+        self._in_flight: deque[tuple[SchedulerOutput, dict, float, list[ChunkInfo]]] = deque()
+        self.telemetry = Telemetry()
 
     @property
     def runner(self):
