@@ -87,6 +87,8 @@ class SchedulerOutput:
     compute `scheduled` in order, then do the copies of blocks this step computed.
     `spec_probs[request_id]` is the [len(proposals), vocab] distribution a draft drew a sampling
     request's proposals from (absent for deterministic proposals); `grammar` masks constrained rows.
+    The scheduler writes all of it: `spec_probs`, `grammar` and `lora_unloads` through the parts it was
+    given (core/scheduler.py's `StepAttachment`), before `schedule` returns; nobody writes it after.
     """
 
     scheduled: list[ScheduledChunk] = field(default_factory=list)
@@ -98,7 +100,7 @@ class SchedulerOutput:
     kv_copies: list[KVCopies] = field(default_factory=list)
     spec_probs: dict[str, Any] = field(default_factory=dict)
     grammar: Optional[GrammarMasks] = None
-    # LoRA adapters (their lora_int_id) the engine unloaded: the runner frees them before the step; an
+    # LoRA adapters (their lora_int_id) the engine stopped serving: the runner frees them before the step; an
     # adapter is loaded where a request first uses it (its SamplingParams.lora_request says from where)
     lora_unloads: list[int] = field(default_factory=list)
 

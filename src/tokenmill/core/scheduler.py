@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional, Protocol, Sequence
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_connector import KVConnectorScheduler
@@ -58,6 +58,16 @@ class InFlight:
     samples: int = 0
 
 
+class StepAttachment(Protocol):
+    """A part that writes its own fields of every step the scheduler builds (the engine's are in
+    engine/step_attachments.py: draft distributions, grammar masks, adapters to unload), so that the
+    scheduler alone hands out the step contract. Each is called once per `Scheduler.schedule`, in the order
+    the scheduler was given them, once the step's chunks, diffs and copies are final."""
+
+    def attach(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        """Write this part's fields of `output`; `requests` are the scheduler's, by id (read only)."""
+
+
 def _adapter(request: Request) -> Optional[int]:
     """The request's LoRA adapter id (None: the base model)."""
     lora = request.sampling_params.lora_request
@@ -90,8 +100,10 @@ class Scheduler:
     that finished), never appended, counted or cached.
     """
 
-    def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager, swap_slots: int = 0) -> None:
+    def __init__(self, limits: SchedulingLimits, kv_cache: KVCacheManager, swap_slots: int = 0,
+                 attachments: Sequence[StepAttachment] = ()) -> None:
         self.limits = limits
+        self.attachments = tuple(attachments)  # they complete every step `schedule` returns, in this order
         self.kv_cache = kv_cache
         # swap slots come only with one KV cache group (config_checks.swaps_preempted)
         assert not (swap_slots and kv_cache.num_groups > 1), "swapping moves one KV cache group's blocks"
@@ -253,8 +265,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
-        """Build this step's batch. Invariant of the step contract: every output must reach the runner,
-        in order (it carries diffs against the previous ones), before the next is built."""
+        """Build this step's batch, completed by the `attachments`. Invariant of the step contract: every
+        output must reach the runner, in order (it carries diffs against the previous ones), before the next
+        is built."""
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledChunk] = []
         num_preempted = 0
@@ -314,6 +327,8 @@ class Scheduler:
             flight.samples += chunk.sample
         self._finished_since_last_step = []
         self.num_preemptions_total += num_preempted
+        for attachment in self.attachments:
+            attachment.attach(output, self.requests)
         return output
 
     def _step_share(self) -> int:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from tokenmill.config import KV_CACHE_FORMATS
 from tokenmill.config_checks import swaps_preempted
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_spec import KVCacheLayout
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler import Scheduler, StepAttachment
 from tokenmill.core.scheduling import SchedulingLimits
 from tokenmill.core.swap_space import PreemptionCosts
 from tokenmill.engine.kv_event_publisher import ZmqEventPublisher
@@ -142,8 +142,10 @@ def build_kv_cache(config: EngineConfig, model: ModelFacts, plan: KVPlan, num_bl
 
 
 def build_scheduler(config: EngineConfig, model: ModelFacts, plan: KVPlan, kv_cache: KVCacheManager,
-                    max_steps_in_flight: int, async_scheduling: bool) -> Scheduler:
-    """The scheduler over `kv_cache`, with `config`'s limits."""
+                    max_steps_in_flight: int, async_scheduling: bool,
+                    attachments: Sequence[StepAttachment] = ()) -> Scheduler:
+    """The scheduler over `kv_cache`, with `config`'s limits, completing each step it builds with the
+    `attachments` (core/scheduler.py's `StepAttachment`)."""
     scheduler = config.scheduler
     limits = SchedulingLimits(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, model.max_model_len,
                               scheduler.schedule_policy, max_steps_in_flight,
@@ -153,7 +155,7 @@ def build_scheduler(config: EngineConfig, model: ModelFacts, plan: KVPlan, kv_ca
                                                         model.device.type),
                               scheduler.encoder_budget if model.arch.vision is not None else 0,
                               async_scheduling, config.speculative.enabled)
-    return Scheduler(limits, kv_cache, plan.swap_slots)
+    return Scheduler(limits, kv_cache, plan.swap_slots, attachments)
 
 
 def _num_kv_blocks(config: EngineConfig, model: ModelFacts, block_bytes: int) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from contextlib import ExitStack
@@ -15,6 +14,7 @@ from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, 
                                      check_node_rank)
 from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.core.scheduler import StepAttachment
 from tokenmill.core.scheduling import SpecTotals
 from tokenmill.engine.engine_build import (build_kv_cache, build_scheduler, make_image_processing,
                                            make_lora_registry, plan_kv_cache, read_model, worker_spec)
@@ -22,6 +22,7 @@ from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.kv_event_publisher import to_wire
 from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.step_attachments import DraftProbs, GrammarMasking, LoRAUnloads
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
 from tokenmill.kv_events_config import KVEventsConfig
@@ -91,9 +92,12 @@ class LLMEngine:
                 config, model, plan, self.executor.num_blocks, events_config, transfer_config, on_failure)
             if self.kv_events is not None:
                 self._publish_kv_events()
-            self.scheduler = build_scheduler(config, model, plan, self.kv_cache, self.executor.max_steps_in_flight,
-                                             self.async_scheduling)
             self._init_step_state()
+            attachments: list[StepAttachment] = [self._drafts, self._grammar]
+            if self.loras is not None:
+                attachments.append(LoRAUnloads(self.loras, lambda: self.num_steps_in_flight))
+            self.scheduler = build_scheduler(config, model, plan, self.kv_cache, self.executor.max_steps_in_flight,
+                                             self.async_scheduling, attachments)
             self.speculation = make_speculation(config, self) if config.speculative.enabled else None
             on_failure.pop_all()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -114,11 +118,9 @@ class LLMEngine:
 
     def _init_step_state(self) -> None:
         """What lives between steps: grammars, drafts, the steps in flight, telemetry."""
-        self._grammar_cache: Optional[GrammarCache] = None
         self.encoder_totals: tuple[int, float] = (0, 0.0)  # images the vision encoder encoded, and its seconds
-        self._grammar_lock = threading.Lock()
-        self.step_grammars: Optional[StepGrammars] = None
-        self._draft_probs: dict = {}  # request id -> distributions of its drafted proposals, for the next step
+        self._grammar = GrammarMasking(lambda: GrammarCache(self.tokenizer, self.arch.vocab_size, self.eos_token_ids))
+        self._drafts = DraftProbs()
         # Steps submitted and not yet finished, oldest first: each with its grammar-mask failures, when it
         # was submitted and its chunks' telemetry. Invariant: the executor returns outputs in this order; at
         # most executor.max_steps_in_flight, plus one with async scheduling (`step`).
@@ -140,13 +142,14 @@ class LLMEngine:
 
     @property
     def grammars(self) -> GrammarCache:
-        """The compiled-grammar cache of structured output (built, with the step's matchers, on first use)."""
-        with self._grammar_lock:
-            if self._grammar_cache is None:
-                cache = GrammarCache(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
-                self.step_grammars = StepGrammars(cache)
-                self._grammar_cache = cache
-            return self._grammar_cache
+        """The compiled-grammar cache of structured output (built, with the step's matchers, on first use;
+        thread-safe)."""
+        return self._grammar.cache
+
+    @property
+    def step_grammars(self) -> Optional[StepGrammars]:
+        """The matchers of the constrained requests; None until structured output is first used."""
+        return self._grammar.step_grammars
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op for the in-process executor), the KV event publisher and
@@ -245,20 +248,11 @@ class LLMEngine:
 
     def _submit_next(self) -> bool:
         """Schedule a step and submit it; False when there is nothing to submit while others are in flight."""
-        schedule = self.scheduler.schedule()
+        schedule = self.scheduler.schedule()  # with its drafts' distributions, grammar masks and LoRA unloads
+        mask_failures = self._grammar.take_failures()
         if self._in_flight and not schedule.has_work():
             return False
-        if self._draft_probs:
-            schedule.spec_probs = {c.request_id: probs for c in schedule.scheduled
-                                   if c.spec_token_ids and (probs := self._draft_probs.pop(c.request_id, None))
-                                   is not None}
-        grammars = self.step_grammars
-        mask_failures = grammars.prepare(schedule, self.scheduler.requests) if grammars is not None else {}
         chunks = self._chunk_infos(schedule)
-        if self.loras is not None:
-            live = self.scheduler.running + self.scheduler.waiting
-            schedule.lora_unloads = self.loras.take_unloads(
-                r.sampling_params.lora_request.lora_int_id for r in live if r.sampling_params.lora_request)
         self.executor.submit(schedule)
         self._in_flight.append((schedule, mask_failures, time.monotonic(), chunks))
         return True
@@ -281,9 +275,7 @@ class LLMEngine:
         transfers = schedule.copies(TRANSFER)
         if transfers is not None and transfers.into:
             self.kv_transfers.remove_imported([path for path, _, _ in transfers.into])
-        grammars = self.step_grammars
-        if grammars is not None:
-            grammars.finish(schedule, result, mask_failures)
+        self._grammar.finish(schedule, result, mask_failures)
         updates = self.scheduler.update_from_output(schedule, result)
         self.encoder_totals = (self.encoder_totals[0] + result.encoder_images,
                                self.encoder_totals[1] + result.encoder_seconds)
@@ -305,7 +297,7 @@ class LLMEngine:
             self.speculation.observe(updates)
             drafts = self.speculation.propose(self.scheduler.running, busy=self.scheduler.in_flight)
             self.scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
-            self._draft_probs = {rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None}
+            self._drafts.hold({rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None})
         return outputs
 
     def _describe_transfers(self, outputs: list[RequestOutput]) -> None:

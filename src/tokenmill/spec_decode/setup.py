@@ -28,7 +28,10 @@ class SpeculationTarget(Protocol):
     dtype: torch.dtype
     kv_cache: KVCacheManager
     eos_token_ids: tuple[int, ...]
-    step_grammars: Optional[StepGrammars]
+
+    @property
+    def step_grammars(self) -> Optional[StepGrammars]:
+        """The constrained requests' matchers, None before structured output is first used."""
 
 
 def make_speculation(config: EngineConfig, engine: SpeculationTarget) -> SpeculationController:
