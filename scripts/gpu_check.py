@@ -890,13 +890,14 @@ STEP_KINDS = "tokenmill:engine_steps_total"
 
 
 def steps_by_kind(base: str) -> dict[str, float]:
-    """The server's engine steps so far by kind, from the counter STEP_KINDS{kind=...} on /metrics (kind
-    "eager" for a step run without a CUDA graph); {} where the engine reports no step kinds."""
+    """The server's engine steps so far by how they ran, from the counter STEP_KINDS{step=..., path=...} on
+    /metrics (path "graph": a CUDA graph replayed, "eager": none), summed over the steps' kinds; {} where the
+    engine reports none."""
     import httpx
     counts: dict[str, float] = {}
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
         match = re.match(re.escape(STEP_KINDS) + r"\{([^}]*)\}\s+(\S+)", line)
-        kind = match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))).get("kind")
+        kind = match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))).get("path")
         if kind:
             counts[kind] = counts.get(kind, 0.0) + float(match.group(2))
     return counts
@@ -925,7 +926,7 @@ def served_1b(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, An
     out = {"output_tok_s": burst_summary["output_tokens_per_s"], "tpot_p50_ms": burst_summary["tpot_ms"]["p50"],
            "single_tpot_p50_ms": single_summary["tpot_ms"]["p50"], "eager_step_share": share}
     if share is None:
-        out["eager_step_share_note"] = f"the engine reports no step kinds ({STEP_KINDS}{{kind=...}} on /metrics)"
+        out["eager_step_share_note"] = f"the engine reports no steps ({STEP_KINDS}{{path=...}} on /metrics)"
     return {**out, "burst": burst_summary, "single": single_summary}
 
 

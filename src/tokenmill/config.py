@@ -84,7 +84,13 @@ class ModelConfig:
                                   "else torch_ref (the PyTorch reference); triton_paged on CPU runs Triton's "
                                   "interpreter (tests only: slow)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = _opt(False, "CUDA: run every step eagerly instead of replaying the CUDA graphs captured "
-                               "at start for decode-only steps (vLLM's flag)")
+                               "at start (vLLM's flag)")
+    cuda_graph_sizes: Optional[list[int]] = _opt(
+        None, "CUDA: the sizes the graphs are captured for: decode-only steps by batch size (those up to "
+        "max_num_seqs), steps with prefill chunks or speculative proposals by token count (those up to "
+        "max_num_batched_tokens); a step replays the smallest size that holds it, a larger one runs eagerly. "
+        "Default: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, then 384 ... 8192 for token counts "
+        "(the start-up log lists them and the capture time)", nargs="+")
     fused_decode: bool = _opt(True, "run each step as one native call where every projection runs natively "
                               "(quantised, or bfloat16 in AMX tiles; cpu_paged): decode steps, and prefill chunks "
                               "in bfloat16 on AMX; its output is identical to the per-layer path")
@@ -113,6 +119,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or any(
+                not isinstance(size, int) or isinstance(size, bool) or size < 1 for size in self.cuda_graph_sizes)):
+            raise ValueError(f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

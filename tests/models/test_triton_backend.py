@@ -88,6 +88,51 @@ def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(llama, 
             assert abs(le[token].logprob - lg[token].logprob) < 1e-5
 
 
+class _CountingProposer:
+    """Proposes the request's next three token ids after its last one (mostly rejected: verify steps of every
+    length), the same in every engine."""
+
+    def propose(self, wanted):
+        from tokenmill.spec_decode.controller import Draft
+
+        last = {r.request_id: (r.output_token_ids or r.prompt_token_ids)[-1] for r, _ in wanted}
+        return {r.request_id: Draft([(last[r.request_id] + k) % 1000 for k in (1, 2, 3)][:room]) for r, room in wanted}
+
+    def forget(self, request_id):
+        pass
+
+
+def test_mixed_and_verify_steps_through_padded_token_buckets_give_the_eager_tokens(llama):
+    # the mixed steps' graph buffers without capture (no GPU): a 16-token budget chunks the long prompt beside
+    # the others' decodes (mixed steps), and proposals make verify steps; each runs in a token bucket with one
+    # padding sequence (slot -1, context 0) and empty sequence slots, which must change no output
+    prompts = PROMPTS[:3]
+    options = {**ENGINE, "batch_invariant": False, "speculative_method": "ngram", "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    eager = LLM(llama, attention_backend="triton_paged", **options)
+    eager.llm_engine.speculation.proposer = _CountingProposer()
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    graphed = LLM(llama, attention_backend="triton_paged", **options)
+    graphed.llm_engine.speculation.proposer = _CountingProposer()
+    runner = graphed.llm_engine.runner
+    runner.use_decode_graphs(max_num_seqs=4, max_model_len=256, capture=False, max_num_tokens=16,
+                             sizes=[1, 2, 4, 8, 12, 20])
+    assert runner.mixed_graphs.sizes == [1, 2, 4, 8, 12, 20] and runner.graphs.sizes == [1, 2, 4]
+    replays = []
+    original = runner.mixed_graphs.run
+    runner.mixed_graphs.run = lambda bucket, ids, *rest: replays.append((len(ids), bucket)) or original(bucket, ids,
+                                                                                                         *rest)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert any(tokens < bucket for tokens, bucket in replays)  # padded
+    steps = graphed.llm_engine.telemetry.steps
+    assert {"mixed", "verify", "decode"} <= {step.kind for step in steps} and all(step.graphed for step in steps)
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            token = next(iter(le))
+            assert abs(le[token].logprob - lg[token].logprob) < 1e-5
+
+
 def test_graph_buckets_cover_max_num_seqs_and_only_plain_decode_steps_take_them():
     from tokenmill.worker.cuda_graphs import DecodeGraphs, bucket_sizes
     from tokenmill.worker.request_state import BatchItem

@@ -157,6 +157,7 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     encoder_images: int = 0  # images the vision encoder encoded in this step (cache misses)
     encoder_seconds: float = 0.0  # and the time it took
+    graphed: bool = False  # the forward pass replayed a CUDA graph (worker/cuda_graphs.py, mixed_graphs.py)
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         """Mark `request_id` failed (dropping what the step had recorded for it)."""

@@ -282,7 +282,7 @@ class LLMEngine:
         outputs, stopped, failed = self.output_processor.process(updates)
         if self.kv_transfers is not None:
             self._describe_transfers(outputs)
-        self.telemetry.record_step(started, chunks)
+        self.telemetry.record_step(started, chunks, graphed=result.graphed)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         ended = set(stopped)

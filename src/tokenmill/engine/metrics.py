@@ -88,6 +88,9 @@ class EngineMetrics:
                                      "new token per request and step, plus its speculative proposals).")
         self.step_time = histogram("engine_step_seconds", "Engine step time, from submission to results.",
                                    _ITL_BUCKETS)
+        self._steps = family(Counter("tokenmill:engine_steps", "Engine steps by what they computed (step: decode, "
+                                     "prefill, mixed, verify) and how they ran (path: graph, a CUDA graph replayed; "
+                                     "eager).", ["model_name", "step", "path"], registry=r))
         self._last_step = 0
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -107,6 +110,7 @@ class EngineMetrics:
                 self.prefill_tokens.inc(step.prefill_tokens)
                 self.decode_tokens.inc(step.decode_tokens)
                 self.step_time.observe(step.duration)
+                self._steps.labels(self.model_name, step.kind, "graph" if step.graphed else "eager").inc()
                 self._last_step = step.seq
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 PREFILL, DECODE = "prefill", "decode"
+# what a step computed: decode tokens only, prompt chunks only, both, or speculative proposals to verify
+STEP_KINDS = ("decode", "prefill", "mixed", "verify")
 
 
 @dataclass(slots=True)
@@ -31,6 +33,8 @@ class StepRecord:
     prefill_tokens: int
     decode_tokens: int
     num_requests: int
+    kind: str = "decode"  # one of STEP_KINDS
+    graphed: bool = False  # it replayed a CUDA graph (else it ran eagerly)
 
 
 @dataclass(slots=True)
@@ -76,16 +80,18 @@ class Telemetry:
         self.finished: collections.deque[RequestTrace] = collections.deque(maxlen=max_requests)
 
     def record_step(self, started: float, chunks: Iterable[ChunkInfo],
-                    ended: Optional[float] = None) -> Optional[StepRecord]:
-        """Log a finished step whose chunks were submitted at `started`; a step that computed nothing
-        (it only released finished requests' blocks) is not logged."""
+                    ended: Optional[float] = None, graphed: bool = False) -> Optional[StepRecord]:
+        """Log a finished step whose chunks were submitted at `started` (`graphed`: it replayed a CUDA graph);
+        a step that computed nothing (it only released finished requests' blocks) is not logged."""
         end = time.monotonic() if ended is None else ended
         prefill = decode = count = 0
+        verifies = False
         watched = self.watchers > 0
         for chunk in chunks:
             count += 1
             if chunk.kind == DECODE:
                 decode += chunk.num_tokens
+                verifies = verifies or chunk.num_tokens > 1
             else:
                 prefill += chunk.num_tokens
             if watched:
@@ -94,7 +100,8 @@ class Telemetry:
             return None
         self.prefill_tokens_total += prefill
         self.decode_tokens_total += decode
-        record = StepRecord(next(self._seq), end, end - started, prefill, decode, count)
+        kind = "verify" if verifies else "mixed" if prefill and decode else "prefill" if prefill else "decode"
+        record = StepRecord(next(self._seq), end, end - started, prefill, decode, count, kind, graphed)
         self.steps.append(record)
         return record
 

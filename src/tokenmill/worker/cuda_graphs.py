@@ -1,10 +1,12 @@
 """CUDA graphs for decode-only steps: the model's forward captured once per batch-size bucket over static
-input buffers, then replayed with the step's inputs copied in.
+input buffers, then replayed with the step's inputs copied in (steps with prefill chunks or proposals:
+worker/mixed_graphs.py).
 
 A step of n decode rows runs in the smallest bucket b >= n. Rows n..b-1 are padding: token 0 at
 position 0, slot -1 (the KV write skips it) and context length 0 (attention writes zeros), so they
 touch no cache block and their outputs are dropped. Sampling stays outside the graph. Steps with
-prefill, speculative proposals or LoRA adapters, or more rows than the largest bucket, run eagerly.
+prefill or speculative proposals take the mixed graphs; steps with LoRA adapters, or more rows than the
+largest bucket, run eagerly.
 
 `capture=False` runs the same padded static-buffer path without capturing: on CPU (the Triton kernels
 interpreted) it checks that a padded bucket computes what the unpadded eager step does.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,12 +28,69 @@ from tokenmill.worker.request_state import BatchItem
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# the token counts of the mixed steps' graphs past the decode buckets (--cuda-graph-sizes replaces both)
+LARGE_BUCKETS = (384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
-def bucket_sizes(max_num_seqs: int) -> list[int]:
-    """The buckets captured for `max_num_seqs`: every bucket up to the first that holds it."""
-    sizes = [b for b in BUCKETS if b < max_num_seqs]
-    return sizes + [next((b for b in BUCKETS if b >= max_num_seqs), BUCKETS[-1])]
+def bucket_sizes(limit: int, sizes: Sequence[int] = BUCKETS) -> list[int]:
+    """The buckets of `sizes` captured for steps of up to `limit` rows or tokens: every size below it, then
+    the first that holds it (the largest size when none does: larger steps run eagerly)."""
+    sizes = sorted(set(sizes))
+    below = [b for b in sizes if b < limit]
+    return below + [next((b for b in sizes if b >= limit), sizes[-1])]
+
+
+class StagedCopies:
+    """Host arrays copied into device tensors through pinned buffers, without waiting for the device: a
+    call's copies are issued on the current stream from one of two pinned buffers used in turn, and a
+    buffer is written again only once its last copies are done (its event), so a copy in flight never
+    reads a half-written buffer while the host prepares the next step. Off CUDA, plain copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[Optional[torch.Tensor]] = [None, None]  # bytes
+        self._done: list[Optional[Any]] = [None, None]
+        self._turn = 0
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, np.ndarray]]) -> None:
+        """dest.copy_(array) for each (contiguous device tensor, host array of its dtype and size)."""
+        if self.device.type != "cuda":
+            for dest, array in pairs:
+                dest.copy_(torch.from_numpy(np.ascontiguousarray(array)).view(dest.shape))
+            return
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._done[turn] is not None:
+            self._done[turn].synchronize()
+        sizes = [array.nbytes for _, array in pairs]
+        offsets = np.cumsum([0] + [-(-size // 8) * 8 for size in sizes])  # 8-byte aligned
+        buffer = self._buffers[turn]
+        if buffer is None or buffer.numel() < offsets[-1]:
+            buffer = self._buffers[turn] = torch.empty(int(offsets[-1]) * 2, dtype=torch.uint8, pin_memory=True)
+        host = buffer.numpy()
+        for (dest, array), offset, size in zip(pairs, offsets, sizes):
+            host[offset:offset + size] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+            dest.copy_(buffer[offset:offset + size].view(dest.dtype).view(dest.shape), non_blocking=True)
+        self._done[turn] = torch.cuda.Event()
+        self._done[turn].record()
+
+
+def capture_graphs(sizes: Sequence[int], forward: Callable[[int], torch.Tensor], device: torch.device,
+                   pool: Any = None) -> tuple[dict[int, Any], dict[int, torch.Tensor], Any]:
+    """One CUDA graph of `forward(size)` per size, largest first, into one memory pool (`pool`, or a new one);
+    each size runs once eagerly first, which compiles the kernels for its shapes. Returns (graphs, their
+    static outputs, the pool)."""
+    graphs, outputs = {}, {}
+    with torch.inference_mode():
+        for size in sorted(sizes, reverse=True):
+            forward(size)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[size] = forward(size)
+            pool = graph.pool() if pool is None else pool
+            graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs, outputs, pool
 
 
 class DecodeGraphs:
@@ -41,9 +100,10 @@ class DecodeGraphs:
     table entries per row cover max_model_len."""
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], layer_groups: list[int], max_num_seqs: int,
-                 width: int, device: torch.device, capture: bool = True) -> None:
+                 width: int, device: torch.device, capture: bool = True, sizes: Sequence[int] = BUCKETS,
+                 pool: Any = None) -> None:
         self.model, self.kv_caches, self.layer_groups = model, kv_caches, layer_groups
-        self.sizes = bucket_sizes(max_num_seqs)
+        self.sizes = bucket_sizes(max_num_seqs, sizes)
         self.device, self.capture = device, capture
         rows = self.sizes[-1]
         groups = sorted(set(layer_groups))
@@ -55,8 +115,13 @@ class DecodeGraphs:
         self.tables = {g: torch.zeros(rows, max(width, 1), dtype=torch.int32, device=device) for g in groups}
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = pool  # the graphs' memory pool, shared with the mixed steps' graphs
+        self.staging = StagedCopies(device)
         if capture:
-            self._capture_all()
+            started = time.perf_counter()
+            self.graphs, self.outputs, self.pool = capture_graphs(self.sizes, self._forward, device, pool)
+            logger.info("CUDA graphs captured for decode batch sizes %s in %.1fs (--enforce-eager turns them off)",
+                        ", ".join(map(str, self.sizes)), time.perf_counter() - started)
 
     def bucket_for(self, batch: list[BatchItem], lora_active: bool) -> Optional[int]:
         """The bucket of a decode-only step that fits, else None (the step runs eagerly)."""
@@ -71,20 +136,20 @@ class DecodeGraphs:
         """Hidden states [len(batch), hidden] of a decode-only step: `chunks` and host `slots` per KV group;
         `fill_ids` writes the device-side ids (placeholders) into the step's input ids."""
         n = len(batch)
-        self.input_ids[:n].copy_(torch.tensor([item.token_ids[0] for item in batch]))
-        fill_ids(self.input_ids[:n])
-        self.input_ids[n:bucket].zero_()
-        self.positions[:n].copy_(torch.tensor([item.start for item in batch]))
-        self.positions[n:bucket].zero_()
+        pairs = [(self.input_ids[:n], np.fromiter((item.token_ids[0] for item in batch), np.int64, n)),
+                 (self.positions[:n], np.fromiter((item.start for item in batch), np.int64, n))]
         for group, group_chunks in chunks.items():
             lens = np.zeros(bucket, dtype=np.int32)
             table = np.zeros((bucket, self.tables[group].shape[1]), dtype=np.int32)
             _, lens[:n], table[:n] = host_metadata(group_chunks, self.kv_caches[0].shape[3], table.shape[1])
             padded_slots = np.full(bucket, -1, dtype=np.int32)
             padded_slots[:n] = slots[group].numpy()
-            self.seq_lens[group][:bucket].copy_(torch.from_numpy(lens), non_blocking=True)
-            self.tables[group][:bucket].copy_(torch.from_numpy(table), non_blocking=True)
-            self.slots[group][:bucket].copy_(torch.from_numpy(padded_slots), non_blocking=True)
+            pairs += [(self.seq_lens[group][:bucket], lens), (self.tables[group][:bucket], table),
+                      (self.slots[group][:bucket], padded_slots)]
+        self.staging.copy(pairs)
+        self.input_ids[n:bucket].zero_()
+        self.positions[n:bucket].zero_()
+        fill_ids(self.input_ids[:n])
         if self.capture:
             self.graphs[bucket].replay()
             return self.outputs[bucket][:n]
@@ -99,21 +164,3 @@ class DecodeGraphs:
         metadata = {g: self._metadata(bucket, g) for g in self.seq_lens}
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
                           [metadata[g] for g in self.layer_groups])
-
-    def _capture_all(self) -> None:
-        """Capture the buckets, largest first, into one memory pool (each bucket run once eagerly first,
-        which compiles the kernels for its shapes)."""
-        started = time.perf_counter()
-        pool = None
-        with torch.inference_mode():
-            for bucket in reversed(self.sizes):
-                self._forward(bucket)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bucket] = self._forward(bucket)
-                pool = graph.pool() if pool is None else pool
-                self.graphs[bucket] = graph
-        torch.cuda.synchronize(self.device)
-        logger.info("CUDA graphs captured for decode batch sizes %s in %.1fs (--enforce-eager turns them off)",
-                    ", ".join(map(str, self.sizes)), time.perf_counter() - started)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -66,6 +66,8 @@ class ModelRunner:
                                     len(self.kv_pages), cache_dtype, device, tier_folder)
         self.kv_connectors = worker_connectors(self.tier, self.swap)
         self.graphs = None  # DecodeGraphs, once use_decode_graphs is called
+        self.mixed_graphs = None  # MixedGraphs, when use_decode_graphs is given a token budget
+        self.step_graphed = False  # whether the last forward pass replayed (or, uncaptured, ran) a graph
         # a vision-language model's image embeddings (worker/encoder_cache.py), at the stage that embeds
         vision = getattr(model, "vision", None)
         self.encoder_cache = EncoderCache(vision, device, encoder_cache_tokens) if vision is not None else None
@@ -115,6 +117,7 @@ class ModelRunner:
                 self.model.lora.set_step({}, 0, self.device)
         # their rows ran without the adapter, or without the image: drop them
         failures = [*adapter_failures.items(), *self.encoder_failures.items()]
+        result.graphed = self.step_graphed
         if before is not None:
             result.encoder_images = encoder.images_encoded - before[0]
             result.encoder_seconds = encoder.encode_seconds - before[1]
@@ -159,8 +162,8 @@ class ModelRunner:
 
     def forward(self, batch: list[BatchItem]) -> tuple[torch.Tensor, list[SequenceChunk]]:
         """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden],
-        and the chunks (with the tables of the first group this stage uses). A decode-only step replays
-        its CUDA graph where one is captured."""
+        and the chunks (with the tables of the first group this stage uses). A step replays its CUDA graph
+        where one is captured (`step_graphed` says whether it did)."""
         chunks, slots = {}, {}
         decode = is_decode_step(batch)
         for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
@@ -172,10 +175,17 @@ class ModelRunner:
         lora_active = self.model.lora is not None and self.model.lora.active
         # the graphs compute positions from the sequence index: not M-RoPE's, which images shift
         plain_positions = images is None and not self.mrope
+        fill = lambda ids: self._fill_placeholders(ids, batch)  # noqa: E731
+        self.step_graphed = True
         bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None and plain_positions else None
         if bucket is not None:
-            return self.graphs.run(batch, bucket, chunks, slots, lambda ids: self._fill_placeholders(ids, batch)), first
+            return self.graphs.run(batch, bucket, chunks, slots, fill), first
         ids, positions = self.inputs.ids_and_positions(batch, decode)
+        mixed = self.mixed_graphs
+        bucket = mixed.bucket_for(batch, lora_active) if mixed is not None and plain_positions else None
+        if bucket is not None:
+            return mixed.run(bucket, ids, positions, chunks, slots, fill), first
+        self.step_graphed = False
         if self.mrope:
             positions = mrope_positions(batch, positions)
         input_ids, positions = self._tensor(ids), torch.from_numpy(positions).to(self.device)
@@ -207,13 +217,24 @@ class ModelRunner:
             values = torch.stack([zero if pick is None else pick[0][pick[1]] for pick in picks])
         input_ids[self._tensor(flat)] = values.clamp(min=0)  # NO_TOKEN (a row that allowed none) is -1
 
-    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
-        """Run decode-only steps through CUDA graphs of the model (worker/cuda_graphs.py); `capture`
-        False runs their padded static buffers eagerly (CPU tests). Needs the Triton backend."""
-        from tokenmill.worker.cuda_graphs import DecodeGraphs
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True,
+                          max_num_tokens: int = 0, sizes: Optional[Sequence[int]] = None) -> None:
+        """Run steps through CUDA graphs of the model: decode-only steps by batch size (worker/cuda_graphs.py)
+        and, with `max_num_tokens` (a step's token budget), steps with prefill chunks or proposals by token
+        count (worker/mixed_graphs.py), over one memory pool; `sizes` replaces both kinds' default buckets.
+        `capture` False runs their padded static buffers eagerly (CPU tests). Needs the Triton backend."""
+        from tokenmill.worker.cuda_graphs import BUCKETS, LARGE_BUCKETS, DecodeGraphs
+        from tokenmill.worker.mixed_graphs import MixedGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.layer_groups, max_num_seqs,
-                                   -(-max_model_len // self.block_size), self.device, capture)
+        width = -(-max_model_len // self.block_size)
+        pool = None
+        if max_num_tokens:  # the larger graphs first: the decode graphs fit in their pool
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.layer_groups, max_num_seqs,
+                                            max_num_tokens, width, self.device, capture,
+                                            sizes or BUCKETS + LARGE_BUCKETS)
+            pool = self.mixed_graphs.pool
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.layer_groups, max_num_seqs, width, self.device,
+                                   capture, sizes or BUCKETS, pool)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -101,23 +101,24 @@ class Worker:
         graphs = self._decode_graphs_apply(backend, tp, stage)
         if graphs:
             try:
-                self.runner.use_decode_graphs(spec.max_num_seqs, spec.max_model_len)
+                self.runner.use_decode_graphs(spec.max_num_seqs, spec.max_model_len,
+                                              max_num_tokens=spec.profile_tokens, sizes=spec.model.cuda_graph_sizes)
             except RuntimeError as exc:  # e.g. a layer that reads the device from the host while captured
                 logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
                 self.runner.graphs, graphs = None, False
         self.description = (f"{dtype}, {type(backend).__name__} attention"
-                            f"{', CUDA graphs for decode' if graphs else ''}; {self.model.describe_weights()}")
+                            f"{', CUDA graphs' if graphs else ''}; {self.model.describe_weights()}")
 
     def _decode_graphs_apply(self, backend, tp: TPGroup, stage: PipelineStage) -> bool:
-        """Whether decode steps replay CUDA graphs: on CUDA with the Triton backend, one rank, LoRA off,
-        unless --enforce-eager (each reason to run eagerly is logged)."""
+        """Whether steps replay CUDA graphs: on CUDA with the Triton backend, one rank, LoRA off, unless
+        --enforce-eager (each reason to run eagerly is logged)."""
         if self.device.type != "cuda" or self.spec.model.enforce_eager:
             return False
         reason = ("the attention backend is not triton_paged" if not backend.on_triton
                   else "the model runs on several ranks" if tp.size > 1 or stage.size > 1
                   else "LoRA adapters are enabled" if self.spec.model.enable_lora else None)
         if reason:
-            logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
+            logger.info("steps run eagerly (no CUDA graphs): %s", reason)
         return reason is None
 
     def _profile_blocks(self, backend, layout, dtype: torch.dtype) -> int:
