@@ -32,7 +32,7 @@ from tokenmill.models.loader import ModelSource, load_model_source, model_locati
 from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.multimodal.processing import ImageLike, ImageProcessing
 from tokenmill.outputs import RequestOutput
-from tokenmill.request import Request, RequestStatus
+from tokenmill.request import RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.setup import make_speculation
 from tokenmill.structured.compiler import GrammarCache
