@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, check_kv_transfer, check_lora,
                                      check_node_rank)
 from tokenmill.core.kv_connector import TRANSFER
-from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.core.sched_output import RequestUpdate, SchedulerOutput
 from tokenmill.core.scheduler import StepAttachment
 from tokenmill.core.scheduling import SpecTotals
 from tokenmill.engine.engine_build import (build_kv_cache, build_scheduler, make_image_processing,
@@ -57,6 +57,17 @@ class EngineStats:
     spec: SpecTotals = field(default_factory=SpecTotals)
     encoder_images: int = 0  # images the vision encoder encoded (encoder-cache misses)
     encoder_seconds: float = 0.0  # the time it spent on them
+
+
+@dataclass(frozen=True)
+class _StepInFlight:
+    """A step submitted and not yet finished: its grammar-mask failures, when it was submitted (monotonic)
+    and its chunks' telemetry."""
+
+    schedule: SchedulerOutput
+    mask_failures: dict
+    submitted: float
+    chunks: list[ChunkInfo]
 
 
 class LLMEngine:
@@ -121,10 +132,9 @@ class LLMEngine:
         self.encoder_totals: tuple[int, float] = (0, 0.0)  # images the vision encoder encoded, and its seconds
         self._grammar = GrammarMasking(lambda: GrammarCache(self.tokenizer, self.arch.vocab_size, self.eos_token_ids))
         self._drafts = DraftProbs()
-        # Steps submitted and not yet finished, oldest first: each with its grammar-mask failures, when it
-        # was submitted and its chunks' telemetry. Invariant: the executor returns outputs in this order; at
-        # most executor.max_steps_in_flight, plus one with async scheduling (`step`).
-        self._in_flight: deque[tuple[SchedulerOutput, dict, float, list[ChunkInfo]]] = deque()
+        # Invariant: the executor returns outputs in this order; at most executor.max_steps_in_flight, plus
+        # one with async scheduling (`step`).
+        self._in_flight: deque[_StepInFlight] = deque()
         self.telemetry = Telemetry()
 
     @property
@@ -254,7 +264,7 @@ class LLMEngine:
             return False
         chunks = self._chunk_infos(schedule)
         self.executor.submit(schedule)
-        self._in_flight.append((schedule, mask_failures, time.monotonic(), chunks))
+        self._in_flight.append(_StepInFlight(schedule, mask_failures, time.monotonic(), chunks))
         return True
 
     def _chunk_infos(self, schedule: SchedulerOutput) -> list[ChunkInfo]:
@@ -270,19 +280,33 @@ class LLMEngine:
         return infos
 
     def _finish_oldest(self) -> list[RequestOutput]:
-        schedule, mask_failures, started, chunks = self._in_flight.popleft()
+        """Collect the oldest step in flight and turn its results into the outputs of the requests it
+        touched: the scheduler advances them, the output processor detokenises and finds stop strings,
+        the requests that ended are recorded and forgotten, and speculation proposes for the next step."""
+        step = self._in_flight.popleft()
         result = self.executor.collect()
-        transfers = schedule.copies(TRANSFER)
+        transfers = step.schedule.copies(TRANSFER)
         if transfers is not None and transfers.into:
             self.kv_transfers.remove_imported([path for path, _, _ in transfers.into])
-        self._grammar.finish(schedule, result, mask_failures)
-        updates = self.scheduler.update_from_output(schedule, result)
+        self._grammar.finish(step.schedule, result, step.mask_failures)
+        updates = self.scheduler.update_from_output(step.schedule, result)
         self.encoder_totals = (self.encoder_totals[0] + result.encoder_images,
                                self.encoder_totals[1] + result.encoder_seconds)
         outputs, stopped, failed = self.output_processor.process(updates)
         if self.kv_transfers is not None:
             self._describe_transfers(outputs)
-        self.telemetry.record_step(started, chunks, graphed=result.graphed)
+        self.telemetry.record_step(step.submitted, step.chunks, graphed=result.graphed)
+        self._end_requests(updates, stopped, failed)
+        if self.speculation is not None:
+            self.speculation.observe(updates)
+            drafts = self.speculation.propose(self.scheduler.running, busy=self.scheduler.in_flight)
+            self.scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
+            self._drafts.hold({rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None})
+        return outputs
+
+    def _end_requests(self, updates: list[RequestUpdate], stopped: list[str], failed: list[str]) -> None:
+        """Finish the requests a stop string ended (`stopped`) or whose output failed (`failed`), record every
+        request that ended in this step, and forget them in the scheduler."""
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         ended = set(stopped)
@@ -293,12 +317,6 @@ class LLMEngine:
             self._record_finished(request_id, "error")
         for request_id in [u.request_id for u in updates] + failed:
             self.scheduler.pop_finished(request_id)
-        if self.speculation is not None:
-            self.speculation.observe(updates)
-            drafts = self.speculation.propose(self.scheduler.running, busy=self.scheduler.in_flight)
-            self.scheduler.set_proposals({rid: draft.token_ids for rid, draft in drafts.items()})
-            self._drafts.hold({rid: draft.probs for rid, draft in drafts.items() if draft.probs is not None})
-        return outputs
 
     def _describe_transfers(self, outputs: list[RequestOutput]) -> None:
         """Give each finished prefill-server request's output its kv_transfer_params."""
