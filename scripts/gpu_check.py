@@ -910,6 +910,26 @@ def eager_step_share(before: dict[str, float], after: dict[str, float]) -> Optio
     return round(steps.get("eager", 0.0) / total, 4) if total else None
 
 
+def offline_output_tok_s(path: Path, device: str, dry: bool, num_prompts: int, input_len: int,
+                         output_len: int) -> float:
+    """Output tokens per second of `LLM.generate` over the served burst's workload (random prompts of
+    `input_len` tokens, `output_len` each, EOS ignored), the engine built as `tokenmill_server` builds it and
+    warmed up first: the offline side of served against offline."""
+    from tokenmill import LLM
+    options: dict[str, Any] = dict(device=device)
+    if dry:
+        options.update(attention_backend="triton_paged", num_kv_blocks=128, max_model_len=256, dtype="float32")
+    llm = LLM(str(path), **options)
+    try:
+        timed_generate(llm, random_prompts(2, input_len, 5), 2, device)
+        seconds = timed_generate(llm, random_prompts(num_prompts, input_len, 6), output_len, device)
+    finally:
+        llm.shutdown()
+        del llm
+        free_memory()
+    return round(num_prompts * output_len / seconds, 1)
+
+
 def served_1b(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
     """Issue 58 (b): `tokenmill serve` of the 1B-shaped model (engine defaults: async scheduling where the
     engine turns it on), warmed up by a short burst, then `tokenmill bench serve` 256 x 512 in / 128 out at 64
@@ -925,6 +945,11 @@ def served_1b(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, An
         single_summary, _ = bench_serve(base, *single)
     out = {"output_tok_s": burst_summary["output_tokens_per_s"], "tpot_p50_ms": burst_summary["tpot_ms"]["p50"],
            "single_tpot_p50_ms": single_summary["tpot_ms"]["p50"], "eager_step_share": share}
+    num_prompts, _, input_len, output_len = burst
+    offline = offline_output_tok_s(path, device, dry, num_prompts, input_len, output_len)
+    out["offline_output_tok_s"] = offline
+    # issue 58 item 5: below 0.9, the engine core is to leave the server's process (and its GIL)
+    out["served_over_offline"] = round(out["output_tok_s"] / offline, 3) if offline else None
     if share is None:
         out["eager_step_share_note"] = f"the engine reports no steps ({STEP_KINDS}{{path=...}} on /metrics)"
     return {**out, "burst": burst_summary, "single": single_summary}
@@ -970,7 +995,8 @@ STEPS = ("kernels", "hf", "bf16", "throughput", "quantized", "serve", "profile",
 ISSUE58_STEPS = ("async_identical", "async_decode", "serve_1b", "hf_compiled")
 # `--skip` with these runs issue 58's sections alone, sized for one device run (9 minutes)
 ISSUE58_SKIP = tuple(step for step in STEPS if step not in ISSUE58_STEPS)
-SERVED_1B_KEYS = ("output_tok_s", "tpot_p50_ms", "single_tpot_p50_ms", "eager_step_share")
+SERVED_1B_KEYS = ("output_tok_s", "tpot_p50_ms", "single_tpot_p50_ms", "eager_step_share", "offline_output_tok_s",
+                  "served_over_offline")
 
 
 def issue58_steps(check: Check, skip: list[str], models: tuple[Any, Any], bandwidth: Any, device: str,
