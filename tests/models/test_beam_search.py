@@ -71,6 +71,14 @@ def test_hypotheses_ending_in_eos_match_hf(llm, hf):
         assert theirs[:len(ours.tokens)] == ours.tokens and ours.score == pytest.approx(score, abs=1e-4)
 
 
+def test_beams_are_the_same_with_async_scheduling(folder, llm):
+    params = BeamSearchParams(beam_width=4, max_tokens=8, length_penalty=0.5, early_stopping=True)
+    overlapped = LLM(str(folder), dtype="float32", num_kv_blocks=512, async_scheduling=True)
+    got, expected = overlapped.beam_search(PROMPTS, params), llm.beam_search(PROMPTS, params)
+    assert [[(s.tokens, s.score) for s in o.sequences] for o in got] == \
+        [[(s.tokens, s.score) for s in o.sequences] for o in expected]
+
+
 def test_bad_beam_parameters():
     with pytest.raises(ValueError, match="temperature 0.7 is not honoured"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)

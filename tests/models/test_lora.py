@@ -47,9 +47,11 @@ def _requests(adapters):
     return {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(adapters.items())}
 
 
-def test_mixed_batch_matches_peft(folders, oracle):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_batch_matches_peft(folders, oracle, async_scheduling):
     base, adapters = folders
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8, num_kv_blocks=256)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8, num_kv_blocks=256,
+              async_scheduling=async_scheduling)
     requests = _requests(adapters)
     plan = [(name, ids) for ids_index, ids in enumerate(EIGHT_PROMPTS[:4]) for name in [None, *adapters]]
     outputs = llm.generate([ids for _, ids in plan], SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True),
