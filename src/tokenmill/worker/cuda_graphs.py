@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.attention.base import SequenceChunk
 from tokenmill.attention.triton_paged import TritonMetadata, decode_splits, host_metadata
+from tokenmill.worker.host_copies import PinnedCopies
 from tokenmill.worker.request_state import BatchItem
 
 logger = logging.getLogger(__name__)
@@ -38,40 +39,6 @@ def bucket_sizes(limit: int, sizes: Sequence[int] = BUCKETS) -> list[int]:
     sizes = sorted(set(sizes))
     below = [b for b in sizes if b < limit]
     return below + [next((b for b in sizes if b >= limit), sizes[-1])]
-
-
-class StagedCopies:
-    """Host arrays copied into device tensors through pinned buffers, without waiting for the device: a
-    call's copies are issued on the current stream from one of two pinned buffers used in turn, and a
-    buffer is written again only once its last copies are done (its event), so a copy in flight never
-    reads a half-written buffer while the host prepares the next step. Off CUDA, plain copies."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: list[Optional[torch.Tensor]] = [None, None]  # bytes
-        self._done: list[Optional[Any]] = [None, None]
-        self._turn = 0
-
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, np.ndarray]]) -> None:
-        """dest.copy_(array) for each (contiguous device tensor, host array of its dtype and size)."""
-        if self.device.type != "cuda":
-            for dest, array in pairs:
-                dest.copy_(torch.from_numpy(np.ascontiguousarray(array)).view(dest.shape))
-            return
-        turn, self._turn = self._turn, 1 - self._turn
-        if self._done[turn] is not None:
-            self._done[turn].synchronize()
-        sizes = [array.nbytes for _, array in pairs]
-        offsets = np.cumsum([0] + [-(-size // 8) * 8 for size in sizes])  # 8-byte aligned
-        buffer = self._buffers[turn]
-        if buffer is None or buffer.numel() < offsets[-1]:
-            buffer = self._buffers[turn] = torch.empty(int(offsets[-1]) * 2, dtype=torch.uint8, pin_memory=True)
-        host = buffer.numpy()
-        for (dest, array), offset, size in zip(pairs, offsets, sizes):
-            host[offset:offset + size] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-            dest.copy_(buffer[offset:offset + size].view(dest.dtype).view(dest.shape), non_blocking=True)
-        self._done[turn] = torch.cuda.Event()
-        self._done[turn].record()
 
 
 def capture_graphs(sizes: Sequence[int], forward: Callable[[int], torch.Tensor], device: torch.device,
@@ -116,7 +83,7 @@ class DecodeGraphs:
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = pool  # the graphs' memory pool, shared with the mixed steps' graphs
-        self.staging = StagedCopies(device)
+        self.staging = PinnedCopies(device)
         if capture:
             started = time.perf_counter()
             self.graphs, self.outputs, self.pool = capture_graphs(self.sizes, self._forward, device, pool)

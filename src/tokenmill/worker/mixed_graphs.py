@@ -27,7 +27,8 @@ import torch
 
 from tokenmill.attention.base import SequenceChunk
 from tokenmill.attention.triton_paged import TritonMetadata, host_metadata
-from tokenmill.worker.cuda_graphs import BUCKETS, LARGE_BUCKETS, StagedCopies, bucket_sizes, capture_graphs
+from tokenmill.worker.cuda_graphs import BUCKETS, LARGE_BUCKETS, bucket_sizes, capture_graphs
+from tokenmill.worker.host_copies import PinnedCopies
 from tokenmill.worker.request_state import BatchItem
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class MixedGraphs:
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = pool
-        self.staging = StagedCopies(device)
+        self.staging = PinnedCopies(device)
         if capture:
             started = time.perf_counter()
             self.graphs, self.outputs, self.pool = capture_graphs(self.sizes, self._forward, device, pool)

@@ -15,6 +15,7 @@ from tokenmill.sampling.logprobs import logprob_entries, logprob_tensors, token_
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.encoder_cache import EncoderCache
+from tokenmill.worker.host_copies import PinnedCopies
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
 from tokenmill.worker.mrope import mrope_positions
@@ -74,6 +75,7 @@ class ModelRunner:
         self.mrope = getattr(getattr(model, "arch", None), "mrope_section", None) is not None
         self.encoder_failures: dict[str, Exception] = {}  # the step's requests whose image failed to encode
         self.inputs = StepInputs(block_size)
+        self.uploads = PinnedCopies(device)  # the step's inputs, copied without waiting for the step running
         self.requests = RequestStates()
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
@@ -188,7 +190,7 @@ class ModelRunner:
         self.step_graphed = False
         if self.mrope:
             positions = mrope_positions(batch, positions)
-        input_ids, positions = self._tensor(ids), torch.from_numpy(positions).to(self.device)
+        input_ids, positions = self._tensor(ids), self.uploads.upload(positions)
         self._fill_placeholders(input_ids, batch)
         metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device)
                     for group in chunks}
@@ -237,7 +239,8 @@ class ModelRunner:
                                    capture, sizes or BUCKETS, pool)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        """int64 `values` on the device, copied without waiting for it (worker/host_copies.py)."""
+        return self.uploads.indices(values)
 
     @staticmethod
     def _logit_rows(batch: list[BatchItem], chunks: list[SequenceChunk]):
@@ -266,7 +269,7 @@ class ModelRunner:
         """x[rows]; x itself when rows are all of x's rows in order (a decode step), with no copy."""
         if rows == list(range(x.shape[0])):
             return x
-        return x[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return x[self._tensor(rows)]
 
     def generator_for(self, item: BatchItem) -> Optional[torch.Generator]:
         """A seeded request's own generator (created at its first use), None for an unseeded one."""
@@ -314,7 +317,7 @@ class ModelRunner:
         wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]
         figures = None
         if wanted:
-            picked = torch.tensor(wanted, device=self.device)
+            picked = self._tensor(wanted)
             figures = logprob_tensors(sample_logits[picked], tokens[picked].clamp(min=0),
                                       max(batch[plain[k]].sampling_params.logprobs for k in wanted))
         self._reads.append(_PlainSamples(request_ids, wanted, [batch[plain[k]].sampling_params.logprobs
