@@ -4,8 +4,8 @@ worker starts."""
 import pytest
 
 from tokenmill.config import EngineConfig
-from tokenmill.config_checks import (check_kv_events, check_kv_transfer, check_lora, check_node_rank,
-                                     swaps_preempted)
+from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, check_kv_transfer, check_lora,
+                                     check_node_rank, swaps_preempted)
 
 
 def config(**options):
@@ -45,3 +45,19 @@ def test_events_lora_and_node_rank():
         check_node_rank(config(nnodes=2, node_rank=1, tensor_parallel_size=2,
                                distributed_executor_backend="mp").parallel)
     check_node_rank(config().parallel)
+
+
+def test_async_scheduling_is_on_for_one_cuda_rank_and_refused_with_worker_processes():
+    assert async_scheduling_applies(config(), "cuda") and not async_scheduling_applies(config(), "cpu")
+    assert async_scheduling_applies(config(async_scheduling=True), "cpu")
+    assert not async_scheduling_applies(config(async_scheduling=False), "cuda")
+    assert not async_scheduling_applies(config(tensor_parallel_size=2), "cuda")  # the default follows the ranks
+    with pytest.raises(ValueError, match="async_scheduling: .* one rank in the engine's process"):
+        async_scheduling_applies(config(async_scheduling=True, tensor_parallel_size=2), "cuda")
+
+
+def test_cuda_graph_sizes_are_positive_integers():
+    assert config(cuda_graph_sizes=[1, 8, 512]).model.cuda_graph_sizes == [1, 8, 512]
+    for bad in ([], [0], [4, -2]):
+        with pytest.raises(ValueError, match="cuda_graph_sizes must be positive integers"):
+            config(cuda_graph_sizes=bad)
