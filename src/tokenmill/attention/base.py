@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -31,12 +32,14 @@ class SequenceChunk:
     `query_by_query` asks for each query to be attended exactly as a one-token decode step at its
     position would be (speculative verification: the accepted tokens' outputs must not depend on
     whether they were verified or decoded one by one).
+
+    `block_ids` is a list, or an int32 row of the step's tables (worker/input_batch.py).
     """
 
     query_start: int
     query_len: int
     context_len: int
-    block_ids: list[int]
+    block_ids: Sequence[int]
     query_by_query: bool = False
 
 
@@ -66,9 +69,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
-                       block_size: int, device: torch.device) -> Any:
+                       block_size: int, device: torch.device, tables: Optional[np.ndarray] = None) -> Any:
         """Precompute, once per step, whatever every layer's forward needs. `slot_mapping`: [T] int64 slots
-        of the new tokens, on the host or on `device` (the backend moves it where it reads it)."""
+        of the new tokens, on the host or on `device` (the backend moves it where it reads it). `tables`,
+        when the caller has them: [len(chunks), W] int32, row i chunk i's block table (0 past its blocks),
+        which a backend may take instead of gathering the chunks' own."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tokenmill.attention.base import AttentionLayer, SequenceChunk, key_only
@@ -54,7 +55,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         self.batch_invariant = batch_invariant
 
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
-                       block_size: int, device: torch.device) -> CpuPagedMetadata:
+                       block_size: int, device: torch.device, tables: Optional[np.ndarray] = None) -> CpuPagedMetadata:
         """The reference metadata (decode rows built here, not padded tables) plus the kernels' inputs."""
         tiles = self.kernels.amx and prefill_attention_fits(block_size=block_size)
         if self.batch_invariant and tiles:

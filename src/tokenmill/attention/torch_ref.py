@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -104,21 +105,22 @@ def padded_block_tables(chunks: list[SequenceChunk], block_size: int, dtype: tor
     `split_decodes`); the rows are then gathered from it in one go."""
     used = [-(-c.context_len // block_size) for c in chunks]
     width = max(used) if width is None else width
-    flat: list[int] = []
+    parts: list[np.ndarray] = []
     starts: list[int] = []
-    last = None
+    last, start, offset = None, 0, 0
     for c in chunks:
         if c.block_ids is not last:
             last = c.block_ids
-            start = len(flat)
-            flat.extend(c.block_ids[:width])
+            start = offset
+            parts.append(np.asarray(c.block_ids[:width], dtype=np.int64))
+            offset += len(parts[-1])
         starts.append(start)
     # a row reads `width` entries from its start: past its own list's end they are masked (and the next
     # list's, or the zero tail's, so always in bounds)
-    values = torch.tensor(flat + [0] * width, dtype=dtype)
-    columns = torch.arange(width)
-    rows = values[torch.tensor(starts)[:, None] + columns]
-    return torch.where(columns < torch.tensor(used)[:, None], rows, torch.zeros((), dtype=dtype))
+    values = np.concatenate(parts + [np.zeros(width, dtype=np.int64)])
+    columns = np.arange(width)
+    rows = values[np.asarray(starts, dtype=np.int64)[:, None] + columns]
+    return torch.from_numpy(np.where(columns < np.asarray(used, dtype=np.int64)[:, None], rows, 0)).to(dtype)
 
 
 def _tiles(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,8 @@ def prefill_entries(prefills: list[SequenceChunk], block_size: int, device: torc
     entries = []
     for c in prefills:
         fresh = c.context_len == c.query_len
-        table = None if fresh else torch.tensor(c.block_ids[:-(-c.context_len // block_size)], device=device)
+        table = None if fresh else torch.tensor(np.asarray(c.block_ids[:-(-c.context_len // block_size)],
+                                                           dtype=np.int64), device=device)
         entries.append(_Prefill(c.query_start, c.query_len, c.context_len, table, device))
     return entries
 
@@ -178,7 +181,7 @@ class TorchReferenceBackend(AttentionBackend):
         return (planes, num_blocks, num_kv_heads, block_size, head_dim)
 
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
-                       block_size: int, device: torch.device) -> TorchRefMetadata:
+                       block_size: int, device: torch.device, tables: Optional[np.ndarray] = None) -> TorchRefMetadata:
         """Split chunks into decode (one query) and prefill groups and precompute their gather indices."""
         slot_mapping = slot_mapping.to(device)
         decodes, prefill_chunks = split_decodes(chunks)

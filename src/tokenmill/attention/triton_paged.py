@@ -67,17 +67,25 @@ class TritonMetadata:
     graph_splits: Optional[int] = None  # a captured graph's split count, fixed for its bucket (see _splits)
 
 
-def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[int] = None
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[int] = None,
+                  tables: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(query starts [B + 1], context lengths [B], block tables [B, width]) as int32 arrays, built per
-    sequence (no per-token work); `width` defaults to the widest table the step reads."""
+    sequence (no per-token work); `width` defaults to the widest table the step reads. The tables are
+    `tables` (the step's rows of the input batch, [B, any width]) when given, else gathered from the chunks'
+    own; either way each row holds block 0 past its context."""
     lens = np.fromiter((c.context_len for c in chunks), dtype=np.int32, count=len(chunks))
     starts = np.empty(len(chunks) + 1, dtype=np.int32)
     starts[:-1] = [c.query_start for c in chunks]
     starts[-1] = chunks[-1].query_start + chunks[-1].query_len if chunks else 0
+    used = -(-lens // block_size)
     if width is None:
-        width = max(int((-(-lens // block_size)).max(initial=1)), 1)
-    return starts, lens, padded_block_tables(chunks, block_size, torch.int32, width).numpy()
+        width = max(int(used.max(initial=1)), 1)
+    if tables is None:
+        return starts, lens, padded_block_tables(chunks, block_size, torch.int32, width).numpy()
+    fitted = tables[:, :width]
+    if fitted.shape[1] < width:
+        fitted = np.pad(fitted, ((0, 0), (0, width - fitted.shape[1])))
+    return starts, lens, np.where(np.arange(width) < used[:, None], fitted, 0).astype(np.int32, copy=False)
 
 
 class _Staging:
@@ -135,10 +143,10 @@ class TritonPagedBackend(AttentionBackend):
         return (planes, num_blocks, num_kv_heads, block_size, head_dim)
 
     def build_metadata(self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor,
-                       block_size: int, device: torch.device) -> TritonMetadata:
+                       block_size: int, device: torch.device, tables: Optional[np.ndarray] = None) -> TritonMetadata:
         """The step's metadata on the device in one copy (query_by_query needs nothing: every query
         already attends as a decode at its position would)."""
-        starts, lens, tables = host_metadata(chunks, block_size)
+        starts, lens, tables = host_metadata(chunks, block_size, tables=tables)
         slots = slot_mapping.cpu().numpy()
         query_start, seq_lens, block_tables, slot_dev = self.staging.upload([starts, lens, tables, slots])
         return TritonMetadata(query_start, seq_lens, block_tables, slot_dev, len(chunks), int(starts[-1]),

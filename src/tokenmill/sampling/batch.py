@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -16,16 +16,17 @@ class SamplingRow:
 
     params: SamplingParams
     generator: Optional[torch.Generator]
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list, or an int64 array (the runner's input batch row)
+    output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...]
 
 
-def padded_ids(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Stack ragged id lists into [len(lists), max_len] padded with `pad` (at least one column)."""
+def padded_ids(lists: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Stack ragged id lists (or int arrays) into [len(lists), max_len] padded with `pad` (at least one
+    column)."""
     width = max(1, max((len(x) for x in lists), default=0))
     out = torch.full((len(lists), width), pad, dtype=torch.long)
     for row, ids in enumerate(lists):
-        if ids:
-            out[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if len(ids):
+            out[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
     return out.to(device)

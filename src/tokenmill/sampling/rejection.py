@@ -43,7 +43,7 @@ def verify(logits: torch.Tensor, proposals: list[Proposal],
         base = proposal.row
         for i in range(len(proposal.drafts) + 1):
             rows.append(SamplingRow(base.params, base.generator, base.prompt_token_ids,
-                                    base.output_token_ids + proposal.drafts[:i], base.eos_token_ids))
+                                    [*base.output_token_ids, *proposal.drafts[:i]], base.eos_token_ids))
             logit_rows.append(proposal.first_row + i)
     adjusted = adjust_logits(logits[torch.tensor(logit_rows, device=logits.device)], rows)
     argmax = row_argmax(adjusted).tolist()
