@@ -57,14 +57,14 @@ def run(path: str, params, **options):
     llm = LLM(path, **{**ENGINE, **options})
     engine = llm.llm_engine
     placeholders = []
-    apply = engine.runner.requests.apply
+    apply = engine.runner.input_batch.apply
 
     def counted(schedule):
         items = apply(schedule)
         placeholders.append(sum(item.placeholder for item in items))
         return items
 
-    engine.runner.requests.apply = counted
+    engine.runner.input_batch.apply = counted
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     return summary(outputs), sum(placeholders), engine
 

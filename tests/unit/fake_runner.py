@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
+
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduling import SchedulingLimits
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.request_state import PLACEHOLDER, RequestStates
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.request_state import PLACEHOLDER
 
 EOS = 2
 
@@ -23,13 +26,13 @@ def next_token(tokens: list[int]) -> int:
 class FakeRunner:
     """Checks what a real runner relies on (token positions, block capacity) and samples next_token.
 
-    Like the real runner it knows requests only through the step contract's diffs (RequestStates), and
+    Like the real runner it knows requests only through the step contract's diffs (InputBatch), and
     checks them against the scheduler's own view: the pickled step must rebuild the same sequence.
     """
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        self.states = RequestStates()
+        self.states = InputBatch(kv.block_size, kv.num_groups, max_num_seqs=2, max_model_len=8)  # grows
         self.steps: list[SchedulerOutput] = []
         self.items: list = []  # the batch items of the latest step
         self.requests = None  # the scheduler's requests, to compare with, when given
@@ -41,7 +44,7 @@ class FakeRunner:
     def sequence(self, item) -> list[int]:
         """The item's tokens so far, its placeholder filled in as the real runner does: with the token the
         previous step sampled for it."""
-        tokens = item.prompt_token_ids + item.output_token_ids
+        tokens = np.asarray(item.prompt_token_ids).tolist() + np.asarray(item.output_token_ids).tolist()
         if item.placeholder:
             assert item.token_ids == [PLACEHOLDER] and item.start == len(tokens)
             tokens = tokens + [self.sampled[item.request_id][-1]]
@@ -66,10 +69,11 @@ class FakeRunner:
         schedule = pickle.loads(pickle.dumps(schedule))  # what a worker process would receive
         self.items = self.states.apply(schedule)
         for item in self.items:  # the runner's rebuilt state is the scheduler's
-            assert item.block_ids == self.kv.block_tables(item.request_id), f"{item.request_id}: block table drifted"
+            assert [list(t) for t in item.block_ids] == self.kv.block_tables(item.request_id), \
+                f"{item.request_id}: block table drifted"
             if self.requests is not None:
                 request = self.requests[item.request_id]
-                assert (item.prompt_token_ids, item.output_token_ids) == \
+                assert (list(item.prompt_token_ids), list(item.output_token_ids)) == \
                     (request.prompt_token_ids, request.output_token_ids), f"{item.request_id}: tokens drifted"
         out = ModelRunnerOutput()
         tier = schedule.copies("tier")

@@ -3,7 +3,7 @@
 Everything here is plain data that pickles cheaply, so a step can cross a process boundary (the
 multi-process executor sends it to worker processes). A request's prompt, sampling parameters and
 blocks cross once, in `NewRequestData`; afterwards only what changed crosses, in `CachedRequestData`.
-The runner keeps its own per-request state (`worker/request_state.py`) built from these; the
+The runner keeps its own per-request rows (`worker/input_batch.py`) built from these; the
 scheduler keeps its own. Nothing else passes between them.
 """
 

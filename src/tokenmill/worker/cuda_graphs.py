@@ -99,16 +99,19 @@ class DecodeGraphs:
         return next(b for b in self.sizes if b >= len(batch))
 
     def run(self, batch: list[BatchItem], bucket: int, chunks: dict[int, list[SequenceChunk]],
-            slots: dict[int, torch.Tensor], fill_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        """Hidden states [len(batch), hidden] of a decode-only step: `chunks` and host `slots` per KV group;
-        `fill_ids` writes the device-side ids (placeholders) into the step's input ids."""
+            slots: dict[int, torch.Tensor], fill_ids: Callable[[torch.Tensor], None],
+            tables: Optional[dict[int, Optional[np.ndarray]]] = None) -> torch.Tensor:
+        """Hidden states [len(batch), hidden] of a decode-only step: `chunks`, host `slots` and the step's
+        block tables (None: gathered from the chunks) per KV group; `fill_ids` writes the device-side ids
+        (placeholders) into the step's input ids."""
         n = len(batch)
         pairs = [(self.input_ids[:n], np.fromiter((item.token_ids[0] for item in batch), np.int64, n)),
                  (self.positions[:n], np.fromiter((item.start for item in batch), np.int64, n))]
         for group, group_chunks in chunks.items():
             lens = np.zeros(bucket, dtype=np.int32)
             table = np.zeros((bucket, self.tables[group].shape[1]), dtype=np.int32)
-            _, lens[:n], table[:n] = host_metadata(group_chunks, self.kv_caches[0].shape[3], table.shape[1])
+            _, lens[:n], table[:n] = host_metadata(group_chunks, self.kv_caches[0].shape[3], table.shape[1],
+                                                   (tables or {}).get(group))
             padded_slots = np.full(bucket, -1, dtype=np.int32)
             padded_slots[:n] = slots[group].numpy()
             pairs += [(self.seq_lens[group][:bucket], lens), (self.tables[group][:bucket], table),

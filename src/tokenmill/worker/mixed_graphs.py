@@ -71,9 +71,11 @@ class MixedGraphs:
         return next((b for b in self.sizes if b >= tokens), None)
 
     def run(self, bucket: int, ids: list[int], positions: np.ndarray, chunks: dict[int, list[SequenceChunk]],
-            slots: dict[int, torch.Tensor], fill_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        """Hidden states [T, hidden] of a step of T tokens (`ids` at `positions`, flat): `chunks` and host
-        `slots` per KV group; `fill_ids` writes the device-side ids (placeholders) into the input ids."""
+            slots: dict[int, torch.Tensor], fill_ids: Callable[[torch.Tensor], None],
+            tables: Optional[dict[int, Optional[np.ndarray]]] = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of a step of T tokens (`ids` at `positions`, flat): `chunks`, host `slots`
+        and the step's block tables (None: gathered from the chunks) per KV group; `fill_ids` writes the
+        device-side ids (placeholders) into the input ids."""
         n = len(ids)
         pairs = [(self.input_ids[:n], np.asarray(ids, dtype=np.int64)), (self.positions[:n], positions)]
         seqs = self.max_num_seqs + 1
@@ -83,7 +85,7 @@ class MixedGraphs:
             table = np.zeros((seqs, self.tables[group].shape[1]), dtype=np.int32)
             count = len(group_chunks)
             starts[:count + 1], lens[:count], table[:count] = host_metadata(
-                group_chunks, self.kv_caches[0].shape[3], table.shape[1])
+                group_chunks, self.kv_caches[0].shape[3], table.shape[1], (tables or {}).get(group))
             padded_slots = np.full(bucket, -1, dtype=np.int32)
             padded_slots[:n] = slots[group].numpy()
             pairs += [(self.query_start[group], starts), (self.seq_lens[group], lens), (self.tables[group], table),

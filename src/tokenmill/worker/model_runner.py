@@ -16,11 +16,12 @@ from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.encoder_cache import EncoderCache
 from tokenmill.worker.host_copies import PinnedCopies
+from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
 from tokenmill.worker.mrope import mrope_positions
 from tokenmill.worker.pending_output import HostRead, PendingOutput, fail_request, step_event, to_host
-from tokenmill.worker.request_state import BatchItem, RequestStates
+from tokenmill.worker.request_state import BatchItem
 from tokenmill.worker.step_inputs import StepInputs, is_decode_step
 
 
@@ -38,7 +39,8 @@ class ModelRunner:
                  layout: KVCacheLayout, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: tuple[int, ...], seed: int = 0, tier_slots: int = 0,
                  tier_folder: Optional[str] = None, request_seed: Callable[[int], int] = lambda seed: seed,
-                 swap_slots: int = 0, encoder_cache_tokens: int = 8192) -> None:
+                 swap_slots: int = 0, encoder_cache_tokens: int = 8192, max_num_seqs: int = 16,
+                 max_model_len: int = 2048) -> None:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -76,7 +78,9 @@ class ModelRunner:
         self.encoder_failures: dict[str, Exception] = {}  # the step's requests whose image failed to encode
         self.inputs = StepInputs(block_size)
         self.uploads = PinnedCopies(device)  # the step's inputs, copied without waiting for the step running
-        self.requests = RequestStates()
+        # every live request's row (tokens, block tables), from the step contract; sized at first by
+        # max_num_seqs x max_model_len, grown past them
+        self.input_batch = InputBatch(block_size, len(layout.groups), max_num_seqs, max_model_len)
         self.generators: dict[str, torch.Generator] = {}
         self.request_seed = request_seed  # a seeded request's seed -> its generator's seed
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
@@ -101,7 +105,7 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         for adapter_id in schedule.lora_unloads:
             self.model.lora.unload(adapter_id)
-        batch = self.requests.apply(schedule)
+        batch = self.input_batch.apply(schedule)
         # every connector's copies out of the pool, then into it (core/kv_connector.py)
         run_phase(self.kv_connectors, self.kv_pages, schedule.kv_copies, "out")
         run_phase(self.kv_connectors, self.kv_pages, schedule.kv_copies, "into")
@@ -166,10 +170,10 @@ class ModelRunner:
         """One forward pass over the batch's chunks (writing their K/V): final hidden states [T, hidden],
         and the chunks (with the tables of the first group this stage uses). A step replays its CUDA graph
         where one is captured (`step_graphed` says whether it did)."""
-        chunks, slots = {}, {}
+        chunks, slots, tables = {}, {}, {}
         decode = is_decode_step(batch)
         for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
-            chunks[group], slots[group] = self.inputs.group_chunks(batch, group, decode)
+            chunks[group], slots[group], tables[group] = self.inputs.group_chunks(batch, group, decode)
         first = chunks[self.layer_groups[0]]
         images = None
         if self.encoder_cache is not None:
@@ -181,18 +185,19 @@ class ModelRunner:
         self.step_graphed = True
         bucket = self.graphs.bucket_for(batch, lora_active) if self.graphs is not None and plain_positions else None
         if bucket is not None:
-            return self.graphs.run(batch, bucket, chunks, slots, fill), first
+            return self.graphs.run(batch, bucket, chunks, slots, fill, tables), first
         ids, positions = self.inputs.ids_and_positions(batch, decode)
         mixed = self.mixed_graphs
         bucket = mixed.bucket_for(batch, lora_active) if mixed is not None and plain_positions else None
         if bucket is not None:
-            return mixed.run(bucket, ids, positions, chunks, slots, fill), first
+            return mixed.run(bucket, ids, positions, chunks, slots, fill, tables), first
         self.step_graphed = False
         if self.mrope:
             positions = mrope_positions(batch, positions)
         input_ids, positions = self._tensor(ids), self.uploads.upload(positions)
         self._fill_placeholders(input_ids, batch)
-        metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device)
+        metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device,
+                                                       tables=tables[group])
                     for group in chunks}
         per_layer = [metadata[group] for group in self.layer_groups]
         if images is not None:

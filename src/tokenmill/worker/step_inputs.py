@@ -1,18 +1,22 @@
 """A step's flat inputs, built by phase (as nano-vllm's prepare_prefill / prepare_decode): token ids,
-positions, and per KV cache group the chunks and the slots their new tokens write.
+positions, and per KV cache group the chunks, the slots their new tokens write and the step's block tables.
 
 A decode step (every request computes one token, none verifies proposals) takes a vectorised path over
-the whole batch: one table lookup per request, then array arithmetic, into buffers kept between steps.
+the whole batch: one gather from the step's block tables (`InputBatch`; a lookup per request for items
+built elsewhere), then array arithmetic, into buffers kept between steps.
 Any other step (prefill chunks, mixed, speculative verification) takes the per-chunk path. Both give the
 same values for the same batch; only the work differs.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
 from tokenmill.attention.base import SequenceChunk
+from tokenmill.worker.input_batch import block_tables_of
 from tokenmill.worker.request_state import BatchItem
 
 
@@ -43,12 +47,13 @@ class StepInputs:
         return ids, positions
 
     def group_chunks(self, batch: list[BatchItem], group: int, decode: bool
-                     ) -> tuple[list[SequenceChunk], torch.Tensor]:
-        """The batch's chunks over group `group`'s block tables, and the (host) slots their new tokens
-        write."""
+                     ) -> tuple[list[SequenceChunk], torch.Tensor, Optional[np.ndarray]]:
+        """The batch's chunks over group `group`'s block tables, the (host) slots their new tokens write, and
+        the step's [B, W] int32 tables of the group when the batch came from the input batch (else None)."""
+        tables = block_tables_of(batch, group)
         if decode:
-            return self._decode_chunks(batch, group)
-        return self._prefill_chunks(batch, group)
+            return (*self._decode_chunks(batch, group, tables), tables)
+        return (*self._prefill_chunks(batch, group), tables)
 
     def _decode_starts(self, batch: list[BatchItem]) -> np.ndarray:
         n = len(batch)
@@ -59,11 +64,15 @@ class StepInputs:
         starts[:] = [item.start for item in batch]
         return starts
 
-    def _decode_chunks(self, batch: list[BatchItem], group: int) -> tuple[list[SequenceChunk], torch.Tensor]:
+    def _decode_chunks(self, batch: list[BatchItem], group: int, tables: Optional[np.ndarray]
+                       ) -> tuple[list[SequenceChunk], torch.Tensor]:
         bs = self.block_size
         starts = self._decode_starts(batch)
         blocks = self._blocks[:len(batch)]
-        blocks[:] = [item.block_ids[group][item.start // bs] for item in batch]
+        if tables is not None:
+            blocks[:] = tables[np.arange(len(batch)), starts // bs]
+        else:
+            blocks[:] = [item.block_ids[group][item.start // bs] for item in batch]
         chunks = [SequenceChunk(index, 1, item.start + 1, item.block_ids[group], False)
                   for index, item in enumerate(batch)]
         return chunks, torch.from_numpy(blocks * bs + starts % bs)

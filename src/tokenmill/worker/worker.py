@@ -97,7 +97,8 @@ class Worker:
         self.num_blocks = spec.num_blocks or self._profile_blocks(backend, layout, dtype)
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
-                                  swap_slots=spec.swap_slots, encoder_cache_tokens=spec.encoder_cache_tokens)
+                                  swap_slots=spec.swap_slots, encoder_cache_tokens=spec.encoder_cache_tokens,
+                                  max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         graphs = self._decode_graphs_apply(backend, tp, stage)
         if graphs:
             try:
