@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,6 +198,16 @@ def test_host_metadata_pads_tables_to_the_widest_sequence():
     starts, lens, tables = host_metadata(chunks, 16)
     assert starts.tolist() == [0, 3, 4] and lens.tolist() == [3, 40]
     assert tables.tolist() == [[7, 0, 0], [2, 9, 4]]
+
+
+def test_host_metadata_takes_the_input_batchs_tables_as_the_chunks_lists_would_give_them():
+    """The step's gathered rows (any width, blocks held past the context) give the chunks' padded tables."""
+    chunks = [SequenceChunk(0, 3, 3, [7, 5]), SequenceChunk(3, 1, 40, [2, 9, 4, 6])]
+    rows = np.array([[7, 5, 0, 0, 0], [2, 9, 4, 6, 0]], dtype=np.int32)
+    for width in (None, 3, 8):
+        expected = host_metadata(chunks, 16, width)
+        got = host_metadata(chunks, 16, width, rows)
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(expected, got))
 
 
 def test_write_kv_stores_rows_at_their_slots():
