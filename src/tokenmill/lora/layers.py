@@ -12,7 +12,7 @@ delta does not depend on what else shares the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -158,8 +158,10 @@ class ModelLoRA:
             deltas.remove(adapter_id)
         self.loaded.discard(adapter_id)
 
-    def set_step(self, adapter_rows: dict[int, list[int]], num_rows: int, device: torch.device) -> None:
-        """This step's rows of each adapter, of its `num_rows` rows (none: the base model only)."""
+    def set_step(self, adapter_rows: dict[int, list[int]], num_rows: int, device: torch.device,
+                 to_device: Optional[Callable[[list[int]], torch.Tensor]] = None) -> None:
+        """This step's rows of each adapter, of its `num_rows` rows (none: the base model only); `to_device`
+        puts the rows' int64 slots on `device` (the runner's copies that never wait for the device)."""
         self.state.active = tuple(sorted(adapter_rows))
         if not adapter_rows:
             self.state.row_slot = None
@@ -168,4 +170,5 @@ class ModelLoRA:
         for slot, adapter_id in enumerate(self.state.active):
             for row in adapter_rows[adapter_id]:
                 slots[row] = slot
-        self.state.row_slot = torch.tensor(slots, dtype=torch.long, device=device)
+        self.state.row_slot = (to_device(slots) if to_device is not None
+                               else torch.tensor(slots, dtype=torch.long, device=device))

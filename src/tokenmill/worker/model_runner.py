@@ -147,7 +147,7 @@ class ModelRunner:
                 except (OSError, ValueError) as exc:
                     failures[item.request_id] = exc
             start += item.num_tokens
-        lora.set_step(rows, start, self.device)
+        lora.set_step(rows, start, self.device, self._tensor)
         return failures
 
     def _run(self, schedule: SchedulerOutput, batch: list[BatchItem], result: ModelRunnerOutput) -> None:
