@@ -439,7 +439,7 @@ def graph_replay_ms(llm: Any, bucket: int, device: str) -> Any:
     with the KV writes turned off (slots -1): the device's share of a decode step, so that the step's
     wall time less this is the host's. None where no graph was captured (a dry run, --enforce-eager)."""
     graphs = llm.llm_engine.runner.graphs
-    if graphs is None or not graphs.capture or bucket not in graphs.graphs:
+    if graphs is None or not graphs.static.capture or bucket not in graphs.static.graphs:
         return None
     for slots in graphs.slots.values():
         slots.fill_(-1)
@@ -447,7 +447,7 @@ def graph_replay_ms(llm: Any, bucket: int, device: str) -> Any:
     for _ in range(25):
         sync(device)
         started = time.perf_counter()
-        graphs.graphs[bucket].replay()
+        graphs.static.graphs[bucket].replay()
         sync(device)
         times.append(time.perf_counter() - started)
     return round(statistics.median(times[5:]) * 1e3, 3)

@@ -60,6 +60,53 @@ def capture_graphs(sizes: Sequence[int], forward: Callable[[int], torch.Tensor],
     return graphs, outputs, pool
 
 
+class StaticGraphs:
+    """What both graph kinds own: static token ids and positions for `rows` tokens, the pinned copies that
+    fill a step's buffers, and one captured graph of `forward(bucket)` per bucket, in a memory pool the
+    kinds share (with `capture` off, the padded static buffers run eagerly: CPU tests)."""
+
+    def __init__(self, rows: int, device: torch.device, capture: bool,
+                 forward: Callable[[int], torch.Tensor]) -> None:
+        self.device, self.capture, self.forward = device, capture, forward
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.staging = PinnedCopies(device)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: Any = None
+
+    def capture_all(self, sizes: Sequence[int], pool: Any, what: str) -> None:
+        """Capture a graph per size into `pool` (a new one when None), when capturing; log `what` was."""
+        self.pool = pool
+        if self.capture:
+            started = time.perf_counter()
+            self.graphs, self.outputs, self.pool = capture_graphs(sizes, self.forward, self.device, pool)
+            logger.info("CUDA graphs captured for %s %s in %.1fs", what, ", ".join(map(str, sizes)),
+                        time.perf_counter() - started)
+
+    def run(self, bucket: int, ids: np.ndarray, positions: np.ndarray,
+            buffers: list[tuple[torch.Tensor, np.ndarray]], fill_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """The first len(ids) rows of bucket `bucket`'s output: the step's ids and positions, then its other
+        `buffers` (device tensor, host array) copied in, the padding rows' ids and positions zeroed and the
+        device-side ids written (`fill_ids`), then the graph replayed."""
+        n = len(ids)
+        self.staging.copy([(self.input_ids[:n], ids), (self.positions[:n], positions), *buffers])
+        self.input_ids[n:bucket].zero_()
+        self.positions[n:bucket].zero_()
+        fill_ids(self.input_ids[:n])
+        if self.capture:
+            self.graphs[bucket].replay()
+            return self.outputs[bucket][:n]
+        return self.forward(bucket)[:n]
+
+
+def padded_slots(slots: torch.Tensor, bucket: int) -> np.ndarray:
+    """The step's host `slots` followed by -1 (no KV write) up to `bucket` entries."""
+    padded = np.full(bucket, -1, dtype=np.int32)
+    padded[:len(slots)] = slots.numpy()
+    return padded
+
+
 class DecodeGraphs:
     """Static buffers and one graph per bucket; `run` replays the step's bucket (see module docstring).
 
@@ -71,24 +118,14 @@ class DecodeGraphs:
                  pool: Any = None) -> None:
         self.model, self.kv_caches, self.layer_groups = model, kv_caches, layer_groups
         self.sizes = bucket_sizes(max_num_seqs, sizes)
-        self.device, self.capture = device, capture
         rows = self.sizes[-1]
         groups = sorted(set(layer_groups))
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.static = StaticGraphs(rows, device, capture, self._forward)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one query per row
         self.seq_lens = {g: torch.zeros(rows, dtype=torch.int32, device=device) for g in groups}
         self.slots = {g: torch.full((rows,), -1, dtype=torch.int32, device=device) for g in groups}
         self.tables = {g: torch.zeros(rows, max(width, 1), dtype=torch.int32, device=device) for g in groups}
-        self.graphs: dict[int, Any] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = pool  # the graphs' memory pool, shared with the mixed steps' graphs
-        self.staging = PinnedCopies(device)
-        if capture:
-            started = time.perf_counter()
-            self.graphs, self.outputs, self.pool = capture_graphs(self.sizes, self._forward, device, pool)
-            logger.info("CUDA graphs captured for decode batch sizes %s in %.1fs (--enforce-eager turns them off)",
-                        ", ".join(map(str, self.sizes)), time.perf_counter() - started)
+        self.static.capture_all(self.sizes, pool, "decode batch sizes (--enforce-eager turns them off)")
 
     def bucket_for(self, batch: list[BatchItem], lora_active: bool) -> Optional[int]:
         """The bucket of a decode-only step that fits, else None (the step runs eagerly)."""
@@ -105,25 +142,16 @@ class DecodeGraphs:
         block tables (None: gathered from the chunks) per KV group; `fill_ids` writes the device-side ids
         (placeholders) into the step's input ids."""
         n = len(batch)
-        pairs = [(self.input_ids[:n], np.fromiter((item.token_ids[0] for item in batch), np.int64, n)),
-                 (self.positions[:n], np.fromiter((item.start for item in batch), np.int64, n))]
+        buffers = []
         for group, group_chunks in chunks.items():
             lens = np.zeros(bucket, dtype=np.int32)
             table = np.zeros((bucket, self.tables[group].shape[1]), dtype=np.int32)
             _, lens[:n], table[:n] = host_metadata(group_chunks, self.kv_caches[0].shape[3], table.shape[1],
                                                    (tables or {}).get(group))
-            padded_slots = np.full(bucket, -1, dtype=np.int32)
-            padded_slots[:n] = slots[group].numpy()
-            pairs += [(self.seq_lens[group][:bucket], lens), (self.tables[group][:bucket], table),
-                      (self.slots[group][:bucket], padded_slots)]
-        self.staging.copy(pairs)
-        self.input_ids[n:bucket].zero_()
-        self.positions[n:bucket].zero_()
-        fill_ids(self.input_ids[:n])
-        if self.capture:
-            self.graphs[bucket].replay()
-            return self.outputs[bucket][:n]
-        return self._forward(bucket)[:n]
+            buffers += [(self.seq_lens[group][:bucket], lens), (self.tables[group][:bucket], table),
+                        (self.slots[group][:bucket], padded_slots(slots[group], bucket))]
+        return self.static.run(bucket, np.fromiter((item.token_ids[0] for item in batch), np.int64, n),
+                               np.fromiter((item.start for item in batch), np.int64, n), buffers, fill_ids)
 
     def _metadata(self, bucket: int, group: int) -> TritonMetadata:
         return TritonMetadata(self.query_start[:bucket + 1], self.seq_lens[group][:bucket],
@@ -132,5 +160,5 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         metadata = {g: self._metadata(bucket, g) for g in self.seq_lens}
-        return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
+        return self.model(self.static.input_ids[:bucket], self.static.positions[:bucket], self.kv_caches,
                           [metadata[g] for g in self.layer_groups])

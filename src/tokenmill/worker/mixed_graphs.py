@@ -18,8 +18,6 @@ or images, steps of more tokens than the largest bucket or more sequences than m
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -27,11 +25,8 @@ import torch
 
 from tokenmill.attention.base import SequenceChunk
 from tokenmill.attention.triton_paged import TritonMetadata, host_metadata
-from tokenmill.worker.cuda_graphs import BUCKETS, LARGE_BUCKETS, bucket_sizes, capture_graphs
-from tokenmill.worker.host_copies import PinnedCopies
+from tokenmill.worker.cuda_graphs import BUCKETS, LARGE_BUCKETS, StaticGraphs, bucket_sizes, padded_slots
 from tokenmill.worker.request_state import BatchItem
-
-logger = logging.getLogger(__name__)
 
 
 class MixedGraphs:
@@ -44,24 +39,15 @@ class MixedGraphs:
                  sizes: Sequence[int] = BUCKETS + LARGE_BUCKETS, pool: Any = None) -> None:
         self.model, self.kv_caches, self.layer_groups = model, kv_caches, layer_groups
         self.sizes = bucket_sizes(max_num_tokens, sizes)
-        self.max_num_seqs, self.device, self.capture = max_num_seqs, device, capture
+        self.max_num_seqs = max_num_seqs
         tokens, seqs = self.sizes[-1], max_num_seqs + 1
         groups = sorted(set(layer_groups))
-        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.static = StaticGraphs(tokens, device, capture, self._forward)
         self.query_start = {g: torch.zeros(seqs + 1, dtype=torch.int32, device=device) for g in groups}
         self.seq_lens = {g: torch.zeros(seqs, dtype=torch.int32, device=device) for g in groups}
         self.tables = {g: torch.zeros(seqs, max(width, 1), dtype=torch.int32, device=device) for g in groups}
         self.slots = {g: torch.full((tokens,), -1, dtype=torch.int32, device=device) for g in groups}
-        self.graphs: dict[int, Any] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = pool
-        self.staging = PinnedCopies(device)
-        if capture:
-            started = time.perf_counter()
-            self.graphs, self.outputs, self.pool = capture_graphs(self.sizes, self._forward, device, pool)
-            logger.info("CUDA graphs captured for steps with prefill or proposals of %s tokens in %.1fs",
-                        ", ".join(map(str, self.sizes)), time.perf_counter() - started)
+        self.static.capture_all(self.sizes, pool, "steps with prefill or proposals of token counts")
 
     def bucket_for(self, batch: list[BatchItem], lora_active: bool) -> Optional[int]:
         """The token bucket of a step that fits, else None (the step runs eagerly)."""
@@ -76,9 +62,8 @@ class MixedGraphs:
         """Hidden states [T, hidden] of a step of T tokens (`ids` at `positions`, flat): `chunks`, host `slots`
         and the step's block tables (None: gathered from the chunks) per KV group; `fill_ids` writes the
         device-side ids (placeholders) into the input ids."""
-        n = len(ids)
-        pairs = [(self.input_ids[:n], np.asarray(ids, dtype=np.int64)), (self.positions[:n], positions)]
         seqs = self.max_num_seqs + 1
+        buffers = []
         for group, group_chunks in chunks.items():
             starts = np.full(seqs + 1, bucket, dtype=np.int32)
             lens = np.zeros(seqs, dtype=np.int32)
@@ -86,18 +71,9 @@ class MixedGraphs:
             count = len(group_chunks)
             starts[:count + 1], lens[:count], table[:count] = host_metadata(
                 group_chunks, self.kv_caches[0].shape[3], table.shape[1], (tables or {}).get(group))
-            padded_slots = np.full(bucket, -1, dtype=np.int32)
-            padded_slots[:n] = slots[group].numpy()
-            pairs += [(self.query_start[group], starts), (self.seq_lens[group], lens), (self.tables[group], table),
-                      (self.slots[group][:bucket], padded_slots)]
-        self.staging.copy(pairs)
-        self.input_ids[n:bucket].zero_()
-        self.positions[n:bucket].zero_()
-        fill_ids(self.input_ids[:n])
-        if self.capture:
-            self.graphs[bucket].replay()
-            return self.outputs[bucket][:n]
-        return self._forward(bucket)[:n]
+            buffers += [(self.query_start[group], starts), (self.seq_lens[group], lens), (self.tables[group], table),
+                        (self.slots[group][:bucket], padded_slots(slots[group], bucket))]
+        return self.static.run(bucket, np.asarray(ids, dtype=np.int64), positions, buffers, fill_ids)
 
     def _metadata(self, bucket: int, group: int) -> TritonMetadata:
         seqs = self.max_num_seqs + 1
@@ -106,5 +82,5 @@ class MixedGraphs:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         metadata = {g: self._metadata(bucket, g) for g in self.seq_lens}
-        return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
+        return self.model(self.static.input_ids[:bucket], self.static.positions[:bucket], self.kv_caches,
                           [metadata[g] for g in self.layer_groups])

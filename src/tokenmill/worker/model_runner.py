@@ -239,7 +239,7 @@ class ModelRunner:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.layer_groups, max_num_seqs,
                                             max_num_tokens, width, self.device, capture,
                                             sizes or BUCKETS + LARGE_BUCKETS)
-            pool = self.mixed_graphs.pool
+            pool = self.mixed_graphs.static.pool
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.layer_groups, max_num_seqs, width, self.device,
                                    capture, sizes or BUCKETS, pool)
 
