@@ -63,7 +63,9 @@ def test_batch_invariance_is_refused_on_cuda_and_off_by_default_there():
 def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(llama, invariant):
     # the graph runner's static buffers without capture (no GPU): three decode rows run in bucket 4
     # with one padding row (slot -1, context 0), which must change no output and write no block;
-    # without batch invariance (CUDA's default) the graph splits every sequence's keys, short ones too
+    # without batch invariance (CUDA's default) the graph splits every sequence's keys, short ones too.
+    # The graphed engine schedules asynchronously (CUDA's default): its decode rows' ids are placeholders,
+    # filled into the static buffer on the device from the previous step's samples
     path = llama
     prompts = PROMPTS[:3]
     # every prompt (45 tokens in all, the long one 34: several key tiles to split) prefills in the first step,
@@ -72,15 +74,21 @@ def test_decode_steps_through_padded_graph_buckets_give_the_eager_tokens(llama, 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     eager = LLM(path, attention_backend="triton_paged", **options)
     expected = eager.generate(prompts, params, use_tqdm=False)
-    graphed = LLM(path, attention_backend="triton_paged", **options)
+    graphed = LLM(path, attention_backend="triton_paged", **options, async_scheduling=True)
     runner = graphed.llm_engine.runner
     runner.use_decode_graphs(max_num_seqs=8, max_model_len=256, capture=False)
-    replays = []
+    replays, placeholders = [], []
     original = runner.graphs.run
-    runner.graphs.run = lambda batch, bucket, *rest: replays.append((len(batch), bucket)) or original(batch, bucket,
-                                                                                                      *rest)
+
+    def recording(batch, bucket, *rest):
+        replays.append((len(batch), bucket))
+        placeholders.append(sum(item.placeholder for item in batch))
+        return original(batch, bucket, *rest)
+
+    runner.graphs.run = recording
     got = graphed.generate(prompts, params, use_tqdm=False)
     assert (3, 4) in replays and all(bucket in (1, 2, 4) for _, bucket in replays)
+    assert sum(placeholders) >= 6  # the decode steps after the first ran on placeholders
     for e, g in zip(expected, got):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
