@@ -21,6 +21,7 @@ import torch
 from triton import next_power_of_2
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk, key_only
+from tokenmill.attention.host_copies import PinnedCopies
 from tokenmill.attention.torch_ref import padded_block_tables
 from tokenmill.attention.triton_kernels import (INTERPRETED, kv_write_kernel, merge_splits_kernel,
                                                 split_decode_kernel, unified_attention_kernel)
@@ -88,40 +89,15 @@ def host_metadata(chunks: list[SequenceChunk], block_size: int, width: Optional[
     return starts, lens, np.where(np.arange(width) < used[:, None], fitted, 0).astype(np.int32, copy=False)
 
 
-class _Staging:
-    """A reused pinned host buffer: one non-blocking copy a call into a fresh device buffer (a step may
-    build several metadata, one per KV group, each keeping its own). The event of the last copy is
-    waited on before the host buffer is written again, so a copy in flight never reads half-written
-    data."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.host: Optional[torch.Tensor] = None
-        self.copied: Optional[torch.cuda.Event] = None
-
-    def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """The int32 arrays `parts` on the device, as views of one buffer."""
-        total = sum(p.size for p in parts)
-        if self.device.type != "cuda":
-            return [torch.from_numpy(np.ascontiguousarray(p, dtype=np.int32)) for p in parts]
-        if self.copied is not None:
-            self.copied.synchronize()
-        if self.host is None or self.host.numel() < total:
-            self.host = torch.empty(next_power_of_2(total), dtype=torch.int32, pin_memory=True)
-        host = self.host.numpy()
-        offset = 0
-        for p in parts:
-            host[offset:offset + p.size] = p.reshape(-1)
-            offset += p.size
-        dev = torch.empty(total, dtype=torch.int32, device=self.device)
-        dev.copy_(self.host[:total], non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
-        views, offset = [], 0
-        for p in parts:
-            views.append(dev[offset:offset + p.size].view(p.shape))
-            offset += p.size
-        return views
+def upload_parts(copies: PinnedCopies, parts: list[np.ndarray]) -> list[torch.Tensor]:
+    """The int32 arrays `parts` on the device in one copy (`PinnedCopies`), as views of one buffer."""
+    flat = np.concatenate([np.ascontiguousarray(p, dtype=np.int32).reshape(-1) for p in parts])
+    buffer = copies.upload(flat)
+    views, offset = [], 0
+    for p in parts:
+        views.append(buffer[offset:offset + p.size].view(p.shape))
+        offset += p.size
+    return views
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -132,7 +108,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def __init__(self, batch_invariant: bool = True, device: torch.device = torch.device("cuda")) -> None:
         self.batch_invariant = batch_invariant
-        self.staging = _Staging(device)
+        self.staging = PinnedCopies(device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        planes: int = 2) -> tuple[int, ...]:
@@ -148,7 +124,7 @@ class TritonPagedBackend(AttentionBackend):
         already attends as a decode at its position would)."""
         starts, lens, tables = host_metadata(chunks, block_size, tables=tables)
         slots = slot_mapping.cpu().numpy()
-        query_start, seq_lens, block_tables, slot_dev = self.staging.upload([starts, lens, tables, slots])
+        query_start, seq_lens, block_tables, slot_dev = upload_parts(self.staging, [starts, lens, tables, slots])
         return TritonMetadata(query_start, seq_lens, block_tables, slot_dev, len(chunks), int(starts[-1]),
                               max((c.query_len for c in chunks), default=0), int(lens.max(initial=0)))
 

@@ -23,7 +23,7 @@ import torch
 
 from tokenmill.attention.base import SequenceChunk
 from tokenmill.attention.triton_paged import TritonMetadata, decode_splits, host_metadata
-from tokenmill.worker.host_copies import PinnedCopies
+from tokenmill.attention.host_copies import PinnedCopies
 from tokenmill.worker.request_state import BatchItem
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from tokenmill.sampling.logprobs import logprob_entries, logprob_tensors, token_
 from tokenmill.sampling.rejection import Proposal, verify
 from tokenmill.sampling.sampler import NO_TOKEN, NOTHING_ALLOWED, sample
 from tokenmill.worker.encoder_cache import EncoderCache
-from tokenmill.worker.host_copies import PinnedCopies
+from tokenmill.attention.host_copies import PinnedCopies
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_tier_store import KVTierStore
 from tokenmill.worker.kv_connectors import run_phase, worker_connectors
@@ -244,7 +244,7 @@ class ModelRunner:
                                    capture, sizes or BUCKETS, pool)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        """int64 `values` on the device, copied without waiting for it (worker/host_copies.py)."""
+        """int64 `values` on the device, copied without waiting for it (attention/host_copies.py)."""
         return self.uploads.indices(values)
 
     @staticmethod
