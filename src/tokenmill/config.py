@@ -17,7 +17,7 @@ from tokenmill import envs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-LINEAR_KERNELS = ("auto", "dense")
+LINEAR_KERNELS = ("auto", "dense", "triton")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged", "triton_paged")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
@@ -75,7 +75,9 @@ class ModelConfig:
     seed: int = _opt(0, "seed of the global sampling generator (requests without their own seed)")
     linear_kernel: str = _opt("auto", "how linear layers multiply; auto = weights packed once for oneDNN "
                               "when computing in bfloat16 on CPU and native kernels for quantised weights, "
-                              "dense = plain F.linear and the PyTorch quantised product (the references)",
+                              "dense = plain F.linear and the PyTorch quantised product (the references), "
+                              "triton = tokenmill's Triton products for quantised weights (kept packed) and, "
+                              "batch-invariant, for float weights (on CPU Triton's interpreter: tests only)",
                               choices=LINEAR_KERNELS)
     attention_backend: str = _opt("auto", "paged attention implementation; auto = cpu_paged (native kernels, "
                                   "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "

@@ -16,8 +16,9 @@ from tokenmill.kernels.quantized import QuantizedWeight, quantize
 
 
 def test_only_the_cpu_keeps_weights_quantised():
-    assert not dequantizes_once(torch.device("cpu"))
-    assert dequantizes_once(torch.device("cuda", 1)) and dequantizes_once(torch.device("meta"))
+    assert not dequantizes_once(torch.device("cpu"), None)
+    assert dequantizes_once(torch.device("cuda", 1), None) and dequantizes_once(torch.device("meta"), None)
+    assert not dequantizes_once(torch.device("cuda"), object())  # Triton products multiply it packed
 
 
 def _counting_dequantize(monkeypatch) -> list[torch.dtype]:
@@ -34,14 +35,14 @@ def _counting_dequantize(monkeypatch) -> list[torch.dtype]:
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_an_off_cpu_quantised_linear_dequantises_once(monkeypatch, caplog, fmt):
-    monkeypatch.setattr(linear_kernels, "dequantizes_once", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(linear_kernels, "dequantizes_once", lambda device, native: True)  # as on CUDA
     monkeypatch.setattr(QuantizedKernel, "_dequantized_logged", False)
     torch.manual_seed(0)
     weights = [quantize(torch.randn(48, 96), fmt) for _ in range(2)]
     bias = torch.randn(48).to(torch.bfloat16)
     expected = [w.dequantize(torch.bfloat16) for w in weights]
     calls = _counting_dequantize(monkeypatch)
-    kernels = [QuantizedKernel(w, bias, native=object()) for w in weights]  # no native kernel off the CPU
+    kernels = [QuantizedKernel(w, bias, native=None) for w in weights]  # no product kernels given
     assert all(k.native is None for k in kernels)
     with caplog.at_level(logging.INFO, logger=linear_kernels.__name__):
         for rows in (1, 5, 40, 3):  # int8-product and dequantising row counts alike
@@ -53,7 +54,7 @@ def test_an_off_cpu_quantised_linear_dequantises_once(monkeypatch, caplog, fmt):
 
 
 def test_a_layer_built_for_a_non_cpu_device_multiplies_a_dense_weight(monkeypatch):
-    monkeypatch.setattr(linear_kernels, "dequantizes_once", lambda device: True)
+    monkeypatch.setattr(linear_kernels, "dequantizes_once", lambda device, native: True)
     torch.manual_seed(1)
     layer = ColumnParallelLinear(64, 32)
     layer.quantized, layer.weight = quantize(torch.randn(32, 64), "int4"), None

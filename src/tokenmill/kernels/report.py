@@ -69,6 +69,16 @@ def product_paths(kernels: Any, dtype: torch.dtype, quantized_weights: bool, flo
     return f"float products: {float_kernel or 'F.linear'}"
 
 
+def triton_product_paths(quantized_weights: bool, float_kernel: Optional[str], batch_invariant: bool) -> str:
+    """How the projections multiply on Triton's products."""
+    parts = ["quantised products: Triton weight-only product on the packed weights"] if quantized_weights else []
+    if batch_invariant:
+        parts.append("float products: Triton batch-invariant matmul")
+    else:
+        parts.append(f"float products: {float_kernel or 'F.linear'}")
+    return ", ".join(parts)
+
+
 def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
     """How decode and prefill attention run."""
     name = type(backend).__name__
@@ -91,14 +101,16 @@ def attention_paths(kernels: Any, dtype: torch.dtype, backend: Any) -> str:
 
 
 def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: Any,
-                         batch_invariant: bool = False, device: str = "cpu") -> str:
-    """The start-up line: level, products, attention and whether the fused step runs."""
+                         batch_invariant: bool = False, device: str = "cpu", triton_products: bool = False) -> str:
+    """The start-up line: level, products, attention and whether the fused step runs. `triton_products`:
+    the projections run on Triton's products (layers/triton_products.py), not on `kernels`."""
     kernel_names = {type(getattr(m, "kernel", None)).__name__ for m in model.modules() if hasattr(m, "use_kernel")}
     kernel_names.discard("NoneType")
     kernel_names.discard("QuantizedKernel")
     float_kernel = ", ".join(sorted(kernel_names)) or None
     parts = [kernels_line(kernels) if device == "cpu" else f"device {device}",
-             product_paths(kernels, dtype, model.has_quantized_weights(), float_kernel, batch_invariant, device),
+             triton_product_paths(model.has_quantized_weights(), float_kernel, batch_invariant) if triton_products
+             else product_paths(kernels, dtype, model.has_quantized_weights(), float_kernel, batch_invariant, device),
              attention_paths(kernels, dtype, backend),
              "fused step on" if getattr(model, "fused_decode", None) is not None else "fused step off"]
     return "; ".join(parts)

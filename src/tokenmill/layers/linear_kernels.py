@@ -165,13 +165,13 @@ def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool, native: Any = None,
                 batch_invariant: bool = False) -> LinearKernel:
-    """The kernel for one weight. `batch_invariant` with the native kernels `native` (CpuKernels or None)
-    and a float32 or bfloat16 CPU weight: the AMX product at every row count where it applies, else
-    `InvariantDenseKernel`. Otherwise: dense unless `packed`; packed, with the AMX product too where
+    """The kernel for one weight. `batch_invariant` with product kernels `native` (CpuKernels for a
+    float32 or bfloat16 CPU weight, or TritonProducts for a float weight on its own device): the AMX
+    product at every row count where it applies, else `InvariantDenseKernel`. Otherwise: dense unless `packed`; packed, with the AMX product too where
     `native` has AMX and the input width suits it, or computed in float32 where oneDNN cannot pack
     bfloat16 weights on this CPU."""
-    if batch_invariant and native is not None and weight.device.type == "cpu" \
-            and weight.dtype in (torch.float32, torch.bfloat16):
+    if batch_invariant and native is not None and (weight.device.type == "cpu" or getattr(native, "on_device", False)) \
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
         if packed and native.amx and weight.shape[1] % AMX_FEATURE_TILE == 0 \
                 and onednn_packing_available(weight.dtype, weight.device):
             return AmxPackedKernel(weight, bias, native, batch_invariant=True)
@@ -185,18 +185,19 @@ def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool
     return OneDnnPackedKernel(weight, bias)
 
 
-def dequantizes_once(device: torch.device) -> bool:
-    """Whether a quantised weight on `device` is dequantised once and multiplied as a dense weight: on
-    every device but the CPU, which has no int4/int8 product kernel of ours (GPU: `F.linear`, cuBLAS)."""
-    return device.type != "cpu"
+def dequantizes_once(device: torch.device, native: Any) -> bool:
+    """Whether a quantised weight on `device` is dequantised once and multiplied as a dense weight: off
+    the CPU where no product kernels (`native`: TritonProducts) are given (`F.linear`, cuBLAS)."""
+    return device.type != "cpu" and native is None
 
 
 class QuantizedKernel:
-    """A quantised weight times float32/bfloat16 inputs on CPU through the native kernel, which keeps
-    its own copy of the weight in its layout (other input dtypes are multiplied in float32); on CPU
-    without native kernels (no compiler) through `reference_linear`, which dequantises the weight per
-    call. Off the CPU (`dequantizes_once`) the weight is dequantised on the first call, to that call's
-    dtype, and multiplied as a dense weight from then on (the packed copy is dropped)."""
+    """A quantised weight times float inputs through the product kernels `native` (CpuKernels on CPU
+    for float32/bfloat16 inputs, other dtypes multiplied in float32; TritonProducts on the weight's
+    device), which keep their own copy of the weight in their layout; on CPU without them (no compiler)
+    through `reference_linear`, which dequantises the weight per call. Off the CPU without them
+    (`dequantizes_once`) the weight is dequantised on the first call, to that call's dtype, and
+    multiplied as a dense weight from then on (the packed copy is dropped)."""
 
     _warned = False
     _dequantized_logged = False
@@ -206,14 +207,16 @@ class QuantizedKernel:
         self.format = weight.format
         self.bias = None if bias is None else bias.float().contiguous()
         self.dense: Optional[DenseKernel] = None
-        self.dequantize_once = dequantizes_once(weight.data.device)
-        use_native = native is not None and not self.dequantize_once
-        self.native = native.qlinear_op(weight, self.bias, batch_invariant) if use_native else None
+        self.dequantize_once = dequantizes_once(weight.data.device, native)
+        self.native = native.qlinear_op(weight, self.bias, batch_invariant) if native is not None else None
+        self.on_device = getattr(native, "on_device", False)
         self.weight = weight if self.native is None else None  # the reference's copy, only where it runs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply (any leading dimensions)."""
         if self.native is not None:
+            if self.on_device:
+                return self.native(x)
             if x.device.type != "cpu":
                 raise ValueError("this quantised weight was prepared for the native CPU kernels; "
                                  f"it cannot multiply a tensor on {x.device}")

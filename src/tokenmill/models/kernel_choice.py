@@ -14,7 +14,8 @@ class KernelChoice:
     """The kernels of a model's products, element-wise ops and steps.
 
     - `packed`: float projections are re-laid for oneDNN or AMX (else multiplied as they are);
-    - `native`: the native CPU kernels (`CpuKernels`) that multiply quantised weights, or None for
+    - `native`: the product kernels that multiply quantised weights (and float ones batch-invariant):
+      the native CPU kernels (`CpuKernels`), Triton's (`TritonProducts`, layers/triton_products.py), or None for
       PyTorch's products (dequantised on the fly);
     - `batch_invariant`: every product computes a row alike whatever the number of rows;
     - `elementwise`: the ops RMSNorm (+ residual add), SiLU- and GELU-and-mul and RoPE run through — the

@@ -80,8 +80,9 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         model.lora = ModelLoRA(model, dtype, choice.native, invariant, config.max_lora_rank)
     model.rotary.to_device(device)
     model.eval()
-    logger.info("kernels: %s", describe_model_paths(model, choice.native or kernels, dtype, backend,
-                                                     invariant, device.type))
+    on_triton = getattr(choice.native, "on_device", False)
+    logger.info("kernels: %s", describe_model_paths(model, kernels if on_triton else choice.native or kernels, dtype,
+                                                     backend, invariant, device.type, on_triton))
     return model, backend
 
 
@@ -89,15 +90,19 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
                    attention_kernels: Any, invariant: bool, quantized_weights: bool, one_rank: bool,
                    kv_rows: Optional[str] = None) -> KernelChoice:
     """The kernels a loaded model runs (models/kernel_choice.py): fast products unless `linear_kernel` is
-    dense; the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
+    dense (Triton's where it is triton: layers/triton_products.py); the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
     kernels where the attention backend has them and the model runs bfloat16 or quantised weights
     (float32 float weights keep PyTorch's ops, whose results the HF comparisons pin down); the one-call
     step where those native kernels run, `fused_decode` is on and the model is whole on one rank
     (`one_rank`), over a cache of `kv_rows` (one-byte rows, or None: the compute dtype). `invariant`:
     whether the products compute every row alike (`resolve_batch_invariant`)."""
-    fast_linears = config.linear_kernel == "auto"
+    fast_linears = config.linear_kernel != "dense"
     native = attention_kernels
-    if native is None and device.type == "cpu" and fast_linears:
+    if config.linear_kernel == "triton":
+        from tokenmill.layers.triton_products import TritonProducts
+
+        native = TritonProducts()
+    elif native is None and device.type == "cpu" and fast_linears:
         native = cpu_kernels()  # the linears use them whatever the attention backend
     elementwise = None
     if device.type == "cuda" and dtype != torch.float32 and backend.on_triton:
@@ -105,11 +110,11 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
         elementwise = TritonFusedOps()
     if attention_kernels is not None and (dtype == torch.bfloat16 or quantized_weights):
         elementwise = attention_kernels
-    return KernelChoice(packed=fast_linears and packing_applies(dtype, device),
+    return KernelChoice(packed=config.linear_kernel == "auto" and packing_applies(dtype, device),
                         native=native if fast_linears else None, batch_invariant=invariant,
                         elementwise=elementwise,
                         fused_decode=elementwise is not None and elementwise is attention_kernels
-                        and config.fused_decode and one_rank, kv_rows=kv_rows)
+                        and native is attention_kernels and config.fused_decode and one_rank, kv_rows=kv_rows)
 
 
 def resolve_batch_invariant(asked: Optional[bool], device: torch.device) -> bool:
