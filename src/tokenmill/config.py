@@ -19,7 +19,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_KERNELS = ("auto", "dense", "triton")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged", "triton_paged")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4",
+                 # vLLM's names for a checkpoint's own method (models/loader/quantized_checkpoints.py)
+                 "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "gguf")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 RUNNERS = ("auto", "generate", "pooling")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -108,7 +110,9 @@ class ModelConfig:
                              "Q6_K (as int8, Q6_K with its 16-weight scales) and Q4_0/Q4_1/Q4_K (as int4) weights "
                              "packed exactly (other encodings are dequantised), none = dequantise everything "
                              "to --dtype (the float reference), int8/int4 = also quantise float weights per "
-                             "32-weight block at load time (the embedding and LM head to int8)",
+                             "32-weight block at load time (the embedding and LM head to int8); awq, "
+                             "awq_marlin, gptq, gptq_marlin, compressed-tensors, gguf (vLLM's names) = as auto, "
+                             "after checking the checkpoint is of that method",
                              choices=QUANTIZATIONS)
 
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) next to the base model: requests pick "

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from helpers.engine_probe import assert_greedy_matches_hf
 from helpers.packed_checkpoints import assert_layers_loaded_as, write_pair
 from helpers.tiny_models import make_tiny_hf_model
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
@@ -101,3 +101,21 @@ def test_a_truncated_file_is_refused_naming_it(base, tmp_path):
     path.write_bytes(data[:len(data) - 1000])
     with pytest.raises(ValueError, match=f"{path} is not a readable safetensors file .*download it again"):
         LLM(str(packed), num_kv_blocks=64)
+
+
+def test_vllms_quantization_names_serve_a_checkpoint_of_that_method_and_refuse_another(base, tmp_path):
+    """A vLLM command line names the checkpoint's method (`--quantization gptq_marlin` picks vLLM's Marlin
+    kernel): the same packed weights as auto serve it; a name of another method, or of a packed method for
+    float weights, is refused before anything loads."""
+    packed, _ = write_pair(base, tmp_path, "gptq", 4, group_size=64)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [1, 5, 9, 13]}]
+    auto = LLM(str(packed), dtype="float32", num_kv_blocks=64).generate(prompt, greedy, use_tqdm=False)
+    marlin = LLM(str(packed), dtype="float32", num_kv_blocks=64, quantization="gptq_marlin")
+    assert marlin.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == auto[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="--quantization awq expects a awq checkpoint, but .* has quantization "
+                                         "method 'gptq'"):
+        LLM(str(packed), quantization="awq", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="--quantization gptq expects a gptq checkpoint, but .* has float "
+                                         r"\(unquantised\) weights"):
+        LLM(str(base), quantization="gptq", num_kv_blocks=64)

@@ -17,6 +17,7 @@ from tokenmill.kernels.report import describe_model_paths
 from tokenmill.layers.linear_kernels import packing_applies
 from tokenmill.models.kernel_choice import KernelChoice
 from tokenmill.models.loader import ModelSource
+from tokenmill.models.loader.quantized_checkpoints import resolve_quantization
 from tokenmill.models.registry import build_model
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
@@ -54,6 +55,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     and head): a shallow draft. `kv_rows`: the KV cache's one-byte row format ("int8", "fp8"; None: the
     compute dtype), which the native one-call step must write and read alike."""
     arch = source.arch
+    quantization = resolve_quantization(config.quantization, source.quant_method, source.path)
     if num_layers is not None:
         if num_layers > arch.num_hidden_layers:
             raise ValueError(f"draft_num_layers {num_layers} is more than the model's {arch.num_hidden_layers} layers")
@@ -67,7 +69,6 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
             model = build_model(arch, backend, max_model_len, tp, stage)
         finally:
             torch.set_default_dtype(previous)
-    quantization = config.quantization
     weights = source.iter_weights(keep_quantized=quantization != "none")
     if num_layers is not None:
         weights = _first_layers(weights, num_layers)

@@ -56,6 +56,8 @@ class ModelSource:
     num_tensors: int
     # keep_quantized -> (hf_parameter_name, float tensor or QuantizedWeight) pairs
     weight_stream: Callable[[bool], Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]] = field(repr=False)
+    # the checkpoint's quantisation: its quantization_config's quant_method, "gguf", or None (float weights)
+    quant_method: Optional[str] = None
 
     def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
         """Yield `(hf_parameter_name, tensor)` pairs, with a progress bar on stderr.
@@ -109,6 +111,7 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
         chat_template=tokenizer.chat_template if tokenizer is not None else None,
         num_tensors=len(wanted),
         weight_stream=stream,
+        quant_method=None if packing is None else str(packing.get("quant_method", "")).lower(),
     )
 
 
@@ -180,6 +183,7 @@ def _gguf_source(path: str, with_tokenizer: bool) -> ModelSource:
                        or built_in_chat_template(checkpoint.gguf_architecture)),
         num_tensors=checkpoint.num_tensors,
         weight_stream=checkpoint.iter_weights,
+        quant_method="gguf",
     )
 
 

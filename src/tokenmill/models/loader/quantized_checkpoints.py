@@ -32,6 +32,27 @@ def quantization_config(folder: str) -> Optional[dict[str, Any]]:
     return value if isinstance(value, dict) else None
 
 
+# vLLM's --quantization names that mean "the checkpoint's own method", and the method each one must find:
+# the Marlin names pick vLLM's kernel for the same weights, which here run on the one packed product
+CHECKPOINT_QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
+                            "compressed-tensors": "compressed-tensors", "gguf": "gguf"}
+
+
+def resolve_quantization(asked: str, checkpoint_method: Optional[str], where: str) -> str:
+    """What `--quantization asked` means for a checkpoint whose method is `checkpoint_method` (its
+    quantization_config's quant_method, "gguf" for a GGUF file, None for float weights): a name of
+    `CHECKPOINT_QUANTIZATIONS` keeps the checkpoint's packed weights ("auto") once it is checked to be that
+    method (ValueError naming both otherwise, as vLLM refuses it); any other value is returned as it is."""
+    wanted = CHECKPOINT_QUANTIZATIONS.get(asked)
+    if wanted is None:
+        return asked
+    if checkpoint_method != wanted:
+        found = f"quantization method {checkpoint_method!r}" if checkpoint_method else "float (unquantised) weights"
+        raise ValueError(f"--quantization {asked} expects a {wanted} checkpoint, but {where} has {found}; "
+                         f"leave --quantization at auto to serve the checkpoint as it is")
+    return "auto"
+
+
 def packed_scheme(config: dict[str, Any], folder: str, names: set[str]) -> PackedScheme:
     """The scheme that reads a checkpoint with this quantization_config and these tensor `names`;
     ValueError naming one that is not supported."""
