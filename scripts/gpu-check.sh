@@ -11,10 +11,12 @@
 #   scripts/gpu-check.sh --paired OUT_DIR     on the GPU machine (or with --dry-run, here): the throughput step, this tree (after)
 #                                             against .gpu-check/before, in the order A B B A; a table last
 #
-# The whole check is more than one device run holds (9 minutes): run it as two,
-#   scripts/gpu-check.sh OUT_DIR --deadline 330 --skip kernels hf bf16 throughput quantized serve profile
+# The whole check is more than one device run holds (9 minutes): run it as three,
+#   scripts/gpu-check.sh OUT_DIR --deadline 330 --skip kernels hf bf16 throughput quantized serve profile w4a16 fp8 fp8_kv moe batch_invariant
 #                                             issue 58's sections (async scheduling) alone
-#   scripts/gpu-check.sh OUT_DIR --deadline 300 --skip async_identical async_decode serve_1b hf_compiled
+#   scripts/gpu-check.sh OUT_DIR --deadline 330 --skip kernels hf bf16 throughput quantized serve profile async_identical async_decode serve_1b hf_compiled
+#                                             issue 59's sections (formats: gpu_check_formats.py) alone
+#   scripts/gpu-check.sh OUT_DIR --deadline 300 --skip async_identical async_decode serve_1b hf_compiled w4a16 fp8 fp8_kv moe batch_invariant
 #                                             the others
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 
 # every step but the throughput one (gpu_check.py --help names them)
-PAIRED_SKIP="kernels hf bf16 quantized serve profile async_identical async_decode serve_1b hf_compiled"
+PAIRED_SKIP="kernels hf bf16 quantized serve profile async_identical async_decode serve_1b hf_compiled w4a16 fp8 fp8_kv moe batch_invariant"
 # what tokenmill imports that the GPU image ('cuda': torch, triton, transformers, numpy, httpx, ...) lacks
 WHEELS="gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions opentelemetry-api uvicorn xgrammar apache-tvm-ffi cbor2 pyzmq msgspec compressed-tensors loguru"
 

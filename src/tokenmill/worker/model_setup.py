@@ -62,6 +62,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         arch = dataclasses.replace(arch, num_hidden_layers=num_layers)
     invariant = resolve_batch_invariant(config.batch_invariant, device)
     backend, kernels = get_attention_backend(config.attention_backend, device, dtype, invariant)
+    allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -81,6 +82,9 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
         model.lora = ModelLoRA(model, dtype, choice.native, invariant, config.max_lora_rank)
     model.rotary.to_device(device)
     model.eval()
+    if device.type == "cuda":  # what the weights hold on the device, kept as loaded (packed where quantised)
+        logger.info("weights take %.2f GiB on %s (%s)", (torch.cuda.memory_allocated(device) - allocated_before)
+                    / (1 << 30), device, model.describe_weights())
     on_triton = getattr(choice.native, "on_device", False)
     logger.info("kernels: %s", describe_model_paths(model, kernels if on_triton else choice.native or kernels, dtype,
                                                      backend, invariant, device.type, on_triton))
