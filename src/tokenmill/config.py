@@ -169,8 +169,10 @@ class CacheConfig:
                                "head symmetric int8 with a float32 scale (about half the bytes of bfloat16, so "
                                "the pool holds ~2x the tokens; quality: docs/benchmarks.md); fp8 (= fp8_e4m3) = "
                                "per token and head float8 e4m3 with a float32 scale (max |x| / 448: the scales "
-                               "are calculated for every row as it is written; a checkpoint's k_scale/v_scale "
-                               "are not used)", choices=KV_CACHE_DTYPES)
+                               "are calculated for every row as it is written; a checkpoint's per-tensor "
+                               "k_scale/v_scale are read and not used). On every attention backend "
+                               "(triton_paged: head_dim a multiple of 4); MLA latent caches stay unquantised",
+                               choices=KV_CACHE_DTYPES)
     calculate_kv_scales: bool = _opt(False, "vLLM's flag, taken for its command lines: a one-byte KV cache always "
                                      "calculates its scales, per token and head as rows are written (finer than "
                                      "vLLM's per-tensor scales), so it changes nothing; refused without "

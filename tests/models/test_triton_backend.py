@@ -158,6 +158,22 @@ def test_graph_buckets_cover_max_num_seqs_and_only_plain_decode_steps_take_them(
     assert graphs.bucket_for([item(1)], lora_active=True) is None
 
 
-def test_an_int8_kv_cache_is_refused_at_start_on_the_triton_backend(llama):
-    with pytest.raises(ValueError, match="kv_cache_dtype int8: the triton_paged attention backend reads"):
-        LLM(llama, attention_backend="triton_paged", kv_cache_dtype="int8", **ENGINE)
+def test_an_fp8_kv_cache_gives_the_reference_backends_tokens(llama):
+    # the same one-byte cache on both backends (quantising itself moves the logits): the Triton writer stores
+    # the reference's bytes and its kernels read them as the reference does, through a chunked prefill beside
+    # a decode and a prefix-cache hit that reads the first request's one-byte blocks. fp8 only and few
+    # tokens (~9 s: the interpreter runs every program in Python): int8 differs in the rounding and the
+    # widening alone, which tests/kernels/test_triton_kv_rows.py checks for both formats
+    prompts, params = [PROMPTS[2], PROMPTS[1]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1)
+    outputs = {}
+    for backend in ("torch_ref", "triton_paged"):
+        llm = LLM(llama, attention_backend=backend, kv_cache_dtype="fp8", **ENGINE)
+        outputs[backend] = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params,
+                                                                                         use_tqdm=False)
+    assert llm.llm_engine.runner.kv_caches[0].dtype == torch.uint8  # e4m3 bits
+    assert llm.llm_engine.stats().prefix_cache_hits > 0
+    for e, g in zip(outputs["torch_ref"], outputs["triton_paged"]):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            token = next(iter(le))
+            assert abs(le[token].logprob - lg[token].logprob) < 1e-4

@@ -6,7 +6,9 @@ Whether the kernels are compiled or interpreted (`TRITON_INTERPRET=1`: CPU tenso
 decided by Triton when this module is imported; `INTERPRETED` records it.
 
 Cache layout (the reference backend's): [planes, blocks, kv_heads, block_size, head_dim]; keys in plane 0,
-values in the last plane. Strides are passed, so any layout with these dimensions works.
+values in the last plane. Strides are passed, so any layout with these dimensions works. One-byte caches
+(KV_ROWS int8 / fp8: rows of head_dim + 4 bytes, kv_quant.py's layout) are written by
+triton_kv_rows.kv_write_rows_kernel and read through triton_kv_rows.row_tiles.
 
 Invariant (batch invariance of attention): a query row's arithmetic depends only on its own query,
 its context and the constexpr tile sizes. KV tiles are aligned to absolute positions (tile j covers
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tokenmill import envs
+from tokenmill.attention.triton_kv_rows import FLOAT_ROWS, FP8_ROWS, row_tiles
 
 INTERPRETED = envs.triton_interpreted()
 
@@ -72,26 +75,35 @@ def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_p
                   c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                   V_PLANE: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                  USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_ROWS: tl.constexpr):
     """Online softmax of the rows of q over key tiles [first_tile, end_tile) (keys < kv_end, causal at
-    each row's query_pos, within `window` when USE_WINDOW). Returns (acc, m_i, l_i)."""
+    each row's query_pos, within `window` when USE_WINDOW), over a cache of KV_ROWS (FLOAT_ROWS: q's
+    dtype; else one-byte rows, widened to q's dtype with their scales applied to the scores and to the
+    softmax weights). Returns (acc, m_i, l_i)."""
     dims = tl.arange(0, HEAD_DIM_P)
     dim_mask = dims < HEAD_DIM
     for tile in range(first_tile, end_tile):
         keys = tile * TILE + tl.arange(0, TILE)
         key_valid = keys < kv_end
         physical = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        base = cache_ptr + physical * c_stride_block + kv_head * c_stride_head + (keys % BLOCK_SIZE) * c_stride_pos
-        k = tl.load(base[None, :] + dims[:, None], mask=dim_mask[:, None] & key_valid[None, :], other=0.0)
-        v = tl.load(base[:, None] + V_PLANE * c_stride_plane + dims[None, :],
-                    mask=key_valid[:, None] & dim_mask[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE:  # float32 products exact (no TF32): greedy ids can match HF float32
-            s = tl.dot(q, k, input_precision="ieee") * scale
+        if KV_ROWS == FLOAT_ROWS:
+            base = cache_ptr + physical * c_stride_block + kv_head * c_stride_head + (keys % BLOCK_SIZE) * c_stride_pos
+            k = tl.load(base[None, :] + dims[:, None], mask=dim_mask[:, None] & key_valid[None, :], other=0.0)
+            v = tl.load(base[:, None] + V_PLANE * c_stride_plane + dims[None, :],
+                        mask=key_valid[:, None] & dim_mask[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            score_scale = scale
         else:
-            s = tl.dot(q, k) * scale
+            k, k_scale, v, v_scale = row_tiles(cache_ptr, physical, kv_head, keys, key_valid, dims, dim_mask, q.dtype,
+                                               c_stride_plane, c_stride_block, c_stride_head, c_stride_pos, V_PLANE,
+                                               BLOCK_SIZE, HEAD_DIM, KV_ROWS == FP8_ROWS)
+            score_scale = (k_scale * scale)[None, :]  # a key's scale multiplies its column of q . k
+        if IEEE:  # float32 products exact (no TF32): greedy ids can match HF float32
+            s = tl.dot(q, k, input_precision="ieee") * score_scale
+        else:
+            s = tl.dot(q, k) * score_scale
         if USE_SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
         allowed = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
@@ -103,10 +115,13 @@ def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_p
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        weights = p
+        if KV_ROWS != FLOAT_ROWS:
+            weights = p * v_scale[None, :]  # a value's scale multiplies its row's softmax weight
         if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(weights.to(v.dtype), v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(weights.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
@@ -120,7 +135,8 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
                              V_PLANE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr,
                              BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr,
-                             USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                             USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                             KV_ROWS: tl.constexpr):
     """Program (query block, kv head): BLOCK_Q consecutive queries of one sequence times the
     QUERIES_PER_KV query heads of the kv head, as BLOCK_M rows, attended causally over the sequence's
     block table. Prefill chunks, prefix hits, decode and speculative rows alike: a query at absolute
@@ -158,7 +174,7 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
                                       kv_head, query_pos, first_tile, tl.cdiv(kv_end, TILE), kv_end, scale, softcap,
                                       window, c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                                       V_PLANE, TILE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_WINDOW, USE_SOFTCAP,
-                                      UPCAST, IEEE)
+                                      UPCAST, IEEE, KV_ROWS)
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_mask[None, :])
@@ -173,7 +189,7 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
                         V_PLANE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
                         TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                         HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_ROWS: tl.constexpr):
     """Program (sequence, kv head, split) of a decode-only batch (token i is sequence i's one query):
     attends over its split's share of the sequence's key tiles (a ceil(tiles / NUM_SPLITS) run; past
     the end a split is empty) and writes the normalised partial output and its
@@ -206,7 +222,7 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
                                   kv_head, query_pos, start, end, seq_len, scale, softcap, window,
                                   c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                                   V_PLANE, TILE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_WINDOW, USE_SOFTCAP,
-                                  UPCAST, IEEE)
+                                  UPCAST, IEEE, KV_ROWS)
     seen = l_i > 0
     result = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))

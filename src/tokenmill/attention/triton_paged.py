@@ -1,7 +1,9 @@
 """The Triton paged-attention backend (CUDA; Triton's interpreter on CPU tensors in the tests).
 
 Same cache layout as the reference backend, so the prefix cache, the second tier, swap and KV transfer
-work unchanged. Per layer: one kernel writes the step's K/V by slot, one unified kernel attends every
+work unchanged; one-byte (int8 / fp8) caches too, in kv_quant.py's row layout (attention/triton_kv_rows.py
+quantises rows as they are written and widens them in registers as they are read). Per layer: one kernel
+writes the step's K/V by slot, one unified kernel attends every
 query of a mixed batch (fresh prefills, prefix hits, decode, speculative rows, windows, GQA) over the
 block tables (attention/triton_kernels.py). Decode-only steps with few sequences and long contexts split
 each sequence's keys over several programs when batch invariance is off.
@@ -22,9 +24,12 @@ from triton import next_power_of_2
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer, SequenceChunk, key_only
 from tokenmill.attention.host_copies import PinnedCopies
+from tokenmill.attention.kv_quant import SCALE_BYTES
 from tokenmill.attention.torch_ref import padded_block_tables
 from tokenmill.attention.triton_kernels import (INTERPRETED, kv_write_kernel, merge_splits_kernel,
                                                 split_decode_kernel, unified_attention_kernel)
+from tokenmill.attention.triton_kv_rows import (FLOAT_ROWS, check_cache_rows, check_row_layout, kv_rows_code,
+                                                write_kv_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,15 @@ def check_head_dim(head_dim: int) -> None:
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"attention backend triton_paged takes head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, "
                          f"not {head_dim}; use torch_ref")
+
+
+def check_cache(head_dim: int, quantized: Optional[str], planes: int) -> None:
+    """ValueError unless the Triton kernels read a cache of `head_dim` with `planes` planes holding the
+    compute dtype (`quantized` None) or one-byte rows ("int8", "fp8"), naming what they do not take: the
+    exact check at start, where kv_cache_shape sees only a row's width."""
+    check_head_dim(head_dim)
+    if quantized:
+        check_row_layout(head_dim, planes)
 
 
 def query_tiling(queries_per_kv: int, rows: int = 16) -> tuple[int, int]:
@@ -112,8 +126,10 @@ class TritonPagedBackend(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        planes: int = 2) -> tuple[int, ...]:
-        """[planes, blocks, kv heads, block_size, head_dim], the reference backend's layout."""
-        check_head_dim(head_dim)
+        """[planes, blocks, kv heads, block_size, head_dim], the reference backend's layout (`head_dim` is a
+        one-byte cache's row width, head_dim + 4: either is taken here; `check_cache` is exact)."""
+        if not MIN_HEAD_DIM <= head_dim - SCALE_BYTES <= MAX_HEAD_DIM:
+            check_head_dim(head_dim)
         if planes not in (1, 2):
             raise ValueError(f"a KV cache has 1 (key-only) or 2 planes, not {planes}")
         return (planes, num_blocks, num_kv_heads, block_size, head_dim)
@@ -131,17 +147,22 @@ class TritonPagedBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonMetadata, layer: AttentionLayer) -> torch.Tensor:
         """Write K/V by slot, then attend (see AttentionBackend.forward)."""
-        if q.dtype not in TRITON_DTYPES or kv_cache.dtype != q.dtype:
-            raise ValueError(f"attention backend triton_paged takes float32, float16 or bfloat16 queries and "
-                             f"cache, not {q.dtype} and {kv_cache.dtype}")
-        write_kv(k, v if not key_only(kv_cache, k, v) else None, kv_cache, metadata.slot_mapping)
+        rows = kv_rows_code(kv_cache)
+        if q.dtype not in TRITON_DTYPES or (rows == FLOAT_ROWS.value and kv_cache.dtype != q.dtype):
+            raise ValueError(f"attention backend triton_paged takes float32, float16 or bfloat16 queries and a "
+                             f"cache of their dtype or one-byte (int8, fp8) rows, not {q.dtype} and {kv_cache.dtype}")
+        if rows == FLOAT_ROWS.value:
+            write_kv(k, v if not key_only(kv_cache, k, v) else None, kv_cache, metadata.slot_mapping)
+        else:
+            check_cache_rows(kv_cache, q.shape[2])
+            write_kv_rows(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         splits = self._splits(metadata, kv_cache.shape[2])
         if splits > 1:
-            split_decode(out, q, kv_cache, metadata, layer, splits)
+            split_decode(out, q, kv_cache, metadata, layer, splits, rows)
         else:
             wide = not self.batch_invariant and metadata.max_query_len >= WIDE_FROM and q.shape[2] <= 128
-            unified_attention(out, q, kv_cache, metadata, layer, wide)
+            unified_attention(out, q, kv_cache, metadata, layer, wide, rows)
         return out
 
     def _splits(self, m: TritonMetadata, num_kv_heads: int) -> int:
@@ -196,9 +217,10 @@ def _layer_args(layer: AttentionLayer) -> tuple[float, int, bool, bool]:
 
 
 def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
-                      layer: AttentionLayer, wide: bool = False) -> None:
+                      layer: AttentionLayer, wide: bool = False, rows: int = 0) -> None:
     """Every query of the step, causally over its sequence's blocks, into `out` [T, H, D]; `wide`: the
-    prefill tiling (WIDE_ROWS, WIDE_TILE), whose sums over keys are grouped differently."""
+    prefill tiling (WIDE_ROWS, WIDE_TILE), whose sums over keys are grouped differently; `rows`: the
+    cache's rows (`kv_rows_code`)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
@@ -213,13 +235,14 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
         V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
         TILE=WIDE_TILE if wide else TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
         HEAD_DIM_P=next_power_of_2(head_dim), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
-        IEEE=ieee)
+        IEEE=ieee, KV_ROWS=rows)
 
 
 def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
-                 layer: AttentionLayer, splits: int) -> None:
+                 layer: AttentionLayer, splits: int, rows: int = 0) -> None:
     """A decode-only step (token i is sequence i's query) with each sequence's key tiles shared by
-    `splits` programs (each sequence's tiles divided evenly, in the kernel), then merged."""
+    `splits` programs (each sequence's tiles divided evenly, in the kernel), then merged; `rows`: the
+    cache's rows (`kv_rows_code`)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
@@ -234,7 +257,8 @@ def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: 
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_SPLITS=splits, V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=max(16, next_power_of_2(queries_per_kv)), TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, IEEE=ieee)
+        HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, IEEE=ieee,
+        KV_ROWS=rows)
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial, lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits,
         SPLITS_P=max(2, next_power_of_2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)

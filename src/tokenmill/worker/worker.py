@@ -90,10 +90,11 @@ class Worker:
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage, kv_rows=spec.quantized_kv)
-        if spec.quantized_kv and backend.on_triton:
-            raise ValueError(f"kv_cache_dtype {spec.quantized_kv}: the triton_paged attention backend reads float32, "
-                             "float16 and bfloat16 caches only; use kv_cache_dtype auto, or --attention-backend torch_ref")
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
+        if backend.on_triton:  # its kv_cache_shape sees a one-byte row's width only: the exact check, at start
+            from tokenmill.attention.triton_paged import check_cache
+            for group in layout.groups:
+                check_cache(group.spec.head_dim, group.spec.quantized, group.spec.planes)
         self.num_blocks = spec.num_blocks or self._profile_blocks(backend, layout, dtype)
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,

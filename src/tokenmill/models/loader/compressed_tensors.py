@@ -27,6 +27,12 @@ static or dynamic int8/FP8 activation scales) are not applied: a packed product 
 int8 per 32 values, and a float product keeps it in `--dtype`, both finer than the checkpoint's
 per-token or per-tensor scales. Sparsity (2:4), transforms (Hadamard rotations) and the FP4/MX formats
 are refused by name.
+
+A `kv_cache_scheme`'s per-tensor KV-cache scales (attention's `k_scale`, `v_scale`) are read and dropped
+(logged once): a one-byte KV cache (`--kv-cache-dtype int8/fp8`, attention/kv_quant.py, on every attention
+backend) calculates a scale for each token and head as it writes the row, from the row's own max |x|, which
+is never larger than the tensor's: a row is never clipped and never quantised more coarsely than with the
+checkpoint's scale. Whether the cache holds one-byte rows is `--kv-cache-dtype`'s choice alone.
 """
 
 from __future__ import annotations
@@ -74,8 +80,9 @@ class CompressedTensorsLayers:
             raise ValueError(f"{self.where} has no config group with a weight scheme")
         self.layers = {name.rpartition(".")[0] for name in names if name.endswith(".weight_scale")}
         if any(self.unused(name) for name in names):
-            logger.info("the checkpoint's KV-cache scales (k_scale, v_scale) are not used: the KV cache keeps "
-                        "--kv-cache-dtype")
+            logger.info("the checkpoint's KV-cache scales (k_scale, v_scale) are not used: a one-byte KV cache "
+                        "(--kv-cache-dtype int8/fp8) calculates a finer scale for every token and head as it "
+                        "writes it, and the cache keeps --kv-cache-dtype")
         self._unused_logged = False
 
     def _check_scheme(self, group_name: str, weights: dict[str, Any], fmt: Optional[str]) -> None:
