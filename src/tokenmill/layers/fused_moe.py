@@ -141,13 +141,13 @@ class FusedExperts:
     """A MoE layer's local experts as two stacked weights and the grouped products over them.
 
     `gate_up` [E, 2 * I, H]: each expert's gate rows then its up rows (its MergedColumnParallelLinear's
-    layout, so this rank's slice of the intermediate under tensor parallelism); `down` [E, H_out, I]."""
+    layout, so this rank's slice of the intermediate under tensor parallelism); `down` [E, H_out, I_in]: I_in
+    is I, or the whole intermediate where split experts gather it first (layers/moe.py)."""
 
     def __init__(self, gate_up: StackedWeight, down: StackedWeight, first_expert: int, batch_invariant: bool,
                  block_n: int = 64) -> None:
-        if gate_up.rows % 2 or gate_up.rows // 2 != down.cols:
-            raise ValueError(f"gate_up has {gate_up.rows} rows but down has {down.cols} inputs: gate and up "
-                             "must each be as wide as down's input")
+        if gate_up.rows % 2:
+            raise ValueError(f"gate_up has {gate_up.rows} rows: it needs as many gate rows as up rows")
         self.gate_up, self.down = gate_up, down
         self.first_expert, self.num_experts = first_expert, gate_up.data.shape[0]
         self.batch_invariant = batch_invariant
@@ -156,8 +156,8 @@ class FusedExperts:
 
     @property
     def intermediate_size(self) -> int:
-        """The experts' (this rank's) intermediate width."""
-        return self.down.cols
+        """The width of this rank's gate (and up) rows: its slice of the experts' intermediate."""
+        return self.gate_up.rows // 2
 
     def block_m(self, num_slots: int) -> int:
         """Rows per block: fixed under batch invariance; else grown with the average rows per expert."""
