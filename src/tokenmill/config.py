@@ -79,7 +79,8 @@ class ModelConfig:
                               "when computing in bfloat16 on CPU and native kernels for quantised weights, "
                               "dense = plain F.linear and the PyTorch quantised product (the references), "
                               "triton = tokenmill's Triton products for quantised weights (kept packed) and, "
-                              "batch-invariant, for float weights (on CPU Triton's interpreter: tests only)",
+                              "batch-invariant, for float weights, and the fused mixture of experts (which "
+                              "CUDA always runs; on CPU Triton's interpreter: tests only)",
                               choices=LINEAR_KERNELS)
     attention_backend: str = _opt("auto", "paged attention implementation; auto = cpu_paged (native kernels, "
                                   "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "
@@ -335,7 +336,9 @@ EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 class ParallelConfig:
     """How many processes run the model, and how they split it (docs/parallel.md)."""
 
-    tensor_parallel_size: int = _opt(1, "ranks each layer's matrices are split across")
+    tensor_parallel_size: int = _opt(1, "ranks each layer's matrices are split across (a MoE layer's experts each "
+                                     "split along their intermediate, or sharded whole with "
+                                     "--enable-expert-parallel)")
     pipeline_parallel_size: int = _opt(1, "contiguous stages the layers are split into, one rank each (times "
                                        "tensor_parallel_size); a step passes through the stages in turn")
     tensor_parallel_exact: bool = _opt(

@@ -1,5 +1,7 @@
 """Expert parallelism: MoE layers' experts sharded whole across the tensor-parallel ranks (worker processes over
-gloo) give the single-rank tokens and logprobs bit for bit; each rank holds and loads only its experts."""
+gloo) give the single-rank tokens and logprobs bit for bit; each rank holds and loads only its experts. Without
+it, tensor parallelism splits every expert's intermediate: the one-rank output (exactly, or up to the partial
+sums' rounding), also on the fused path."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from helpers.engine_probe import hf_greedy_tokens_from
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill.cli.main import build_parser
 from tokenmill.config import ModelConfig
@@ -181,10 +184,83 @@ def test_flag_is_in_serve_help_and_refused_where_it_does_not_apply(folders, tmp_
     llama = str(make_tiny_hf_model(tmp_path, arch="llama"))
     with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no mixture-of-experts layers"):
         LLM(llama, tensor_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="mixture-of-experts .* --enable-expert-parallel"):
-        LLM(folders["mixtral"], tensor_parallel_size=2)
     arch = load_model_source(folders["mixtral"], with_tokenizer=False).arch
     six = dataclasses.replace(arch, moe=dataclasses.replace(arch.moe, num_experts=6))
     with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 6 experts"):
         check_divisible(six, 4, expert_parallel=True)
     check_divisible(arch, 2, expert_parallel=True)
+
+
+@dataclass(frozen=True)
+class SplitRank(TPGroup):
+    """A rank of a tensor-parallel group without torch.distributed, for split experts: gathers and sums swap
+    through `exchange` (two ranks: a sum of two commutes, as gloo's all-reduce)."""
+
+    exchange: Exchange = None
+
+    def all_gather_last_dim(self, x):
+        return torch.cat(self.exchange.swap(self.rank, x), dim=-1)
+
+    def all_reduce(self, x):
+        first, second = self.exchange.swap(self.rank, x)
+        return first + second
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "partial_sums"])
+def test_two_ranks_splitting_every_expert_give_the_one_rank_output(exact):
+    """Blocks of 2 ranks (top 3, shared experts split too, float32) loaded through the layers' own loaders
+    from the whole experts, run in 2 threads: exact gives the one-rank output bit for bit, partial sums
+    give it up to rounding, the same on both ranks; a step of 2 tokens leaves experts without a row."""
+    # widths of 64, split into 32s: PyTorch's SiLU rounds a row's tail past a multiple of 32 another way
+    moe = MoEConfig(num_experts=8, top_k=3, intermediate_size=64, norm_topk_prob=False, routed_scaling_factor=2.5,
+                    shared_intermediate_size=64)
+    whole = MoEBlock(moe, 64, lambda width: GatedMLP(64, width, "silu", TPGroup.single()), TPGroup.single())
+    generator = torch.Generator().manual_seed(0)
+    for param in whole.parameters():
+        param.data = torch.randn(param.shape, generator=generator) * 0.2
+    exchange = Exchange(2)
+    blocks = []
+    for rank in range(2):
+        group = SplitRank(rank, 2, exact, exchange=exchange)
+        block = MoEBlock(moe, 64, lambda width, group=group: GatedMLP(64, width, "silu", group), group)
+        block.gate.weight.data = whole.gate.weight.data
+        for mine, theirs in zip([*block.experts, block.shared_experts], [*whole.experts, whole.shared_experts]):
+            gate, up = theirs.gate_up_proj.weight.data.chunk(2)
+            mine.gate_up_proj.weight_loader(mine.gate_up_proj.weight, gate, 0)
+            mine.gate_up_proj.weight_loader(mine.gate_up_proj.weight, up, 1)
+            mine.down_proj.weight_loader(mine.down_proj.weight, theirs.down_proj.weight.data)
+        assert block.experts[0].gate_up_proj.weight.shape == (64, 64)  # half of the gate and up rows
+        blocks.append(block)
+    for num_tokens in (20, 2):
+        x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
+
+        def run(block):
+            with torch.inference_mode():
+                return block(x)
+
+        with ThreadPoolExecutor(2) as pool:
+            first, second = pool.map(run, blocks)
+        with torch.inference_mode():
+            expected = whole(x)
+        assert torch.equal(first, second)
+        if exact:
+            assert torch.equal(first, expected)
+        else:
+            torch.testing.assert_close(first, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_experts_split_over_2_ranks_on_the_fused_path_give_hf_greedy_tokens(folders):
+    """Worker processes over gloo, each with half of every expert's intermediate on the fused path (Triton's
+    interpreter: CUDA's path); exact: the intermediate and the outputs gathered. Few tokens: interpreted."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(folders["mixtral"], dtype="float32", tensor_parallel_size=2, linear_kernel="triton",
+              attention_backend="torch_ref", batch_invariant=False, block_size=8, num_kv_blocks=64)
+    try:
+        outputs = llm.generate(PROMPT_IDS[:2], greedy(4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(folders["mixtral"], dtype=torch.float32).eval()
+    for ids, output in zip(PROMPT_IDS[:2], outputs):
+        ours = output.outputs[0].token_ids
+        assert ours == hf_greedy_tokens_from(hf, ids, 4, ours)

@@ -3,6 +3,7 @@ the MoE block computes a token alike whatever shares its step; configs that cont
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf, model_logits
+from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf, hf_greedy_tokens_from, model_logits
 from helpers.tiny_gguf import write_moe_gguf_from_hf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
@@ -90,9 +91,15 @@ def test_arch_configs(folders):
     assert qwen3_moe.qk_norm and qwen3_moe.qk_norm_per_head and qwen3_moe.head_dim == 32
     assert olmoe.moe == MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=False)
     assert olmoe.qk_norm and not olmoe.qk_norm_per_head and olmoe.rms_norm_eps == 1e-5
-    for arch in (mixtral, qwen3_moe, olmoe):
-        with pytest.raises(ValueError, match="mixture-of-experts.*tensor parallelism"):
-            check_divisible(arch, 2)
+    # tensor parallelism splits each expert's intermediate (32); at 3 ranks everything else divides here
+    three_ways = dict(num_attention_heads=6, num_key_value_heads=3, vocab_size=3000, intermediate_size=192,
+                      hidden_size=96)
+    for arch in (mixtral, qwen3_moe):
+        check_divisible(arch, 2)
+        with pytest.raises(ValueError, match=r"3 does not divide the model's expert intermediate size \(32\)"):
+            check_divisible(dataclasses.replace(arch, **three_ways), 3)
+    with pytest.raises(ValueError, match="q/k norm over the whole projections"):
+        check_divisible(olmoe, 2)
 
 
 def copy_with_config(folder, tmp_path, **changes):
@@ -198,3 +205,24 @@ def test_quantized_experts_stay_quantized_and_the_router_float(folders):
     float_llm = LLM(str(folders["olmoe"]), dtype="float32", block_size=8, num_kv_blocks=256)
     quantized, exact = model_logits(llm.llm_engine, PROMPTS[1]), model_logits(float_llm.llm_engine, PROMPTS[1])
     assert (quantized - exact).abs().mean() < 0.05 * exact.std()  # int8 weights: close, not equal
+
+
+# The fused path (layers/fused_moe.py: CUDA's, here in Triton's interpreter on CPU tensors): experts only, since
+# batch_invariant=False leaves the dense layers on F.linear. Two prompts, 4 tokens: an interpreted step costs
+# ~0.2 s. DeepSeek-V2: layer 1 sparse (4 experts, top 2, unnormalised and scaled, a shared expert).
+FUSED = dict(dtype="float32", linear_kernel="triton", attention_backend="torch_ref", batch_invariant=False,
+             block_size=8, num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v2"])
+def test_fused_experts_give_hf_greedy_tokens(folders, tmp_path, arch):
+    folder = folders[arch] if arch in folders else make_tiny_hf_model(tmp_path, arch=arch, first_k_dense_replace=1)
+    llm = LLM(str(folder), **FUSED)
+    blocks = [m for m in llm.llm_engine.model.modules() if isinstance(m, MoEBlock)]
+    assert blocks and all(b.fused is not None and not b.experts for b in blocks)
+    prompts = PROMPTS[:2]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for ids, output in zip(prompts, outputs):
+        ours = output.outputs[0].token_ids
+        assert ours == hf_greedy_tokens_from(hf, ids, 4, ours)

@@ -197,6 +197,12 @@ class RowParallelLinear(_ShardedLinear):
             return self.tp.all_gather_last_dim(super().forward(self.tp.all_gather_last_dim(x)))
         return self.tp.all_reduce(super().forward(x))
 
+    def local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product alone, without the collective that finishes it: its output features of the
+        whole input x (exact) or its partial sums of its slice of x. A MoE layer's split experts finish all
+        their products with one collective (layers/moe.py)."""
+        return super().forward(x)
+
     def _local_bias(self) -> Optional[torch.Tensor]:
         if self.tp.size > 1 and not self.gathers and not self.tp.is_driver:
             return None  # partial sums: the bias is added once, by rank 0

@@ -21,8 +21,22 @@ It is the one-rank output bit for bit: every slot's output is computed by exactl
 its expert) and arrives unchanged at its token's owner, and `combine` is row-wise.
 Traffic per MoE layer: each slot's output crosses at most once (T * top_k * hidden values in all, fewer
 where a token's owner holds its expert), then T * hidden values are gathered.
-Tensor parallelism of the experts themselves (each expert's matrices split) is not supported: without
-expert parallelism a tensor-parallel group is refused (worker.check_divisible, and MoEBlock itself).
+Tensor parallelism of the experts (a tensor-parallel group without expert parallelism): every rank holds
+every expert, split along the intermediate dimension as a dense MLP is (layers/linear.py): its slice of
+each expert's gate and up rows, and of down either the output features for the whole intermediate (exact,
+`tp.exact`, the default) or its slice's columns (partial sums). Each rank routes every token alike and
+computes its slice of every slot's intermediate; then, once per layer for all experts:
+- exact: the slices are all-gathered (each slot's whole intermediate on every rank), each rank computes
+  and combines its output features, and those are all-gathered: the one-rank output bit for bit (every
+  output element is the same dot product and the same weighted sum);
+- partial sums: each rank combines its partial down outputs in float32 and the sums are all-reduced
+  (TPGroup.all_reduce: in rank order), then rounded once to x's dtype.
+
+Fused path (layers/fused_moe.py): on CUDA, and wherever the product kernels are Triton's (TritonProducts,
+--linear-kernel triton: on CPU tensors in Triton's interpreter), `use_kernel` stacks the experts' weights
+once and the layer routes, sorts and multiplies in a fixed number of Triton launches with no host sync (a
+MoE layer then runs inside a CUDA graph; under expert parallelism the all-to-all's counts still need one).
+Its combine is `combine`, so it has the loop's semantics; elsewhere (the CPU default) the loop below runs.
 
 Batch invariance (a token's output does not depend on what shares its step): an expert's row count
 depends on the batch, and PyTorch's float32 matmul gives a row other bits at other row counts (one row
@@ -137,63 +151,130 @@ class MoEBlock(nn.Module):
     `local.start + i`) and, when `shared_intermediate_size` > 0, `shared_experts`: one always-on gated MLP
     added to every token's output (DeepSeek's shared experts, fused).
 
-    `make_expert(width)` builds one whole gated MLP (the decoder's dense MLP class, never split across
-    ranks), so experts hold their weights in the ordinary linear layers: they load, quantise
-    (`quantize_to`, quantised checkpoints) and pick kernels exactly like the dense projections.
+    `make_expert(width)` builds one gated MLP (the decoder's dense MLP class: whole under expert
+    parallelism, else split over the tensor-parallel ranks like a dense MLP), so experts hold their weights
+    in the ordinary linear layers: they load, quantise (`quantize_to`, quantised checkpoints) and pick
+    kernels exactly like the dense projections. On the fused path (`use_kernel`) their weights move into
+    `fused` and `experts` is emptied.
     """
 
     def __init__(self, moe: MoEConfig, hidden_size: int, make_expert: Callable[[int], nn.Module],
                  tp: TPGroup) -> None:
         super().__init__()
-        if tp.size > 1 and not tp.expert_parallel:
-            raise ValueError(f"mixture-of-experts layers do not support tensor parallelism of their experts "
-                             f"(tensor_parallel_size {tp.size}); use --enable-expert-parallel or pipeline "
-                             "parallelism")
         if not 0 < moe.top_k <= moe.num_experts:
             raise ValueError(f"top_k ({moe.top_k}) must be between 1 and num_experts ({moe.num_experts})")
         self.moe, self.tp = moe, tp
         self.local = local_experts(moe.num_experts, tp)
         self.expert_parallel = len(self.local) < moe.num_experts
+        self.split_experts = tp.size > 1 and not tp.expert_parallel  # each expert's intermediate split
         self.gate = Router(hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in self.local)
         self.shared_experts = make_expert(moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.fused: Any = None  # FusedExperts (layers/fused_moe.py) once `use_kernel` chose the fused path
+
+    def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
+        """After loading: on CUDA, or where the product kernels `native` are Triton's (`on_device`), stack
+        the experts' weights for the fused path (layers/fused_moe.py) and drop the experts' layers.
+
+        Invariant: this runs before the experts' own layers pick kernels (they still hold their loaded
+        weights): `DecoderForCausalLM._use_linear_kernels` walks `modules()`, which yields a module before
+        its children, and the children it then visits are the emptied `experts`."""
+        if not (getattr(native, "on_device", False) or self.gate.weight.device.type == "cuda") or not self.experts:
+            return
+        from tokenmill.layers.fused_moe import FusedExperts, StackedWeight
+
+        gate_up = StackedWeight.of([_loaded_weight(e.gate_up_proj) for e in self.experts])
+        down = StackedWeight.of([_loaded_weight(e.down_proj) for e in self.experts])
+        self.fused = FusedExperts(gate_up, down, self.local.start, batch_invariant)
+        self.experts = nn.ModuleList()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the same on every rank) -> [T, hidden]."""
-        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.norm_topk_prob, self.moe.routed_scaling_factor)
-        order, mine, grouped = self.local_expert_outputs(x, ids)
+        moe = self.moe
+        logits = self.gate(x)
+        if self.fused is not None:
+            from tokenmill.layers.fused_moe import route as fused_route
+
+            weights, ids = fused_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor)
+        else:
+            weights, ids = route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor)
         if self.expert_parallel:
+            order, mine, counts = self.slot_order(ids)
+            if self.fused is not None:
+                grouped = self.fused_slot_outputs(x, ids)[mine]
+            else:
+                grouped = self.looped_outputs(x, mine, counts)
             out = self.combined_across_ranks(x, weights, ids, order, mine, grouped)
         else:
-            per_slot = torch.empty_like(grouped)
-            per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
-            out = combine(per_slot.view(x.shape[0], self.moe.top_k, x.shape[-1]), weights).to(x.dtype)
+            if self.fused is not None:
+                per_slot = self.fused_slot_outputs(x, ids)
+            else:
+                order, mine, counts = self.slot_order(ids)
+                grouped = self.looped_outputs(x, mine, counts)
+                per_slot = torch.empty_like(grouped)
+                per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
+            sums = combine(per_slot.view(x.shape[0], moe.top_k, per_slot.shape[-1]), weights)
+            out = self.finish_split_sums(sums, x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
-    def local_expert_outputs(self, x: torch.Tensor, ids: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(order, mine, grouped): `order` every (token, choice) slot s = t * top_k + j sorted by expert
-        (stable: token order within one); `mine` the run of `order` routed to this rank's experts; `grouped`
-        their outputs [len(mine), hidden] in x's dtype, in that order."""
-        top_k = self.moe.top_k
+    def slot_order(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(order, mine, counts): `order` every (token, choice) slot s = t * top_k + j sorted by expert
+        (stable: token order within one); `mine` the run of `order` routed to this rank's experts; `counts`
+        the slots of each expert (on the host: one device sync)."""
         slots = ids.reshape(-1)
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.moe.num_experts).tolist()
         # this rank's experts' slots are contiguous in `order`: [first, last)
         first = sum(counts[:self.local.start])
         last = first + sum(counts[self.local.start:self.local.stop])
-        mine = order[first:last]
-        rows = x[mine // top_k]  # each local expert's rows contiguous, in token order
-        grouped = torch.empty_like(rows)
+        return order, order[first:last], counts
+
+    def looped_outputs(self, x: torch.Tensor, mine: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The outputs of the slots `mine` (this rank's experts', sorted by expert) [len(mine), hidden out]
+        in x's dtype, one product per expert hit and projection."""
+        rows = x[mine // self.moe.top_k]  # each local expert's rows contiguous, in token order
+        runs = [(index, counts[expert]) for index, expert in enumerate(self.local) if counts[expert]]
+        hidden = []
         start = 0
-        for index, expert in enumerate(self.local):
-            count = counts[expert]
-            if count:
-                grouped[start:start + count] = self.experts[index](rows[start:start + count])
-                start += count
-        return order, mine, grouped
+        for index, count in runs:
+            expert = self.experts[index]
+            hidden.append(expert.act(expert.gate_up_proj(rows[start:start + count])))
+            start += count
+        if not runs:
+            return rows.new_empty(0, self.experts[0].down_proj.out_features)
+        whole = self.whole_intermediate(torch.cat(hidden))
+        grouped = []
+        start = 0
+        for index, count in runs:
+            grouped.append(self.experts[index].down_proj.local_forward(whole[start:start + count]))
+            start += count
+        return torch.cat(grouped)
+
+    def fused_slot_outputs(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every slot's expert output [T * top_k, hidden out] in x's dtype by the fused kernels (slots of
+        other ranks' experts left unwritten). No host sync."""
+        slots = self.fused.plan(ids)
+        return self.fused.down_product(self.whole_intermediate(self.fused.gate_up_act(x, slots)), slots)
+
+    def whole_intermediate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the slots' intermediate -> what its down projections take: the whole
+        intermediate where the experts are split exactly (all-gathered, in rank order = feature order),
+        else as it is."""
+        if self.split_experts and self.tp.exact:
+            return self.tp.all_gather_last_dim(hidden)
+        return hidden
+
+    def finish_split_sums(self, sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The combined float32 sums -> [T, hidden] in `dtype` on every rank: as they are at one rank; split
+        exactly, each rank's output features rounded and all-gathered; split by partial sums, all-reduced
+        in float32 and rounded once."""
+        if not self.split_experts:
+            return sums.to(dtype)
+        if self.tp.exact:
+            return self.tp.all_gather_last_dim(sums.to(dtype))
+        return self.tp.all_reduce(sums).to(dtype)
 
     def combined_across_ranks(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                               order: torch.Tensor, mine: torch.Tensor, grouped: torch.Tensor) -> torch.Tensor:
@@ -225,6 +306,16 @@ class MoEBlock(nn.Module):
         if not self.expert_parallel:
             return None
         return f"experts {self.local.start}-{self.local.stop - 1} of {self.moe.num_experts}"
+
+
+def _loaded_weight(layer: nn.Module) -> Any:
+    """A projection's loaded weight, before it picks a kernel: its QuantizedWeight or float tensor."""
+    if layer.quantized is not None:
+        return layer.quantized
+    if layer.weight is None:
+        raise ValueError("an expert's weight was already handed to its kernel; stack the experts before "
+                         "their layers pick kernels")
+    return layer.weight.data
 
 
 # Mixtral's expert projections: w1 = gate, w3 = up, w2 = down

@@ -45,7 +45,7 @@ class GatedMLP(nn.Module):
 
 def make_mlp(arch: ArchConfig, spec: LayerSpec, tp: TPGroup) -> nn.Module:
     """The layer's MLP: dense, or a mixture of experts (each expert a GatedMLP) where the layer's spec says so."""
-    if spec.moe:  # experts are whole on the ranks that hold them (expert parallelism), never split
+    if spec.moe:  # experts whole on the ranks that hold them (expert parallelism), else split like this MLP
         experts_tp = TPGroup.single() if tp.expert_parallel else tp
         expert = lambda width: GatedMLP(arch.hidden_size, width, arch.hidden_act, experts_tp)  # noqa: E731
         return MoEBlock(arch.moe, arch.hidden_size, expert, tp)
@@ -94,7 +94,7 @@ class DecoderForCausalLM(nn.Module):
     Under tensor parallelism (`tp`) each rank holds its heads, its share of the MLP and its rows of the
     vocabulary (embedding and head): embeddings and row-parallel outputs are summed over the ranks, and
     the logits are gathered on the driver rank (the others get None); with `tp.expert_parallel` a MoE
-    layer holds its share of the experts, whole (layers/moe.py). Under pipeline parallelism
+    layer holds its share of the experts, whole, else its slice of every expert (layers/moe.py). Under pipeline parallelism
     (`stage`) a rank holds only its stage's layers: it receives the previous stage's (hidden, residual)
     and passes its own on; only the last stage returns hidden states. Every stage keeps the embedding
     and head (small next to the layers for the models run here).

@@ -150,25 +150,27 @@ def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size:
                     expert_parallel: bool = False) -> None:
     """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits, the
     model has fewer layers than pipeline stages, or has layers tensor parallelism cannot split (MLA,
-    mixtures of experts without `expert_parallel`, OLMoE's whole-projection q/k norm); and when
-    `expert_parallel` is asked of a model without MoE layers or whose experts `tp_size` does not divide."""
+    OLMoE's whole-projection q/k norm); and when `expert_parallel` is asked of a model without MoE layers
+    or whose experts `tp_size` does not divide."""
     stage_layers(arch.num_hidden_layers, pp_size, 0)
     if expert_parallel and arch.moe is None:
         raise ValueError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers to shard")
     kv_cache_geometry(arch, tp_size)  # MLA refuses tensor parallelism
+    split_experts = []  # without expert parallelism each expert's intermediate is split like a dense MLP's
     if tp_size > 1 and arch.moe is not None:
-        if not expert_parallel:
-            raise ValueError(f"tensor_parallel_size {tp_size}: mixture-of-experts models ({arch.architecture}) do "
-                             "not support tensor parallelism of their experts; use --enable-expert-parallel "
-                             "(experts sharded whole across the ranks) or pipeline parallelism")
-        experts_per_rank(arch.moe.num_experts, tp_size)
+        if expert_parallel:
+            experts_per_rank(arch.moe.num_experts, tp_size)
+        else:  # (under expert parallelism the shared experts are replicated)
+            split_experts.append(("expert intermediate size", arch.moe.intermediate_size))
+            if arch.moe.shared_intermediate_size:
+                split_experts.append(("shared experts' intermediate size", arch.moe.shared_intermediate_size))
     if tp_size > 1 and arch.qk_norm and not arch.qk_norm_per_head:
         raise ValueError(f"tensor_parallel_size {tp_size}: {arch.architecture}'s q/k norm over the whole projections "
                          "does not support tensor parallelism")
     dense = arch.moe is None or any(not arch.layer_spec(i).moe for i in range(arch.num_hidden_layers))
     parts = [("attention heads", arch.num_attention_heads), ("KV heads", arch.num_key_value_heads),
              *([("intermediate size", arch.intermediate_size)] if dense else []),  # only dense MLPs split it
-             ("vocabulary", arch.vocab_size)]
+             *split_experts, ("vocabulary", arch.vocab_size)]
     if exact:
         parts.append(("hidden size", arch.hidden_size))
     for what, total in parts:
