@@ -32,7 +32,7 @@ computes its slice of every slot's intermediate; then, once per layer for all ex
 - partial sums: each rank combines its partial down outputs in float32 and the sums are all-reduced
   (TPGroup.all_reduce: in rank order), then rounded once to x's dtype.
 
-Fused path (layers/fused_moe.py): on CUDA, and wherever the product kernels are Triton's (TritonProducts,
+Fused path (layers/fused_moe.py): wherever the product kernels are Triton's (TritonProducts: CUDA's default,
 --linear-kernel triton: on CPU tensors in Triton's interpreter), `use_kernel` stacks the experts' weights
 once and the layer routes, sorts and multiplies in a fixed number of Triton launches with no host sync (a
 MoE layer then runs inside a CUDA graph; under expert parallelism the all-to-all's counts still need one).
@@ -173,13 +173,15 @@ class MoEBlock(nn.Module):
         self.fused: Any = None  # FusedExperts (layers/fused_moe.py) once `use_kernel` chose the fused path
 
     def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
-        """After loading: on CUDA, or where the product kernels `native` are Triton's (`on_device`), stack
-        the experts' weights for the fused path (layers/fused_moe.py) and drop the experts' layers.
+        """After loading: where the product kernels `native` are Triton's (`on_device`: CUDA's default,
+        `--linear-kernel triton` anywhere), stack the experts' weights for the fused path
+        (layers/fused_moe.py) and drop the experts' layers; else (the CPU, `--linear-kernel dense`) the
+        experts run one by one.
 
         Invariant: this runs before the experts' own layers pick kernels (they still hold their loaded
         weights): `DecoderForCausalLM._use_linear_kernels` walks `modules()`, which yields a module before
         its children, and the children it then visits are the emptied `experts`."""
-        if not (getattr(native, "on_device", False) or self.gate.weight.device.type == "cuda") or not self.experts:
+        if not getattr(native, "on_device", False) or not self.experts:
             return
         from tokenmill.layers.fused_moe import FusedExperts, StackedWeight
 
