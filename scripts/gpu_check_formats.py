@@ -51,6 +51,12 @@ def replays(llm: Any, batch: int, ctx: int, device: str, seed: int) -> Any:
     return g.graph_replay_ms(llm, batch, device)
 
 
+def on_triton(dry: bool) -> dict[str, str]:
+    """The option that puts the products on Triton's kernels: CUDA's default; a dry run asks for them, so
+    that its CPU runs them in the interpreter rather than on the native CPU kernels."""
+    return {"linear_kernel": "triton"} if dry else {}
+
+
 def ratio(a: Any, b: Any, digits: int = 3) -> Any:
     """a / b rounded, or None where either is missing."""
     return round(a / b, digits) if a and b else None
@@ -96,7 +102,7 @@ def engine_pair(path: Path, device: str, dry: bool, batch: int, quantized: dict[
     g = check_module()
     found = []
     for options in ({"quantization": "none"}, quantized):
-        llm = g.decode_llm(path, device, dry, batch, **options)
+        llm = g.decode_llm(path, device, dry, batch, **options, **on_triton(dry))
         try:
             found.append(measure(llm))
         finally:
@@ -232,7 +238,7 @@ def moe(tokenizer_dir: Path, work: Path, device: str, dry: bool, bandwidth_gbs: 
     g = check_module()
     path = write_moe_model(work / "moe", tokenizer_dir, device, dry)
     batch, ctx = (4, 24) if dry else (64, 512)
-    llm = g.decode_llm(path, device, dry, batch)
+    llm = g.decode_llm(path, device, dry, batch, **on_triton(dry))
     try:
         replay = replays(llm, batch, ctx, device, 15)
         step = g.decode_step_seconds(llm, g.random_prompts(batch, ctx, 16), 2 if dry else 16, device, 1)
@@ -251,7 +257,7 @@ def batch_invariant(path: Path, device: str, dry: bool, out_dir: Path) -> dict[s
     g = check_module()
     sizes, tokens = ((1, 3), 4) if dry else ((1, 7, 64), 32)
     prompts = g.DRY_PROMPTS if dry else g.PROMPTS
-    llm = g.decode_llm(path, device, dry, max(sizes), batch_invariant=True)
+    llm = g.decode_llm(path, device, dry, max(sizes), batch_invariant=True, **on_triton(dry))
     try:
         alone = [g.tokenmill_greedy(llm, [p], tokens)[0] for p in prompts]
         identical = {}
