@@ -13,6 +13,7 @@ import torch
 from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.kernels.quantized import QuantizedWeight, cat_rows, pack_blocks, quantize, reference_linear
 from tokenmill.layers import triton_quant_linear
+from tokenmill.layers.linear import MergedColumnParallelLinear
 from tokenmill.layers.triton_quant_linear import DECODE, PREFILL, TritonQuantizedProduct
 from tokenmill.models.loader.packed_layers import packed_when_in_runs
 
@@ -38,9 +39,9 @@ def _float32_scaled(rows: int, cols: int) -> QuantizedWeight:
     return weight
 
 
-def _act_order(rows: int, cols: int, bits: int) -> QuantizedWeight:
+def _act_order(rows: int, cols: int, bits: int, seed: int = 5) -> QuantizedWeight:
     """A GPTQ desc_act layer (groups of 64 inputs shuffled over the inputs) as the loader keeps it packed."""
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     groups = torch.arange(cols)[torch.randperm(cols, generator=g)] // 64
     u = torch.randint(0, 1 << bits, (rows, cols), generator=g)
     zeros = torch.randint(1, (1 << bits) - 1, (rows, cols // 64), generator=g)
@@ -146,3 +147,15 @@ def test_activation_order_on_the_cpu_products_and_through_row_operations():
     assert torch.equal(half.dequantize(), whole_groups.dequantize()[:, 128:])
     with pytest.raises(ValueError, match="activation order .* cannot be split by input features"):
         weight.narrow(1, 0, 128)
+
+
+def test_fused_projections_in_different_input_orders_load_as_their_float_weights():
+    """No GPTQ tool writes them (projections of one input share its order), but such a checkpoint still
+    loads: one packed weight has one input order, so the layer keeps the exact dequantised floats."""
+    first, second = WEIGHTS["int4-act-order"](), _act_order(48, 256, 4, seed=6)
+    assert not torch.equal(first.input_order, second.input_order)
+    layer = MergedColumnParallelLinear(256, [ROWS, 48])
+    layer.weight_loader(layer.weight, first, 0)
+    layer.weight_loader(layer.weight, second, 1)
+    assert layer.quantized is None
+    assert torch.equal(layer.weight.data, torch.cat([first.dequantize(), second.dequantize()]))
