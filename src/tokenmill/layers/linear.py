@@ -9,7 +9,8 @@ A layer's weight may instead be kept quantised (kernels/quantized.py): when a ch
 quantised, or `quantize_to` names a format, the parts are gathered until every row is there and then
 packed into one `QuantizedWeight`; the float parameter is dropped without ever being written. Parts in
 activation order whose input orders differ (no GPTQ tool writes fused projections so: they share one
-input) cannot share one packed weight and are dequantised into the float parameter instead, with a log line.
+input) cannot share one packed weight and are dequantised into the float parameter instead, with a log line;
+so are the row-parallel shards (several ranks) of a weight in activation order.
 """
 
 from __future__ import annotations
@@ -224,6 +225,12 @@ class RowParallelLinear(_ShardedLinear):
             self._copy(param.data, loaded)
             return
         cols = param.shape[1]
+        if isinstance(loaded, QuantizedWeight) and loaded.input_order is not None and self.tp.size > 1:
+            # activation order scatters a rank's input features over the stored groups, which then rarely
+            # keep runs of 32 (QuantizedWeight.narrow refuses those): the shard is its exact float weight
+            logger.info("a row-parallel shard of a weight in activation order (GPTQ desc_act) is dequantised "
+                        "to floats")
+            loaded = loaded.dequantize()
         self._place(param, 0, loaded.narrow(1, self.tp_rank * cols, cols))
 
 
