@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHARED_INPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # fused projections of one input
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -58,10 +59,12 @@ def awq_pack(q, zeros, scales):
 
 
 def write_pair(base, tmp_path, method, bits=4, group_size=32, act_order=False):
-    """(folder of the packed checkpoint, folder of the same weights as floats)."""
+    """(folder of the packed checkpoint, folder of the same weights as floats). In activation order the
+    projections of one input (q/k/v, gate/up) share one g_idx, as GPTQ orders a layer's inputs by the
+    activations they see."""
     rng = np.random.default_rng(7)
     state = load_file(str(base / "model.safetensors"))
-    packed, floats = {}, {}
+    packed, floats, orders = {}, {}, {}
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
@@ -69,6 +72,8 @@ def write_pair(base, tmp_path, method, bits=4, group_size=32, act_order=False):
             continue
         rows, cols = tensor.shape[1], tensor.shape[0]  # [in, out]
         q, zeros, scales, g = known_integers((rows, cols), rows // group_size, bits, rng, act_order)
+        parent, _, projection = prefix.rpartition(".")
+        g = orders.setdefault((parent, "input" if projection in SHARED_INPUT else projection), g)
         weight = (torch.from_numpy(q - zeros[g]).float() * torch.from_numpy(scales[g]).float()).t().contiguous()
         floats[name] = weight
         parts = gptq_pack(q, zeros, scales, g, bits, act_order) if method == "gptq" else awq_pack(q, zeros, scales)

@@ -49,7 +49,7 @@ def test_a_scheme_it_cannot_read_is_refused_by_name(base, tmp_path, config, mess
 
 @pytest.mark.parametrize("method, bits, group_size, act_order, kept", [
     ("gptq", 4, 32, False, "int4"), ("gptq", 8, 64, False, "int8"), ("awq", 4, 64, False, "int4"),
-    ("gptq", 4, 32, True, None),  # activation order shuffles rows across groups: dequantised
+    ("gptq", 4, 32, True, "int4"),  # activation order: kept packed with the inputs sorted by group
     ("gptq", 4, 16, False, None),  # groups of 16 inputs: no 32-input run has one scale
 ])
 def test_layers_stay_packed_where_the_format_maps_exactly(base, tmp_path, method, bits, group_size, act_order,

@@ -22,14 +22,16 @@ def test_only_the_cpu_keeps_weights_quantised():
 
 
 def _counting_dequantize(monkeypatch) -> list[torch.dtype]:
+    """The dtypes of every dequantisation of a whole weight (`dequantize` and the reference's stored-order
+    one both go through `dequantize_stored`)."""
     calls: list[torch.dtype] = []
-    original = QuantizedWeight.dequantize
+    original = QuantizedWeight.dequantize_stored
 
     def counted(self, dtype=torch.float32):
         calls.append(dtype)
         return original(self, dtype)
 
-    monkeypatch.setattr(QuantizedWeight, "dequantize", counted)
+    monkeypatch.setattr(QuantizedWeight, "dequantize_stored", counted)
     return calls
 
 

@@ -362,7 +362,9 @@ class QLinearOp:
     per-thread scratch buffer and one matmul per such tile. It repacks the weight once into the
     kernels' cell layout (kernels/quant_cells.h: 16 rows x 32 features per cell, so one vector load
     feeds 16 outputs) and keeps only that copy; it holds it and the bias, so the pointers it passes
-    stay valid."""
+    stay valid. A weight in activation order (`input_order`) keeps its stored column order: the input's
+    features are gathered in that order before the kernels see them, and `dequantize` / `embedding` put
+    the columns back in the inputs' order."""
 
     def __init__(self, lib: ctypes.CDLL, weight: "QuantizedWeight", bias: Optional[torch.Tensor], amx: bool,
                  level: IsaLevel, batch_invariant: bool = True) -> None:
@@ -392,6 +394,7 @@ class QLinearOp:
         lib.tm_qcells_pack(_ptr(self.cells), _ptr(weight.data), _ptr(weight.scale), _ptr(weight.offset),
                            None if sub is None else _ptr(sub), self.rows, self.cols, self.bits, self.scales)
         self.cells_pointer = _ptr(self.cells)
+        self.input_order = weight.input_order
         self.bias_pointer = None if bias is None else _ptr(bias)
         self.bias_by_dtype = {} if bias is None else {torch.float32: bias, torch.bfloat16: bias.bfloat16()}
         # the AMX product adds the bias in float32 before rounding, as the matmul does with a bfloat16 bias
@@ -412,7 +415,13 @@ class QLinearOp:
             out = torch.empty(count, self.cols, dtype=dtype)
         self.lib.tm_dequantize(_ptr(out), self.cells_pointer, first, None, count, self.rows, self.cols, self.bits,
                                self.scales, _storage_flag(out))
-        return out
+        return out if self.input_order is None else self._in_input_order(out)
+
+    def _in_input_order(self, stored: torch.Tensor) -> torch.Tensor:
+        """Rows of stored columns [..., cols] with their columns in the inputs' order."""
+        rows = torch.empty_like(stored)
+        rows[..., self.input_order] = stored
+        return rows
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (int64) dequantised to `dtype`: an embedding lookup in the packed table, as
@@ -427,7 +436,7 @@ class QLinearOp:
                                          self.cols, self.bits, self.scales, _storage_flag(out))
         if outside:
             raise ValueError(f"{outside} embedding ids are outside [0, {self.rows})")
-        return out
+        return out if self.input_order is None else self._in_input_order(out)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply."""
@@ -436,6 +445,8 @@ class QLinearOp:
         if x.shape[-1] != cols:
             raise ValueError(f"input has {x.shape[-1]} features, the weight takes {cols}")
         flat = x.reshape(-1, cols)
+        if self.input_order is not None:
+            flat = flat[:, self.input_order]
         m = flat.shape[0]
         if self.amx and bf16 and quantized.AMX_FROM_ROWS <= m < quantized.AMX_BELOW_ROWS:
             if flat.stride(1) != 1:

@@ -17,6 +17,11 @@ products of two scales). Rows are padded to a multiple of 64 columns with blocks
 - int4: u in 0..15, two per byte: the 32 bytes of block pair p hold block 2p in their low nibbles and
   block 2p + 1 in their high nibbles. GGUF Q4_0 (offset = -8 * scale), Q4_1 and Q4_K (per 32-weight
   sub-block) convert exactly; float weights quantise asymmetrically (min/max per block, llama.cpp's Q4_1).
+- activation order (GPTQ `desc_act`, compressed-tensors `weight_g_idx`): a checkpoint whose groups are
+  shuffled over the input features is stored with its columns permuted so that each group's inputs are
+  contiguous, and `input_order` says which input feature each stored column multiplies: stored column p
+  holds input `input_order[p]`, so y = x[..., input_order] times the stored weight. Products gather the
+  input's features in that order; `dequantize` gives the weight in the inputs' own order.
 
 A product with few input rows (decode) quantises its input per 32-value block to int8 (absmax / 127,
 round half to even) and takes integer dot products, as llama.cpp does; with more rows the weight is
@@ -67,6 +72,7 @@ class QuantizedWeight:
     scale: torch.Tensor  # float16 or float32 [rows, padded_cols / 32]
     offset: torch.Tensor  # same dtype and shape as scale
     sub_scale: Optional[torch.Tensor] = None  # int8 [rows, padded_cols / 16], int8 format only; None: all 1
+    input_order: Optional[torch.Tensor] = None  # int64 [cols]: the input feature of each stored column; None: in order
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,15 +90,34 @@ class QuantizedWeight:
         if start % BLOCK or length % BLOCK:
             raise ValueError(f"a quantised weight splits by input features only at multiples of {BLOCK} "
                              f"columns; asked for columns {start}..{start + length} of {self.cols}")
+        if self.input_order is not None:
+            return self._narrow_ordered(start, length)
         first, count = start // BLOCK, length // BLOCK
         sub = None if self.sub_scale is None else self.sub_scale[:, start // SUB_BLOCK:(start + length) // SUB_BLOCK]
         return pack_blocks(self.format, length, self.unsigned_values()[:, start:start + length],
                              self.scale[:, first:first + count], self.offset[:, first:first + count], sub)
 
+    def _narrow_ordered(self, start: int, length: int) -> "QuantizedWeight":
+        """Input features [start, start + length) of a weight in activation order: the stored columns that
+        hold them, in stored order, which must again come in runs of 32 sharing one block's scale."""
+        positions = torch.nonzero((self.input_order >= start) & (self.input_order < start + length)).flatten()
+        blocks = (positions // BLOCK).view(-1, BLOCK)
+        if self.sub_scale is not None or not bool((blocks == blocks[:, :1]).all()):
+            raise ValueError(f"input features {start}..{start + length} of a weight in activation order (GPTQ "
+                             f"desc_act / g_idx) do not keep its groups in runs of {BLOCK}: such a weight cannot "
+                             f"be split by input features (row-parallel tensor parallelism); serve it on one rank")
+        first = blocks[:, 0]
+        order = self.input_order[positions] - start
+        narrowed = pack_blocks(self.format, length, self.unsigned_values()[:, positions], self.scale[:, first],
+                               self.offset[:, first])
+        if not torch.equal(order, torch.arange(length, device=order.device)):
+            narrowed.input_order = order
+        return narrowed
+
     def index_rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """The rows picked by `index` (a permutation or a selection)."""
         return QuantizedWeight(self.format, self.cols, self.data[index], self.scale[index], self.offset[index],
-                               None if self.sub_scale is None else self.sub_scale[index])
+                               None if self.sub_scale is None else self.sub_scale[index], self.input_order)
 
     def unsigned_values(self) -> torch.Tensor:
         """u as uint8 [rows, padded_cols]."""
@@ -103,7 +128,16 @@ class QuantizedWeight:
         return torch.stack((pairs & 0x0F, pairs >> 4), dim=2).reshape(rows, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight [rows, cols]."""
+        """The float weight [rows, cols], its columns in the inputs' order."""
+        stored = self.dequantize_stored(dtype)
+        if self.input_order is None:
+            return stored
+        weight = torch.empty_like(stored)
+        weight[:, self.input_order] = stored
+        return weight
+
+    def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [rows, cols] with its columns as stored (permuted by `input_order`, if any)."""
         rows = self.data.shape[0]
         u = self.unsigned_values().view(rows, -1, BLOCK).float()
         w = u * self.scale.float().unsqueeze(-1) + self.offset.float().unsqueeze(-1)
@@ -114,7 +148,8 @@ class QuantizedWeight:
     def to(self, device: torch.device) -> "QuantizedWeight":
         """The same weight on `device`."""
         return QuantizedWeight(self.format, self.cols, self.data.to(device), self.scale.to(device),
-                               self.offset.to(device), None if self.sub_scale is None else self.sub_scale.to(device))
+                               self.offset.to(device), None if self.sub_scale is None else self.sub_scale.to(device),
+                               None if self.input_order is None else self.input_order.to(device))
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantised: an embedding lookup that keeps the table packed."""
@@ -126,7 +161,8 @@ class QuantizedWeight:
         if fmt == self.format:
             return self
         if (self.format, fmt) == ("int4", "int8"):
-            return QuantizedWeight(fmt, self.cols, self.unsigned_values().contiguous(), self.scale, self.offset)
+            return QuantizedWeight(fmt, self.cols, self.unsigned_values().contiguous(), self.scale, self.offset,
+                                   input_order=self.input_order)
         return quantize(self.dequantize(), fmt)
 
     def sub_scales(self) -> torch.Tensor:
@@ -138,17 +174,25 @@ class QuantizedWeight:
 
 def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights of one format and width by rows (fusing q/k/v or gate/up); parts without sub-scales
-    get ones when another part has them."""
+    get ones when another part has them. Parts in activation order must share one input order (as the
+    projections of one input do: GPTQ orders a layer's inputs by their activations)."""
     first = parts[0]
     if any(p.format != first.format or p.cols != first.cols for p in parts):
         raise ValueError("only weights of one format and width can be fused")
+    if any(not _same_order(p.input_order, first.input_order) for p in parts):
+        raise ValueError("fused projections (q/k/v or gate/up) in activation order (GPTQ desc_act / g_idx) must "
+                         "share one order of their input features; these parts order them differently")
     scale_dtype = torch.float16 if all(p.scale.dtype == torch.float16 for p in parts) else torch.float32
     sub = None
     if any(p.sub_scale is not None for p in parts):
         sub = torch.cat([p.sub_scales() for p in parts])
     return QuantizedWeight(first.format, first.cols, torch.cat([p.data for p in parts]),
                            torch.cat([p.scale.to(scale_dtype) for p in parts]),
-                           torch.cat([p.offset.to(scale_dtype) for p in parts]), sub)
+                           torch.cat([p.offset.to(scale_dtype) for p in parts]), sub, first.input_order)
+
+
+def _same_order(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _pack(fmt: str, cols: int, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -326,12 +370,15 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
     """The quantised product in PyTorch. Fewer rows than `int8_below` (default
     `int8_product_below(False)`): input quantised per block, then a float32 matmul with the dequantised
     weight; more: the weight dequantised to x's dtype, then x W^T. Equals the native kernels up to
-    summation order."""
+    summation order. A weight in activation order multiplies the input's features in its stored order,
+    as the native kernels do."""
     flat = x.reshape(-1, x.shape[-1])
+    if weight.input_order is not None:
+        flat = flat[:, weight.input_order]
     if flat.shape[0] >= (int8_product_below(False) if int8_below is None else int8_below):
-        y = F.linear(flat, weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+        y = F.linear(flat, weight.dequantize_stored(x.dtype), None if bias is None else bias.to(x.dtype))
         return y.view(*x.shape[:-1], -1)
     q, dx = quantize_activations(flat)
     x_hat = (q.view(q.shape[0], -1, BLOCK) * dx.unsqueeze(-1)).reshape(q.shape[0], -1)[:, :weight.cols]
-    y = F.linear(x_hat, weight.dequantize(), None if bias is None else bias.float())
+    y = F.linear(x_hat, weight.dequantize_stored(), None if bias is None else bias.float())
     return y.to(x.dtype).view(*x.shape[:-1], -1)

@@ -7,11 +7,15 @@ is the whole tensor and nothing is communicated.
 
 A layer's weight may instead be kept quantised (kernels/quantized.py): when a checkpoint part arrives
 quantised, or `quantize_to` names a format, the parts are gathered until every row is there and then
-packed into one `QuantizedWeight`; the float parameter is dropped without ever being written.
+packed into one `QuantizedWeight`; the float parameter is dropped without ever being written. Parts in
+activation order whose input orders differ (no GPTQ tool writes fused projections so: they share one
+input) cannot share one packed weight and are dequantised into the float parameter instead, with a log line;
+so are the row-parallel shards (several ranks) of a weight in activation order.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,6 +25,8 @@ from torch import nn
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.kernels.quantized import QuantizedWeight, cat_rows, quantize
 from tokenmill.parallel.group import TPGroup
+
+logger = logging.getLogger(__name__)
 
 _SINGLE = TPGroup.single()
 
@@ -91,6 +97,12 @@ class _ShardedLinear(nn.Module):
 
     def _assemble(self, parts: list) -> None:
         quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        orders = [p.input_order for p in quantized if p.input_order is not None]
+        if orders and (len(orders) < len(parts) or any(not torch.equal(o, orders[0]) for o in orders)):
+            logger.info("fused projections whose input features come in different orders (GPTQ desc_act) are "
+                        "dequantised to floats: one packed weight has one input order")
+            parts = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+            quantized = []
         if not quantized and self.quantize_to is None:
             row = 0
             for part in parts:
@@ -219,6 +231,12 @@ class RowParallelLinear(_ShardedLinear):
             self._copy(param.data, loaded)
             return
         cols = param.shape[1]
+        if isinstance(loaded, QuantizedWeight) and loaded.input_order is not None and self.tp.size > 1:
+            # activation order scatters a rank's input features over the stored groups, which then rarely
+            # keep runs of 32 (QuantizedWeight.narrow refuses those): the shard is its exact float weight
+            logger.info("a row-parallel shard of a weight in activation order (GPTQ desc_act) is dequantised "
+                        "to floats")
+            loaded = loaded.dequantize()
         self._place(param, 0, loaded.narrow(1, self.tp_rank * cols, cols))
 
 

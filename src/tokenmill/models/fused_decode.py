@@ -64,7 +64,9 @@ def _native_product(linear: Any) -> Union[QLinearOp, AmxPackedKernel, None]:
     kernel = getattr(linear, "kernel", None)
     if isinstance(kernel, AmxPackedKernel):
         return kernel
-    return kernel.native if isinstance(kernel, QuantizedKernel) else None
+    if isinstance(kernel, QuantizedKernel) and getattr(kernel.native, "input_order", None) is None:
+        return kernel.native  # the one-call step reads the cells as they are: no weight in activation order
+    return None
 
 
 def _projection(op: Union[QLinearOp, AmxPackedKernel]) -> _Projection:

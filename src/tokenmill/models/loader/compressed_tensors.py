@@ -20,7 +20,8 @@ and per 32 inputs scale = s and offset = -s (zp + 2^(bits - 1)) of their group. 
 scales (llm-compressor saves the model's bf16/fp16) that is exact: s u and s (zp + 2^(bits - 1)) need at
 most 11 + 9 bits, so s u + offset = (v - zp) s in float32. Float32 scales are rounded once more (s u + offset
 is within a float32 rounding of (v - zp) s).
-Groups must come in runs of 32 inputs (as for GPTQ). FP8 weights are dequantised to their float values
+Groups must come in runs of 32 inputs, after sorting the inputs by group where `weight_g_idx` shuffles
+them (activation order, kept as the weight's `input_order`, as for GPTQ). FP8 weights are dequantised to their float values
 (e4m3 times the scale, exact in float32) and run as float weights at `--dtype`: their 3-bit mantissas do
 not sit on one integer grid per 32 inputs. Activation schemes (`input_activations`: the checkpoint's
 static or dynamic int8/FP8 activation scales) are not applied: a packed product quantises its input to

@@ -12,10 +12,12 @@
 Kept packed, a layer becomes a `QuantizedWeight` (int4 for 4 bits, int8 for 8) with u = q, and per
 32 input features scale = s and offset = -s z of their group: exact, since s (float16, as both formats
 store it) times an integer below 2^9 needs at most 20 bits, so s u - s z = (u - z) s in float32 (float32
-scales would be rounded once more). That needs each 32 input rows to lie
-in one group: group sizes that are multiples of 32 (or -1), with or without `g_idx`, as long as `g_idx`
-keeps runs of 32 rows together. A layer whose groups do not (activation order that shuffles rows, group
-size 16) is dequantised to floats instead, and the load log counts such layers.
+scales would be rounded once more). That needs each 32 input rows to lie in one group: group sizes that
+are multiples of 32 (or -1). Activation order (`desc_act`: a `g_idx` that shuffles the groups over the
+input rows) is kept packed with the rows sorted by group and the weight's `input_order` naming the input
+of each (kernels/quantized.py); the products gather their inputs in that order. A layer whose groups
+cannot come in runs of 32 (group size 16) is dequantised to floats instead, and the load log counts such
+layers.
 """
 
 from __future__ import annotations

@@ -48,15 +48,28 @@ def packed_when_in_runs(u: torch.Tensor, zeros: torch.Tensor, scales: torch.Tens
                         bits: int) -> Optional[QuantizedWeight]:
     """u [out, in] (0 .. 2^bits - 1), zero points and float32 scales [out, groups], each input's group [in]
     (w = (u - zero) * scale): the int4 (4 bits) or int8 (8 bits) weight with, per 32 inputs, scale s and
-    offset -s z of their group; or None where some run of 32 inputs spans two groups. The offset is rounded
-    once, from float64: exact where s is half precision (the schemes' docstrings say when)."""
+    offset -s z of their group; or None where some run of 32 inputs spans two groups even with the inputs
+    sorted by group. Groups shuffled over the inputs (activation order) are sorted so: the weight's columns
+    are stored in that order and its `input_order` names the input of each. The offset is rounded once,
+    from float64: exact where s is half precision (the schemes' docstrings say when)."""
     cols = u.shape[1]
     if cols % BLOCK:
         return None
-    runs = groups.view(-1, BLOCK)
-    if not bool((runs == runs[:, :1]).all()):
-        return None
-    first = runs[:, 0]
+    order = None
+    if not _in_runs(groups):
+        order = torch.argsort(groups, stable=True)  # each group's inputs together, in their own order
+        groups, u = groups[order], u[:, order]
+        if not _in_runs(groups):
+            return None
+    first = groups.view(-1, BLOCK)[:, 0]
     block_scales = scales[:, first]
     offsets = -(block_scales.double() * zeros[:, first].double()).float()
-    return pack_blocks("int4" if bits == 4 else "int8", cols, u.to(torch.uint8).contiguous(), block_scales, offsets)
+    packed = pack_blocks("int4" if bits == 4 else "int8", cols, u.to(torch.uint8).contiguous(), block_scales, offsets)
+    packed.input_order = order
+    return packed
+
+
+def _in_runs(groups: torch.Tensor) -> bool:
+    """Whether each run of 32 inputs lies in one group."""
+    runs = groups.view(-1, BLOCK)
+    return bool((runs == runs[:, :1]).all())
