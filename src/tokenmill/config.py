@@ -75,12 +75,13 @@ class ModelConfig:
                        "pooling for encoders (BertModel, XLMRobertaModel, ...) and folders with "
                        "sentence-transformers modules, else generate", choices=RUNNERS)
     seed: int = _opt(0, "seed of the global sampling generator (requests without their own seed)")
-    linear_kernel: str = _opt("auto", "how linear layers multiply; auto = weights packed once for oneDNN "
-                              "when computing in bfloat16 on CPU and native kernels for quantised weights, "
-                              "dense = plain F.linear and the PyTorch quantised product (the references), "
-                              "triton = tokenmill's Triton products for quantised weights (kept packed) and, "
-                              "batch-invariant, for float weights, and the fused mixture of experts (which "
-                              "CUDA always runs; on CPU Triton's interpreter: tests only)",
+    linear_kernel: str = _opt("auto", "how linear layers multiply; auto = on CPU weights packed once for "
+                              "oneDNN when computing in bfloat16 and native kernels for quantised weights, on "
+                              "CUDA (Triton backend) the triton products; dense = plain F.linear, the PyTorch "
+                              "quantised product and experts one by one (the references; on CUDA quantised "
+                              "weights are then dequantised once); triton = tokenmill's Triton products: "
+                              "quantised weights kept packed, float weights batch-invariant where asked, the "
+                              "fused mixture of experts (on CPU Triton's interpreter: tests only)",
                               choices=LINEAR_KERNELS)
     attention_backend: str = _opt("auto", "paged attention implementation; auto = cpu_paged (native kernels, "
                                   "built on first use; bfloat16 also fuses RMSNorm, RoPE and SiLU) on CPU "

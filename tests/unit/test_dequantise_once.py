@@ -15,7 +15,7 @@ from tokenmill.layers.linear_kernels import QuantizedKernel, dequantizes_once
 from tokenmill.kernels.quantized import QuantizedWeight, quantize
 
 
-def test_only_the_cpu_keeps_weights_quantised():
+def test_off_the_cpu_weights_are_dequantised_once_only_without_product_kernels():
     assert not dequantizes_once(torch.device("cpu"), None)
     assert dequantizes_once(torch.device("cuda", 1), None) and dequantizes_once(torch.device("meta"), None)
     assert not dequantizes_once(torch.device("cuda"), object())  # Triton products multiply it packed
@@ -76,3 +76,19 @@ def test_cpu_weights_keep_the_per_call_reference(monkeypatch):
     for _ in range(3):
         kernel(torch.randn(30, 32))
     assert len(calls) == 3 and kernel.dense is None
+
+
+def test_cuda_multiplies_on_tritons_products_unless_dense_is_asked():
+    """Under auto, a CUDA model on the Triton backend gets Triton's products (quantised weights stay packed,
+    experts fused); --linear-kernel dense keeps the references (dequantised once, experts one by one)."""
+    from types import SimpleNamespace
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.layers.triton_products import TritonProducts
+    from tokenmill.worker.model_setup import choose_kernels
+
+    cuda, triton_backend = torch.device("cuda"), SimpleNamespace(on_triton=True)
+    for asked, expected in (("auto", TritonProducts), ("triton", TritonProducts), ("dense", type(None))):
+        choice = choose_kernels(ModelConfig(linear_kernel=asked), cuda, torch.bfloat16, triton_backend, None,
+                                False, True, True)
+        assert type(choice.native) is expected and not choice.packed and not choice.fused_decode

@@ -95,7 +95,8 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
                    attention_kernels: Any, invariant: bool, quantized_weights: bool, one_rank: bool,
                    kv_rows: Optional[str] = None) -> KernelChoice:
     """The kernels a loaded model runs (models/kernel_choice.py): fast products unless `linear_kernel` is
-    dense (Triton's where it is triton: layers/triton_products.py); the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
+    dense (Triton's where it is triton, and under auto on CUDA with the Triton backend:
+    layers/triton_products.py); the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
     kernels where the attention backend has them and the model runs bfloat16 or quantised weights
     (float32 float weights keep PyTorch's ops, whose results the HF comparisons pin down); the one-call
     step where those native kernels run, `fused_decode` is on and the model is whole on one rank
@@ -103,7 +104,7 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
     whether the products compute every row alike (`resolve_batch_invariant`)."""
     fast_linears = config.linear_kernel != "dense"
     native = attention_kernels
-    if config.linear_kernel == "triton":
+    if config.linear_kernel == "triton" or (fast_linears and device.type == "cuda" and backend.on_triton):
         from tokenmill.layers.triton_products import TritonProducts
 
         native = TritonProducts()
