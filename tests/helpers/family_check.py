@@ -1,0 +1,67 @@
+"""One check of a model family against HF transformers float32, in every mode the engine schedules a request
+in (what issue 60 asks of each architecture), for the price of two engine runs:
+
+1. plain: the eight prompts (helpers/engine_probe.EIGHT_PROMPTS) one at a time, ample memory and budget;
+2. stressed: the eight as one batch on an engine whose token budget is smaller than a block (every prompt
+   prefills in chunks of less than a block), whose pool is too small for all of them at once (requests are
+   preempted and recomputed), followed by the second prompt alone, twice (the second run a prefix-cache
+   hit, where the family supports prefix caching).
+
+Every run's greedy ids must equal HF's (HF decoding each prompt alone with its own cache) and its logprobs be
+within `logprob_tolerance` of HF's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from helpers.engine_probe import EIGHT_PROMPTS, hf_greedy_logprobs
+from tokenmill import LLM, SamplingParams
+
+BLOCK = 8
+
+
+def check_family(path: Any, hf: Any, count: int = 32, logprob_tolerance: float = 1e-4, prefix_caching: bool = True,
+                 prompts: list[list[int]] = EIGHT_PROMPTS, **engine: Any) -> dict[str, int]:
+    """Assert the engine on `path` gives HF's greedy ids and logprobs for `prompts` plain, chunked, preempted,
+    batched and (with `prefix_caching`) after a prefix hit; `engine`: further options for both engines.
+    Returns the stressed engine's counts of preemptions and prefix-cache hits (each asserted above 0)."""
+    expected = [hf_greedy_logprobs(hf, ids, count) for ids in prompts]
+    params = SamplingParams(temperature=0, max_tokens=count, ignore_eos=True, logprobs=0)
+    plain = LLM(str(path), dtype="float32", block_size=BLOCK, num_kv_blocks=512, **engine)
+    for ids, want in zip(prompts, expected):
+        _assert_same(plain.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0], want, "plain", ids,
+                     logprob_tolerance)
+    groups = plain.llm_engine.kv_cache.num_groups
+    plain.shutdown()
+    longest = max(len(ids) for ids in prompts) + count
+    # room for the longest request (in every KV group) and a little more: the eight at once do not fit, so
+    # some are preempted
+    blocks = groups * -(-longest // BLOCK) + 4
+    stressed = LLM(str(path), dtype="float32", block_size=BLOCK, num_kv_blocks=blocks,
+                   max_num_batched_tokens=BLOCK - 2, max_model_len=longest, prefix_caching=prefix_caching,
+                   **engine)
+    outputs = stressed.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    for ids, want, output in zip(prompts, expected, outputs):
+        _assert_same(output, want, "chunked, preempted and batched", ids, logprob_tolerance)
+    # alone twice: the second run finds the first's blocks cached (the small pool may have evicted the batch's)
+    hits_before = stressed.llm_engine.stats().prefix_cache_hits
+    for _ in range(2):
+        again = stressed.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+        _assert_same(again, expected[1], "after a prefix hit", prompts[1], logprob_tolerance)
+    stats = stressed.llm_engine.stats()
+    counts = {"preemptions": stats.num_preemptions, "prefix_cache_hits": stats.prefix_cache_hits - hits_before}
+    stressed.shutdown()
+    assert counts["preemptions"] > 0, counts
+    assert counts["prefix_cache_hits"] > 0 or not prefix_caching, counts
+    return counts
+
+
+def _assert_same(output: Any, expected: tuple[list[int], list[float]], mode: str, ids: list[int],
+                 tolerance: float) -> None:
+    tokens, logprobs = expected
+    sample = output.outputs[0]
+    assert sample.token_ids == tokens, f"{mode}: prompt of {len(ids)} tokens"
+    ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
+    worst = max(abs(a - b) for a, b in zip(ours, logprobs))
+    assert worst <= tolerance, f"{mode}: prompt of {len(ids)} tokens, logprob off by {worst}"
