@@ -7,11 +7,11 @@ arithmetic of a row depends on is chosen from the row count.
 Invariant (batch invariance): the tile sizes, warps and stages are a function of (out_features, in_features,
 dtype) only (`tiling`); every output element is reduced over the input features in one sequential loop of
 BLOCK_K chunks, each chunk one `tl.dot` into a float32 accumulator, and no split of the reduction; an output
-row never reads another row's values (rows past m load zeros and are never stored). So a
-row's bits depend on its own input, the weight and the (n, k, dtype) tiling, not on m or on where the row
-sits in its tile (every row of a tile goes through the same MMA instructions). The row count changes only
-the number of tiles, and the persistent grid (at most one program per SM, each walking tiles in a fixed stride)
-changes which program computes a tile, never how.
+row never reads another row's values (rows past m load zeros and are never stored). So a row's bits depend
+on its own input, the weight and the (n, k, dtype) tiling, not on m or on where the row sits in its tile
+(every row of a tile goes through the same MMA instructions). The row count changes only the number of
+tiles, and the persistent grid (at most one program per SM, each walking tiles in a fixed stride) changes
+which program computes a tile, never how.
 
 Layout: `pack_weight` stores W^T [k, n] row-major (out-features contiguous), the classic Triton matmul
 layout: a weight tile [BLOCK_K, BLOCK_N] is a coalesced load and goes to `tl.dot` as the right operand
