@@ -106,8 +106,9 @@ class ModelConfig:
         "machine, version and flags): quantised products take int8 dot products at every row count, every query "
         "attends as a decode query; --no-batch-invariant lets many-row products dequantise and prefill use "
         "SDPA/AMX attention (gain: docs/benchmarks.md). Default: on for CPU; off on CUDA, where the matrix "
-        "products run on cuBLAS, whose reduction order depends on the row count (said in the log; "
-        "--batch-invariant on CUDA is refused)")
+        "products then run on cuBLAS, whose reduction order depends on the row count (said in the log); "
+        "--batch-invariant on CUDA runs every product on Triton's invariant matmul, the norms and logprobs on "
+        "Triton row kernels (needs Triton and the triton_paged backend; slower than cuBLAS)")
     quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K, "
                              "Q6_K (as int8, Q6_K with its 16-weight scales) and Q4_0/Q4_1/Q4_K (as int4) weights "
                              "packed exactly (other encodings are dequantised), none = dequantise everything "

@@ -26,6 +26,25 @@ def test_add_rms_norm_matches_pytorch_and_updates_the_residual_in_place():
     assert torch.allclose(alone, F.rms_norm(x, (96,), weight, 1e-6), atol=1e-5, rtol=1e-5)
 
 
+# the interpreter adds two 16-bit tensors as their integer bits (the Triton attention upcasts for that reason),
+# so the residual add is checked in float32 and bfloat16 rows without one
+@pytest.mark.parametrize("dtype, with_residual", [(torch.float32, True), (torch.bfloat16, False)])
+def test_add_rms_norm_gives_a_row_the_same_bits_in_any_batch(dtype, with_residual):
+    # one program per row, its block the row's width: the norm a batch-invariant CUDA run takes in float32
+    # too (choose_kernels), where PyTorch's reduction may split a row by the tensor's shape
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(9, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(96, generator=gen).to(dtype)
+    batched_residual = residual.clone() if with_residual else None
+    batched = OPS.add_rms_norm(x, batched_residual, weight, 1e-6)
+    for first, count in ((0, 1), (4, 1), (2, 5)):
+        alone_residual = residual[first:first + count].clone() if with_residual else None
+        alone = OPS.add_rms_norm(x[first:first + count].clone(), alone_residual, weight, 1e-6)
+        assert torch.equal(alone, batched[first:first + count])
+        if with_residual:
+            assert torch.equal(alone_residual, batched_residual[first:first + count])
+
+
 def test_gated_activations_match_pytorch():
     gate_up = torch.randn(4, 2 * 1500, generator=torch.Generator().manual_seed(1))  # two column blocks
     gate, up = gate_up.chunk(2, dim=-1)

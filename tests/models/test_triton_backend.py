@@ -8,7 +8,12 @@ import torch
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.model_setup import resolve_batch_invariant
+from tokenmill.attention import get_attention_backend
+from tokenmill.config import ModelConfig
+from tokenmill.layers.linear_kernels import InvariantDenseKernel
+from tokenmill.layers.triton_fused import TritonFusedOps
+from tokenmill.layers.triton_products import TritonProducts
+from tokenmill.worker.model_setup import choose_kernels, resolve_batch_invariant
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because", "Hello",
            "A much longer prompt about nothing in particular, repeated. " * 3, "1 2 3 4 5 6 7"]
@@ -49,14 +54,71 @@ def test_tiny_models_give_the_reference_tokens_on_the_triton_backend(tmp_path, a
     assert again[0].outputs[0].token_ids == got[0].outputs[0].token_ids[:4]
 
 
-def test_batch_invariance_is_refused_on_cuda_and_off_by_default_there():
+def test_batch_invariance_is_honoured_on_cuda_when_asked_and_off_by_default_there():
     cuda = torch.device("cuda")
     assert resolve_batch_invariant(None, cuda) is False
     assert resolve_batch_invariant(False, cuda) is False
-    with pytest.raises(ValueError, match="batch_invariant on cuda: the matrix products run on cuBLAS"):
-        resolve_batch_invariant(True, cuda)
+    assert resolve_batch_invariant(True, cuda) is True  # Triton is installed: its invariant products run
+    with pytest.raises(ValueError, match="batch_invariant on mps"):
+        resolve_batch_invariant(True, torch.device("mps"))
     cpu = torch.device("cpu")
     assert resolve_batch_invariant(None, cpu) is True and resolve_batch_invariant(False, cpu) is False
+
+
+def test_a_batch_invariant_cuda_run_takes_the_triton_products_and_norms():
+    # the choice alone (no GPU here): every product on TritonProducts (its float products the invariant
+    # matmul), the Triton row norms in float32 too; a choice that would leave cuBLAS or PyTorch's attention
+    # in the step is refused
+    cuda = torch.device("cuda")
+    triton_backend, kernels = get_attention_backend("triton_paged", torch.device("cpu"), torch.float32, True)
+    for linear_kernel in ("auto", "triton"):
+        choice = choose_kernels(ModelConfig(linear_kernel=linear_kernel), cuda, torch.float32, triton_backend,
+                                kernels, True, False, True)
+        assert isinstance(choice.native, TritonProducts) and choice.batch_invariant
+        assert isinstance(choice.elementwise, TritonFusedOps)
+    off = choose_kernels(ModelConfig(), cuda, torch.float32, triton_backend, kernels, False, False, True)
+    assert off.native is None and off.elementwise is None  # cuBLAS and PyTorch's float32 ops, as before
+    with pytest.raises(ValueError, match="--linear-kernel dense"):
+        choose_kernels(ModelConfig(linear_kernel="dense"), cuda, torch.float32, triton_backend, kernels, True,
+                       False, True)
+    reference, kernels = get_attention_backend("torch_ref", torch.device("cpu"), torch.float32, True)
+    with pytest.raises(ValueError, match="needs the triton_paged attention backend"):
+        choose_kernels(ModelConfig(), cuda, torch.float32, reference, kernels, True, False, True)
+
+
+@pytest.fixture(scope="module")
+def one_layer_llama(tmp_path_factory):
+    """A one-layer tiny Llama with a 256-token vocabulary (prompts given as ids): the interpreter runs every
+    tile of every product in Python, the LM head's too (49,152 outputs would cost ~18 s a step). Weights
+    drawn at 0.3 (not 0.02): peaked logits, whose logprobs keep a product's last bits (near-uniform ones,
+    logprobs near -5.5, round them away and would hide a product summed in another order)."""
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("small"), arch="llama", num_hidden_layers=1,
+                                  vocab_size=256, initializer_range=0.3))
+
+
+def _ids_and_logprobs(output) -> tuple:
+    completion = output.outputs[0]
+    return tuple(completion.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
+                                              for step in completion.logprobs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_triton_products_give_a_request_its_own_output_in_a_batch(one_layer_llama, dtype):
+    # the batch-invariant CUDA path on CPU tensors (~6 s a dtype): products on the Triton invariant matmul,
+    # attention on the unified kernel. A request alone, then beside a one-token prompt (its decodes) and a
+    # 23-token one whose prefill a 16-token budget chunks beside the target's steps, after the target's first
+    # block is cached: ids and logprobs equal bit for bit (tests/models/test_batch_invariance.py, on Triton)
+    llm = LLM(one_layer_llama, attention_backend="triton_paged", linear_kernel="triton", batch_invariant=True,
+              dtype=dtype, block_size=8, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj.kernel, InvariantDenseKernel)
+    assert isinstance(model.logits_kernel, InvariantDenseKernel)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    target = {"prompt_token_ids": [17, 99, 3, 250, 41, 8, 8, 120, 77, 5]}
+    alone = llm.generate([target], params, use_tqdm=False)[0]
+    others = [{"prompt_token_ids": [64]}, {"prompt_token_ids": list(range(20, 43))}]
+    batched = llm.generate([others[0], target, others[1]], params, use_tqdm=False)[1]
+    assert _ids_and_logprobs(batched) == _ids_and_logprobs(alone)
 
 
 @pytest.mark.parametrize("invariant", [True, False])

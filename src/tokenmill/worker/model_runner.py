@@ -78,6 +78,9 @@ class ModelRunner:
         self.encoder_failures: dict[str, Exception] = {}  # the step's requests whose image failed to encode
         self.inputs = StepInputs(block_size)
         self.uploads = PinnedCopies(device)  # the step's inputs, copied without waiting for the step running
+        # a batch-invariant model's logprobs come from a log-softmax as invariant as its products (logprobs.py)
+        choice = getattr(model, "kernel_choice", None)
+        self.invariant_logprobs = choice is not None and choice.batch_invariant
         # every live request's row (tokens, block tables), from the step contract; sized at first by
         # max_num_seqs x max_model_len, grown past them
         self.input_batch = InputBatch(block_size, len(layout.groups), max_num_seqs, max_model_len)
@@ -324,7 +327,8 @@ class ModelRunner:
         if wanted:
             picked = self._tensor(wanted)
             figures = logprob_tensors(sample_logits[picked], tokens[picked].clamp(min=0),
-                                      max(batch[plain[k]].sampling_params.logprobs for k in wanted))
+                                      max(batch[plain[k]].sampling_params.logprobs for k in wanted),
+                                      self.invariant_logprobs)
         self._reads.append(_PlainSamples(request_ids, wanted, [batch[plain[k]].sampling_params.logprobs
                                                                for k in wanted], to_host(tokens), to_host(figures)
                                          if figures is not None else None))
@@ -346,7 +350,7 @@ class ModelRunner:
                 first = sample_rows[i]
                 result.logprobs[item.request_id] = token_logprobs(
                     logits[first:first + len(tokens)], torch.tensor(tokens, device=self.device),
-                    [item.sampling_params.logprobs] * len(tokens))
+                    [item.sampling_params.logprobs] * len(tokens), self.invariant_logprobs)
         for i, tokens in zip(speculative, verified):
             result.sampled_token_ids[batch[i].request_id] = tokens
 
@@ -377,7 +381,7 @@ class ModelRunner:
             try:
                 entries = token_logprobs(logits[first:first + count],
                                          torch.tensor(targets, device=self.device),
-                                         [item.sampling_params.prompt_logprobs] * count)
+                                         [item.sampling_params.prompt_logprobs] * count, self.invariant_logprobs)
             except Exception as exc:
                 fail_request(result, item.request_id, exc)
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import re
 from typing import Any, Iterator, Optional
@@ -95,15 +96,18 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
                    attention_kernels: Any, invariant: bool, quantized_weights: bool, one_rank: bool,
                    kv_rows: Optional[str] = None) -> KernelChoice:
     """The kernels a loaded model runs (models/kernel_choice.py): fast products unless `linear_kernel` is
-    dense (Triton's where it is triton, and under auto on CUDA with the Triton backend:
-    layers/triton_products.py); the element-wise ops on Triton's fused kernels on CUDA in half precision, on the native CPU
-    kernels where the attention backend has them and the model runs bfloat16 or quantised weights
+    dense (Triton's where it is triton, and under auto on CUDA with the Triton backend, which a
+    batch-invariant CUDA run needs: layers/triton_products.py); the element-wise ops on Triton's fused
+    kernels on CUDA in half precision (and in float32 where batch-invariant), on the native CPU kernels
+    where the attention backend has them and the model runs bfloat16 or quantised weights
     (float32 float weights keep PyTorch's ops, whose results the HF comparisons pin down); the one-call
     step where those native kernels run, `fused_decode` is on and the model is whole on one rank
     (`one_rank`), over a cache of `kv_rows` (one-byte rows, or None: the compute dtype). `invariant`:
     whether the products compute every row alike (`resolve_batch_invariant`)."""
     fast_linears = config.linear_kernel != "dense"
     native = attention_kernels
+    if invariant and device.type == "cuda":
+        _check_invariant_cuda(config, backend)
     if config.linear_kernel == "triton" or (fast_linears and device.type == "cuda" and backend.on_triton):
         from tokenmill.layers.triton_products import TritonProducts
 
@@ -111,7 +115,9 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
     elif native is None and device.type == "cpu" and fast_linears:
         native = cpu_kernels()  # the linears use them whatever the attention backend
     elementwise = None
-    if device.type == "cuda" and dtype != torch.float32 and backend.on_triton:
+    # float32 keeps PyTorch's norms (pinned to HF's bits) unless batch-invariant: PyTorch's CUDA reductions
+    # may split a row by the tensor's shape, the Triton norm takes one program per row (test_triton_fused.py)
+    if device.type == "cuda" and (dtype != torch.float32 or invariant) and backend.on_triton:
         from tokenmill.layers.triton_fused import TritonFusedOps
         elementwise = TritonFusedOps()
     if attention_kernels is not None and (dtype == torch.bfloat16 or quantized_weights):
@@ -123,20 +129,38 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
                         and native is attention_kernels and config.fused_decode and one_rank, kv_rows=kv_rows)
 
 
+def _check_invariant_cuda(config: ModelConfig, backend: AttentionBackend) -> None:
+    """Refuse a batch-invariant CUDA run whose products or attention would not be invariant."""
+    if config.linear_kernel == "dense":
+        raise ValueError("batch_invariant on cuda multiplies on Triton's invariant matmul; --linear-kernel dense "
+                         "asks for F.linear (cuBLAS, whose reduction order depends on the batch): use auto or triton")
+    if not backend.on_triton:
+        raise ValueError(f"batch_invariant on cuda needs the triton_paged attention backend (its unified kernel "
+                         f"attends every query alike), not {config.attention_backend}")
+
+
 def resolve_batch_invariant(asked: Optional[bool], device: torch.device) -> bool:
-    """Whether steps run batch-invariant: as asked on CPU (default on); on CUDA off, since the matrix
-    products run on cuBLAS, whose kernel and reduction order depend on the number of rows, so asking
-    for it there is refused rather than silently not honoured."""
+    """Whether steps run batch-invariant: as asked on CPU (default on); on CUDA as asked, default off (cuBLAS
+    products, whose reduction order depends on the number of rows: an output can depend on its batch), on
+    meaning Triton's invariant matmul for every product (layers/triton_matmul.py), the unified attention
+    kernel and a Triton row log-softmax for logprobs, so it needs Triton. Logged either way."""
     if device.type == "cpu":
         return True if asked is None else asked
-    if asked:
-        raise ValueError(f"batch_invariant on {device.type}: the matrix products run on cuBLAS, whose reduction "
-                         "order depends on the number of rows, so a request's output can depend on its batch; "
-                         "this engine has no batch-invariant GPU matmul yet (attention alone is invariant). "
-                         "Use --no-batch-invariant (the default on GPUs)")
-    logger.info("batch invariance is off on %s: cuBLAS products reduce in an order that depends on the batch, so "
-                "outputs can differ with the batch mix (attention alone is invariant)", device.type)
-    return False
+    if not asked:
+        logger.info("batch invariance is off on %s: cuBLAS products reduce in an order that depends on the batch, "
+                    "so outputs can differ with the batch mix (attention alone is invariant; --batch-invariant "
+                    "runs every product on Triton's invariant matmul instead)", device.type)
+        return False
+    if device.type != "cuda":
+        raise ValueError(f"batch_invariant on {device.type}: its invariant products are Triton's, for cuda (and "
+                         "the CPU's own); use --no-batch-invariant there")
+    if importlib.util.find_spec("triton") is None:  # the invariant products and row kernels are Triton's
+        raise ValueError("batch_invariant on cuda needs Triton for its invariant matmul, which is not installed: "
+                         "pip install triton, or use --no-batch-invariant")
+    logger.info("batch invariance on cuda: every product on Triton's invariant matmul (tiles fixed per weight "
+                "shape, one sequential reduction), the unified attention kernel for every query, logprobs from "
+                "a Triton row log-softmax: a request's output does not depend on its batch (slower than cuBLAS)")
+    return True
 
 
 def _first_layers(weights: Iterator[tuple[str, Any]], num_layers: int) -> Iterator[tuple[str, Any]]:
