@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_KERNELS = ("auto", "dense", "triton")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged", "triton_paged")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
 RUNNERS = ("auto", "generate", "pooling")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -104,11 +104,15 @@ class ModelConfig:
         "SDPA/AMX attention (gain: docs/benchmarks.md). Default: on for CPU; off on CUDA, where the matrix "
         "products run on cuBLAS, whose reduction order depends on the row count (said in the log; "
         "--batch-invariant on CUDA is refused)")
-    quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K, "
+    quantization: str = _opt("auto", "weight quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K, "
                              "Q6_K (as int8, Q6_K with its 16-weight scales) and Q4_0/Q4_1/Q4_K (as int4) weights "
                              "packed exactly (other encodings are dequantised), none = dequantise everything "
                              "to --dtype (the float reference), int8/int4 = also quantise float weights per "
-                             "32-weight block at load time (the embedding and LM head to int8)",
+                             "32-weight block at load time (the embedding and LM head to int8), fp8 = quantise "
+                             "the projections' float weights to float8 e4m3 per output channel (scale = max |w| / "
+                             "448; the embedding and LM head stay in --dtype) and multiply them W8A8, activations "
+                             "quantised per token (TOKENMILL_FP8_WEIGHT_ONLY=1: unquantised). auto also keeps FP8 "
+                             "checkpoints (compressed-tensors float-quantized, quant_method fp8) in FP8",
                              choices=QUANTIZATIONS)
 
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) next to the base model: requests pick "
