@@ -94,6 +94,8 @@ class Fp8Kernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Multiply (any leading dimensions)."""
         flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
         y = self._device(flat) if self.on_device else self._cpu(flat)
         return y.view(*x.shape[:-1], self.out_features)
 
