@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_KERNELS = ("auto", "dense", "triton")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "cpu_paged", "triton_paged")
-QUANTIZATIONS = ("auto", "none", "int8", "int4",
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8",
                  # vLLM's names for a checkpoint's own method (models/loader/quantized_checkpoints.py)
                  "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "gguf")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm")
@@ -109,11 +109,15 @@ class ModelConfig:
         "products then run on cuBLAS, whose reduction order depends on the row count (said in the log); "
         "--batch-invariant on CUDA runs every product on Triton's invariant matmul, the norms and logprobs on "
         "Triton row kernels (needs Triton and the triton_paged backend; slower than cuBLAS)")
-    quantization: str = _opt("auto", "weight-only quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K, "
+    quantization: str = _opt("auto", "weight quantisation; auto = keep a GGUF file's Q8_0, Q5_0/Q5_1/Q5_K, "
                              "Q6_K (as int8, Q6_K with its 16-weight scales) and Q4_0/Q4_1/Q4_K (as int4) weights "
                              "packed exactly (other encodings are dequantised), none = dequantise everything "
                              "to --dtype (the float reference), int8/int4 = also quantise float weights per "
-                             "32-weight block at load time (the embedding and LM head to int8); awq, "
+                             "32-weight block at load time (the embedding and LM head to int8), fp8 = quantise "
+                             "the projections' float weights to float8 e4m3 per output channel (scale = max |w| / "
+                             "448; the embedding and LM head stay in --dtype) and multiply them W8A8, activations "
+                             "quantised per token (TOKENMILL_FP8_WEIGHT_ONLY=1: unquantised). auto also keeps FP8 "
+                             "checkpoints (compressed-tensors float-quantized, quant_method fp8) in FP8; awq, "
                              "awq_marlin, gptq, gptq_marlin, compressed-tensors, gguf (vLLM's names) = as auto, "
                              "after checking the checkpoint is of that method",
                              choices=QUANTIZATIONS)

@@ -21,6 +21,8 @@ PYTHONHASHSEED             the prefix cache's hash seed when none is configured 
 XDG_CACHE_HOME             where the all-MiniLM-L6-v2 alias unpacks its model (default ~/.cache).
 OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_SERVICE_NAME
                            OpenTelemetry's own: the traces' protocol (only http/protobuf) and service name.
+TOKENMILL_FP8_WEIGHT_ONLY  1: FP8 weights multiply unquantised activations on the weight-only product (the
+                           path of GPUs below sm89) instead of quantising them per token (W8A8).
 TRITON_INTERPRET           Triton's: 1 runs its kernels in the interpreter (set for a CPU triton_paged run).
 THP_MEM_ALLOC_ENABLE       PyTorch's: 1 puts CPU tensors of 2 MB and more on transparent huge pages;
                            importing tokenmill sets it to 1 unless it is set.
@@ -105,6 +107,17 @@ def otlp_traces_protocol() -> str:
 def otel_service_name() -> str:
     """OTEL_SERVICE_NAME (default tokenmill)."""
     return os.environ.get("OTEL_SERVICE_NAME", "tokenmill")
+
+
+def fp8_weight_only() -> bool:
+    """TOKENMILL_FP8_WEIGHT_ONLY: 1 (or true/yes/on) forces the FP8 weight-only product; unset or 0 does not
+    (ValueError for anything else)."""
+    value = os.environ.get("TOKENMILL_FP8_WEIGHT_ONLY", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"TOKENMILL_FP8_WEIGHT_ONLY must be 0 or 1, got {value!r}")
 
 
 def triton_interpreted() -> bool:

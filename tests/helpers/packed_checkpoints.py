@@ -1,6 +1,7 @@
 """Quantised checkpoints for tests, written as the formats' own tools write them: GPTQ and AWQ from known
 integer weights exactly as their reference packers lay them out (AutoGPTQ's QuantLinear.pack, AutoAWQ's
-WQLinear_GEMM.from_linear), compressed-tensors by the compressed-tensors library itself."""
+WQLinear_GEMM.from_linear), `quant_method: fp8` in DeepSeek's block layout, compressed-tensors by the
+compressed-tensors library itself."""
 
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ def write_compressed(base, folder, preset, group_size=32, ignore=("lm_head",)):
             if args.strategy == "group":
                 blocks = weight.view(weight.shape[0], -1, args.group_size)
                 low, high = blocks.amin(-1), blocks.amax(-1)
+            elif args.strategy == "block":
+                low, high = _block_extremes(weight, *args.block_structure)
             elif args.strategy == "channel":
                 low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
             else:
@@ -139,10 +142,55 @@ def write_compressed(base, folder, preset, group_size=32, ignore=("lm_head",)):
     return floats
 
 
+def _block_extremes(weight, rows, cols):
+    """Per rows x cols block of a [out, in] weight (edge blocks partial): the min and the max."""
+    out, width = weight.shape
+    low = torch.empty(-(-out // rows), -(-width // cols), dtype=weight.dtype)
+    high = torch.empty_like(low)
+    for i in range(low.shape[0]):
+        for j in range(low.shape[1]):
+            block = weight[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            low[i, j], high[i, j] = block.min(), block.max()
+    return low, high
+
+
+def write_fp8_checkpoint(base, folder, block=(128, 128)):
+    """The tiny model's projections as a `quant_method: fp8` checkpoint laid out as DeepSeek-V3 and
+    Qwen3-FP8 ship theirs (transformers' fine-grained FP8): per `block` of the weight, scale = max |w| / 448,
+    `weight` = e4m3(w / scale) and `weight_scale_inv` = the scales [ceil(out / rows), ceil(in / cols)]
+    (float32; w = weight * weight_scale_inv). Returns the float32 folder of the weights it dequantises to."""
+    state = load_file(str(base / "model.safetensors"))
+    packed, floats = {}, {}
+    rows, cols = block
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+            packed[name] = floats[name] = tensor
+            continue
+        w = tensor.float()
+        low, high = _block_extremes(w, rows, cols)
+        scale = torch.maximum(low.abs(), high.abs()) / 448
+        expanded = scale.repeat_interleave(rows, 0)[:w.shape[0]].repeat_interleave(cols, 1)[:, :w.shape[1]]
+        values = (w / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
+        packed[name], packed[f"{prefix}.weight_scale_inv"] = values, scale
+        floats[name] = values.float() * expanded
+    shutil.copytree(base, folder)
+    save_file(packed, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": list(block)}
+    (folder / "config.json").write_text(json.dumps(config))
+    float_folder = folder.parent / f"{folder.name}-floats"
+    shutil.copytree(base, float_folder)
+    save_file(floats, str(float_folder / "model.safetensors"))
+    return float_folder
+
+
 def assert_layers_loaded_as(packed, floats, kept) -> None:
     """Loaded with packed layers kept (the default), each of the tiny model's 14 projections of the
-    checkpoint in `packed` is a `QuantizedWeight` of format `kept` (None: a float tensor) and dequantises
-    to exactly the weight of the float checkpoint in `floats`."""
+    checkpoint in `packed` is a `QuantizedWeight` of format `kept` (an `Fp8Weight` for "fp8"; None: a float
+    tensor) and dequantises to exactly the weight of the float checkpoint in `floats`."""
+    from tokenmill.kernels.fp8 import Fp8Weight
     from tokenmill.kernels.quantized import QuantizedWeight
     from tokenmill.models.loader import load_model_source
 
@@ -155,7 +203,7 @@ def assert_layers_loaded_as(packed, floats, kept) -> None:
         if kept is None:
             assert isinstance(weight, torch.Tensor), name
         else:
-            assert isinstance(weight, QuantizedWeight) and weight.format == kept, name
+            assert isinstance(weight, Fp8Weight if kept == "fp8" else QuantizedWeight) and weight.format == kept, name
             weight = weight.dequantize()
         assert torch.equal(weight, expected[name]), name
     assert seen == 7 * 2  # two layers of seven projections

@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints written by the format's own library (compressed-tensors' ModelCompressor,
 what llm-compressor saves through): served dequantised (`--quantization none --dtype float32`) they run
 as HF transformers float32 on the weights the library itself decompresses to; served packed (the default)
-int layers keep the library's integers on the native int4/int8 products; schemes the engine cannot read,
+int layers keep the library's integers on the native int4/int8 products, FP8 layers its e4m3 values on
+the FP8 products; schemes the engine cannot read,
 and tensors that contradict their scheme, are refused at load by name."""
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ def test_dequantised_it_runs_as_hf_on_the_weights_the_library_decompresses_to(ba
 
 
 @pytest.mark.parametrize("preset, kept", [("W4A16", "int4"), ("W4A16_ASYM", "int4"), ("W8A16", "int8"),
-                                          ("W8A8", "int8"), ("FP8", None)])
+                                          ("W8A8", "int8"), ("FP8", "fp8"), ("FP8_BLOCK", "fp8")])
 def test_int_layers_stay_packed_and_equal_the_decompressed_weights(base, tmp_path, preset, kept):
-    """Packed (the default): int layers as int4/int8 holding the library's integers, dequantising to exactly
-    its decompressed weights (FP8 layers come as their float values), and the served model's perplexity
-    within 3% of the same weights served as floats."""
+    """Packed (the default): int layers as int4/int8 holding the library's integers, FP8 layers (per-tensor
+    scales with a static input_scale; 128 x 128 blocks) as FP8 weights holding its e4m3 values, dequantising
+    to exactly its decompressed weights, and the served model's perplexity within 3% of the same weights
+    served as floats (FP8: W8A8, activations quantised per token; greedy ids are not compared, as the
+    model's bfloat16 values put activations on e4m3 rounding midpoints that summation order decides)."""
     floats = write_compressed(base, tmp_path / preset, preset)
     assert_layers_loaded_as(tmp_path / preset, floats, kept)
     served = LLM(str(tmp_path / preset), dtype="float32", num_kv_blocks=256)

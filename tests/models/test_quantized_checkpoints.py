@@ -37,6 +37,8 @@ def test_a_packed_checkpoint_runs_as_hf_on_its_float_weights(base, tmp_path, met
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "only 4-bit AWQ in the GEMM layout"),
     ({"quant_method": "hqq", "nbits": 4}, "'hqq' is not supported"),
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 96]}, "weight_block_size \\[128, 96\\] is not supported"),
 ])
 def test_a_scheme_it_cannot_read_is_refused_by_name(base, tmp_path, config, message):
     folder = tmp_path / "model"

@@ -10,7 +10,9 @@ quantised, or `quantize_to` names a format, the parts are gathered until every r
 packed into one `QuantizedWeight`; the float parameter is dropped without ever being written. Parts in
 activation order whose input orders differ (no GPTQ tool writes fused projections so: they share one
 input) cannot share one packed weight and are dequantised into the float parameter instead, with a log line;
-so are the row-parallel shards (several ranks) of a weight in activation order.
+so are the row-parallel shards (several ranks) of a weight in activation order. FP8 weights
+(kernels/fp8.py: an FP8 checkpoint's parts, or `quantize_to` "fp8") are gathered the same way into one
+`Fp8Weight`, multiplied by `Fp8Kernel` (layers/fp8_linear.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
+from tokenmill.kernels import fp8
+from tokenmill.kernels.fp8 import Fp8Weight
 from tokenmill.kernels.quantized import QuantizedWeight, cat_rows, quantize
+from tokenmill.layers.fp8_linear import Fp8Kernel
 from tokenmill.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -43,16 +48,16 @@ class _ShardedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernel: Optional[LinearKernel] = None
         self.quantize_to: Optional[str] = None  # set before loading: quantise float parts to this format
-        self.quantized: Optional[QuantizedWeight] = None
+        self.quantized: Optional[QuantizedWeight | Fp8Weight] = None
         self._parts: dict[int, Any] = {}  # first row -> loaded part, until all rows have arrived
         self.lora: Any = None  # LoRADeltas (lora/layers.py) when the engine serves LoRA adapters
 
     @property
     def quantized_format(self) -> Optional[str]:
-        """'int8' or 'int4' for a weight kept quantised (before or after `use_kernel`), else None."""
+        """'int8', 'int4' or 'fp8' for a weight kept quantised (before or after `use_kernel`), else None."""
         if self.quantized is not None:
             return self.quantized.format
-        return self.kernel.format if isinstance(self.kernel, QuantizedKernel) else None
+        return self.kernel.format if isinstance(self.kernel, (QuantizedKernel, Fp8Kernel)) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to the last dimension of x (plus the step's LoRA deltas, if any)."""
@@ -71,6 +76,9 @@ class _ShardedLinear(nn.Module):
         weights use `native` (CpuKernels) when given, else the PyTorch reference. `batch_invariant`: a
         row's result may not depend on the other rows of the product (layers/linear_kernels.py)."""
         bias = self._local_bias()
+        if isinstance(self.quantized, Fp8Weight):
+            self.kernel, self.quantized = Fp8Kernel(self.quantized, bias, native, batch_invariant), None
+            return
         if self.quantized is not None:
             self.kernel = QuantizedKernel(self.quantized, bias, native, batch_invariant)
             if self.kernel.native is not None or self.kernel.dequantize_once:
@@ -96,6 +104,11 @@ class _ShardedLinear(nn.Module):
             self._assemble(parts)
 
     def _assemble(self, parts: list) -> None:
+        if self.quantize_to == "fp8" or (self.quantize_to is None and any(isinstance(p, Fp8Weight) for p in parts)):
+            self.quantized = fp8.cat_rows([fp8.as_fp8(p) for p in parts]).to(self.weight.device)
+            self.weight = None
+            return
+        parts = [p.dequantize() if isinstance(p, Fp8Weight) else p for p in parts]  # requantised below
         quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
         orders = [p.input_order for p in quantized if p.input_order is not None]
         if orders and (len(orders) < len(parts) or any(not torch.equal(o, orders[0]) for o in orders)):
@@ -118,11 +131,11 @@ class _ShardedLinear(nn.Module):
 
     @staticmethod
     def _copy(dest: torch.Tensor, source: Any) -> None:
-        """Copy a float tensor, or a QuantizedWeight dequantised, into `dest`."""
+        """Copy a float tensor, or a QuantizedWeight or Fp8Weight dequantised, into `dest`."""
         if tuple(dest.shape) != tuple(source.shape):
             raise ValueError(f"weight shape mismatch: checkpoint {tuple(source.shape)}, "
                              f"model expects {tuple(dest.shape)}")
-        if isinstance(source, QuantizedWeight):
+        if isinstance(source, (QuantizedWeight, Fp8Weight)):
             source = source.dequantize(dest.dtype)
         dest.copy_(source)
 

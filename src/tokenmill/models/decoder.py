@@ -20,7 +20,7 @@ from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.layers.moe import MoEBlock, expert_checkpoint_names, local_experts
-from tokenmill.kernels.quantized import QuantizedWeight, quantize
+from tokenmill.kernels.quantized import FORMATS as QUANTIZED_FORMATS, QuantizedWeight, quantize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
@@ -273,10 +273,11 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]], quantize_to: Optional[str] = None) -> None:
         """Load Hugging Face-named tensors; raise if any parameter is left unset or a name is unknown.
 
-        Tensors may come as `QuantizedWeight`s (a quantised GGUF); `quantize_to` ("int8"/"int4")
-        quantises the float ones as well. Projections keep such weights packed; the embedding table and
-        the LM head keep a quantised checkpoint's own format, or become int8 under `quantize_to`
-        (their precision matters most, as in llama.cpp's quantised files)."""
+        Tensors may come as `QuantizedWeight`s (a quantised GGUF) or `Fp8Weight`s (an FP8 checkpoint);
+        `quantize_to` ("int8"/"int4"/"fp8") quantises the float ones as well. Projections keep such weights
+        packed; the embedding table and the LM head keep a quantised checkpoint's own format, or become int8
+        under `quantize_to` int8/int4 (their precision matters most, as in llama.cpp's quantised files);
+        under fp8 they stay in the compute dtype, as vLLM keeps them."""
         for module in self.modules():
             if hasattr(module, "quantize_to"):
                 module.quantize_to = quantize_to
@@ -317,7 +318,7 @@ class DecoderForCausalLM(nn.Module):
             if target in ("embed_tokens.weight", "lm_head.weight"):
                 tensor = self._vocab_rows(tensor)
             if target in ("embed_tokens.weight", "lm_head.weight") and (
-                    isinstance(tensor, QuantizedWeight) or quantize_to is not None):
+                    isinstance(tensor, QuantizedWeight) or quantize_to in QUANTIZED_FORMATS):
                 self._keep_vocab_matrix_quantized(target, tensor)
                 loaded.add(target)
                 continue

@@ -74,7 +74,7 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     weights = source.iter_weights(keep_quantized=quantization != "none")
     if num_layers is not None:
         weights = _first_layers(weights, num_layers)
-    model.load_weights(weights, quantize_to=quantization if quantization in ("int8", "int4") else None)
+    model.load_weights(weights, quantize_to=quantization if quantization in ("int8", "int4", "fp8") else None)
     choice = choose_kernels(config, device, dtype, backend, kernels, invariant, model.has_quantized_weights(),
                             tp.size == 1 and stage.size == 1, kv_rows)
     model.apply_kernels(choice)

@@ -21,13 +21,15 @@ scales (llm-compressor saves the model's bf16/fp16) that is exact: s u and s (zp
 most 11 + 9 bits, so s u + offset = (v - zp) s in float32. Float32 scales are rounded once more (s u + offset
 is within a float32 rounding of (v - zp) s).
 Groups must come in runs of 32 inputs, after sorting the inputs by group where `weight_g_idx` shuffles
-them (activation order, kept as the weight's `input_order`, as for GPTQ). FP8 weights are dequantised to their float values
-(e4m3 times the scale, exact in float32) and run as float weights at `--dtype`: their 3-bit mantissas do
-not sit on one integer grid per 32 inputs. Activation schemes (`input_activations`: the checkpoint's
-static or dynamic int8/FP8 activation scales) are not applied: a packed product quantises its input to
-int8 per 32 values, and a float product keeps it in `--dtype`, both finer than the checkpoint's
-per-token or per-tensor scales. Sparsity (2:4), transforms (Hadamard rotations) and the FP4/MX formats
-are refused by name.
+them (activation order, kept as the weight's `input_order`, as for GPTQ). FP8 weights (float-quantized, or
+naive-quantized with float8 values) are kept as `Fp8Weight`s (kernels/fp8.py: e4m3 values and their scales
+as stored; per tensor, channel, group or block of 32, 64 or 128 columns) and multiplied W8A8
+(layers/fp8_linear.py); with `--quantization none`, or scales per other widths, they are dequantised to their
+float values (e4m3 times the scale, exact in float32). The checkpoint's activation scheme is not applied as
+written: FP8 products quantise activations dynamically per token (per token and block for block weights),
+which for a static `input_scale` (one per tensor) is finer; an int product quantises its input to int8 per
+32 values, a float product keeps it in `--dtype`. Sparsity (2:4), transforms (Hadamard rotations) and the
+FP4/MX formats are refused by name.
 
 A `kv_cache_scheme`'s per-tensor KV-cache scales (attention's `k_scale`, `v_scale`) are read and dropped
 (logged once): a one-byte KV cache (`--kv-cache-dtype int8/fp8`, attention/kv_quant.py, on every attention
@@ -44,6 +46,7 @@ from typing import Any, Optional
 
 import torch
 
+from tokenmill.kernels import fp8
 from tokenmill.kernels.quantized import BLOCK
 from tokenmill.models.loader.packed_layers import LoadedWeight, packed_when_in_runs, unpack_cols, unpack_rows
 
@@ -53,6 +56,7 @@ _PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", 
           "input_zero_point", "weight")
 _UNUSED = ("input_scale", "input_zero_point")  # activation scales: see the module's docstring
 _INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+_FLOAT_FORMATS = ("float-quantized", "naive-quantized")  # naive-quantized holds float8 values as they are
 _FORMATS = _INT_FORMATS + ("float-quantized",)
 _STRATEGIES = ("tensor", "channel", "group", "block")
 
@@ -91,7 +95,7 @@ class CompressedTensorsLayers:
         kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
         if fmt not in _FORMATS:
             raise ValueError(f"{where}: format {fmt!r} is not supported (supported: {', '.join(_FORMATS)})")
-        if (kind, fmt in _INT_FORMATS) not in (("int", True), ("float", False)):
+        if not ((kind == "int" and fmt in _INT_FORMATS) or (kind == "float" and fmt in _FLOAT_FORMATS)):
             raise ValueError(f"{where}: weights of type {kind!r} in format {fmt!r} are not supported")
         allowed = (4, 8) if fmt == "pack-quantized" else (8,)
         if bits not in allowed:
@@ -137,16 +141,12 @@ class CompressedTensorsLayers:
         where = f"compressed-tensors layer {layer} (config group {group_name!r}, {fmt})"
         if not self._unused_logged and any(part in parts for part in _UNUSED):
             self._unused_logged = True
-            logger.info("the checkpoint's activation scales (input_scale) are not applied: packed products "
-                        "quantise activations to int8 per 32 values, float products keep them in --dtype")
+            logger.info("the checkpoint's activation scales (input_scale) are not applied: FP8 products quantise "
+                        "activations per token, int products to int8 per 32 values, float products keep them "
+                        "in --dtype")
         bits = weights["num_bits"]
-        if fmt == "float-quantized":
-            values = _part(parts, "weight", where)
-            if values.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{where}: {layer}.weight is {values.dtype}, the scheme stores float8_e4m3fn")
-            out, cols = values.shape
-            scale = _expanded_scale(_part(parts, "weight_scale", where).float(), weights, out, cols, where)
-            return values.float() * scale, "fp8 dequantised to floats"
+        if weights["type"] == "float":
+            return self._float8(layer, parts, weights, where, keep_packed)
         values, signed_zero = self._integers(parts, weights, fmt, where)
         out, cols = values.shape
         scale, groups = self._scales_by_input(parts, weights, out, cols, where)
@@ -163,6 +163,23 @@ class CompressedTensorsLayers:
             return packed, f"{packed.format} packed"
         weight = (u - zero[:, groups]).float() * scale[:, groups]
         return weight, "int dequantised" if not keep_packed else f"int dequantised (groups not in runs of {BLOCK})"
+
+    @staticmethod
+    def _float8(layer: str, parts: dict[str, torch.Tensor], weights: dict[str, Any], where: str,
+                keep_packed: bool) -> tuple[LoadedWeight, str]:
+        """An FP8 layer kept as an `Fp8Weight` (`keep_packed`, scales per tensor, channel, or 32/64/128
+        columns), else its float32 weight [out, in]."""
+        values = _part(parts, "weight", where)
+        if values.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{where}: {layer}.weight is {values.dtype}, the scheme stores float8_e4m3fn")
+        out, cols = values.shape
+        raw = _part(parts, "weight_scale", where)
+        scale = _expanded_scale(raw.float(), weights, out, cols, where)  # checks the shape against the strategy
+        block = _fp8_block(weights)
+        if keep_packed and (block is None or block[1] in fp8.BLOCK_WIDTHS):
+            return fp8.from_checkpoint(values, raw, block, where), "fp8 kept"
+        how = "fp8 dequantised to floats" if not keep_packed else f"fp8 dequantised (scales per {block[1]} columns)"
+        return values.float() * scale, how
 
     def _integers(self, parts: dict[str, torch.Tensor], weights: dict[str, Any], fmt: str, where: str
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -237,6 +254,17 @@ def _expanded_scale(scale: torch.Tensor, weights: dict[str, Any], out: int, cols
             return scale.repeat_interleave(rows, 0)[:out].repeat_interleave(width, 1)[:, :cols]
     raise ValueError(f"{where}: weight_scale is {list(scale.shape)}, which the {strategy} strategy over a "
                      f"[{out}, {cols}] weight does not give")
+
+
+def _fp8_block(weights: dict[str, Any]) -> Optional[tuple[int, int]]:
+    """(rows, columns) per scale of an FP8 scheme's group or block strategy, None for tensor and channel
+    (whose scale shapes `_expanded_scale` has checked)."""
+    if weights["strategy"] == "group":
+        return 1, weights["group_size"]
+    if weights["strategy"] == "block":
+        rows, cols = weights["block_structure"]
+        return rows, cols
+    return None
 
 
 def _part(parts: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:

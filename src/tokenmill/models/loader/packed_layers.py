@@ -8,9 +8,10 @@ from typing import Optional, Protocol, Union
 
 import torch
 
+from tokenmill.kernels.fp8 import Fp8Weight
 from tokenmill.kernels.quantized import BLOCK, QuantizedWeight, pack_blocks
 
-LoadedWeight = Union[torch.Tensor, QuantizedWeight]
+LoadedWeight = Union[torch.Tensor, QuantizedWeight, Fp8Weight]
 
 
 class PackedScheme(Protocol):

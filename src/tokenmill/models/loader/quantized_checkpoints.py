@@ -2,10 +2,11 @@
 stream that turns each packed layer's tensors into one weight as they load.
 
 A scheme (`packed_layers.PackedScheme`: `gptq_awq.GptqAwqLayers`,
-`compressed_tensors.CompressedTensorsLayers`) names the tensors that form a packed layer and turns them
-into either a `QuantizedWeight` (kept packed, run on the native int8/int4 products; only where the format
-maps exactly onto their layout) or the float32 weight they dequantise to (with `--quantization none`, and
-for layers whose layout does not map). Every other `quant_method` is refused by name.
+`compressed_tensors.CompressedTensorsLayers`, `fp8_checkpoints.Fp8Layers`) names the tensors that form a
+packed layer and turns them into either a `QuantizedWeight` (kept packed, run on the native int8/int4
+products; only where the format maps exactly onto their layout), an `Fp8Weight` (FP8 layers, kept as
+stored) or the float32 weight they dequantise to (with `--quantization none`, and for layers whose layout
+does not map). Every other `quant_method` is refused by name.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from tokenmill.models.loader.compressed_tensors import CompressedTensorsLayers
+from tokenmill.models.loader.fp8_checkpoints import Fp8Layers
 from tokenmill.models.loader.gptq_awq import GptqAwqLayers
 from tokenmill.models.loader.packed_layers import LoadedWeight, PackedScheme
 
@@ -61,8 +63,10 @@ def packed_scheme(config: dict[str, Any], folder: str, names: set[str]) -> Packe
         return GptqAwqLayers(config, folder)
     if method == "compressed-tensors":
         return CompressedTensorsLayers(config, folder, names)
+    if method == "fp8":
+        return Fp8Layers(config, folder, names)
     raise ValueError(f"{folder}: quantization_config.quant_method {method!r} is not supported (supported: gptq, "
-                     f"awq, compressed-tensors); dequantise the checkpoint or use a GGUF file")
+                     f"awq, compressed-tensors, fp8); dequantise the checkpoint or use a GGUF file")
 
 
 def packed_layer_stream(scheme: PackedScheme, names: set[str],
