@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, DeepSeek-V2, Mixtral, Qwen3-MoE,
-OLMoE, LLaVA) with the SmolLM2 tokenizer."""
+OLMoE, Qwen2-MoE, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                   "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
                   "initializer_range": 0.1},
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "initializer_range": 0.1},
+    # Qwen2-MoE: layer 0 dense (mlp_only_layers), layer 1 sparse with its sigmoid-gated shared expert (width 48)
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "mlp_only_layers": [0], "initializer_range": 0.1},
     # 5 sliding layers then a global one, a window shorter than the test prompts; head_dim and the
     # attention scalar differ from hidden / heads as in the real models
     "gemma3_text": {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 16,
@@ -77,7 +80,7 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, deepseek_v2, mixtral,
-    qwen3_moe, olmoe) and its tokenizer in `dir`.
+    qwen3_moe, olmoe, qwen2_moe) and its tokenizer in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks `top_k` of `num_experts` gated
-experts per token, and the token's output is the routing-weighted sum of those experts' outputs.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek): a router picks `top_k` of
+`num_experts` gated experts per token, and the token's output is the routing-weighted sum of those experts' outputs.
 
 The experts run grouped: the (token, choice) pairs are sorted by expert, each expert multiplies all the
 rows routed to it in one product, and the results are put back in (token, choice) order and summed with
@@ -149,7 +149,9 @@ class MoEBlock(nn.Module):
     """Sparse MLP: `gate` (Router), `experts` (this rank's gated MLPs of the expert width: all
     num_experts, or under expert parallelism the `local` range, `experts[i]` being expert
     `local.start + i`) and, when `shared_intermediate_size` > 0, `shared_experts`: one always-on gated MLP
-    added to every token's output (DeepSeek's shared experts, fused).
+    added to every token's output (DeepSeek's shared experts, fused), scaled per token by
+    sigmoid(`shared_expert_gate`(x)) where the config has that gate (Qwen2-MoE's shared_expert_gate: a one-output
+    Router, so never quantised and multiplied through the model's kernels like the router).
 
     `make_expert(width)` builds one gated MLP (the decoder's dense MLP class: whole under expert
     parallelism, else split over the tensor-parallel ranks like a dense MLP), so experts hold their weights
@@ -170,6 +172,7 @@ class MoEBlock(nn.Module):
         self.gate = Router(hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in self.local)
         self.shared_experts = make_expert(moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = Router(hidden_size, 1) if moe.shared_expert_gate else None
         self.fused: Any = None  # FusedExperts (layers/fused_moe.py) once `use_kernel` chose the fused path
 
     def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
@@ -218,7 +221,10 @@ class MoEBlock(nn.Module):
             sums = combine(per_slot.view(x.shape[0], moe.top_k, per_slot.shape[-1]), weights)
             out = self.finish_split_sums(sums, x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:  # in x's dtype, as HF scales it
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
 
     def slot_order(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -327,7 +333,8 @@ _EXPERT_TENSOR = re.compile(r"\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj
 
 def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig, hidden_size: int,
                             local: Optional[range] = None) -> Iterator[tuple[str, Any]]:
-    """HF checkpoint tensors with the MoE names made uniform: Mixtral's `block_sparse_moe.` becomes `mlp.`
+    """HF checkpoint tensors with the MoE names made uniform: Mixtral's `block_sparse_moe.` becomes `mlp.`,
+    Qwen2-MoE's `mlp.shared_expert.` becomes DeepSeek's `mlp.shared_experts.`,
     and its `experts.N.w1/w3/w2` become `experts.N.gate_proj/up_proj/down_proj` (the Qwen3-MoE / OLMoE
     names, which the decoder's loader fuses into each expert's gate_up_proj). An expert tensor the config
     has no place for (an expert index past num_experts, another width) raises ValueError naming both.
@@ -336,6 +343,7 @@ def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig, 
     dropped (after the checks above) and N becomes the index in `MoEBlock.experts`, N - local.start."""
     for name, tensor in weights:
         name = name.replace(".block_sparse_moe.", ".mlp.")
+        name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")  # Qwen2-MoE's one shared expert
         match = _EXPERT_TENSOR.search(name)
         if match is not None:
             index, projection = int(match.group(1)), match.group(2)

@@ -24,7 +24,9 @@ class MoEConfig:
     Router: softmax over the experts' logits, the top k kept, renormalised to sum 1 when `norm_topk_prob`
     (Mixtral, Qwen3-MoE) or used as they are (OLMoE, DeepSeek-V2), times `routed_scaling_factor`.
     `shared_intermediate_size` > 0 adds an always-on SwiGLU expert of that width (DeepSeek's shared experts,
-    fused into one). `dense_layers` run a plain MLP of the model's `intermediate_size` instead.
+    fused into one); with `shared_expert_gate` (Qwen2-MoE) its output is scaled per token by
+    sigmoid(x . w), w a [1, hidden] gate. `dense_layers` run a plain MLP of the model's `intermediate_size`
+    instead.
     """
 
     num_experts: int
@@ -34,6 +36,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
+    shared_expert_gate: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": DecoderForCausalLM,  # mixtures of experts (layers/moe.py)
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
     "OlmoeForCausalLM": DecoderForCausalLM,
+    "Qwen2MoeForCausalLM": DecoderForCausalLM,  # a sigmoid-gated shared expert
 }
 
 

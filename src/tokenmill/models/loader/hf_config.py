@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -38,6 +39,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -76,13 +78,19 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
         "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
     },
+    "Qwen2MoeForCausalLM": {
+        "vocab_size": 151_936, "max_position_embeddings": 32768, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "qkv_bias": True, "use_sliding_window": False,
+    },
 }
 _HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # see _moe_fields: each one's expert count, its config key first (transformers maps num_experts and
 # num_local_experts onto each other, and saves whichever the class stores)
 _MOE_ARCHITECTURES = {"MixtralForCausalLM": ("num_local_experts", "num_experts", 8),
                       "Qwen3MoeForCausalLM": ("num_experts", "num_local_experts", 128),
-                      "OlmoeForCausalLM": ("num_experts", "num_local_experts", 64)}
+                      "OlmoeForCausalLM": ("num_experts", "num_local_experts", 64),
+                      "Qwen2MoeForCausalLM": ("num_experts", "num_local_experts", 60)}
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
@@ -257,8 +265,9 @@ def _deepseek_v2_fields(setting: dict[str, Any], rope_params: dict[str, Any]) ->
 
 
 def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
-    """The mixture of experts of Mixtral / Qwen3-MoE / OLMoE (transformers' MixtralSparseMoeBlock,
-    Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock), and OLMoE's q/k norm over the whole projections."""
+    """The mixture of experts of Mixtral / Qwen3-MoE / OLMoE / Qwen2-MoE (transformers' MixtralSparseMoeBlock,
+    Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock), and OLMoE's q/k norm over the whole
+    projections."""
     act = setting.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{architecture} with hidden_act={act!r} is not supported; supported: 'silu' (SwiGLU experts)")
@@ -267,7 +276,11 @@ def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
     num_experts = next((setting[k] for k in (key, alias) if setting.get(k) is not None), default)
     if architecture == "MixtralForCausalLM":  # every layer sparse; the top k always renormalised
         width, normalize, dense = setting["intermediate_size"], True, ()
-    elif architecture == "Qwen3MoeForCausalLM":  # sparse every decoder_sparse_step-th layer, except mlp_only_layers
+    elif architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        # sparse every decoder_sparse_step-th layer, except mlp_only_layers
+        if architecture == "Qwen2MoeForCausalLM" and setting["use_sliding_window"]:
+            # (its window layers follow a pattern of their own: every other layer below max_window_layers)
+            raise ValueError(f"{architecture} with use_sliding_window=True is not supported")
         width = setting["moe_intermediate_size"]
         normalize, step = bool(setting["norm_topk_prob"]), setting["decoder_sparse_step"]
         if step < 1:
@@ -284,8 +297,32 @@ def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{architecture} with num_experts_per_tok={top_k} of {num_experts} experts is not supported")
     if num_experts:  # (a Qwen3-MoE without experts is a dense model)
         fields["moe"] = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=width,
-                                  norm_topk_prob=normalize, dense_layers=frozenset(dense))
+                                  norm_topk_prob=normalize, dense_layers=frozenset(dense),
+                                  **(_qwen2_moe_shared_expert(setting) if architecture == "Qwen2MoeForCausalLM" else {}))
     return fields
+
+
+def _qwen2_moe_shared_expert(setting: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE's MoEConfig fields beyond Qwen3-MoE's: its one shared expert, scaled by a sigmoid gate
+    (transformers' Qwen2MoeSparseMoeBlock always has both)."""
+    width = setting["shared_expert_intermediate_size"]
+    if not width or width < 0:
+        raise ValueError(f"Qwen2MoeForCausalLM with shared_expert_intermediate_size={width!r} is not supported")
+    return dict(shared_intermediate_size=int(width), shared_expert_gate=True)
+
+
+def _qkv_bias(architecture: str, setting: dict[str, Any]) -> bool:
+    """Whether the q, k and v projections have a bias: always for Qwen2; `qkv_bias` for Qwen2-MoE; else
+    `attention_bias`."""
+    if architecture == "Qwen2MoeForCausalLM":
+        return bool(setting["qkv_bias"])
+    return architecture == "Qwen2ForCausalLM" or bool(setting["attention_bias"])
+
+
+def _output_bias(architecture: str, setting: dict[str, Any]) -> bool:
+    """Whether the attention's output projection has a bias: `attention_bias` except for the families whose
+    o_proj never has one (Qwen2, Qwen2-MoE)."""
+    return architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and bool(setting["attention_bias"])
 
 
 def arch_config_from_hf(
@@ -370,8 +407,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         rope_theta=float(_global_rope(rope_params).get("rope_theta", setting["rope_theta"])),
         max_position_embeddings=setting["max_position_embeddings"],
         tie_word_embeddings=bool(setting["tie_word_embeddings"]),
-        attention_bias=architecture == "Qwen2ForCausalLM" or bool(setting["attention_bias"]),
-        attention_out_bias=architecture != "Qwen2ForCausalLM" and bool(setting["attention_bias"]),
+        attention_bias=_qkv_bias(architecture, setting),
+        attention_out_bias=_output_bias(architecture, setting),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
         rope_scaling=rope_scaling_from_hf(_global_rope(rope_params), setting["max_position_embeddings"]),
         sliding_window=_sliding_window(architecture, setting),
