@@ -21,8 +21,11 @@ SLIDING_ATTENTION = "sliding_attention"
 class MoEConfig:
     """A sparse MLP: `num_experts` SwiGLU experts of width `intermediate_size`, `top_k` of them per token.
 
-    Router: softmax over the experts' logits, the top k kept, renormalised to sum 1 when `norm_topk_prob`
-    (Mixtral, Qwen3-MoE) or used as they are (OLMoE, DeepSeek-V2), times `routed_scaling_factor`.
+    Router (`scoring` "softmax"): softmax over the experts' logits, the top k kept, renormalised to sum 1 when
+    `norm_topk_prob` (Mixtral, Qwen3-MoE) or used as they are (OLMoE, DeepSeek-V2), times `routed_scaling_factor`.
+    `scoring` "sigmoid" (DeepSeek-V3's noaux_tc, GLM-4.5): sigmoid scores, the top k chosen by score plus a
+    per-expert correction bias within the best `topk_groups` of `num_groups` expert groups, weighted by their
+    scores (layers/moe.py's `route_grouped_sigmoid`).
     `shared_intermediate_size` > 0 adds an always-on SwiGLU expert of that width (DeepSeek's shared experts,
     fused into one); with `shared_expert_gate` (Qwen2-MoE) its output is scaled per token by
     sigmoid(x . w), w a [1, hidden] gate. `dense_layers` run a plain MLP of the model's `intermediate_size`
@@ -37,6 +40,9 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
     shared_expert_gate: bool = False
+    scoring: str = "softmax"  # softmax | sigmoid
+    num_groups: int = 1
+    topk_groups: int = 1
 
 
 @dataclass(frozen=True)

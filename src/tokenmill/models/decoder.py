@@ -303,7 +303,9 @@ class DecoderForCausalLM(nn.Module):
                 continue
             name = self._local_layer_name(name)
             if name is None:
-                continue  # a layer of another pipeline stage
+                # a layer of another pipeline stage, or past the model's last one: the multi-token
+                # prediction layers of DeepSeek-V3 / GLM-4.5 (num_nextn_predict_layers), not run here
+                continue
             target, shard = name, None
             for ckpt, fused, shard_id in self.STACKED:
                 if ckpt == "q_proj" and self.arch.mla is not None:
@@ -336,7 +338,8 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
     def _local_layer_name(self, name: str) -> Optional[str]:
-        """`name` with its layer index made local to this stage, or None for another stage's layer."""
+        """`name` with its layer index made local to this stage, or None for another stage's layer (or one
+        past num_hidden_layers)."""
         if not name.startswith("layers."):
             return name
         index_text, rest = name[len("layers."):].split(".", 1)

@@ -23,6 +23,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
     "OlmoeForCausalLM": DecoderForCausalLM,
     "Qwen2MoeForCausalLM": DecoderForCausalLM,  # a sigmoid-gated shared expert
+    "DeepseekV3ForCausalLM": DecoderForCausalLM,  # MLA and sigmoid grouped routing with a correction bias
 }
 
 
