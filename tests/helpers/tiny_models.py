@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, DeepSeek-V2, Mixtral, Qwen3-MoE,
-OLMoE, Qwen2-MoE, DeepSeek-V3, LLaVA) with the SmolLM2 tokenizer."""
+OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -71,6 +71,14 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                     "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 8,
                     "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "n_shared_experts": 1, "initializer_range": 0.1},
+    # GLM-4.5: heads of 32 (4 x 32 != hidden 64, as in the real models) turning 16 dims (partial_rotary_factor
+    # 0.5, the default), q/k norm, q/k/v bias; layer 0 dense, layer 1 sparse: 8 experts in one group (as
+    # GLM-4.5), top 2 renormalised and scaled by 2.5, one shared expert; its correction bias and an MTP layer
+    # added by `make_tiny_hf_model`
+    "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
+                 "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                 "initializer_range": 0.1},
 }
 
 
@@ -88,7 +96,7 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, deepseek_v2, mixtral,
-    qwen3_moe, olmoe, qwen2_moe, deepseek_v3) and its tokenizer in `dir`.
+    qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe) and its tokenizer in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families added for issue 60 (Qwen2-MoE): each tiny random checkpoint, read from its own
+"""Mixture-of-experts families added for issue 60 (Qwen2-MoE, DeepSeek-V3, GLM-4.5): each tiny random checkpoint, read from its own
 config.json as transformers reads it, gives HF float32's greedy ids and logprobs in every mode the engine
 schedules a request in (helpers/family_check.py), a request's output in the default dtype does not depend on
 what shares its batch, and the settings tokenmill does not run are refused by name.
@@ -26,7 +26,7 @@ from tokenmill.models.arch import MoEConfig
 from tokenmill.models.loader.hf_config import arch_config_from_hf
 from tokenmill.models.loader.safetensors_weights import SafetensorsWeights
 
-MOE_FAMILIES = ["qwen2_moe", "deepseek_v3"]
+MOE_FAMILIES = ["qwen2_moe", "deepseek_v3", "glm4_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,22 @@ def test_deepseek_v3_config_and_its_mtp_layer_dropped(moe_folders, tmp_path, cap
     assert config_with(folder, tmp_path, first_k_dense_replace=2).moe is None  # every layer dense
 
 
+def test_glm4_moe_config(moe_folders, tmp_path, caplog):
+    folder = moe_folders("glm4_moe")
+    with caplog.at_level(logging.INFO, logger="tokenmill.models.loader.hf_config"):
+        arch = config_with(folder, tmp_path)
+    assert "Glm4MoeForCausalLM: its 1 multi-token prediction layer(s)" in caplog.text
+    assert arch.moe == MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True,
+                                 routed_scaling_factor=2.5, shared_intermediate_size=32, dense_layers=frozenset({0}),
+                                 scoring="sigmoid", num_groups=1, topk_groups=1)
+    assert arch.head_dim == 32 and arch.rotary_dim == 16  # partial_rotary_factor 0.5 (in rope_parameters)
+    assert arch.qk_norm and arch.qk_norm_per_head and arch.attention_bias and not arch.attention_out_bias
+    assert not config_with(folder, tmp_path, use_qk_norm=False).qk_norm
+    # an older config.json: the factor at the top level
+    assert config_with(folder, tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                       partial_rotary_factor=1.0).rotary_dim is None
+
+
 # The fused path (layers/fused_moe.py, here in Triton's interpreter on CPU tensors) routes with its own kernel:
 # two prompts, 4 tokens, since an interpreted step costs ~0.2 s; batch_invariant=False leaves the dense layers
 # on F.linear.
@@ -128,6 +144,10 @@ def test_deepseek_v3_fused_experts_give_hf_greedy_tokens(moe_folders):
     ("deepseek_v3", {"topk_group": 5}, "topk_group=5 of n_group=4 is not supported"),
     ("deepseek_v3", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is not supported"),
     ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+    ("glm4_moe", {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.3}},
+     r"Glm4MoeForCausalLM with partial_rotary_factor=0.3 is not supported: it turns 9 of the head's 32 dims"),
+    ("glm4_moe", {"n_group": 8}, "n_group=8 is not supported"),
+    ("glm4_moe", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
 ])
 def test_moe_family_unsupported_settings_are_refused_by_name(moe_folders, tmp_path, arch, changes, message):
     with pytest.raises(ValueError, match=message):

@@ -114,6 +114,9 @@ class ArchConfig:
     # multimodal RoPE (Qwen2-VL): the rotary frequencies, in order, split into temporal, height and width
     # sections of these sizes, each turned by that component of a token's 3-D position
     mrope_section: Optional[tuple[int, ...]] = None
+    # partial RoPE (GLM-4.5's partial_rotary_factor): only the first rotary_dim dims of each q/k head turn, the
+    # rest pass through; None: the whole head
+    rotary_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
@@ -136,6 +139,9 @@ class ArchConfig:
                                                or 2 * sum(self.mrope_section) != self.head_dim):
             raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 sections of the head's "
                              f"{self.head_dim // 2} rotary frequencies")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim}): "
+                             "RoPE rotates pairs of a head's dims")
         if self.mla is not None and self.mla.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.mla.qk_rope_head_dim}) must be even: RoPE rotates pairs")
 

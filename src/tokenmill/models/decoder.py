@@ -1,7 +1,8 @@
 """The decoder-only LM every supported architecture runs as: Llama 2/3, Mistral, SmolLM2, Qwen2 (QKV
 bias), Qwen3 (q/k norm), Gemma 3 (sliding-window layers, local/global RoPE, sandwich norms, GeGLU,
-scaled embeddings, logit soft-capping) and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE
-(layers/moe.py; OLMoE's q/k norm spans the whole projection).
+scaled embeddings, logit soft-capping), the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+(layers/moe.py; OLMoE's q/k norm spans the whole projection), DeepSeek-V2/V3 (multi-head latent attention,
+models/mla_attention.py) and GLM-4.5 (partial RoPE).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -112,7 +113,8 @@ class DecoderForCausalLM(nn.Module):
         end_layer = arch.num_hidden_layers if stage.end_layer < 0 else stage.end_layer
         self.local_vocab = tp.shard(arch.vocab_size, "vocabulary")
         self.vocab_start = tp.rank * self.local_vocab
-        rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.head_dim  # MLA: k_pe, q_pe only
+        # MLA: k_pe, q_pe only; partial rotary: the first rotary_dim dims of each head
+        rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.rotary_dim or arch.head_dim
         self.rotary = RotaryTables(arch, rotated, max_positions)
         # uninitialised: the checkpoint's weights replace it (nn.Embedding's own random init of SmolLM2's table
         # costs 0.4 s a load, Gemma 3's 262k rows 2 s)

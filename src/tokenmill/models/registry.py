@@ -24,6 +24,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": DecoderForCausalLM,
     "Qwen2MoeForCausalLM": DecoderForCausalLM,  # a sigmoid-gated shared expert
     "DeepseekV3ForCausalLM": DecoderForCausalLM,  # MLA and sigmoid grouped routing with a correction bias
+    "Glm4MoeForCausalLM": DecoderForCausalLM,  # DeepSeek-V3's routing, partial RoPE
 }
 
 

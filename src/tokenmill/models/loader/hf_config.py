@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "OlmoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -45,6 +46,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "olmoe": "OlmoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -94,6 +96,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 3, "n_routed_experts": 256,
         "n_shared_experts": 1, "moe_intermediate_size": 2048, "num_experts_per_tok": 8, "routed_scaling_factor": 2.5,
         "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "rope_interleave": True,
+    },
+    "Glm4MoeForCausalLM": {
+        "vocab_size": 151_552, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+        "hidden_act": "silu", "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_routed_experts": 128, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
     },
 }
 _HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -297,6 +305,31 @@ def _deepseek_v3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) ->
     return {**_mla_fields(name, setting, rope_params), "moe": _noaux_tc_moe(name, setting)}
 
 
+def _glm4_moe_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's ArchConfig fields beyond the Llama ones (transformers' Glm4MoeConfig): the noaux_tc MoE of
+    DeepSeek-V3, partial RoPE (int(head_dim * partial_rotary_factor) dims of each head, the factor read from
+    rope_parameters or the top level, 0.5 by default), the per-head q/k norm when use_qk_norm, the SwiGLU
+    activation (silu only)."""
+    name = "Glm4MoeForCausalLM"
+    head_dim = setting.get("head_dim") or setting["hidden_size"] // setting["num_attention_heads"]
+    factor = float(rope_params.get("partial_rotary_factor", setting["partial_rotary_factor"]))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"{name} with partial_rotary_factor={factor} is not supported: it turns {rotary_dim} of "
+                         f"the head's {head_dim} dims (an even number above 0 is needed)")
+    _log_dropped_mtp_layers(name, setting)
+    return dict(moe=_noaux_tc_moe(name, setting), hidden_act=_hidden_act(setting, "hidden_act"),
+                rotary_dim=None if rotary_dim == head_dim else rotary_dim)
+
+
+def _qk_norm(architecture: str, setting: dict[str, Any]) -> bool:
+    """Whether q and k are RMS-normed before RoPE: always for Qwen3, Gemma 3, Qwen3-MoE and OLMoE; for GLM-4.5
+    where use_qk_norm."""
+    if architecture == "Glm4MoeForCausalLM":
+        return bool(setting["use_qk_norm"])
+    return architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+
 def _noaux_tc_moe(name: str, setting: dict[str, Any]) -> Optional[MoEConfig]:
     """The sparse layers (from first_k_dense_replace on) of DeepSeek-V3 and GLM-4.5, None when every layer is
     dense: sigmoid scores, top k within the topk_group best of n_group groups by score + correction bias
@@ -393,8 +426,9 @@ def _qkv_bias(architecture: str, setting: dict[str, Any]) -> bool:
 
 def _output_bias(architecture: str, setting: dict[str, Any]) -> bool:
     """Whether the attention's output projection has a bias: `attention_bias` except for the families whose
-    o_proj never has one (Qwen2, Qwen2-MoE)."""
-    return architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and bool(setting["attention_bias"])
+    o_proj never has one (Qwen2, Qwen2-MoE, GLM-4.5)."""
+    return (architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM")
+            and bool(setting["attention_bias"]))
 
 
 def arch_config_from_hf(
@@ -468,6 +502,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
         **(_deepseek_v3_fields(setting, rope_params) if architecture == "DeepseekV3ForCausalLM" else {}),
+        **(_glm4_moe_fields(setting, rope_params) if architecture == "Glm4MoeForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,
         vocab_size=setting["vocab_size"],
@@ -483,7 +518,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         tie_word_embeddings=bool(setting["tie_word_embeddings"]),
         attention_bias=_qkv_bias(architecture, setting),
         attention_out_bias=_output_bias(architecture, setting),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+        qk_norm=_qk_norm(architecture, setting),
         rope_scaling=rope_scaling_from_hf(_global_rope(rope_params), setting["max_position_embeddings"]),
         sliding_window=_sliding_window(architecture, setting),
         bos_token_id=bos_token_id,
