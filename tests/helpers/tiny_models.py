@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, DeepSeek-V2, Mixtral, Qwen3-MoE,
-OLMoE, LLaVA) with the SmolLM2 tokenizer."""
+OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                   "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
                   "initializer_range": 0.1},
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "initializer_range": 0.1},
+    # Qwen2-MoE: layer 0 dense (mlp_only_layers), layer 1 sparse with its sigmoid-gated shared expert (width 48)
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "mlp_only_layers": [0], "initializer_range": 0.1},
     # 5 sliding layers then a global one, a window shorter than the test prompts; head_dim and the
     # attention scalar differ from hidden / heads as in the real models
     "gemma3_text": {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 16,
@@ -60,6 +63,22 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                     "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 2, "n_routed_experts": 4,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
                     "initializer_range": 0.2},
+    # DeepSeek-V3: DeepSeek-V2's attention sizes with q_lora_rank 24; layer 0 dense, layer 1 sparse: 8 experts in
+    # 4 groups, the best 2 groups kept, top 2 renormalised and scaled by 2.5 (the defaults), one shared
+    # expert; its correction bias drawn by `make_tiny_hf_model`; one MTP layer (the default
+    # num_nextn_predict_layers) whose tensors `make_tiny_hf_model` adds
+    "deepseek_v3": {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 24, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                    "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "n_shared_experts": 1, "initializer_range": 0.1},
+    # GLM-4.5: heads of 32 (4 x 32 != hidden 64, as in the real models) turning 16 dims (partial_rotary_factor
+    # 0.5, the default), q/k norm, q/k/v bias; layer 0 dense, layer 1 sparse: 8 experts in one group (as
+    # GLM-4.5), top 2 renormalised and scaled by 2.5, one shared expert; its correction bias and an MTP layer
+    # added by `make_tiny_hf_model`
+    "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
+                 "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                 "initializer_range": 0.1},
 }
 
 
@@ -77,12 +96,14 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, deepseek_v2, mixtral,
-    qwen3_moe, olmoe) and its tokenizer in `dir`.
+    qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe) and its tokenizer in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and
     `model.safetensors.index.json`; `dtype` is the stored dtype. Weights are seeded, so repeated
-    calls agree.
+    calls agree. Routers with an `e_score_correction_bias` (sigmoid routing) get a random one (transformers
+    initialises it to zero, which would hide a router that ignores it); models with multi-token prediction
+    layers (num_nextn_predict_layers) get one's tensors as the real checkpoints store them (unsharded only).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -90,9 +111,30 @@ def make_tiny_hf_model(
     config = AutoConfig.for_model(arch, **{**_BASE_CONFIG, **_ARCH_CONFIG[arch], **config_overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # about the spread of the sigmoid scores
+                buffer.copy_(torch.randn(buffer.shape) * 0.1)
     model.save_pretrained(path, max_shard_size="1MB" if sharded else "10GB")
+    if getattr(config, "num_nextn_predict_layers", 0) and not sharded:
+        _add_mtp_layer(path / "model.safetensors", config.num_hidden_layers)
     smollm2_tokenizer().save_pretrained(path)
     return path
+
+
+def _add_mtp_layer(file: Path, num_layers: int) -> None:
+    """Add a multi-token prediction layer's tensors to `file` as DeepSeek-V3 / GLM-4.5 store them: layer
+    `num_layers` (one past the decoder's), a copy of the last layer plus its projection and norms."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    extra = {mtp + name[len(last):]: t.clone() for name, t in tensors.items() if name.startswith(last)}
+    hidden = tensors["model.norm.weight"].shape[0]
+    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        extra[mtp + name] = torch.ones(hidden)
+    extra[mtp + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
+    save_file({**tensors, **extra}, file, metadata={"format": "pt"})
 
 
 QWEN3_TEMPLATE = Path(__file__).parent.parent / "data" / "qwen3_chat_template.jinja"  # Qwen3's own, verbatim

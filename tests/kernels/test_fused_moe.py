@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.kernels.quantized import quantize
 from tokenmill.layers.fused_moe import plan, route as fused_route
-from tokenmill.layers.moe import MoEBlock, route
+from tokenmill.layers.moe import MoEBlock, route, route_grouped_sigmoid
 from tokenmill.layers.triton_products import TritonProducts
 from tokenmill.models.arch import MoEConfig
 from tokenmill.models.decoder import GatedMLP
@@ -27,6 +27,24 @@ def test_routing_kernel_picks_routes_top_k_and_weights(normalize, scale):
     expected_weights, expected_ids = route(logits, 3, normalize, scale)
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("normalize, scale, groups, topk_groups", [(True, 2.5, 4, 2), (False, 1.0, 1, 1)],
+                         ids=["grouped-renormalised-scaled", "one-group-unnormalised"])
+def test_sigmoid_grouped_routing_kernel_picks_as_the_pytorch_routing(normalize, scale, groups, topk_groups):
+    """DeepSeek-V3's noaux_tc routing: 24 experts (padded to 32) in `groups` groups; the correction bias is
+    as large as the scores' spread, so it changes which groups and experts are picked (checked below)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(41, 24, generator=generator)
+    bias = torch.randn(24, generator=generator) * 0.3
+    weights, ids = fused_route(logits, 3, normalize, scale, bias, groups, topk_groups)
+    expected_weights, expected_ids = route_grouped_sigmoid(logits, bias, 3, groups, topk_groups, normalize, scale)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-6)
+    unbiased = route_grouped_sigmoid(logits, torch.zeros(24), 3, groups, topk_groups, normalize, scale)[1]
+    assert not torch.equal(unbiased, ids)  # the bias matters here
+    if groups > 1:  # every token's experts lie in at most topk_groups groups
+        assert all(len(set((row // (24 // groups)).tolist())) <= topk_groups for row in ids)
 
 
 def test_sort_puts_each_local_slot_once_in_its_experts_blocks_in_token_order():

@@ -3,7 +3,8 @@ launches, with no host synchronisation, so a MoE layer runs inside a CUDA graph.
 
 A step of T tokens, top_k choices each, over this rank's E experts:
 1. `route`: one program per token: softmax in float32, top k, renormalised or not, times
-   routed_scaling_factor (layers/moe.py's `route`, in one kernel).
+   routed_scaling_factor (layers/moe.py's `route`, in one kernel); or, for a router with a correction bias,
+   DeepSeek-V3's sigmoid grouped top k (layers/moe.py's `route_grouped_sigmoid`).
 2. `plan`: the T * top_k (token, choice) slots sorted by expert, stably (token order within an expert), each
    expert's run padded to whole BLOCK_M-row blocks; three small kernels (count per chunk, offsets, scatter).
    The buffers have a fixed worst-case size, cdiv(S, BLOCK_M) + min(E, S) blocks for S slots, so no shape
@@ -36,7 +37,8 @@ import triton
 
 from tokenmill.kernels.quantized import QuantizedWeight, cat_rows
 from tokenmill.layers.fused_moe_kernels import (count_chunk_kernel, expert_offsets_kernel, grouped_gemm_kernel,
-                                                route_topk_kernel, scatter_slots_kernel)
+                                                route_grouped_sigmoid_kernel, route_topk_kernel,
+                                                scatter_slots_kernel)
 
 _FORMATS = {"float": 0, "int8": 1, "int4": 2}
 BLOCK_K = 64  # a multiple of 64: an int4 step reads whole block pairs
@@ -44,13 +46,21 @@ INVARIANT_BLOCK_M = 16  # decode-sized blocks; fixed under batch invariance
 _BLOCKS_TILE = 64
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool, scale: float = 1.0
+def route(logits: torch.Tensor, top_k: int, normalize: bool, scale: float = 1.0,
+          correction_bias: Optional[torch.Tensor] = None, num_groups: int = 1, topk_groups: int = 1
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """layers/moe.py's `route` in one kernel: logits [T, E] -> (weights float32 [T, top_k], ids int64 [T, top_k])."""
+    """layers/moe.py's `route` in one kernel, or with `correction_bias` its `route_grouped_sigmoid`:
+    logits [T, E] -> (weights float32 [T, top_k], ids int64 [T, top_k])."""
     num_tokens, num_experts = logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
-    if num_tokens:
+    if num_tokens and correction_bias is not None:
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        route_grouped_sigmoid_kernel[(num_tokens,)](
+            logits, correction_bias.contiguous(), weights, ids, num_experts, logits.stride(0), float(scale),
+            TOP_K=top_k, K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(num_experts),
+            GROUPS=num_groups, G_P=triton.next_power_of_2(num_groups), TOPK_GROUPS=topk_groups, NORMALIZE=normalize)
+    elif num_tokens:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         route_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), float(scale),
                                          TOP_K=top_k, K_P=triton.next_power_of_2(top_k),

@@ -44,6 +44,52 @@ def route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logi
 
 
 @triton.jit
+def route_grouped_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, scale,
+                                 TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, GROUPS: tl.constexpr,
+                                 G_P: tl.constexpr, TOPK_GROUPS: tl.constexpr, NORMALIZE: tl.constexpr):
+    """One token per program: DeepSeek-V3's noaux_tc routing (layers/moe.py's `route_grouped_sigmoid`).
+    Scores sigmoid(logits) in float32; choice = score + bias; each of GROUPS equal groups of experts scores the
+    sum of its two best choices; the TOPK_GROUPS best groups (ties: the lower group) keep their experts; of
+    those, the TOP_K best choices in descending order (ties: the lower expert id), weighted by their scores,
+    renormalised to sum 1 (+ 1e-20) when NORMALIZE, times `scale`.
+    Invariant (the config's check): TOP_K <= TOPK_GROUPS * num_experts / GROUPS, so every pick is a kept expert."""
+    token = tl.program_id(0)
+    experts = tl.arange(0, E_P)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=0.0).to(tl.float32)
+    scores = tl.sigmoid(logits)
+    choice = scores + tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+    # [groups, experts] tiles: row g holds group g's choices, -inf elsewhere (and on padding)
+    groups = tl.arange(0, G_P)
+    member = ((experts // (num_experts // GROUPS))[None, :] == groups[:, None]) & valid[None, :]
+    in_group = tl.where(member, choice[None, :], float("-inf"))
+    best_at = tl.argmax(in_group, 1, tie_break_left=True)
+    second = tl.max(tl.where(experts[None, :] == best_at[:, None], float("-inf"), in_group), 1)
+    group_scores = tl.where(groups < GROUPS, tl.max(in_group, 1) + second, float("-inf"))
+    kept_group = tl.zeros([G_P], dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUPS):
+        best = tl.argmax(group_scores, 0, tie_break_left=True)
+        kept_group = tl.where(groups == best, 1, kept_group)
+        group_scores = tl.where(groups == best, float("-inf"), group_scores)
+    kept = tl.sum(tl.where(member & (kept_group[:, None] == 1), 1, 0), 0) > 0
+    remaining = tl.where(kept, choice, float("-inf"))
+    ranks = tl.arange(0, K_P)
+    chosen_weights = tl.zeros([K_P], dtype=tl.float32)
+    chosen_ids = tl.zeros([K_P], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(remaining, 0, tie_break_left=True)
+        chosen_weights = tl.where(ranks == j, tl.sum(tl.where(experts == best, scores, 0.0), 0), chosen_weights)
+        chosen_ids = tl.where(ranks == j, best, chosen_ids)
+        remaining = tl.where(experts == best, float("-inf"), remaining)
+    if NORMALIZE:
+        chosen_weights = chosen_weights / (tl.sum(chosen_weights, 0) + 1e-20)
+    chosen_weights = chosen_weights * scale
+    kept_ranks = ranks < TOP_K
+    tl.store(weights_ptr + token * TOP_K + ranks, chosen_weights, mask=kept_ranks)
+    tl.store(ids_ptr + token * TOP_K + ranks, chosen_ids.to(tl.int64), mask=kept_ranks)
+
+
+@triton.jit
 def count_chunk_kernel(ids_ptr, counts_ptr, num_slots, first_expert, num_experts,
                        CHUNK: tl.constexpr, E_P: tl.constexpr):
     """Program c: how many of slots [c * CHUNK, (c + 1) * CHUNK) each local expert got -> counts[c, :]."""

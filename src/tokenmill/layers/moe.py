@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks `top_k` of `num_experts` gated
-experts per token, and the token's output is the routing-weighted sum of those experts' outputs.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek): a router picks `top_k` of
+`num_experts` gated experts per token, and the token's output is the routing-weighted sum of those experts' outputs.
 
 The experts run grouped: the (token, choice) pairs are sorted by expert, each expert multiplies all the
 rows routed to it in one product, and the results are put back in (token, choice) order and summed with
@@ -72,16 +72,26 @@ class Router(nn.Module):
 
     Never quantised (it has no `quantize_to`; a quantised checkpoint's router is dequantised): a small
     error in a logit can flip which experts a token gets, which changes its output far more than the error.
+
+    `correction_bias` (sigmoid routing, DeepSeek-V3's noaux_tc): the router also holds
+    `e_score_correction_bias` [num_experts], and both it and the weight are float32 whatever the model's
+    dtype, the logits computed in float32 (transformers keeps both in float32 too).
     """
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        dtype = torch.float32 if correction_bias else None
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
+                                        if correction_bias else None)
         self.kernel: Optional[LinearKernel] = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
-        """Copy the checkpoint's router weight (a QuantizedWeight dequantised), naming the expert counts
-        when the checkpoint's disagrees with the config's."""
+        """Copy the checkpoint's router weight (a QuantizedWeight dequantised) or correction bias, naming the
+        expert counts when the checkpoint's disagrees with the config's."""
+        if param.dim() == 1 and tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"the checkpoint's e_score_correction_bias has shape {tuple(loaded.shape)}, but the "
+                             f"config has num_experts={param.shape[0]}")
         if tuple(loaded.shape) != tuple(param.shape):
             raise ValueError(f"the checkpoint's router weight has shape {tuple(loaded.shape)}: "
                              f"{loaded.shape[0]} experts of width {loaded.shape[-1]}, but the config has "
@@ -93,7 +103,10 @@ class Router(nn.Module):
         self.kernel = make_kernel(self.weight.data, None, False, native, batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> logits [T, num_experts] in x's dtype (as HF computes them)."""
+        """x [T, hidden] -> logits [T, num_experts] in x's dtype (as HF computes them), in float32 for a router
+        with a correction bias."""
+        if self.e_score_correction_bias is not None:
+            x = x.float()
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight)
@@ -110,6 +123,33 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, scale: float = 1.0
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
+    return weights, ids
+
+
+def route_grouped_sigmoid(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
+                          topk_groups: int, normalize: bool, scale: float = 1.0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc routing, as transformers' DeepseekV3TopkRouter: scores sigmoid(logits) in
+    float32; experts are chosen by score + `correction_bias`, within the `topk_groups` of `num_groups` equal
+    groups of experts whose two best biased scores sum highest, the `top_k` best (in descending order); their
+    weights are their unbiased scores, renormalised to sum 1 (+ 1e-20) when `normalize`, times `scale`.
+
+    logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]). Row-wise throughout.
+    Invariant (the config's check): top_k <= topk_groups * E / num_groups, so no masked expert is chosen."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + correction_bias.float()
+    num_tokens, num_experts = choice.shape
+    per_group = num_experts // num_groups
+    group_scores = choice.view(num_tokens, num_groups, per_group).topk(2, dim=-1).values.sum(dim=-1)
+    kept_groups = torch.topk(group_scores, topk_groups, dim=-1).indices
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+    choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if scale != 1.0:
         weights = weights * scale
     return weights, ids
@@ -149,7 +189,9 @@ class MoEBlock(nn.Module):
     """Sparse MLP: `gate` (Router), `experts` (this rank's gated MLPs of the expert width: all
     num_experts, or under expert parallelism the `local` range, `experts[i]` being expert
     `local.start + i`) and, when `shared_intermediate_size` > 0, `shared_experts`: one always-on gated MLP
-    added to every token's output (DeepSeek's shared experts, fused).
+    added to every token's output (DeepSeek's shared experts, fused), scaled per token by
+    sigmoid(`shared_expert_gate`(x)) where the config has that gate (Qwen2-MoE's shared_expert_gate: a one-output
+    Router, so never quantised and multiplied through the model's kernels like the router).
 
     `make_expert(width)` builds one gated MLP (the decoder's dense MLP class: whole under expert
     parallelism, else split over the tensor-parallel ranks like a dense MLP), so experts hold their weights
@@ -167,9 +209,12 @@ class MoEBlock(nn.Module):
         self.local = local_experts(moe.num_experts, tp)
         self.expert_parallel = len(self.local) < moe.num_experts
         self.split_experts = tp.size > 1 and not tp.expert_parallel  # each expert's intermediate split
-        self.gate = Router(hidden_size, moe.num_experts)
+        if moe.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported MoE scoring {moe.scoring!r}; supported: softmax, sigmoid")
+        self.gate = Router(hidden_size, moe.num_experts, correction_bias=moe.scoring == "sigmoid")
         self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in self.local)
         self.shared_experts = make_expert(moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = Router(hidden_size, 1) if moe.shared_expert_gate else None
         self.fused: Any = None  # FusedExperts (layers/fused_moe.py) once `use_kernel` chose the fused path
 
     def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
@@ -193,13 +238,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the same on every rank) -> [T, hidden]."""
         moe = self.moe
-        logits = self.gate(x)
-        if self.fused is not None:
-            from tokenmill.layers.fused_moe import route as fused_route
-
-            weights, ids = fused_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor)
-        else:
-            weights, ids = route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor)
+        weights, ids = self.route(self.gate(x))
         if self.expert_parallel:
             order, mine, counts = self.slot_order(ids)
             if self.fused is not None:
@@ -218,8 +257,25 @@ class MoEBlock(nn.Module):
             sums = combine(per_slot.view(x.shape[0], moe.top_k, per_slot.shape[-1]), weights)
             out = self.finish_split_sums(sums, x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:  # in x's dtype, as HF scales it
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's routing (weights float32 [T, top_k], expert ids [T, top_k]): softmax top-k (`route`) or
+        sigmoid grouped top-k (`route_grouped_sigmoid`), by the fused kernel on the fused path."""
+        moe, bias = self.moe, self.gate.e_score_correction_bias
+        if self.fused is not None:
+            from tokenmill.layers.fused_moe import route as fused_route
+
+            return fused_route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor, bias,
+                               moe.num_groups, moe.topk_groups)
+        if bias is not None:
+            return route_grouped_sigmoid(logits, bias, moe.top_k, moe.num_groups, moe.topk_groups,
+                                         moe.norm_topk_prob, moe.routed_scaling_factor)
+        return route(logits, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor)
 
     def slot_order(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(order, mine, counts): `order` every (token, choice) slot s = t * top_k + j sorted by expert
@@ -327,7 +383,8 @@ _EXPERT_TENSOR = re.compile(r"\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj
 
 def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig, hidden_size: int,
                             local: Optional[range] = None) -> Iterator[tuple[str, Any]]:
-    """HF checkpoint tensors with the MoE names made uniform: Mixtral's `block_sparse_moe.` becomes `mlp.`
+    """HF checkpoint tensors with the MoE names made uniform: Mixtral's `block_sparse_moe.` becomes `mlp.`,
+    Qwen2-MoE's `mlp.shared_expert.` becomes DeepSeek's `mlp.shared_experts.`,
     and its `experts.N.w1/w3/w2` become `experts.N.gate_proj/up_proj/down_proj` (the Qwen3-MoE / OLMoE
     names, which the decoder's loader fuses into each expert's gate_up_proj). An expert tensor the config
     has no place for (an expert index past num_experts, another width) raises ValueError naming both.
@@ -336,6 +393,7 @@ def expert_checkpoint_names(weights: Iterable[tuple[str, Any]], moe: MoEConfig, 
     dropped (after the checks above) and N becomes the index in `MoEBlock.experts`, N - local.start."""
     for name, tensor in weights:
         name = name.replace(".block_sparse_moe.", ".mlp.")
+        name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")  # Qwen2-MoE's one shared expert
         match = _EXPERT_TENSOR.search(name)
         if match is not None:
             index, projection = int(match.group(1)), match.group(2)

@@ -21,10 +21,15 @@ SLIDING_ATTENTION = "sliding_attention"
 class MoEConfig:
     """A sparse MLP: `num_experts` SwiGLU experts of width `intermediate_size`, `top_k` of them per token.
 
-    Router: softmax over the experts' logits, the top k kept, renormalised to sum 1 when `norm_topk_prob`
-    (Mixtral, Qwen3-MoE) or used as they are (OLMoE, DeepSeek-V2), times `routed_scaling_factor`.
+    Router (`scoring` "softmax"): softmax over the experts' logits, the top k kept, renormalised to sum 1 when
+    `norm_topk_prob` (Mixtral, Qwen3-MoE) or used as they are (OLMoE, DeepSeek-V2), times `routed_scaling_factor`.
+    `scoring` "sigmoid" (DeepSeek-V3's noaux_tc, GLM-4.5): sigmoid scores, the top k chosen by score plus a
+    per-expert correction bias within the best `topk_groups` of `num_groups` expert groups, weighted by their
+    scores (layers/moe.py's `route_grouped_sigmoid`).
     `shared_intermediate_size` > 0 adds an always-on SwiGLU expert of that width (DeepSeek's shared experts,
-    fused into one). `dense_layers` run a plain MLP of the model's `intermediate_size` instead.
+    fused into one); with `shared_expert_gate` (Qwen2-MoE) its output is scaled per token by
+    sigmoid(x . w), w a [1, hidden] gate. `dense_layers` run a plain MLP of the model's `intermediate_size`
+    instead.
     """
 
     num_experts: int
@@ -34,6 +39,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
+    shared_expert_gate: bool = False
+    scoring: str = "softmax"  # softmax | sigmoid
+    num_groups: int = 1
+    topk_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,9 @@ class ArchConfig:
     # multimodal RoPE (Qwen2-VL): the rotary frequencies, in order, split into temporal, height and width
     # sections of these sizes, each turned by that component of a token's 3-D position
     mrope_section: Optional[tuple[int, ...]] = None
+    # partial RoPE (GLM-4.5's partial_rotary_factor): only the first rotary_dim dims of each q/k head turn, the
+    # rest pass through; None: the whole head
+    rotary_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
@@ -127,6 +139,9 @@ class ArchConfig:
                                                or 2 * sum(self.mrope_section) != self.head_dim):
             raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 sections of the head's "
                              f"{self.head_dim // 2} rotary frequencies")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim}): "
+                             "RoPE rotates pairs of a head's dims")
         if self.mla is not None and self.mla.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.mla.qk_rope_head_dim}) must be even: RoPE rotates pairs")
 

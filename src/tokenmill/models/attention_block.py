@@ -41,6 +41,7 @@ class SelfAttention(nn.Module):
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim ** -0.5
         self.attention = AttentionLayer(scale, spec.sliding_window)
         self.rope_key = rope_key(arch, spec)
+        self.rotary_dim = arch.rotary_dim or arch.head_dim
         self.backend = backend
 
     def forward(self, rope: "RopeInputs", hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -56,9 +57,19 @@ class SelfAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
             q_and_k = torch.cat((q, k), dim=1)
-        q, k = rope.apply(self.rope_key, q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.rotate(rope, q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+    def rotate(self, rope: "RopeInputs", q_and_k: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k [T, heads, head_dim]: on the whole heads, or with partial rotary (GLM) on the first
+        rotary_dim dims of each, the rest passed through (the tables are rotary_dim wide)."""
+        if self.rotary_dim == self.head_dim:
+            return rope.apply(self.rope_key, q_and_k)
+        # a contiguous copy: the native and Triton kernels rotate whole, contiguous heads in place
+        turned = rope.apply(self.rope_key, q_and_k[..., :self.rotary_dim].contiguous())
+        return torch.cat((turned, q_and_k[..., self.rotary_dim:]), dim=-1)
 
 
 RopeKey = tuple[float, Optional[RopeScaling]]

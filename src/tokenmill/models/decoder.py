@@ -1,7 +1,8 @@
 """The decoder-only LM every supported architecture runs as: Llama 2/3, Mistral, SmolLM2, Qwen2 (QKV
 bias), Qwen3 (q/k norm), Gemma 3 (sliding-window layers, local/global RoPE, sandwich norms, GeGLU,
-scaled embeddings, logit soft-capping) and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE
-(layers/moe.py; OLMoE's q/k norm spans the whole projection).
+scaled embeddings, logit soft-capping), the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+(layers/moe.py; OLMoE's q/k norm spans the whole projection), DeepSeek-V2/V3 (multi-head latent attention,
+models/mla_attention.py) and GLM-4.5 (partial RoPE).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -112,7 +113,8 @@ class DecoderForCausalLM(nn.Module):
         end_layer = arch.num_hidden_layers if stage.end_layer < 0 else stage.end_layer
         self.local_vocab = tp.shard(arch.vocab_size, "vocabulary")
         self.vocab_start = tp.rank * self.local_vocab
-        rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.head_dim  # MLA: k_pe, q_pe only
+        # MLA: k_pe, q_pe only; partial rotary: the first rotary_dim dims of each head
+        rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.rotary_dim or arch.head_dim
         self.rotary = RotaryTables(arch, rotated, max_positions)
         # uninitialised: the checkpoint's weights replace it (nn.Embedding's own random init of SmolLM2's table
         # costs 0.4 s a load, Gemma 3's 262k rows 2 s)
@@ -304,7 +306,9 @@ class DecoderForCausalLM(nn.Module):
                 continue
             name = self._local_layer_name(name)
             if name is None:
-                continue  # a layer of another pipeline stage
+                # a layer of another pipeline stage, or past the model's last one: the multi-token
+                # prediction layers of DeepSeek-V3 / GLM-4.5 (num_nextn_predict_layers), not run here
+                continue
             target, shard = name, None
             for ckpt, fused, shard_id in self.STACKED:
                 if ckpt == "q_proj" and self.arch.mla is not None:
@@ -337,7 +341,8 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
     def _local_layer_name(self, name: str) -> Optional[str]:
-        """`name` with its layer index made local to this stage, or None for another stage's layer."""
+        """`name` with its layer index made local to this stage, or None for another stage's layer (or one
+        past num_hidden_layers)."""
         if not name.startswith("layers."):
             return name
         index_text, rest = name[len("layers."):].split(".", 1)

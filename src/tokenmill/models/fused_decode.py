@@ -54,10 +54,10 @@ _KV_ROWS = {None: 0, "int8": 1, "fp8": 2}
 
 def _llama_shaped(arch: Any) -> bool:
     """Whether every layer is the one tm_decode_step runs: full attention at the default scale, SwiGLU,
-    pre-norms only, dense MLPs, no q/k norm."""
+    pre-norms only, dense MLPs, no q/k norm, RoPE over whole heads."""
     return (not arch.qk_norm and not arch.has_sliding_layers and not arch.sandwich_norms
             and arch.hidden_act == "silu" and arch.attention_scale is None and arch.moe is None
-            and arch.mla is None and not arch.attention_out_bias)
+            and arch.mla is None and not arch.attention_out_bias and arch.rotary_dim is None)
 
 
 def _native_product(linear: Any) -> Union[QLinearOp, AmxPackedKernel, None]:

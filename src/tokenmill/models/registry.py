@@ -22,6 +22,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": DecoderForCausalLM,  # mixtures of experts (layers/moe.py)
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
     "OlmoeForCausalLM": DecoderForCausalLM,
+    "Qwen2MoeForCausalLM": DecoderForCausalLM,  # a sigmoid-gated shared expert
+    "DeepseekV3ForCausalLM": DecoderForCausalLM,  # MLA and sigmoid grouped routing with a correction bias
+    "Glm4MoeForCausalLM": DecoderForCausalLM,  # DeepSeek-V3's routing, partial RoPE
 }
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tokenmill.models.arch import ArchConfig, MLAConfig, MoEConfig, RopeScaling
 from tokenmill.models.vision.config import VISION_ARCHITECTURES, vision_config_from_hf
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -24,6 +27,9 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -38,6 +44,9 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -76,13 +85,32 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
         "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
     },
+    "Qwen2MoeForCausalLM": {
+        "vocab_size": 151_936, "max_position_embeddings": 32768, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "qkv_bias": True, "use_sliding_window": False,
+    },
+    "DeepseekV3ForCausalLM": {
+        "vocab_size": 129_280, "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1,
+        "hidden_act": "silu", "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 3, "n_routed_experts": 256,
+        "n_shared_experts": 1, "moe_intermediate_size": 2048, "num_experts_per_tok": 8, "routed_scaling_factor": 2.5,
+        "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "rope_interleave": True,
+    },
+    "Glm4MoeForCausalLM": {
+        "vocab_size": 151_552, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+        "hidden_act": "silu", "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_routed_experts": 128, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+    },
 }
 _HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # see _moe_fields: each one's expert count, its config key first (transformers maps num_experts and
 # num_local_experts onto each other, and saves whichever the class stores)
 _MOE_ARCHITECTURES = {"MixtralForCausalLM": ("num_local_experts", "num_experts", 8),
                       "Qwen3MoeForCausalLM": ("num_experts", "num_local_experts", 128),
-                      "OlmoeForCausalLM": ("num_experts", "num_local_experts", 64)}
+                      "OlmoeForCausalLM": ("num_experts", "num_local_experts", 64),
+                      "Qwen2MoeForCausalLM": ("num_experts", "num_local_experts", 60)}
 _COMMON_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
@@ -245,20 +273,106 @@ def _deepseek_v2_moe(setting: dict[str, Any]) -> Optional[MoEConfig]:
 def _deepseek_v2_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V2's ArchConfig fields beyond the Llama ones (transformers' DeepseekV2Config): multi-head
     latent attention, its softmax scale (qk_nope + qk_rope) ** -0.5 (times yarn's mscale squared), the MoE."""
+    return {**_mla_fields("DeepseekV2ForCausalLM", setting, rope_params), "moe": _deepseek_v2_moe(setting)}
+
+
+def _mla_fields(name: str, setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's ArchConfig fields (DeepSeek-V2 and V3): the MLAConfig, the activation, the
+    softmax scale (qk_nope + qk_rope) ** -0.5 times yarn's mscale squared."""
     if setting.get("mlp_bias"):
-        raise ValueError("DeepseekV2ForCausalLM with mlp_bias=True is not supported")
+        raise ValueError(f"{name} with mlp_bias=True is not supported")
     q_lora_rank = setting["q_lora_rank"]
     mla = MLAConfig(kv_lora_rank=int(setting["kv_lora_rank"]), qk_nope_head_dim=int(setting["qk_nope_head_dim"]),
                     qk_rope_head_dim=int(setting["qk_rope_head_dim"]), v_head_dim=int(setting["v_head_dim"]),
                     q_lora_rank=None if q_lora_rank is None else int(q_lora_rank))
     qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    return dict(mla=mla, moe=_deepseek_v2_moe(setting), hidden_act=_hidden_act(setting, "hidden_act"),
+    return dict(mla=mla, hidden_act=_hidden_act(setting, "hidden_act"),
                 attention_scale=qk_head_dim ** -0.5 * _yarn_mscale_squared(_global_rope(rope_params)))
 
 
+def _deepseek_v3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's ArchConfig fields (transformers' DeepseekV3Config): DeepSeek-V2's multi-head latent
+    attention (its RoPE pairs interleaved, which MLAAttention de-interleaves as it loads) and the sigmoid
+    noaux_tc MoE."""
+    name = "DeepseekV3ForCausalLM"
+    if setting["rope_interleave"] is not True:
+        raise ValueError(f"{name} with rope_interleave={setting['rope_interleave']!r} is not supported; supported: True")
+    for key, supported in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        value = setting.get(key)  # (transformers reads neither: its router is always noaux_tc)
+        if value is not None and value != supported:
+            raise ValueError(f"{name} with {key}={value!r} is not supported; supported: {supported!r}")
+    _log_dropped_mtp_layers(name, setting)
+    return {**_mla_fields(name, setting, rope_params), "moe": _noaux_tc_moe(name, setting)}
+
+
+def _glm4_moe_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's ArchConfig fields beyond the Llama ones (transformers' Glm4MoeConfig): the noaux_tc MoE of
+    DeepSeek-V3, partial RoPE (int(head_dim * partial_rotary_factor) dims of each head, the factor read from
+    rope_parameters or the top level, 0.5 by default), the per-head q/k norm when use_qk_norm, the SwiGLU
+    activation (silu only)."""
+    name = "Glm4MoeForCausalLM"
+    head_dim = setting.get("head_dim") or setting["hidden_size"] // setting["num_attention_heads"]
+    factor = float(rope_params.get("partial_rotary_factor", setting["partial_rotary_factor"]))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"{name} with partial_rotary_factor={factor} is not supported: it turns {rotary_dim} of "
+                         f"the head's {head_dim} dims (an even number above 0 is needed)")
+    _log_dropped_mtp_layers(name, setting)
+    return dict(moe=_noaux_tc_moe(name, setting), hidden_act=_hidden_act(setting, "hidden_act"),
+                rotary_dim=None if rotary_dim == head_dim else rotary_dim)
+
+
+def _qk_norm(architecture: str, setting: dict[str, Any]) -> bool:
+    """Whether q and k are RMS-normed before RoPE: always for Qwen3, Gemma 3, Qwen3-MoE and OLMoE; for GLM-4.5
+    where use_qk_norm."""
+    if architecture == "Glm4MoeForCausalLM":
+        return bool(setting["use_qk_norm"])
+    return architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+
+def _noaux_tc_moe(name: str, setting: dict[str, Any]) -> Optional[MoEConfig]:
+    """The sparse layers (from first_k_dense_replace on) of DeepSeek-V3 and GLM-4.5, None when every layer is
+    dense: sigmoid scores, top k within the topk_group best of n_group groups by score + correction bias
+    (transformers' DeepseekV3TopkRouter), renormalised when norm_topk_prob, times routed_scaling_factor, plus
+    n_shared_experts fused into one shared expert."""
+    layers = setting["num_hidden_layers"]
+    dense = min(int(setting["first_k_dense_replace"] or 0), layers)
+    experts = setting["n_routed_experts"]
+    if not experts or dense == layers:
+        return None
+    freq = setting.get("moe_layer_freq")
+    if freq is not None and freq != 1:
+        raise ValueError(f"{name} with moe_layer_freq={freq!r} is not supported; supported: 1")
+    top_k, groups, kept = setting["num_experts_per_tok"], int(setting["n_group"] or 1), int(setting["topk_group"] or 1)
+    if groups < 1 or experts % groups or experts // groups < 2:  # transformers sums each group's best two
+        raise ValueError(f"{name} with n_group={groups} is not supported: {experts} experts must split into "
+                         "equal groups of at least 2")
+    if not 0 < kept <= groups:
+        raise ValueError(f"{name} with topk_group={kept} of n_group={groups} is not supported")
+    if not top_k or not 0 < top_k <= kept * (experts // groups):
+        raise ValueError(f"{name} with num_experts_per_tok={top_k!r} is not supported: it must be between 1 and "
+                         f"the {kept * (experts // groups)} experts of the topk_group={kept} groups kept")
+    size = int(setting["moe_intermediate_size"])
+    return MoEConfig(num_experts=int(experts), top_k=int(top_k), intermediate_size=size,
+                     norm_topk_prob=bool(setting["norm_topk_prob"]),
+                     routed_scaling_factor=float(setting["routed_scaling_factor"]),
+                     shared_intermediate_size=int(setting["n_shared_experts"] or 0) * size,
+                     dense_layers=frozenset(range(dense)), scoring="sigmoid", num_groups=groups, topk_groups=kept)
+
+
+def _log_dropped_mtp_layers(name: str, setting: dict[str, Any]) -> None:
+    """Say that the checkpoint's multi-token prediction layers (num_nextn_predict_layers, stored as layers
+    num_hidden_layers and on) are not loaded: the decoder skips tensors of layers it does not have."""
+    count = setting.get("num_nextn_predict_layers", setting.get("num_mtp_layers")) or 0
+    if count:
+        logger.info("%s: its %d multi-token prediction layer(s) (num_nextn_predict_layers) are not loaded", name,
+                    count)
+
+
 def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
-    """The mixture of experts of Mixtral / Qwen3-MoE / OLMoE (transformers' MixtralSparseMoeBlock,
-    Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock), and OLMoE's q/k norm over the whole projections."""
+    """The mixture of experts of Mixtral / Qwen3-MoE / OLMoE / Qwen2-MoE (transformers' MixtralSparseMoeBlock,
+    Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock), and OLMoE's q/k norm over the whole
+    projections."""
     act = setting.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{architecture} with hidden_act={act!r} is not supported; supported: 'silu' (SwiGLU experts)")
@@ -267,7 +381,11 @@ def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
     num_experts = next((setting[k] for k in (key, alias) if setting.get(k) is not None), default)
     if architecture == "MixtralForCausalLM":  # every layer sparse; the top k always renormalised
         width, normalize, dense = setting["intermediate_size"], True, ()
-    elif architecture == "Qwen3MoeForCausalLM":  # sparse every decoder_sparse_step-th layer, except mlp_only_layers
+    elif architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        # sparse every decoder_sparse_step-th layer, except mlp_only_layers
+        if architecture == "Qwen2MoeForCausalLM" and setting["use_sliding_window"]:
+            # (its window layers follow a pattern of their own: every other layer below max_window_layers)
+            raise ValueError(f"{architecture} with use_sliding_window=True is not supported")
         width = setting["moe_intermediate_size"]
         normalize, step = bool(setting["norm_topk_prob"]), setting["decoder_sparse_step"]
         if step < 1:
@@ -284,8 +402,33 @@ def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{architecture} with num_experts_per_tok={top_k} of {num_experts} experts is not supported")
     if num_experts:  # (a Qwen3-MoE without experts is a dense model)
         fields["moe"] = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=width,
-                                  norm_topk_prob=normalize, dense_layers=frozenset(dense))
+                                  norm_topk_prob=normalize, dense_layers=frozenset(dense),
+                                  **(_qwen2_moe_shared_expert(setting) if architecture == "Qwen2MoeForCausalLM" else {}))
     return fields
+
+
+def _qwen2_moe_shared_expert(setting: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE's MoEConfig fields beyond Qwen3-MoE's: its one shared expert, scaled by a sigmoid gate
+    (transformers' Qwen2MoeSparseMoeBlock always has both)."""
+    width = setting["shared_expert_intermediate_size"]
+    if not width or width < 0:
+        raise ValueError(f"Qwen2MoeForCausalLM with shared_expert_intermediate_size={width!r} is not supported")
+    return dict(shared_intermediate_size=int(width), shared_expert_gate=True)
+
+
+def _qkv_bias(architecture: str, setting: dict[str, Any]) -> bool:
+    """Whether the q, k and v projections have a bias: always for Qwen2; `qkv_bias` for Qwen2-MoE; else
+    `attention_bias`."""
+    if architecture == "Qwen2MoeForCausalLM":
+        return bool(setting["qkv_bias"])
+    return architecture == "Qwen2ForCausalLM" or bool(setting["attention_bias"])
+
+
+def _output_bias(architecture: str, setting: dict[str, Any]) -> bool:
+    """Whether the attention's output projection has a bias: `attention_bias` except for the families whose
+    o_proj never has one (Qwen2, Qwen2-MoE, GLM-4.5)."""
+    return (architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM")
+            and bool(setting["attention_bias"]))
 
 
 def arch_config_from_hf(
@@ -346,7 +489,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
 
     architecture = _architecture(config)
     setting = {**_COMMON_DEFAULTS, **_DEFAULTS[architecture], **config}
-    if architecture == "DeepseekV2ForCausalLM":  # HF's head_dim is the RoPE part; ours, the q/k head width
+    # MLA: HF's head_dim is the RoPE part; ours, the q/k head width
+    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         setting["head_dim"] = setting["qk_nope_head_dim"] + setting["qk_rope_head_dim"]
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     num_heads = setting["num_attention_heads"]
@@ -357,6 +501,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
     return ArchConfig(
         **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
+        **(_deepseek_v3_fields(setting, rope_params) if architecture == "DeepseekV3ForCausalLM" else {}),
+        **(_glm4_moe_fields(setting, rope_params) if architecture == "Glm4MoeForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,
         vocab_size=setting["vocab_size"],
@@ -370,9 +516,9 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         rope_theta=float(_global_rope(rope_params).get("rope_theta", setting["rope_theta"])),
         max_position_embeddings=setting["max_position_embeddings"],
         tie_word_embeddings=bool(setting["tie_word_embeddings"]),
-        attention_bias=architecture == "Qwen2ForCausalLM" or bool(setting["attention_bias"]),
-        attention_out_bias=architecture != "Qwen2ForCausalLM" and bool(setting["attention_bias"]),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+        attention_bias=_qkv_bias(architecture, setting),
+        attention_out_bias=_output_bias(architecture, setting),
+        qk_norm=_qk_norm(architecture, setting),
         rope_scaling=rope_scaling_from_hf(_global_rope(rope_params), setting["max_position_embeddings"]),
         sliding_window=_sliding_window(architecture, setting),
         bos_token_id=bos_token_id,
