@@ -286,9 +286,9 @@ def hf_identical(path: Path, device: str, dry: bool) -> dict[str, str]:
 def quantized_checkpoints(path: Path, device: str, dry: bool) -> dict[str, Any]:
     """GPTQ (4 bits, groups of 32) and AWQ checkpoints of the model's shape, packed as their reference packers
     pack them, and compressed-tensors W4A16 / W8A8 / FP8 ones written by its own library (the test
-    helpers): tokenmill's float32 greedy ids on CUDA (packed layers dequantised once at load: no GPU
-    int4/int8 kernel yet) against HF float32 on the weights they dequantise to, and the share of tokens
-    that the default dtype (bfloat16) gives alike."""
+    helpers): tokenmill's float32 greedy ids on CUDA (packed layers kept packed on Triton's weight-only
+    product, FP8 ones on the FP8 products) against HF float32 on the weights they dequantise to, and the
+    share of tokens that the default dtype (bfloat16) gives alike."""
     import torch
     sys.path.insert(0, str(REPO / "tests"))
     from helpers.packed_checkpoints import write_compressed, write_pair
@@ -303,7 +303,8 @@ def quantized_checkpoints(path: Path, device: str, dry: bool) -> dict[str, Any]:
     for name, (packed, floats) in pairs.items():
         expected = hf_greedy(floats, device, prompts, tokens)
         found = {}
-        # on CUDA the default --quantization dequantises once; the dry run's CPU would keep them packed
+        # on CUDA the default --quantization keeps them packed on Triton's products; the dry run's CPU would
+        # run them on its native kernels, so it compares their dequantised floats
         float32 = dict(dtype="float32", quantization="none" if dry else "auto")
         for label, options in (("float32", float32), ("default", {})):
             llm = make_llm(packed, device, dry, **options)

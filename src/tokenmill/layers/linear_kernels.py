@@ -245,6 +245,6 @@ class QuantizedKernel:
             self.dense, self.weight = DenseKernel(weight, bias), None
             if not QuantizedKernel._dequantized_logged:
                 QuantizedKernel._dequantized_logged = True
-                logger.info("quantised weights dequantised once to %s on %s (no GPU int4/int8 kernel yet)",
-                            str(dtype).removeprefix("torch."), weight.device.type)
+                logger.info("quantised weights dequantised once to %s on %s (no packed product given: "
+                            "--linear-kernel dense)", str(dtype).removeprefix("torch."), weight.device.type)
         return self.dense
