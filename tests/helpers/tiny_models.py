@@ -52,6 +52,11 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # attention scalar differ from hidden / heads as in the real models
     "gemma3_text": {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 16,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "final_logit_softcapping": 30.0},
+    # Gemma 2: sliding layers alternating with full ones, a window shorter than the test prompts; head_dim 64
+    # (the AVX-512 attention tiles take it) and an attention scalar other than head_dim; score caps low enough
+    # to bite (random scores of ~10 against a cap of 5) and a final logit cap
+    "gemma2": {"num_hidden_layers": 4, "head_dim": 64, "query_pre_attn_scalar": 48, "sliding_window": 16,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "initializer_range": 0.2},
     # multi-head latent attention: a latent (kv_lora_rank 32) narrower than the heads' keys and values
     # (4 x (16 + 8) and 4 x 16), RoPE on 8 dims, queries straight from q_proj (q_lora_rank=24 for the
     # low-rank path); every layer dense (first_k_dense_replace = layers: override it for MoE layers);

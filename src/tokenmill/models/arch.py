@@ -99,6 +99,7 @@ class ArchConfig:
     embedding_scale: Optional[float] = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
     attention_scale: Optional[float] = None  # softmax scale (default head_dim ** -0.5)
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+    attn_logit_softcap: Optional[float] = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None
     vision: Optional[VisionConfig] = None  # a vision-language model's image side (models/vision/)

@@ -39,7 +39,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(q_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
         self.k_norm = RMSNorm(k_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim ** -0.5
-        self.attention = AttentionLayer(scale, spec.sliding_window)
+        self.attention = AttentionLayer(scale, spec.sliding_window, arch.attn_logit_softcap)
         self.rope_key = rope_key(arch, spec)
         self.backend = backend
 

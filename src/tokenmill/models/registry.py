@@ -18,6 +18,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
     "Gemma3ForCausalLM": DecoderForCausalLM,
+    "Gemma2ForCausalLM": DecoderForCausalLM,  # attention scores soft-capped (AttentionLayer.logit_softcap)
     "DeepseekV2ForCausalLM": DecoderForCausalLM,  # multi-head latent attention (models/mla_attention.py)
     "MixtralForCausalLM": DecoderForCausalLM,  # mixtures of experts (layers/moe.py)
     "Qwen3MoeForCausalLM": DecoderForCausalLM,

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma2ForCausalLM",
     "DeepseekV2ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
@@ -34,6 +35,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2_5_vl_text": "Qwen2ForCausalLM",  # and Qwen2.5-VL's
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -55,6 +57,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 262_208, "max_position_embeddings": 131_072, "head_dim": 256, "bos_token_id": 2,
         "eos_token_id": 1, "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
         "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    },
+    "Gemma2ForCausalLM": {  # transformers' Gemma2Config
+        "vocab_size": 256_000, "max_position_embeddings": 8192, "head_dim": 256, "bos_token_id": 2,
+        "eos_token_id": 1, "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
     },
     "DeepseekV2ForCausalLM": {
         "vocab_size": 102_400, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
@@ -169,7 +176,7 @@ def _token_ids(*values: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]:
-    if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM"):
+    if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM"):
         return setting["sliding_window"]
     qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if qwen and setting.get("use_sliding_window"):
@@ -206,6 +213,25 @@ def _gemma3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict
         norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=float(setting["hidden_size"]) ** 0.5,
         attention_scale=float(setting["query_pre_attn_scalar"]) ** -0.5,
         final_logit_softcap=setting.get("final_logit_softcapping"),
+    )
+
+
+def _gemma2_fields(setting: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's ArchConfig fields beyond the Llama ones (transformers' Gemma2Config): Gemma 3's norms, GeGLU,
+    scaled embeddings and final soft cap, one RoPE base for every layer, sliding layers alternating with full
+    ones (the first sliding), and the attention scores soft-capped (attn_logit_softcapping) on every layer."""
+    if setting.get("use_bidirectional_attention"):
+        raise ValueError("Gemma2ForCausalLM with use_bidirectional_attention=True is not supported")
+    layers = setting["num_hidden_layers"]
+    layer_types = setting.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    attn_cap, final_cap = setting.get("attn_logit_softcapping"), setting.get("final_logit_softcapping")
+    return dict(
+        layer_types=tuple(layer_types), hidden_act=_hidden_act(setting, "hidden_activation"),
+        norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=float(setting["hidden_size"]) ** 0.5,
+        attention_scale=float(setting["query_pre_attn_scalar"]) ** -0.5,
+        final_logit_softcap=float(final_cap) if final_cap else None,
+        attn_logit_softcap=float(attn_cap) if attn_cap else None,
     )
 
 
@@ -356,6 +382,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
 
     return ArchConfig(
         **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
+        **(_gemma2_fields(setting) if architecture == "Gemma2ForCausalLM" else {}),
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,

@@ -1,0 +1,98 @@
+"""Dense model families of issue 60, each a tiny random checkpoint read from its own config.json as transformers
+reads it: HF transformers float32's greedy ids and logprobs in every mode the engine schedules (helpers/
+family_check.py), and a request's output in the default dtype of this CPU not depending on what else runs.
+
+Cost: each family's check_family is two engine runs of 8 prompts x 32 tokens on a 2-layer (Gemma 2: 4-layer)
+model, about 4 s; its batch-invariance scenario two small engines, about 3 s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.family_check import check_family
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.loader.hf_config import arch_config_from_hf
+
+# family -> (tiny_models arch, the class its config.json declares, config overrides): what each family needs
+# beyond Llama, set (in tiny_models' entry or here) so that it matters
+DENSE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # score soft-capping on every layer, alternating sliding layers, query_pre_attn_scalar, (1 + w) norms
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", {}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(DENSE_FAMILIES))
+def dense_family(request, tmp_path_factory) -> tuple[str, Any, Any]:
+    """(family, checkpoint folder, HF float32 model) of one family, shared by its tests."""
+    from transformers import AutoModelForCausalLM
+
+    arch, _, overrides = DENSE_FAMILIES[request.param]
+    path = make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=arch, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return request.param, path, hf
+
+
+def test_dense_family_equals_hf(dense_family):
+    name, path, hf = dense_family
+    # read as its own architecture (a family mapped onto another would fail check_family anyway, but less clearly)
+    assert arch_config_from_hf(path).architecture == DENSE_FAMILIES[name][1] == hf.config.architectures[0]
+    check_family(path, hf)
+
+
+def _result(output) -> tuple:
+    completion = output.outputs[0]
+    return tuple(completion.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
+                                              for step in completion.logprobs)
+
+
+def test_dense_family_output_does_not_depend_on_the_batch(dense_family):
+    # the default dtype (bfloat16 on this AMX machine) and kernels: one request alone, then among others in
+    # 5-token chunks, preempted (a pool too small for the batch) and after a partial prefix hit; equal bit for bit
+    _, path, _ = dense_family
+    target = list(range(300, 100, -9))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    alone = LLM(str(path), block_size=8, num_kv_blocks=64, prefix_caching=False)
+    expected = _result(alone.generate([{"prompt_token_ids": target}], params, use_tqdm=False)[0])
+    alone.shutdown()
+    busy = LLM(str(path), block_size=8, num_kv_blocks=14, max_num_batched_tokens=5, max_model_len=64)
+    busy.generate([{"prompt_token_ids": target[:10] + [5, 6]}], params, use_tqdm=False)  # a partial hit later
+    others = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3], list(range(100, 127))]
+    prompts = others[:2] + [target] + others[2:]
+    outputs = busy.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    stats = busy.llm_engine.stats()
+    busy.shutdown()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert _result(outputs[2]) == expected
+
+
+def test_gemma2_soft_capped_attention_equals_hf_on_the_reference_and_triton_backends(tmp_path):
+    # the backends check_family's CPU default does not run: torch_ref (capped scores outside SDPA) and
+    # triton_paged in Triton's interpreter, which runs every kernel program in Python: 3 prompts x 4 tokens, one
+    # past the window of 16, prefilled in 16-token chunks beside the others' decodes, then a prefix-cache hit
+    from transformers import AutoModelForCausalLM
+
+    from helpers.engine_probe import hf_greedy_logprobs
+
+    path = make_tiny_hf_model(tmp_path, arch="gemma2", num_hidden_layers=2)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = [list(range(300, 100, -9)), [2, 3], [7, 8, 9] * 4]
+    expected = [hf_greedy_logprobs(hf, ids, 4) for ids in prompts]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    for backend in ("torch_ref", "triton_paged"):
+        llm = LLM(str(path), attention_backend=backend, dtype="float32", linear_kernel="dense", block_size=8,
+                  num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=16)
+        for round_ in range(2):  # the second: the first prompt's blocks cached
+            batch = prompts if round_ == 0 else prompts[:1]
+            outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+            for (tokens, logprobs), output in zip(expected, outputs):
+                sample = output.outputs[0]
+                assert sample.token_ids == tokens, backend
+                ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
+                assert max(abs(a - b) for a, b in zip(ours, logprobs)) <= 1e-4, backend
+        assert llm.llm_engine.stats().prefix_cache_hits > 0
+        llm.shutdown()
