@@ -57,6 +57,8 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # to bite (random scores of ~10 against a cap of 5) and a final logit cap
     "gemma2": {"num_hidden_layers": 4, "head_dim": 64, "query_pre_attn_scalar": 48, "sliding_window": 16,
                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "initializer_range": 0.2},
+    # SmolLM3: layer 1 of 2 without RoPE (every 2nd layer: no_rope_layer_interval), untied embeddings to differ
+    "smollm3": {"no_rope_layer_interval": 2, "tie_word_embeddings": False},
     # multi-head latent attention: a latent (kv_lora_rank 32) narrower than the heads' keys and values
     # (4 x (16 + 8) and 4 x 16), RoPE on 8 dims, queries straight from q_proj (q_lora_rank=24 for the
     # low-rank path); every layer dense (first_k_dense_replace = layers: override it for MoE layers);

@@ -51,13 +51,14 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What differs from one decoder layer to the next: its attention kind, window and RoPE base, and
-    whether its MLP is sparse."""
+    """What differs from one decoder layer to the next: its attention kind, window and RoPE base, whether
+    its MLP is sparse and whether it rotates q and k at all."""
 
     attention: str  # FULL_ATTENTION | SLIDING_ATTENTION
     sliding_window: Optional[int]  # tokens a query sees, itself included (None: all)
     rope_theta: float
     moe: bool
+    rope: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class ArchConfig:
     attention_scale: Optional[float] = None  # softmax scale (default head_dim ** -0.5)
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
     attn_logit_softcap: Optional[float] = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    no_rope_layers: frozenset[int] = frozenset()  # SmolLM3: the layers without rotary embeddings (NoPE)
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None
     vision: Optional[VisionConfig] = None  # a vision-language model's image side (models/vision/)
@@ -140,7 +142,7 @@ class ArchConfig:
         sliding = kind == SLIDING_ATTENTION
         theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
         moe = self.moe is not None and index not in self.moe.dense_layers
-        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe)
+        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers)
 
     @property
     def has_sliding_layers(self) -> bool:

@@ -41,6 +41,7 @@ class SelfAttention(nn.Module):
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim ** -0.5
         self.attention = AttentionLayer(scale, spec.sliding_window, arch.attn_logit_softcap)
         self.rope_key = rope_key(arch, spec)
+        self.rotates = spec.rope  # False: a NoPE layer (SmolLM3)
         self.backend = backend
 
     def forward(self, rope: "RopeInputs", hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -56,7 +57,9 @@ class SelfAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
             q_and_k = torch.cat((q, k), dim=1)
-        q, k = rope.apply(self.rope_key, q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.rotates:
+            q_and_k = rope.apply(self.rope_key, q_and_k)
+        q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
         return self.o_proj(out.reshape(out.shape[0], -1))
 

@@ -23,6 +23,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": DecoderForCausalLM,  # mixtures of experts (layers/moe.py)
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
     "OlmoeForCausalLM": DecoderForCausalLM,
+    "SmolLM3ForCausalLM": DecoderForCausalLM,  # NoPE layers (LayerSpec.rope)
 }
 
 

@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -40,6 +41,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -78,6 +80,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 151_936, "max_position_embeddings": 32768, "sliding_window": 4096, "num_experts_per_tok": 8,
         "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+    },
+    "SmolLM3ForCausalLM": {  # transformers' SmolLM3Config
+        "vocab_size": 128_256, "max_position_embeddings": 32768, "bos_token_id": 128_000, "eos_token_id": 128_001,
+        "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+        "no_rope_layer_interval": 4, "hidden_act": "silu", "mlp_bias": False,
     },
     "OlmoeForCausalLM": {
         "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
@@ -179,7 +186,7 @@ def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]
     if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM"):
         return setting["sliding_window"]
     qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    if qwen and setting.get("use_sliding_window"):
+    if (qwen or architecture == "SmolLM3ForCausalLM") and setting.get("use_sliding_window"):
         return setting["sliding_window"]
     return None
 
@@ -233,6 +240,30 @@ def _gemma2_fields(setting: dict[str, Any]) -> dict[str, Any]:
         final_logit_softcap=float(final_cap) if final_cap else None,
         attn_logit_softcap=float(attn_cap) if attn_cap else None,
     )
+
+
+def _smollm3_fields(setting: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's ArchConfig fields beyond the Llama ones (transformers' SmolLM3Config): its NoPE layers, those
+    where `no_rope_layers` holds 0 (a 1 is a layer WITH RoPE; default: every no_rope_layer_interval-th layer
+    has none), and the sliding windows of layer_types when use_sliding_window."""
+    name, layers = "SmolLM3ForCausalLM", setting["num_hidden_layers"]
+    if setting.get("mlp_bias"):
+        raise ValueError(f"{name} with mlp_bias=True is not supported")
+    if _hidden_act(setting, "hidden_act") != "silu":
+        raise ValueError(f"{name} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    interval = setting["no_rope_layer_interval"]
+    uses_rope = setting.get("no_rope_layers")
+    if uses_rope is None:
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{name} with no_rope_layer_interval={interval!r} is not supported")
+        uses_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(uses_rope) != layers:
+        raise ValueError(f"{name}: no_rope_layers lists {len(uses_rope)} layers but num_hidden_layers is {layers}")
+    fields: dict[str, Any] = {"no_rope_layers": frozenset(i for i, rope in enumerate(uses_rope) if not rope)}
+    if setting.get("use_sliding_window") and setting.get("sliding_window"):
+        fields["layer_types"] = tuple(setting.get("layer_types") or (
+            "full_attention" if uses_rope[i] else "sliding_attention" for i in range(layers)))
+    return fields
 
 
 def _yarn_mscale_squared(params: dict[str, Any]) -> float:
@@ -383,6 +414,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
     return ArchConfig(
         **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
         **(_gemma2_fields(setting) if architecture == "Gemma2ForCausalLM" else {}),
+        **(_smollm3_fields(setting) if architecture == "SmolLM3ForCausalLM" else {}),
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,
