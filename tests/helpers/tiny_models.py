@@ -59,6 +59,14 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "initializer_range": 0.2},
     # SmolLM3: layer 1 of 2 without RoPE (every 2nd layer: no_rope_layer_interval), untied embeddings to differ
     "smollm3": {"no_rope_layer_interval": 2, "tie_word_embeddings": False},
+    # OLMo 2: norms after attention and MLP only, q/k norms over the whole projections (4 x 16 and 2 x 16)
+    "olmo2": {},
+    # OLMo 3: also 3 sliding layers (window 16, shorter than the test prompts) to 1 full, YaRN on the full
+    # layer's RoPE only
+    "olmo3": {"num_hidden_layers": 4, "sliding_window": 16,
+              "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 32},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
     # multi-head latent attention: a latent (kv_lora_rank 32) narrower than the heads' keys and values
     # (4 x (16 + 8) and 4 x 16), RoPE on 8 dims, queries straight from q_proj (q_lora_rank=24 for the
     # low-rank path); every layer dense (first_k_dense_replace = layers: override it for MoE layers);

@@ -26,6 +26,9 @@ DENSE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM", {}),
     # a layer without rotary embeddings (NoPE)
     "smollm3": ("smollm3", "SmolLM3ForCausalLM", {}),
+    # norms after the blocks only, q/k norms over whole projections; OLMo 3 sliding layers with their own RoPE
+    "olmo2": ("olmo2", "Olmo2ForCausalLM", {}),
+    "olmo3": ("olmo3", "Olmo3ForCausalLM", {}),
 }
 
 

@@ -97,6 +97,7 @@ class ArchConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
     sandwich_norms: bool = False  # Gemma 3: norms after attention and MLP as well as before
+    post_norms: bool = False  # OLMo 2/3: norms after attention and MLP only, none before (x + norm(block(x)))
     embedding_scale: Optional[float] = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
     attention_scale: Optional[float] = None  # softmax scale (default head_dim ** -0.5)
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
@@ -119,6 +120,8 @@ class ArchConfig:
                              f"{SLIDING_ATTENTION}")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if self.post_norms and self.sandwich_norms:
+            raise ValueError("post_norms and sandwich_norms are two placements of the same norms: choose one")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.num_attention_heads % self.num_key_value_heads:

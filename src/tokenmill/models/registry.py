@@ -24,6 +24,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
     "OlmoeForCausalLM": DecoderForCausalLM,
     "SmolLM3ForCausalLM": DecoderForCausalLM,  # NoPE layers (LayerSpec.rope)
+    "Olmo2ForCausalLM": DecoderForCausalLM,  # norms after the blocks only (ArchConfig.post_norms)
+    "Olmo3ForCausalLM": DecoderForCausalLM,
 }
 
 

@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
     "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -42,6 +44,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -86,11 +90,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
         "no_rope_layer_interval": 4, "hidden_act": "silu", "mlp_bias": False,
     },
+    "Olmo2ForCausalLM": {  # transformers' Olmo2Config
+        "vocab_size": 50304, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
+        "hidden_act": "silu",
+    },
+    "Olmo3ForCausalLM": {  # transformers' Olmo3Config
+        "vocab_size": 50304, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
+        "hidden_act": "silu", "sliding_window": 4096,
+    },
     "OlmoeForCausalLM": {
         "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
         "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
     },
 }
+_OLMO2_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # see _olmo2_fields
 _HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # see _moe_fields: each one's expert count, its config key first (transformers maps num_experts and
 # num_local_experts onto each other, and saves whichever the class stores)
@@ -183,7 +196,8 @@ def _token_ids(*values: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]:
-    if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM"):
+    if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM",
+                        "Olmo3ForCausalLM"):
         return setting["sliding_window"]
     qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if (qwen or architecture == "SmolLM3ForCausalLM") and setting.get("use_sliding_window"):
@@ -263,6 +277,30 @@ def _smollm3_fields(setting: dict[str, Any]) -> dict[str, Any]:
     if setting.get("use_sliding_window") and setting.get("sliding_window"):
         fields["layer_types"] = tuple(setting.get("layer_types") or (
             "full_attention" if uses_rope[i] else "sliding_attention" for i in range(layers)))
+    return fields
+
+
+def _olmo2_fields(architecture: str, setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2's and OLMo 3's ArchConfig fields beyond the Llama ones (transformers' Olmo2Config / Olmo3Config):
+    norms after attention and MLP only (post_norms), the q/k norm over the whole projections; OLMo 3's sliding
+    layers (layer_types; default three sliding to one full), whose RoPE is sliding_attention's unscaled one
+    while the full layers take full_attention's (and its scaling)."""
+    if setting.get("clip_qkv") is not None:
+        raise ValueError(f"{architecture} with clip_qkv={setting['clip_qkv']!r} is not supported")
+    if _hidden_act(setting, "hidden_act") != "silu":
+        raise ValueError(f"{architecture} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    fields: dict[str, Any] = dict(post_norms=True, qk_norm_per_head=False)  # (qk_norm: arch_config_from_hf_dict)
+    if architecture == "Olmo3ForCausalLM":
+        layers = setting["num_hidden_layers"]
+        fields["layer_types"] = tuple(setting.get("layer_types") or (
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)))
+        local = rope_params.get("sliding_attention", {})
+        kind = local.get("rope_type", local.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{architecture} with a {kind!r} RoPE on its sliding layers is not supported; "
+                             "supported: 'default'")
+        fields["rope_local_theta"] = float(local.get("rope_theta", _global_rope(rope_params).get(
+            "rope_theta", setting["rope_theta"])))
     return fields
 
 
@@ -415,6 +453,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
         **(_gemma2_fields(setting) if architecture == "Gemma2ForCausalLM" else {}),
         **(_smollm3_fields(setting) if architecture == "SmolLM3ForCausalLM" else {}),
+        **(_olmo2_fields(architecture, setting, rope_params) if architecture in _OLMO2_ARCHITECTURES else {}),
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,
@@ -431,7 +470,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         tie_word_embeddings=bool(setting["tie_word_embeddings"]),
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(setting["attention_bias"]),
         attention_out_bias=architecture != "Qwen2ForCausalLM" and bool(setting["attention_bias"]),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+        or architecture in _OLMO2_ARCHITECTURES,
         rope_scaling=rope_scaling_from_hf(_global_rope(rope_params), setting["max_position_embeddings"]),
         sliding_window=_sliding_window(architecture, setting),
         bos_token_id=bos_token_id,
