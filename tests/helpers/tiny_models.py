@@ -67,6 +67,11 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
               "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                      "original_max_position_embeddings": 32},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
+    # Phi-3: fused qkv_proj and gate_up_proj tensors, LongRoPE whose max_position_embeddings is its original
+    # context: the short factors, unstretched (factor 1)
+    "phi3": {"original_max_position_embeddings": 1024,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 4 for i in range(8)],
+                              "long_factor": [4.0 + i for i in range(8)]}},
     # multi-head latent attention: a latent (kv_lora_rank 32) narrower than the heads' keys and values
     # (4 x (16 + 8) and 4 x 16), RoPE on 8 dims, queries straight from q_proj (q_lora_rank=24 for the
     # low-rank path); every layer dense (first_k_dense_replace = layers: override it for MoE layers);

@@ -103,6 +103,7 @@ class ArchConfig:
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
     attn_logit_softcap: Optional[float] = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
     no_rope_layers: frozenset[int] = frozenset()  # SmolLM3: the layers without rotary embeddings (NoPE)
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE turns the first rotary_dim dims of each head only
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None
     vision: Optional[VisionConfig] = None  # a vision-language model's image side (models/vision/)
@@ -133,6 +134,9 @@ class ArchConfig:
                                                or 2 * sum(self.mrope_section) != self.head_dim):
             raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 sections of the head's "
                              f"{self.head_dim // 2} rotary frequencies")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must turn an even number of each "
+                             f"head's {self.head_dim} dims")
         if self.mla is not None and self.mla.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.mla.qk_rope_head_dim}) must be even: RoPE rotates pairs")
 
@@ -146,6 +150,11 @@ class ArchConfig:
         theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
         moe = self.moe is not None and index not in self.moe.dense_layers
         return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each q/k head that RoPE turns: int(head_dim * partial_rotary_factor), as transformers."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def has_sliding_layers(self) -> bool:

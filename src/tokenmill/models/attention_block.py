@@ -117,9 +117,16 @@ class RopeInputs:
             self.cos_sin = {key: table.cos_sin(positions, dtype) for key, table in rotary.tables.items()}
 
     def apply(self, key: RopeKey, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] by table `key`; the kernel path rotates x itself and returns it."""
-        if self.kernels is None:
-            return apply_rotary(x, *self.cos_sin[key])
+        """Rotate x [T, heads, head_dim] by table `key`; the kernel path rotates x itself and returns it. A
+        table narrower than the heads (partial rotary, Phi-4-mini) turns their first dims only, in PyTorch
+        (the kernels rotate whole contiguous heads)."""
         table = self.rotary.tables[key]
+        rotated = table.cos.shape[-1]
+        if self.kernels is None or rotated < x.shape[-1]:
+            if key not in self.cos_sin:
+                self.cos_sin[key] = table.cos_sin(self.positions, x.dtype)
+            if rotated < x.shape[-1]:
+                return torch.cat((apply_rotary(x[..., :rotated], *self.cos_sin[key]), x[..., rotated:]), dim=-1)
+            return apply_rotary(x, *self.cos_sin[key])
         self.kernels.rope(x, self.positions, table.cos, table.sin)
         return x

@@ -25,6 +25,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
 from tokenmill.models.kernel_choice import KernelChoice
+from tokenmill.models.loader.fused_tensors import split_fused_projections
 from tokenmill.models.mla_attention import MLAAttention
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
@@ -126,7 +127,7 @@ class DecoderForCausalLM(nn.Module):
         end_layer = arch.num_hidden_layers if stage.end_layer < 0 else stage.end_layer
         self.local_vocab = tp.shard(arch.vocab_size, "vocabulary")
         self.vocab_start = tp.rank * self.local_vocab
-        rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.head_dim  # MLA: k_pe, q_pe only
+        rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.rotary_dim  # MLA: k_pe, q_pe only
         self.rotary = RotaryTables(arch, rotated, max_positions)
         # uninitialised: the checkpoint's weights replace it (nn.Embedding's own random init of SmolLM2's table
         # costs 0.4 s a load, Gemma 3's 262k rows 2 s)
@@ -301,6 +302,7 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
             local = local_experts(self.arch.moe.num_experts, self.tp) if self.tp.expert_parallel else None
             weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size, local)
+        weights = split_fused_projections(weights, self.arch)  # Phi-3's qkv_proj and gate_up_proj
         vision_weights = []
         for name, tensor in weights:
             if name.startswith("vision."):

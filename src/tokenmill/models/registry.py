@@ -24,6 +24,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
     "OlmoeForCausalLM": DecoderForCausalLM,
     "SmolLM3ForCausalLM": DecoderForCausalLM,  # NoPE layers (LayerSpec.rope)
+    "Phi3ForCausalLM": DecoderForCausalLM,  # fused checkpoint tensors split at load (loader/fused_tensors.py)
     "Olmo2ForCausalLM": DecoderForCausalLM,  # norms after the blocks only (ArchConfig.post_norms)
     "Olmo3ForCausalLM": DecoderForCausalLM,
 }

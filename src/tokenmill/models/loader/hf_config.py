@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
     "SmolLM3ForCausalLM",
+    "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
 )
@@ -44,6 +45,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
 }
@@ -89,6 +91,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 128_256, "max_position_embeddings": 32768, "bos_token_id": 128_000, "eos_token_id": 128_001,
         "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
         "no_rope_layer_interval": 4, "hidden_act": "silu", "mlp_bias": False,
+    },
+    "Phi3ForCausalLM": {  # transformers' Phi3Config
+        "vocab_size": 32064, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000, "sliding_window": None, "hidden_act": "silu",
+        "partial_rotary_factor": 1.0,
     },
     "Olmo2ForCausalLM": {  # transformers' Olmo2Config
         "vocab_size": 50304, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
@@ -159,7 +166,29 @@ def rope_scaling_from_hf(params: Optional[dict[str, Any]], max_position_embeddin
         )
     if kind == "yarn":
         return _yarn_scaling(params, max_position_embeddings)
-    raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn")
+    if kind == "longrope":
+        return _longrope_scaling(params, max_position_embeddings)
+    raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn, longrope")
+
+
+def _longrope_scaling(params: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """LongRoPE as transformers reads it: short and long per-frequency factors; a missing factor is
+    max_position_embeddings over the original context, a missing attention_factor sqrt(1 + ln(factor) /
+    ln(original)) (1 when the factor does not stretch)."""
+    original = int(params.get("original_max_position_embeddings") or 0)
+    if original <= 0:
+        raise ValueError("longrope RoPE scaling needs original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params.get(key), list):
+            raise ValueError(f"longrope RoPE scaling needs {key}, a list of numbers")
+    factor = float(params.get("factor") or max_position_embeddings / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(kind="longrope", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention_factor),
+                       short_factor=tuple(float(f) for f in params["short_factor"]),
+                       long_factor=tuple(float(f) for f in params["long_factor"]))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -197,7 +226,7 @@ def _token_ids(*values: Any) -> tuple[int, ...]:
 
 def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]:
     if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM",
-                        "Olmo3ForCausalLM"):
+                        "Olmo3ForCausalLM", "Phi3ForCausalLM"):
         return setting["sliding_window"]
     qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if (qwen or architecture == "SmolLM3ForCausalLM") and setting.get("use_sliding_window"):
@@ -302,6 +331,26 @@ def _olmo2_fields(architecture: str, setting: dict[str, Any], rope_params: dict[
         fields["rope_local_theta"] = float(local.get("rope_theta", _global_rope(rope_params).get(
             "rope_theta", setting["rope_theta"])))
     return fields
+
+
+def _phi3_rope(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's RoPE parameters as transformers' Phi3Config normalises them: types "su" and "yarn" are its
+    LongRoPE, and original_max_position_embeddings and partial_rotary_factor may sit at the config's top level."""
+    params = dict(rope_params)
+    if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+    params.setdefault("original_max_position_embeddings", setting["original_max_position_embeddings"])
+    params.setdefault("partial_rotary_factor", setting["partial_rotary_factor"])
+    return params
+
+
+def _phi3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's ArchConfig fields beyond the Llama ones (transformers' Phi3Config): RoPE on the first
+    partial_rotary_factor of each head (Phi-4-mini); the fused qkv_proj and gate_up_proj tensors are split as
+    they load (models/loader/fused_tensors.py), LongRoPE is rope_scaling_from_hf's."""
+    if _hidden_act(setting, "hidden_act") != "silu":
+        raise ValueError(f"Phi3ForCausalLM with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    return dict(partial_rotary_factor=float(rope_params["partial_rotary_factor"]))
 
 
 def _yarn_mscale_squared(params: dict[str, Any]) -> float:
@@ -444,6 +493,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
     if architecture == "DeepseekV2ForCausalLM":  # HF's head_dim is the RoPE part; ours, the q/k head width
         setting["head_dim"] = setting["qk_nope_head_dim"] + setting["qk_rope_head_dim"]
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if architecture == "Phi3ForCausalLM":
+        rope_params = _phi3_rope(setting, rope_params)
     num_heads = setting["num_attention_heads"]
     bos_token_id = setting["bos_token_id"]
     if bos_token_id is None:
@@ -453,6 +504,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
         **(_gemma2_fields(setting) if architecture == "Gemma2ForCausalLM" else {}),
         **(_smollm3_fields(setting) if architecture == "SmolLM3ForCausalLM" else {}),
+        **(_phi3_fields(setting, rope_params) if architecture == "Phi3ForCausalLM" else {}),
         **(_olmo2_fields(architecture, setting, rope_params) if architecture in _OLMO2_ARCHITECTURES else {}),
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
