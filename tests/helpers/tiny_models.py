@@ -1,5 +1,5 @@
-"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, DeepSeek-V2, Mixtral, Qwen3-MoE,
-OLMoE, LLaVA) with the SmolLM2 tokenizer."""
+"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Gemma 2, SmolLM3, OLMo 2/3, Phi-3,
+DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def make_tiny_hf_model(
     dtype: torch.dtype = torch.float32,
     **config_overrides: Any,
 ) -> Path:
-    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, deepseek_v2, mixtral,
-    qwen3_moe, olmoe) and its tokenizer in `dir`.
+    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
+    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe) and its tokenizer in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and

@@ -1,7 +1,8 @@
 """The decoder-only LM every supported architecture runs as: Llama 2/3, Mistral, SmolLM2, Qwen2 (QKV
 bias), Qwen3 (q/k norm), Gemma 3 (sliding-window layers, local/global RoPE, sandwich norms, GeGLU,
-scaled embeddings, logit soft-capping) and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE
-(layers/moe.py; OLMoE's q/k norm spans the whole projection).
+scaled embeddings, logit soft-capping), Gemma 2 (attention-score soft-capping), SmolLM3 (NoPE layers),
+OLMo 2/3 (norms after the blocks only), Phi-3 / Phi-4-mini (LongRoPE, partial rotary) and the mixtures of
+experts Mixtral, Qwen3-MoE and OLMoE (layers/moe.py; OLMoE's q/k norm spans the whole projection).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
