@@ -1,5 +1,5 @@
-"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, DeepSeek-V2, Mixtral, Qwen3-MoE,
-OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, LLaVA) with the SmolLM2 tokenizer."""
+"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Gemma 2, SmolLM3, OLMo 2/3, Phi-3,
+DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -55,6 +55,26 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # attention scalar differ from hidden / heads as in the real models
     "gemma3_text": {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 16,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "final_logit_softcapping": 30.0},
+    # Gemma 2: sliding layers alternating with full ones, a window shorter than the test prompts; head_dim 64
+    # (the AVX-512 attention tiles take it) and an attention scalar other than head_dim; score caps low enough
+    # to bite (random scores of ~10 against a cap of 5) and a final logit cap
+    "gemma2": {"num_hidden_layers": 4, "head_dim": 64, "query_pre_attn_scalar": 48, "sliding_window": 16,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "initializer_range": 0.2},
+    # SmolLM3: layer 1 of 2 without RoPE (every 2nd layer: no_rope_layer_interval), untied embeddings to differ
+    "smollm3": {"no_rope_layer_interval": 2, "tie_word_embeddings": False},
+    # OLMo 2: norms after attention and MLP only, q/k norms over the whole projections (4 x 16 and 2 x 16)
+    "olmo2": {},
+    # OLMo 3: also 3 sliding layers (window 16, shorter than the test prompts) to 1 full, YaRN on the full
+    # layer's RoPE only
+    "olmo3": {"num_hidden_layers": 4, "sliding_window": 16,
+              "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 32},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
+    # Phi-3: fused qkv_proj and gate_up_proj tensors, LongRoPE whose max_position_embeddings is its original
+    # context: the short factors, unstretched (factor 1)
+    "phi3": {"original_max_position_embeddings": 1024,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 4 for i in range(8)],
+                              "long_factor": [4.0 + i for i in range(8)]}},
     # multi-head latent attention: a latent (kv_lora_rank 32) narrower than the heads' keys and values
     # (4 x (16 + 8) and 4 x 16), RoPE on 8 dims, queries straight from q_proj (q_lora_rank=24 for the
     # low-rank path); every layer dense (first_k_dense_replace = layers: override it for MoE layers);
@@ -95,8 +115,8 @@ def make_tiny_hf_model(
     dtype: torch.dtype = torch.float32,
     **config_overrides: Any,
 ) -> Path:
-    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, deepseek_v2, mixtral,
-    qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe) and its tokenizer in `dir`.
+    """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
+    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe) and its tokenizer in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and

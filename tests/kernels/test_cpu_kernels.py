@@ -317,3 +317,42 @@ def test_wrappers_refuse_what_the_c_code_cannot_read(kernels):
         kernels.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous"):
         kernels.silu_mul(torch.zeros(8, 2).t())
+
+
+def _capped_attention_by_query(q, cache, chunks, block_size, scale, cap):
+    """Each query's attention over its causal context in float32, scores soft-capped: cap * tanh(s / cap)."""
+    out = torch.empty(q.shape)
+    for c in chunks:
+        for i in range(c.query_len):
+            row, length = c.query_start + i, c.context_len - c.query_len + i + 1
+            blocks = cache[:, list(c.block_ids)].float()  # [2, blocks, kv_heads, block_size, head_dim]
+            k, v = blocks.transpose(1, 2).flatten(2, 3)[:, :, :length].repeat_interleave(
+                q.shape[1] // cache.shape[2], dim=1)
+            scores = (k @ q[row].float().unsqueeze(-1)).squeeze(-1) * scale
+            out[row] = (torch.softmax(torch.tanh(scores / cap) * cap, dim=-1).unsqueeze(1) @ v).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32)])  # the AVX-512 tiles; the portable loop
+def test_soft_capped_scores_are_capped_before_the_softmax_on_both_cpu_backends(kernels, heads, kv_heads, head_dim):
+    # Gemma 2's attn_logit_softcapping: decodes, a chunk from position 0 and one after cached context, in one step,
+    # float32, against the formula; the cap (0.4, scores of std ~1) moves every output far beyond the tolerance
+    block_size, cap, scale = 8, 0.4, head_dim ** -0.5
+    gen = torch.Generator().manual_seed(21)
+    cache = torch.randn(2, 40, kv_heads, block_size, head_dim, generator=gen)
+    chunks = [SequenceChunk(0, 1, 70, list(range(0, 9))), SequenceChunk(1, 6, 6, [9]),
+              SequenceChunk(7, 5, 30, [10, 11, 12, 13]), SequenceChunk(12, 1, 2, [14])]
+    slots = torch.tensor([8 * 8 + 5] + [9 * 8 + i for i in range(6)] + [13 * 8 + i for i in range(1, 6)] + [14 * 8 + 1])
+    q = torch.randn(13, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, 13, kv_heads, head_dim, generator=gen)
+    layer, cpu = AttentionLayer(scale, logit_softcap=cap), torch.device("cpu")
+    written = cache.clone()
+    written[0][slots // block_size, :, slots % block_size] = k
+    written[1][slots // block_size, :, slots % block_size] = v
+    expected = _capped_attention_by_query(q, written, chunks, block_size, scale, cap)
+    uncapped = _capped_attention_by_query(q, written, chunks, block_size, scale, 1e9)
+    assert not torch.allclose(expected, uncapped, atol=1e-2)
+    for backend in (TorchReferenceBackend(), CpuPagedBackend(kernels), CpuPagedBackend(kernels, batch_invariant=False)):
+        c = cache.clone()
+        got = backend.forward(q, k, v, c, backend.build_metadata(chunks, slots, block_size, cpu), layer)
+        assert torch.allclose(got, expected, atol=2e-5, rtol=2e-5), type(backend).__name__

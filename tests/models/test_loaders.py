@@ -199,8 +199,8 @@ def test_hf_config_legacy_keys_and_defaults(tmp_path):
 
 
 def test_hf_config_rejects_unknown_rope_scaling(tmp_path):
-    config = {**MINIMAL_CONFIG, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}}
-    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'longrope'; supported: .*yarn"):
+    config = {**MINIMAL_CONFIG, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'dynamic'; supported: .*longrope"):
         arch_config_from_hf(write_config(tmp_path, config))
 
 

@@ -12,7 +12,7 @@ of the step, decodes included, goes to the AMX tiles, whose arithmetic is lane-w
 (prefill_attention.c); elsewhere, and for the layers those tiles do not take (a sliding window, float32,
 a quantised cache, other head sizes), every query attends as a one-token decode at its position
 (kernels/decode_attention.c). Which of the two a layer takes depends on the layer alone, never on the
-batch.
+batch. A layer with a score soft cap (Gemma 2) never takes the AMX tiles: the decode kernels cap its scores.
 """
 
 from __future__ import annotations
@@ -118,16 +118,20 @@ class CpuPagedBackend(TorchReferenceBackend):
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata,
                      layer: AttentionLayer) -> None:
         self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
-                                      m.decode_lens, layer.scale, window=layer.sliding_window or 0)
+                                      m.decode_lens, layer.scale, window=layer.sliding_window or 0,
+                                      softcap=layer.logit_softcap or 0.0)
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:
         """All prefill chunks in one kernel call where it applies, else the reference's SDPA per chunk.
         The AMX kernel attends causally without a window: a windowed layer takes it only where no
-        chunk's context is longer than the window (there the two are the same attention)."""
+        chunk's context is longer than the window (there the two are the same attention). It has no score
+        soft cap: a capped layer's chunks take the reference's."""
         assert isinstance(m, CpuPagedMetadata)
         windowless = layer.sliding_window is None or all(p.context_len <= layer.sliding_window for p in m.prefills)
-        if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and windowless and not is_quantized(kv_cache) and \
+        uncapped = layer.logit_softcap is None
+        if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and windowless and uncapped and \
+                not is_quantized(kv_cache) and \
                 self.kernels.prefill_attention(out, q, kv_cache, m.prefill_chunks, m.prefill_tables, layer.scale):
             return
         super()._prefill_into(out, q, k, v, kv_cache, m, layer)

@@ -157,6 +157,25 @@ def _as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(quantize_rows(x, row_format(kv_cache)), x.dtype) if is_quantized(kv_cache) else x
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+              layer: AttentionLayer) -> torch.Tensor:
+    """softmax(q k^T * scale) v: q [..., H, Q, D], k and v [..., KVH, L, D] (H a multiple of KVH), `mask`
+    [..., Q, L] True where a query may attend, None for causal attention with Q == L. A layer with a score soft
+    cap (Gemma 2) caps the scores, cap * tanh(scores / cap), before the mask and softmax, as transformers'
+    eager attention does (float32 softmax); SDPA, which has no cap, attends the others."""
+    if layer.logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
+                                              enable_gqa=True)
+    assert mask is not None, "a soft-capped layer's caller builds its causal mask"
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    cap = layer.logit_softcap
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * layer.scale / cap) * cap
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(weights.to(q.dtype), v)
+
+
 def prefill_entries(prefills: list[SequenceChunk], block_size: int, device: torch.device) -> list[_Prefill]:
     """What SDPA needs per prefill chunk: nothing more for a chunk starting at position 0 (its own K/V,
     causal), else its block table (and a mask, built when first used)."""
@@ -223,8 +242,9 @@ class TorchReferenceBackend(AttentionBackend):
                 kp = _keys(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
                 vp = _values(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
             mask = p.mask(layer.sliding_window)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
-                                                scale=layer.scale, enable_gqa=True)
+            if mask is None and layer.logit_softcap is not None:  # a chunk from position 0: plain causal
+                mask = torch.ones(p.query_len, p.query_len, dtype=torch.bool, device=q.device).tril()
+            op = attention(qp, kp, vp, mask, layer)
             out[rows] = op.squeeze(0).transpose(0, 1)
 
     @staticmethod
@@ -249,6 +269,5 @@ class TorchReferenceBackend(AttentionBackend):
         k = _keys(kv_cache, m.decode_tables, q.dtype)  # [B, KVH, L, D]
         v = k if kv_cache.shape[0] == 1 else _values(kv_cache, m.decode_tables, q.dtype)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=m.decode_mask_for(layer.sliding_window),
-                                             scale=layer.scale)
+        out = attention(grouped, k, v, m.decode_mask_for(layer.sliding_window), layer)
         return out.reshape(batch, num_heads, head_dim)

@@ -7,7 +7,8 @@
  * rounded to whole cache blocks), and each (query head, span) runs alone:
  *   1. scores: the span's keys transposed LANES (16, or 8 on AVX2) to a vector, so that each key's
  *      score is one chain over the dimensions in order in its own lane (AVX512-BF16 dot products of
- *      dimension pairs on bfloat16 caches, else float32 fused multiply-adds), times scale;
+ *      dimension pairs on bfloat16 caches, else float32 fused multiply-adds), times scale (and soft-capped,
+ *      softcap * tanh(score / softcap), where the layer has a cap);
  *   2. top = the row's largest score in the span; e = fast_exp16 / fast_exp8 (score - top), LANES keys
  *      at a time from the row's first key there, their total summed lane-wise in key order and then by
  *      one fixed tree;
@@ -64,6 +65,7 @@ typedef struct {
     int64_t num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride;
     int64_t window, span_keys;
     float scale;
+    float softcap;      /* > 0: scores -> softcap * tanh(score / softcap) before the softmax (Gemma 2) */
     int bf16;
     int rows;           /* TM_ROWS_*: what the cache rows hold */
     int paired;         /* the scores take bfloat16 dot products of dimension pairs (PAIRED, bfloat16 rows) */
@@ -191,6 +193,7 @@ static inline __attribute__((always_inline)) void tile_span(const paged_args *a,
     for (int x = 0; x < live; x++) {
         const int64_t r = rows[x], from = row_key0[x] - span_start, len = row_key1[x] - row_key0[x];
         float *sr = ws->scores + r * stride;
+        softcap_scores(sr + from, len, a->softcap);  /* the row's own scores only: still one arithmetic per query */
         ws->tops[r] = row_max(sr + from, len);
         ws->totals[r] = row_exponentials(sr + from, len, ws->tops[r]);
     }
@@ -290,10 +293,10 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, int bf16, int rows) {
+                        float scale, int64_t window, float softcap, int bf16, int rows) {
     const paged_args a = {out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_kv_heads, group,
                           head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride, window,
-                          span_length(block_size), scale, bf16, rows, rows == TM_ROWS_DTYPE && PAIRED(bf16),
+                          span_length(block_size), scale, softcap, bf16, rows, rows == TM_ROWS_DTYPE && PAIRED(bf16),
                           rows == TM_ROWS_DTYPE ? head_dim : head_dim + 4};
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     const int64_t tiles = query_tiles(starts, token_index, block_tables, context_lens, num_seqs, max_blocks,

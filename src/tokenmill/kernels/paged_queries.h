@@ -3,6 +3,7 @@
 #ifndef TOKENMILL_PAGED_QUERIES_H
 #define TOKENMILL_PAGED_QUERIES_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,11 +17,20 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, int bf16, int rows);
+                        float scale, int64_t window, float softcap, int bf16, int rows);
 
 /* The first key a query of context `ctx` attends: window <= 0 is full attention. */
 static inline int64_t window_first(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
+}
+
+/* Gemma 2's score soft cap: each of n scores s becomes cap * tanh(s / cap), in place, before the softmax (as
+ * transformers divides, takes tanh and multiplies, in float32); cap <= 0 leaves them as they are. Score by
+ * score, so a query's scores stay a function of its own keys. */
+static inline void softcap_scores(float *scores, int64_t n, float cap) {
+    if (cap <= 0.0f)
+        return;
+    for (int64_t i = 0; i < n; i++) scores[i] = cap * tanhf(scores[i] / cap);
 }
 
 /* One step of a walk over keys [start, last) block by block, from any offset: sets *block (its index in

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,9 @@ class RopeScaling:
     `kind` is "llama3" (Llama 3.1 smooth wavelength scaling, with the factors below), "linear"
     (positions divided by `factor`), "yarn" (YaRN: frequencies interpolated by `factor` below a ramp
     between `beta_fast` and `beta_slow` rotations over the original context, kept above it; cos and
-    sin times `attention_factor`) or "factors" (explicit per-frequency divisors, as GGUF stores them in
+    sin times `attention_factor`), "longrope" (Phi-3's LongRoPE: frequency i divided by `short_factor[i]`, or
+    by `long_factor[i]` when the table reaches past `original_max_position_embeddings`; cos and sin times
+    `attention_factor`) or "factors" (explicit per-frequency divisors, as GGUF stores them in
     `rope_freqs.weight`; the divisors are loaded as a tensor, not kept here).
     """
 
@@ -30,10 +35,15 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
-    """Inverse frequencies 1 / base^(2i/d), with linear, Llama-3 or YaRN scaling applied (float32)."""
+def rope_inv_freq(head_dim: int, base: float, scaling: Optional[RopeScaling], max_positions: int = 0) -> torch.Tensor:
+    """Inverse frequencies 1 / base^(2i/d), with linear, Llama-3, YaRN or LongRoPE scaling applied (float32);
+    `max_positions`: the positions the table serves (LongRoPE picks its factors by it)."""
+    if scaling is not None and scaling.kind == "longrope":
+        return _longrope_inv_freq(head_dim, base, scaling, max_positions)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None or scaling.kind == "factors":
         return inv_freq
@@ -43,7 +53,25 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Optional[RopeScaling]) ->
         return _llama3_inv_freq(inv_freq, scaling)
     if scaling.kind == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, base, scaling)
-    raise ValueError(f"unsupported RoPE scaling {scaling.kind!r} (supported: linear, llama3, yarn)")
+    raise ValueError(f"unsupported RoPE scaling {scaling.kind!r} (supported: linear, llama3, yarn, longrope)")
+
+
+def uses_long_factors(scaling: RopeScaling, max_positions: int) -> bool:
+    """Whether a LongRoPE table of `max_positions` positions takes the long factors: when it reaches past the
+    original context. One choice for the whole table (llama.cpp's, by its context size), so a position turns alike
+    in every sequence and step and the cached keys stay valid; transformers chooses per forward pass by the
+    sequence's length instead, which gives the same rotations to every sequence when max_positions is within the
+    original context, and to every sequence longer than it otherwise."""
+    return max_positions > scaling.original_max_position_embeddings
+
+
+def _longrope_inv_freq(head_dim: int, base: float, s: RopeScaling, max_positions: int) -> torch.Tensor:
+    """LongRoPE (transformers' _compute_longrope_parameters): 1 / (factor_i * base^(2i/d))."""
+    factors = s.long_factor if uses_long_factors(s, max_positions) else s.short_factor
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"LongRoPE lists {len(factors)} factors for {head_dim // 2} rotary frequencies")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
 
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, base: float, s: RopeScaling) -> torch.Tensor:
@@ -84,8 +112,13 @@ class RotaryEmbedding(nn.Module):
                  scaling: Optional[RopeScaling] = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
-        self.inv_freq = rope_inv_freq(head_dim, base, scaling)
-        self.magnitude = scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
+        self.inv_freq = rope_inv_freq(head_dim, base, scaling, max_positions)
+        scaled = scaling is not None and scaling.kind in ("yarn", "longrope")
+        self.magnitude = scaling.attention_factor if scaled else 1.0
+        if scaling is not None and scaling.kind == "longrope":
+            logger.info("LongRoPE: %s factors for positions up to %d (original context %d)",
+                        "long" if uses_long_factors(scaling, max_positions) else "short", max_positions,
+                        scaling.original_max_position_embeddings)
         self._build_table()
 
     def _build_table(self) -> None:

@@ -60,13 +60,14 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What differs from one decoder layer to the next: its attention kind, window and RoPE base, and
-    whether its MLP is sparse."""
+    """What differs from one decoder layer to the next: its attention kind, window and RoPE base, whether
+    its MLP is sparse and whether it rotates q and k at all."""
 
     attention: str  # FULL_ATTENTION | SLIDING_ATTENTION
     sliding_window: Optional[int]  # tokens a query sees, itself included (None: all)
     rope_theta: float
     moe: bool
+    rope: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,12 @@ class ArchConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
     sandwich_norms: bool = False  # Gemma 3: norms after attention and MLP as well as before
+    post_norms: bool = False  # OLMo 2/3: norms after attention and MLP only, none before (x + norm(block(x)))
     embedding_scale: Optional[float] = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
     attention_scale: Optional[float] = None  # softmax scale (default head_dim ** -0.5)
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+    attn_logit_softcap: Optional[float] = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    no_rope_layers: frozenset[int] = frozenset()  # SmolLM3: the layers without rotary embeddings (NoPE)
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None
     vision: Optional[VisionConfig] = None  # a vision-language model's image side (models/vision/)
@@ -128,6 +132,8 @@ class ArchConfig:
                              f"{SLIDING_ATTENTION}")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if self.post_norms and self.sandwich_norms:
+            raise ValueError("post_norms and sandwich_norms are two placements of the same norms: choose one")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -154,7 +160,7 @@ class ArchConfig:
         sliding = kind == SLIDING_ATTENTION
         theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
         moe = self.moe is not None and index not in self.moe.dense_layers
-        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe)
+        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers)
 
     @property
     def has_sliding_layers(self) -> bool:

@@ -39,9 +39,10 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(q_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
         self.k_norm = RMSNorm(k_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim ** -0.5
-        self.attention = AttentionLayer(scale, spec.sliding_window)
+        self.attention = AttentionLayer(scale, spec.sliding_window, arch.attn_logit_softcap)
         self.rope_key = rope_key(arch, spec)
         self.rotary_dim = arch.rotary_dim or arch.head_dim
+        self.rotates = spec.rope  # False: a NoPE layer (SmolLM3)
         self.backend = backend
 
     def forward(self, rope: "RopeInputs", hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -57,7 +58,9 @@ class SelfAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
             q_and_k = torch.cat((q, k), dim=1)
-        q, k = self.rotate(rope, q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.rotates:
+            q_and_k = self.rotate(rope, q_and_k)
+        q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -125,7 +128,8 @@ class RopeInputs:
             self.cos_sin = {key: table.cos_sin(positions, dtype) for key, table in rotary.tables.items()}
 
     def apply(self, key: RopeKey, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] by table `key`; the kernel path rotates x itself and returns it."""
+        """Rotate x [T, heads, width] (width: the table's) by table `key`; the kernel path rotates x itself
+        and returns it."""
         if self.kernels is None:
             return apply_rotary(x, *self.cos_sin[key])
         table = self.rotary.tables[key]

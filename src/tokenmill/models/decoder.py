@@ -1,8 +1,9 @@
 """The decoder-only LM every supported architecture runs as: Llama 2/3, Mistral, SmolLM2, Qwen2 (QKV
 bias), Qwen3 (q/k norm), Gemma 3 (sliding-window layers, local/global RoPE, sandwich norms, GeGLU,
-scaled embeddings, logit soft-capping), the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
-(layers/moe.py; OLMoE's q/k norm spans the whole projection), DeepSeek-V2/V3 (multi-head latent attention,
-models/mla_attention.py) and GLM-4.5 (partial RoPE).
+scaled embeddings, logit soft-capping), Gemma 2 (attention-score soft-capping), SmolLM3 (NoPE layers),
+OLMo 2/3 (norms after the blocks only), Phi-3 / Phi-4-mini (LongRoPE, partial rotary), the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (layers/moe.py; OLMoE's q/k norm spans the whole
+projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py) and GLM-4.5 (partial RoPE).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -26,6 +27,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
 from tokenmill.models.kernel_choice import KernelChoice
+from tokenmill.models.loader.fused_tensors import split_fused_projections
 from tokenmill.models.mla_attention import MLAAttention
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
@@ -55,19 +57,23 @@ def make_mlp(arch: ArchConfig, spec: LayerSpec, tp: TPGroup) -> nn.Module:
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections; with `sandwich_norms` (Gemma 3)
-    each block's output is normed too before it joins the residual stream."""
+    each block's output is normed too before it joins the residual stream; with `post_norms` (OLMo 2/3)
+    only the output is: each block reads the residual stream itself."""
 
     def __init__(self, arch: ArchConfig, index: int, backend: AttentionBackend, tp: TPGroup) -> None:
         super().__init__()
         spec = arch.layer_spec(index)
         norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)  # noqa: E731
-        self.input_layernorm = norm()
+        self.post_norms = arch.post_norms
+        if not self.post_norms:  # (an OLMo 2 checkpoint has no input norm)
+            self.input_layernorm = norm()
         # DeepSeek-V2: multi-head latent attention (its cache holds the latent, models/mla_attention.py)
         self.self_attn = (MLAAttention if arch.mla is not None else SelfAttention)(arch, spec, backend, tp)
-        self.post_attention_layernorm = norm()  # Llama: before the MLP; Gemma: after attention
+        self.post_attention_layernorm = norm()  # Llama: before the MLP; Gemma, OLMo 2: after attention
         self.sandwich = arch.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = norm()
         self.mlp = make_mlp(arch, spec, tp)
 
@@ -76,6 +82,8 @@ class DecoderLayer(nn.Module):
         """One transformer block on the (block output, residual stream) pair; the first layer gets
         residual=None and the embeddings as `hidden`. The stream's value after the block is
         residual + hidden, which the next norm adds up (fused with it where a kernel does both)."""
+        if self.post_norms:
+            return self._post_norm_forward(rope, hidden, residual, kv_cache, attn_metadata)
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
@@ -87,6 +95,14 @@ class DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self.mlp(normed)), residual
         normed, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(normed), residual
+
+    def _post_norm_forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                           kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's block: stream += norm(attention(stream)); then (norm(mlp(stream)), stream), the MLP's normed
+        output joining the stream at the next norm as every layer's output does."""
+        stream = hidden if residual is None else residual + hidden
+        stream = stream + self.post_attention_layernorm(self.self_attn(rope, stream, kv_cache, attn_metadata))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
 
 
 class DecoderForCausalLM(nn.Module):
@@ -290,6 +306,7 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
             local = local_experts(self.arch.moe.num_experts, self.tp) if self.tp.expert_parallel else None
             weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size, local)
+        weights = split_fused_projections(weights, self.arch)  # Phi-3's qkv_proj and gate_up_proj
         vision_weights = []
         for name, tensor in weights:
             if name.startswith("vision."):

@@ -18,6 +18,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
     "Gemma3ForCausalLM": DecoderForCausalLM,
+    "Gemma2ForCausalLM": DecoderForCausalLM,  # attention scores soft-capped (AttentionLayer.logit_softcap)
     "DeepseekV2ForCausalLM": DecoderForCausalLM,  # multi-head latent attention (models/mla_attention.py)
     "MixtralForCausalLM": DecoderForCausalLM,  # mixtures of experts (layers/moe.py)
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
@@ -25,6 +26,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": DecoderForCausalLM,  # a sigmoid-gated shared expert
     "DeepseekV3ForCausalLM": DecoderForCausalLM,  # MLA and sigmoid grouped routing with a correction bias
     "Glm4MoeForCausalLM": DecoderForCausalLM,  # DeepSeek-V3's routing, partial RoPE
+    "SmolLM3ForCausalLM": DecoderForCausalLM,  # NoPE layers (LayerSpec.rope)
+    "Phi3ForCausalLM": DecoderForCausalLM,  # fused checkpoint tensors split at load (loader/fused_tensors.py)
+    "Olmo2ForCausalLM": DecoderForCausalLM,  # norms after the blocks only (ArchConfig.post_norms)
+    "Olmo3ForCausalLM": DecoderForCausalLM,
 }
 
 

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma2ForCausalLM",
     "DeepseekV2ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
@@ -30,6 +31,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -40,6 +45,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2_5_vl_text": "Qwen2ForCausalLM",  # and Qwen2.5-VL's
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -47,6 +53,10 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -65,6 +75,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "eos_token_id": 1, "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
         "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
     },
+    "Gemma2ForCausalLM": {  # transformers' Gemma2Config
+        "vocab_size": 256_000, "max_position_embeddings": 8192, "head_dim": 256, "bos_token_id": 2,
+        "eos_token_id": 1, "tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    },
     "DeepseekV2ForCausalLM": {
         "vocab_size": 102_400, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
         "hidden_act": "silu", "mlp_bias": False, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
@@ -80,6 +95,24 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 151_936, "max_position_embeddings": 32768, "sliding_window": 4096, "num_experts_per_tok": 8,
         "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+    },
+    "SmolLM3ForCausalLM": {  # transformers' SmolLM3Config
+        "vocab_size": 128_256, "max_position_embeddings": 32768, "bos_token_id": 128_000, "eos_token_id": 128_001,
+        "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+        "no_rope_layer_interval": 4, "hidden_act": "silu", "mlp_bias": False,
+    },
+    "Phi3ForCausalLM": {  # transformers' Phi3Config
+        "vocab_size": 32064, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000, "sliding_window": None, "hidden_act": "silu",
+        "partial_rotary_factor": 1.0,
+    },
+    "Olmo2ForCausalLM": {  # transformers' Olmo2Config
+        "vocab_size": 50304, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
+        "hidden_act": "silu",
+    },
+    "Olmo3ForCausalLM": {  # transformers' Olmo3Config
+        "vocab_size": 50304, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
+        "hidden_act": "silu", "sliding_window": 4096,
     },
     "OlmoeForCausalLM": {
         "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
@@ -104,6 +137,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
     },
 }
+_OLMO2_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # see _olmo2_fields
 _HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # see _moe_fields: each one's expert count, its config key first (transformers maps num_experts and
 # num_local_experts onto each other, and saves whichever the class stores)
@@ -160,7 +194,29 @@ def rope_scaling_from_hf(params: Optional[dict[str, Any]], max_position_embeddin
         )
     if kind == "yarn":
         return _yarn_scaling(params, max_position_embeddings)
-    raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn")
+    if kind == "longrope":
+        return _longrope_scaling(params, max_position_embeddings)
+    raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn, longrope")
+
+
+def _longrope_scaling(params: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """LongRoPE as transformers reads it: short and long per-frequency factors; a missing factor is
+    max_position_embeddings over the original context, a missing attention_factor sqrt(1 + ln(factor) /
+    ln(original)) (1 when the factor does not stretch)."""
+    original = int(params.get("original_max_position_embeddings") or 0)
+    if original <= 0:
+        raise ValueError("longrope RoPE scaling needs original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params.get(key), list):
+            raise ValueError(f"longrope RoPE scaling needs {key}, a list of numbers")
+    factor = float(params.get("factor") or max_position_embeddings / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(kind="longrope", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention_factor),
+                       short_factor=tuple(float(f) for f in params["short_factor"]),
+                       long_factor=tuple(float(f) for f in params["long_factor"]))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -197,10 +253,11 @@ def _token_ids(*values: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]:
-    if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM"):
+    if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM",
+                        "Olmo3ForCausalLM", "Phi3ForCausalLM"):
         return setting["sliding_window"]
     qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    if qwen and setting.get("use_sliding_window"):
+    if (qwen or architecture == "SmolLM3ForCausalLM") and setting.get("use_sliding_window"):
         return setting["sliding_window"]
     return None
 
@@ -235,6 +292,93 @@ def _gemma3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict
         attention_scale=float(setting["query_pre_attn_scalar"]) ** -0.5,
         final_logit_softcap=setting.get("final_logit_softcapping"),
     )
+
+
+def _gemma2_fields(setting: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's ArchConfig fields beyond the Llama ones (transformers' Gemma2Config): Gemma 3's norms, GeGLU,
+    scaled embeddings and final soft cap, one RoPE base for every layer, sliding layers alternating with full
+    ones (the first sliding), and the attention scores soft-capped (attn_logit_softcapping) on every layer."""
+    if setting.get("use_bidirectional_attention"):
+        raise ValueError("Gemma2ForCausalLM with use_bidirectional_attention=True is not supported")
+    layers = setting["num_hidden_layers"]
+    layer_types = setting.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    attn_cap, final_cap = setting.get("attn_logit_softcapping"), setting.get("final_logit_softcapping")
+    return dict(
+        layer_types=tuple(layer_types), hidden_act=_hidden_act(setting, "hidden_activation"),
+        norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=float(setting["hidden_size"]) ** 0.5,
+        attention_scale=float(setting["query_pre_attn_scalar"]) ** -0.5,
+        final_logit_softcap=float(final_cap) if final_cap else None,
+        attn_logit_softcap=float(attn_cap) if attn_cap else None,
+    )
+
+
+def _smollm3_fields(setting: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's ArchConfig fields beyond the Llama ones (transformers' SmolLM3Config): its NoPE layers, those
+    where `no_rope_layers` holds 0 (a 1 is a layer WITH RoPE; default: every no_rope_layer_interval-th layer
+    has none), and the sliding windows of layer_types when use_sliding_window."""
+    name, layers = "SmolLM3ForCausalLM", setting["num_hidden_layers"]
+    if setting.get("mlp_bias"):
+        raise ValueError(f"{name} with mlp_bias=True is not supported")
+    if _hidden_act(setting, "hidden_act") != "silu":
+        raise ValueError(f"{name} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    interval = setting["no_rope_layer_interval"]
+    uses_rope = setting.get("no_rope_layers")
+    if uses_rope is None:
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{name} with no_rope_layer_interval={interval!r} is not supported")
+        uses_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(uses_rope) != layers:
+        raise ValueError(f"{name}: no_rope_layers lists {len(uses_rope)} layers but num_hidden_layers is {layers}")
+    fields: dict[str, Any] = {"no_rope_layers": frozenset(i for i, rope in enumerate(uses_rope) if not rope)}
+    if setting.get("use_sliding_window") and setting.get("sliding_window"):
+        fields["layer_types"] = tuple(setting.get("layer_types") or (
+            "full_attention" if uses_rope[i] else "sliding_attention" for i in range(layers)))
+    return fields
+
+
+def _olmo2_fields(architecture: str, setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2's and OLMo 3's ArchConfig fields beyond the Llama ones (transformers' Olmo2Config / Olmo3Config):
+    norms after attention and MLP only (post_norms), the q/k norm over the whole projections; OLMo 3's sliding
+    layers (layer_types; default three sliding to one full), whose RoPE is sliding_attention's unscaled one
+    while the full layers take full_attention's (and its scaling)."""
+    if setting.get("clip_qkv") is not None:
+        raise ValueError(f"{architecture} with clip_qkv={setting['clip_qkv']!r} is not supported")
+    if _hidden_act(setting, "hidden_act") != "silu":
+        raise ValueError(f"{architecture} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    fields: dict[str, Any] = dict(post_norms=True, qk_norm_per_head=False)  # (qk_norm: arch_config_from_hf_dict)
+    if architecture == "Olmo3ForCausalLM":
+        layers = setting["num_hidden_layers"]
+        fields["layer_types"] = tuple(setting.get("layer_types") or (
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)))
+        local = rope_params.get("sliding_attention", {})
+        kind = local.get("rope_type", local.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{architecture} with a {kind!r} RoPE on its sliding layers is not supported; "
+                             "supported: 'default'")
+        fields["rope_local_theta"] = float(local.get("rope_theta", _global_rope(rope_params).get(
+            "rope_theta", setting["rope_theta"])))
+    return fields
+
+
+def _phi3_rope(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's RoPE parameters as transformers' Phi3Config normalises them: types "su" and "yarn" are its
+    LongRoPE, and original_max_position_embeddings and partial_rotary_factor may sit at the config's top level."""
+    params = dict(rope_params)
+    if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+    params.setdefault("original_max_position_embeddings", setting["original_max_position_embeddings"])
+    params.setdefault("partial_rotary_factor", setting["partial_rotary_factor"])
+    return params
+
+
+def _phi3_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's ArchConfig fields beyond the Llama ones (transformers' Phi3Config): RoPE on the first
+    partial_rotary_factor of each head (Phi-4-mini); the fused qkv_proj and gate_up_proj tensors are split as
+    they load (models/loader/fused_tensors.py), LongRoPE is rope_scaling_from_hf's."""
+    if _hidden_act(setting, "hidden_act") != "silu":
+        raise ValueError(f"Phi3ForCausalLM with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    return dict(rotary_dim=_rotary_dim("Phi3ForCausalLM", setting, float(rope_params["partial_rotary_factor"])))
 
 
 def _yarn_mscale_squared(params: dict[str, Any]) -> float:
@@ -311,23 +455,30 @@ def _glm4_moe_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> di
     rope_parameters or the top level, 0.5 by default), the per-head q/k norm when use_qk_norm, the SwiGLU
     activation (silu only)."""
     name = "Glm4MoeForCausalLM"
-    head_dim = setting.get("head_dim") or setting["hidden_size"] // setting["num_attention_heads"]
     factor = float(rope_params.get("partial_rotary_factor", setting["partial_rotary_factor"]))
+    _log_dropped_mtp_layers(name, setting)
+    return dict(moe=_noaux_tc_moe(name, setting), hidden_act=_hidden_act(setting, "hidden_act"),
+                rotary_dim=_rotary_dim(name, setting, factor))
+
+
+def _rotary_dim(name: str, setting: dict[str, Any], factor: float) -> Optional[int]:
+    """ArchConfig.rotary_dim for a partial_rotary_factor: int(head_dim * factor) dims of each head, as
+    transformers turns them (None: the whole head); ValueError naming a factor that turns an odd number or none."""
+    head_dim = setting.get("head_dim") or setting["hidden_size"] // setting["num_attention_heads"]
     rotary_dim = int(head_dim * factor)
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise ValueError(f"{name} with partial_rotary_factor={factor} is not supported: it turns {rotary_dim} of "
                          f"the head's {head_dim} dims (an even number above 0 is needed)")
-    _log_dropped_mtp_layers(name, setting)
-    return dict(moe=_noaux_tc_moe(name, setting), hidden_act=_hidden_act(setting, "hidden_act"),
-                rotary_dim=None if rotary_dim == head_dim else rotary_dim)
+    return None if rotary_dim == head_dim else rotary_dim
 
 
 def _qk_norm(architecture: str, setting: dict[str, Any]) -> bool:
-    """Whether q and k are RMS-normed before RoPE: always for Qwen3, Gemma 3, Qwen3-MoE and OLMoE; for GLM-4.5
-    where use_qk_norm."""
+    """Whether q and k are RMS-normed before RoPE: always for Qwen3, Gemma 3, Qwen3-MoE, OLMoE and OLMo 2/3; for
+    GLM-4.5 where use_qk_norm."""
     if architecture == "Glm4MoeForCausalLM":
         return bool(setting["use_qk_norm"])
-    return architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+    return architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                            *_OLMO2_ARCHITECTURES)
 
 
 def _noaux_tc_moe(name: str, setting: dict[str, Any]) -> Optional[MoEConfig]:
@@ -493,6 +644,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
     if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         setting["head_dim"] = setting["qk_nope_head_dim"] + setting["qk_rope_head_dim"]
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if architecture == "Phi3ForCausalLM":
+        rope_params = _phi3_rope(setting, rope_params)
     num_heads = setting["num_attention_heads"]
     bos_token_id = setting["bos_token_id"]
     if bos_token_id is None:
@@ -500,6 +653,10 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
 
     return ArchConfig(
         **(_gemma3_fields(setting, rope_params) if architecture == "Gemma3ForCausalLM" else {}),
+        **(_gemma2_fields(setting) if architecture == "Gemma2ForCausalLM" else {}),
+        **(_smollm3_fields(setting) if architecture == "SmolLM3ForCausalLM" else {}),
+        **(_phi3_fields(setting, rope_params) if architecture == "Phi3ForCausalLM" else {}),
+        **(_olmo2_fields(architecture, setting, rope_params) if architecture in _OLMO2_ARCHITECTURES else {}),
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
         **(_deepseek_v3_fields(setting, rope_params) if architecture == "DeepseekV3ForCausalLM" else {}),
         **(_glm4_moe_fields(setting, rope_params) if architecture == "Glm4MoeForCausalLM" else {}),
