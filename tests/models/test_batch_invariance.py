@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 from tokenmill import SamplingParams
@@ -298,11 +298,13 @@ def image_engines(request, tmp_path_factory):
     return Engines(lambda **options: LLM(str(folder), **options)), image_prompts(marker)
 
 
-@settings(max_examples=examples(2), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 @example(scenario=COVERING[0])
 def test_output_with_images_does_not_depend_on_what_else_runs(image_engines, scenario):
     """Prompts with images among prompts with and without them: chunks that split an image (budget 5 and 16),
     the same image's blocks cached by another request, preemption, speculation."""
+    # a draw with nothing else running and nothing cached (Hypothesis's first) has no other request to depend on
+    assume(scenario["others"] or scenario["cache"] in ("warm", "partial"))
     engines, (targets, others) = image_engines
     check(engines, scenario, targets, others)
