@@ -88,9 +88,11 @@ def test_tiny_models_split_over_2_and_4_ranks_equal_hf(references, tiny_models, 
 def test_tiny_models_in_pipeline_stages_equal_one_rank_bit_for_bit(references, tiny_models, arch):
     expected, single = references(arch)
     assert single[0] == expected
-    # 4 stages: a first, two middle and a last one. Stages of tensor-parallel ranks: the default model's
-    # TP=3 x PP=2 below, and 2 x 2 over two nodes in test_multinode.py
-    llm = LLM(tiny_models[arch], dtype="float32", pipeline_parallel_size=4)
+    # 3 stages of the 4 layers: a first stage of 2 layers, a middle and a last one of 1 (a middle stage hands
+    # on a hidden state as it got one, so a second middle one runs the same path). Stages of tensor-parallel
+    # ranks: 2 x 2 over two nodes in test_multinode.py (bit for bit) and in
+    # test_features_work_split_and_a_row_does_not_depend_on_its_batch
+    llm = LLM(tiny_models[arch], dtype="float32", pipeline_parallel_size=3)
     try:
         assert ids_and_logprobs(llm.generate(PROMPT_IDS, greedy(), use_tqdm=False)) == single
     finally:
@@ -138,14 +140,14 @@ def test_smollm2_float32_over_3_ranks_summing_partial_products(make_smollm2, smo
 
 def test_smollm2_packed_q4_weights_over_3_ranks(make_smollm2):
     """The default configuration: packed Q4 weights, int8-quantised activations. Exact row-parallel
-    products in 2 pipeline stages of 3 ranks give the single-rank ids and logprobs bit for bit (real
-    weights split 3 ways, and stages of tensor-parallel ranks: the float32 stages of the tiny models add
-    nothing dtype-specific, a stage only hands on its hidden state). Partial sums over 3 ranks are held
-    to the one-rank output in float32 above, where their gap has a bound."""
+    products over 3 ranks give the single-rank ids and logprobs bit for bit (real weights split 3 ways).
+    One stage: a stage only hands on its hidden state, whatever the weights' format, and stages of
+    tensor-parallel ranks are held to one rank bit for bit in test_multinode.py (2 x 2). Partial sums over
+    3 ranks are held to the one-rank output in float32 above, where their gap has a bound."""
     params = greedy(SMOLLM2_TOKENS)
     one = make_smollm2()
     single = ids_and_logprobs(one.generate(SMOLLM2_PROMPTS, params, use_tqdm=False))
-    split = make_smollm2(tensor_parallel_size=3, tensor_parallel_exact=True, pipeline_parallel_size=2)
+    split = make_smollm2(tensor_parallel_size=3, tensor_parallel_exact=True)
     try:
         assert "int4 projections" in split.llm_engine.executor.description  # still packed, not dequantised
         assert ids_and_logprobs(split.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)) == single

@@ -18,7 +18,9 @@ from PIL import Image
 from helpers.tiny_models import make_tiny_llava, make_tiny_qwen2_vl
 from tokenmill import LLM, SamplingParams
 
-MAX_TOKENS = 16
+# 8 tokens: every image is read at prefill, and each decode step after it (Qwen2-VL's positions shifted by the
+# images' grids included) is the same step; more tokens only repeat it
+MAX_TOKENS = 8
 QUESTIONS = ["What is this?", "Describe the picture.", "Which one is brighter?", "Count the shapes.",
              "What colour dominates?", "Is there a face?", "Compare them.", "Tell me a story about it."]
 TEXT_ONLY = ["USER: Hello there ASSISTANT:", "USER: Write a poem about the sea ASSISTANT:"]
@@ -125,6 +127,14 @@ def qwen2_vl_oracle(folder):
     return inputs
 
 
+@pytest.fixture(scope="module")
+def plain_llm(tiny_vlm):
+    """The family's model in float32 with the engine's defaults, for the tests that need no particular chunking,
+    block size or empty cache."""
+    folder, _ = tiny_vlm
+    return LLM(str(folder), dtype="float32", max_model_len=256)
+
+
 def assert_matches_hf(outputs, expected) -> None:
     for output, (prompt_ids, ids, logprobs) in zip(outputs, expected):
         assert output.prompt_token_ids == prompt_ids  # each image's placeholder expanded as the HF processor does
@@ -133,7 +143,7 @@ def assert_matches_hf(outputs, expected) -> None:
         assert np.allclose(got_logprobs, logprobs, rtol=0, atol=1e-4)
 
 
-def test_greedy_output_equals_hf_batched_with_text_chunked_and_after_a_prefix_hit(tiny_vlm):
+def test_greedy_output_equals_hf_batched_with_text_chunked_and_after_a_prefix_hit(tiny_vlm, plain_llm):
     folder, expected = tiny_vlm
     # chunks of 8 tokens: every image's 16 placeholders are split over chunks (and shared with other requests)
     llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=8, max_num_encoder_input_tokens=16,
@@ -147,8 +157,7 @@ def test_greedy_output_equals_hf_batched_with_text_chunked_and_after_a_prefix_hi
     # every full block before the last token came from the cache, the images' blocks included
     assert [o.metrics.num_cached_tokens for o in again] == [(len(o.prompt_token_ids) - 1) // 16 * 16 for o in again]
     assert_matches_hf(again, expected)
-    text_alone = LLM(str(folder), dtype="float32", max_model_len=256).generate(TEXT_ONLY, [greedy()] * 2,
-                                                                                 use_tqdm=False)
+    text_alone = plain_llm.generate(TEXT_ONLY, [greedy()] * 2, use_tqdm=False)
     assert [chosen(o) for o in outputs[4:6]] == [chosen(o) for o in text_alone]
 
 
@@ -176,9 +185,9 @@ def test_an_image_one_pixel_apart_never_reads_another_images_blocks(tiny_vlm):
     assert chosen(other) == chosen(alone) and chosen(other) != chosen(original)
 
 
-def test_prompts_and_images_must_pair_up(tiny_vlm):
+def test_prompts_and_images_must_pair_up(tiny_vlm, plain_llm):
     folder, _ = tiny_vlm
-    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    llm = plain_llm
     image, marker = random_image(0, 8, 8), placeholder(folder)
     with pytest.raises(ValueError, match=r"2 image placeholder\(s\) .* but 1 image\(s\)"):
         llm.generate({"prompt": f"USER: {marker}{marker} hi", "multi_modal_data": {"image": image}}, use_tqdm=False)

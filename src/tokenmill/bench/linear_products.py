@@ -16,16 +16,12 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-from tqdm import tqdm
-
-from tokenmill.worker.model_setup import resolve_dtype
-from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, cpu_kernels, int8_rows_below
-from tokenmill.kernels import quantized
-from tokenmill.layers.linear_kernels import (AmxPackedKernel, DenseKernel, Float32ComputeKernel, OneDnnPackedKernel,
-                                          onednn_packing_available)
+if TYPE_CHECKING:
+    import torch
+# torch and the kernels are imported where they run: the CLI registers this command's flags, and
+# `tokenmill bench serve` (an HTTP client) or `tokenmill chat` should not pay torch's import to start
 
 # SmolLM2-135M: qkv, o, gate_up, down as (out_features, in_features)
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -35,6 +31,8 @@ _FORCED_PATHS = {"dot": (_NEVER, _NEVER, 1), "amx": (_NEVER, 1, _NEVER), "dequan
 
 
 def _time_passes(layers: list[list[Callable]], rows: int, repeats: int, dtype: torch.dtype) -> float:
+    import torch
+
     inputs = [torch.randn(rows, shape[1]).to(dtype) for shape in SMOLLM2_SHAPES]
     times = []
     for _ in range(repeats):
@@ -60,6 +58,15 @@ def add_linear_products_args(parser: argparse.ArgumentParser) -> None:
 
 def run_linear_products(args: argparse.Namespace) -> int:
     """Build the weights and print one line of milliseconds per row count."""
+    import torch
+    from tqdm import tqdm
+
+    from tokenmill.kernels import quantized
+    from tokenmill.kernels.cpu_kernels import ALWAYS_INT8, cpu_kernels, int8_rows_below
+    from tokenmill.layers.linear_kernels import (AmxPackedKernel, DenseKernel, Float32ComputeKernel,
+                                                 OneDnnPackedKernel, onednn_packing_available)
+    from tokenmill.worker.model_setup import resolve_dtype
+
     kernels = cpu_kernels()
     if kernels is None:
         print("the native kernels could not be built (see the warning above)", file=sys.stderr)

@@ -1,5 +1,6 @@
 // The live dashboard: reads /v1/engine/stream (schema: docs/dashboard.md) and draws it. Reconnects after
-// a dropped stream or a server restart, with a growing pause (at most 5 s).
+// a dropped stream or a server restart, with a growing pause (at most 5 s, or the page's
+// ?reconnect_max_ms=, 50 to 60000).
 import { askForKey, call, el, events } from "/static/api.js";
 
 const WINDOW_S = 300; // seconds of history the time charts keep
@@ -8,6 +9,13 @@ const KV_COLORS = ["#ffffff", "#0b5cad", "#9ecbff", "#8250df"]; // free, in use,
 const KV_NAMES = ["free", "in use", "cached (evictable)", "cached and shared"];
 const KV_KEYS = ["free", "in_use", "evictable", "shared"];
 const $ = (id) => document.getElementById(id);
+const DEFAULT_RECONNECT_MAX_MS = 5000;
+
+// A page watching a server that is expected back soon (a restart) can retry more often than every 5 s.
+function reconnectMaxMs() {
+  const asked = Number(new URLSearchParams(location.search).get("reconnect_max_ms"));
+  return Number.isFinite(asked) && asked > 0 ? Math.min(60000, Math.max(50, asked)) : DEFAULT_RECONNECT_MAX_MS;
+}
 
 const series = { t: [], running: [], waiting: [], preempted: [], output: [], prompt: [] };
 const steps = { t: [], prefill: [], decode: [], ms: [] };
@@ -278,12 +286,14 @@ function setConnection(state, text) {
 }
 
 async function follow() {
-  let pause = 250;
+  const maxPause = reconnectMaxMs();
+  const firstPause = Math.min(250, maxPause);
+  let pause = firstPause;
   for (;;) {
     try {
       const response = await call("/v1/engine/stream");
       setConnection("connected", "live");
-      pause = 250;
+      pause = firstPause;
       previous = null;
       for await (const { event, data } of events(response)) {
         if (event === "engine_error") {
@@ -297,7 +307,7 @@ async function follow() {
       setConnection("reconnecting", `${err.message}; reconnecting…`);  // call() has asked for a missing key
     }
     await new Promise((resolve) => setTimeout(resolve, pause));
-    pause = Math.min(5000, pause * 2);
+    pause = Math.min(maxPause, pause * 2);
   }
 }
 
