@@ -17,7 +17,9 @@ KEYS = ["device", "commit", "copy_bandwidth_gbs", "hf_fp32_identical", "bf16_top
         "async_identical", "gpu_idle_share_bs64", "vs_hf_compiled_bs1", "vs_hf_compiled_bs64"]
 # the sections the issue reads whole, each from its own step
 SECTIONS = ["kernel_max_abs_error", "bf16_agreement_trained", "bf16_agreement_random_weights", "quantized_checkpoints",
-            "served", "profile", "async_identity", "async_decode", "served_1b", "hf_compiled_1b"]
+            "served", "profile", "async_identity", "async_decode", "served_1b", "hf_compiled_1b",
+            # issue 59's (gpu_check_formats.py)
+            "formats_w4a16", "formats_fp8", "formats_fp8_kv", "formats_moe", "formats_batch_invariant"]
 
 
 def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
@@ -43,6 +45,7 @@ def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
     host = (tmp_path / "profile-host.txt").read_text()
     assert "decode_bs1_16_tokens" in host and "function calls" in host
     assert_issue58_sections(result, run.stdout)
+    assert_formats_sections(result, run.stdout)
 
 
 def assert_issue58_sections(result, stdout):
@@ -57,3 +60,16 @@ def assert_issue58_sections(result, stdout):
     assert served["burst"]["completed"] == 4 and served["single"]["completed"] == 2
     assert result["hf_compiled_1b"]["tok_s_bs64"] > 0
     assert "| async_identical | 6/6 |" in stdout and "| served_1b.tpot_p50_ms |" in stdout
+
+
+def assert_formats_sections(result, stdout):
+    """Issue 59's sections at the dry run's sizes, on the CPU's own kernels: the replays (graphs) are a GPU's,
+    so their ratios stay None; what a dry run can measure is there."""
+    w4a16 = result["formats_w4a16"]
+    assert "int4 projections" in w4a16["int4"]["weights"] and w4a16["w4a16_weight_memory_ratio"] < 0.5
+    assert result["formats_fp8"]["fp8"]["weights"] == "fp8 projections"
+    assert result["formats_fp8"]["fp8_prefill_2048_ratio"] > 0
+    assert result["fp8_kv_top1_agreement"] >= 0.9  # the trained model's fp8 cache against its float cache
+    assert result["formats_moe"]["bs4_step_ms"] > 0 and result["formats_moe"]["floor_ms"] > 0
+    assert result["batch_invariant_identical"] == "6/6"  # 3 prompts alone = among others, at batch 1 and 3
+    assert "| w4a16_weight_memory_ratio |" in stdout and "| batch_invariant_identical | 6/6 |" in stdout
