@@ -65,3 +65,35 @@ def _assert_same(output: Any, expected: tuple[list[int], list[float]], mode: str
     ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
     worst = max(abs(a - b) for a, b in zip(ours, logprobs))
     assert worst <= tolerance, f"{mode}: prompt of {len(ids)} tokens, logprob off by {worst}"
+
+
+def check_alone_equals_batched(path: Any, **engine: Any) -> None:
+    """Assert one request's greedy ids and top-2 logprobs in the engine's default dtype and kernels are the same
+    bits alone and among others in 5-token chunks, preempted (a pool too small for the batch) and after a
+    partial prefix hit. `engine`: further options for both engines (a dtype, say)."""
+    from tokenmill.models.arch import kv_cache_layout
+    from tokenmill.models.loader.hf_config import arch_config_from_hf
+
+    target = list(range(300, 100, -9))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    alone = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, prefix_caching=False, **engine)
+    expected = _sample(alone.generate([{"prompt_token_ids": target}], params, use_tqdm=False)[0])
+    alone.shutdown()
+    # room for the longest request (42 tokens: 6 blocks) in every KV group and 2 blocks more: preemptions
+    groups = len(kv_cache_layout(arch_config_from_hf(path), 2).groups)
+    busy = LLM(str(path), block_size=BLOCK, num_kv_blocks=6 * groups + 2, max_num_batched_tokens=5,
+               max_model_len=64, **engine)
+    busy.generate([{"prompt_token_ids": target[:10] + [5, 6]}], params, use_tqdm=False)  # a partial hit later
+    others = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3], list(range(100, 127))]
+    prompts = others[:1] + [target] + others[1:]
+    outputs = busy.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    stats = busy.llm_engine.stats()
+    busy.shutdown()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert _sample(outputs[1]) == expected
+
+
+def _sample(output: Any) -> tuple:
+    completion = output.outputs[0]
+    return tuple(completion.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
+                                              for step in completion.logprobs)

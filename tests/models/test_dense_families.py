@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from helpers.engine_probe import EIGHT_PROMPTS
-from helpers.family_check import check_family
+from helpers.family_check import check_alone_equals_batched, check_family
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.arch import kv_cache_layout
 from tokenmill.models.loader.hf_config import arch_config_from_hf
 
 # Phi-4-mini's shape: RoPE on 12 of each head's 16 dims, tied embeddings, and a LongRoPE context stretched 128x
@@ -64,32 +63,9 @@ def test_dense_family_equals_hf(dense_family):
     check_family(path, hf, **DENSE_FAMILIES[name][3])
 
 
-def _result(output) -> tuple:
-    completion = output.outputs[0]
-    return tuple(completion.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
-                                              for step in completion.logprobs)
-
-
 def test_dense_family_output_does_not_depend_on_the_batch(dense_family):
-    # the default dtype (bfloat16 on this AMX machine) and kernels: one request alone, then among others in
-    # 5-token chunks, preempted (a pool too small for the batch) and after a partial prefix hit; equal bit for bit
     _, path, _ = dense_family
-    target = list(range(300, 100, -9))
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    alone = LLM(str(path), block_size=8, num_kv_blocks=64, prefix_caching=False)
-    expected = _result(alone.generate([{"prompt_token_ids": target}], params, use_tqdm=False)[0])
-    alone.shutdown()
-    # room for the longest request (42 tokens: 6 blocks) in every KV group and 2 blocks more: preemptions
-    groups = len(kv_cache_layout(arch_config_from_hf(path), 2).groups)
-    busy = LLM(str(path), block_size=8, num_kv_blocks=6 * groups + 2, max_num_batched_tokens=5, max_model_len=64)
-    busy.generate([{"prompt_token_ids": target[:10] + [5, 6]}], params, use_tqdm=False)  # a partial hit later
-    others = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3], list(range(100, 127))]
-    prompts = others[:1] + [target] + others[1:]
-    outputs = busy.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    stats = busy.llm_engine.stats()
-    busy.shutdown()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert _result(outputs[1]) == expected
+    check_alone_equals_batched(path)
 
 
 def test_gemma2_soft_capped_attention_equals_hf_on_the_reference_and_triton_backends(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.engine_probe import hf_greedy_tokens_from
-from helpers.family_check import check_family
+from helpers.family_check import check_alone_equals_batched, check_family
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_kernels import cpu_kernels
@@ -51,19 +51,7 @@ def test_moe_family_equals_hf(moe_folders, arch):
 @pytest.mark.skipif(cpu_kernels() is None, reason="batch invariance comes from the native kernels' products")
 @pytest.mark.parametrize("arch", MOE_FAMILIES)
 def test_moe_family_request_alone_equals_it_in_a_batch_in_the_default_dtype(moe_folders, arch):
-    llm = LLM(str(moe_folders(arch)), block_size=8, num_kv_blocks=256, max_num_batched_tokens=24)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-
-    def result(output):
-        sample = output.outputs[0]
-        return sample.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in sample.logprobs]
-
-    target = {"prompt_token_ids": list(range(100, 400, 7))}
-    alone = result(llm.generate([target], params, use_tqdm=False)[0])
-    others = [{"prompt_token_ids": ids} for ids in ([7, 8, 9] * 30, [1, 520, 9531, 42], list(range(1000, 1060)))]
-    batched = llm.generate([others[0], target, *others[1:]], params, use_tqdm=False)
-    assert result(batched[1]) == alone
-    assert any(isinstance(m, MoEBlock) for m in llm.llm_engine.model.modules())
+    check_alone_equals_batched(moe_folders(arch))
 
 
 def config_with(folder, tmp_path, **changes):

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf, hf_greedy_tokens_from, model_logits
+from helpers.family_check import check_alone_equals_batched
 from helpers.tiny_gguf import write_moe_gguf_from_hf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
@@ -180,18 +181,7 @@ def test_block_gives_a_token_the_same_bits_alone_and_in_any_batch(dtype, shared)
 @needs_native
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_request_alone_equals_it_in_a_batch(folders, dtype):
-    llm = LLM(str(folders["mixtral"]), dtype=dtype, block_size=8, num_kv_blocks=256)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-
-    def result(output):
-        sample = output.outputs[0]
-        return sample.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in sample.logprobs]
-
-    target = {"prompt_token_ids": list(range(100, 400, 7))}
-    alone = result(llm.generate([target], params, use_tqdm=False)[0])
-    others = [{"prompt_token_ids": ids} for ids in ([7, 8, 9] * 30, [1, 520, 9531, 42], list(range(1000, 1060)))]
-    batched = llm.generate([others[0], target, *others[1:]], params, use_tqdm=False)
-    assert result(batched[1]) == alone
+    check_alone_equals_batched(folders["mixtral"], dtype=dtype)
 
 
 def test_quantized_experts_stay_quantized_and_the_router_float(folders):

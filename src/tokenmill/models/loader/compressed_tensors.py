@@ -48,7 +48,8 @@ import torch
 
 from tokenmill.kernels import fp8
 from tokenmill.kernels.quantized import BLOCK
-from tokenmill.models.loader.packed_layers import LoadedWeight, packed_when_in_runs, unpack_cols, unpack_rows
+from tokenmill.models.loader.packed_layers import (LayerParts, LoadedWeight, kv_cache_scale, packed_when_in_runs,
+                                                   unpack_cols, unpack_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class CompressedTensorsLayers:
             self.groups.append((group_name, list(group.get("targets") or []), weights, fmt))
         if not self.groups:
             raise ValueError(f"{self.where} has no config group with a weight scheme")
-        self.layers = {name.rpartition(".")[0] for name in names if name.endswith(".weight_scale")}
+        self.tensors = LayerParts(_PARTS, {name.rpartition(".")[0] for name in names if name.endswith(".weight_scale")})
         if any(self.unused(name) for name in names):
             logger.info("the checkpoint's KV-cache scales (k_scale, v_scale) are not used: a one-byte KV cache "
                         "(--kv-cache-dtype int8/fp8) calculates a finer scale for every token and head as it "
@@ -110,17 +111,16 @@ class CompressedTensorsLayers:
 
     def layer_of(self, name: str) -> Optional[str]:
         """The layer prefix of a tensor of a packed layer, else None."""
-        prefix, _, part = name.rpartition(".")
-        return prefix if part in _PARTS and prefix in self.layers else None
+        return self.tensors.layer_of(name)
 
     @staticmethod
     def unused(name: str) -> bool:
         """The KV-cache scales of a `kv_cache_scheme` (attention's k_scale and v_scale)."""
-        return name.endswith((".k_scale", ".v_scale"))
+        return kv_cache_scale(name)
 
     def complete(self, layer: str, parts: dict[str, torch.Tensor], names: set[str]) -> bool:
         """Whether every part of `layer` in the checkpoint has arrived."""
-        return all(part in parts for part in _PARTS if f"{layer}.{part}" in names)
+        return self.tensors.complete(layer, parts, names)
 
     def scheme_of(self, layer: str) -> tuple[str, dict[str, Any], str]:
         """(config group name, weight scheme, format) of `layer`; ValueError when the config leaves it

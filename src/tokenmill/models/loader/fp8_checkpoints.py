@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from tokenmill.kernels import fp8
-from tokenmill.models.loader.packed_layers import LoadedWeight
+from tokenmill.models.loader.packed_layers import LayerParts, LoadedWeight, kv_cache_scale
 
 logger = logging.getLogger(__name__)
 
@@ -52,24 +52,24 @@ class Fp8Layers:
             raise ValueError(f"{self.where}: weight_block_size {list(self.block)} is not supported (the FP8 "
                              f"products take blocks of {', '.join(map(str, fp8.BLOCK_WIDTHS))} columns)")
         self.scale_name = "weight_scale_inv" if self.block is not None else "weight_scale"
-        self.layers = {name.rpartition(".")[0] for name in names if name.endswith(tuple(f".{s}" for s in _SCALES))}
+        self.tensors = LayerParts(_PARTS, {name.rpartition(".")[0] for name in names
+                                           if name.endswith(tuple(f".{s}" for s in _SCALES))})
         if any(name.endswith(".input_scale") for name in names):
             logger.info("the checkpoint's static activation scales (input_scale) are not applied: FP8 products "
                         "quantise activations per token")
 
     def layer_of(self, name: str) -> Optional[str]:
         """The layer prefix of a tensor of an FP8 layer, else None."""
-        prefix, _, part = name.rpartition(".")
-        return prefix if part in _PARTS and prefix in self.layers else None
+        return self.tensors.layer_of(name)
 
     @staticmethod
     def unused(name: str) -> bool:
         """The KV-cache scales (attention's k_scale and v_scale): the KV cache keeps --kv-cache-dtype."""
-        return name.endswith((".k_scale", ".v_scale"))
+        return kv_cache_scale(name)
 
     def complete(self, layer: str, parts: dict[str, torch.Tensor], names: set[str]) -> bool:
         """Whether every part of `layer` in the checkpoint has arrived."""
-        return all(part in parts for part in _PARTS if f"{layer}.{part}" in names)
+        return self.tensors.complete(layer, parts, names)
 
     def load(self, layer: str, parts: dict[str, torch.Tensor], keep_packed: bool) -> tuple[LoadedWeight, str]:
         """The layer as an `Fp8Weight` (`keep_packed`), else its float32 weight [out, in]."""

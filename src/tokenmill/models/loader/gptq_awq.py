@@ -27,7 +27,8 @@ from typing import Any, Optional
 import torch
 
 from tokenmill.kernels.quantized import BLOCK
-from tokenmill.models.loader.packed_layers import LoadedWeight, packed_when_in_runs, unpack_cols, unpack_rows
+from tokenmill.models.loader.packed_layers import (LayerParts, LoadedWeight, packed_when_in_runs, unpack_cols,
+                                                   unpack_rows)
 
 _GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # slot i of a packed word holds column 8c + _AWQ_ORDER[i]
@@ -50,7 +51,7 @@ class GptqAwqLayers:
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"{where} with checkpoint_format {fmt!r}: only gptq and gptq_v2 are read")
             self.zero_offset = 1 if fmt == "gptq" else 0
-            self.parts = _GPTQ_PARTS
+            self.tensors = LayerParts(_GPTQ_PARTS)
         else:
             version = str(config.get("version", "gemm")).lower()
             if version != "gemm" or self.bits != 4:
@@ -58,14 +59,13 @@ class GptqAwqLayers:
                                  f"layout is read")
             if config.get("zero_point") is False:
                 raise ValueError(f"{where} without zero points: only AWQ with zero points is read")
-            self.parts = ("qweight", "qzeros", "scales")
+            self.tensors = LayerParts(("qweight", "qzeros", "scales"))
         if not isinstance(self.group_size, int) or (self.group_size < 1 and self.group_size != -1):
             raise ValueError(f"{where} has group_size {self.group_size!r}: a positive integer or -1 is needed")
 
     def layer_of(self, name: str) -> Optional[str]:
         """The layer prefix of a tensor of a packed layer (`...q_proj` of `...q_proj.qweight`), else None."""
-        prefix, _, part = name.rpartition(".")
-        return prefix if part in self.parts else None
+        return self.tensors.layer_of(name)
 
     @staticmethod
     def unused(name: str) -> bool:
@@ -74,7 +74,7 @@ class GptqAwqLayers:
 
     def complete(self, layer: str, parts: dict[str, torch.Tensor], names: set[str]) -> bool:
         """Whether every part of `layer` in the checkpoint has arrived (`g_idx` is optional)."""
-        return all(part in parts for part in self.parts if f"{layer}.{part}" in names)
+        return self.tensors.complete(layer, parts, names)
 
     def load(self, layer: str, parts: dict[str, torch.Tensor], keep_packed: bool) -> tuple[LoadedWeight, str]:
         """The layer kept packed (`keep_packed`, where its groups allow: see the module's docstring), else
@@ -91,7 +91,7 @@ class GptqAwqLayers:
     def _integers(self, layer: str, parts: dict[str, torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [in, out], zero points and float32 scales [groups, out], and each input row's group [in]."""
-        missing = [p for p in self.parts if p != "g_idx" and p not in parts]
+        missing = [p for p in self.tensors.parts if p != "g_idx" and p not in parts]
         if missing:
             raise ValueError(f"{layer}: the {self.method} layer has no {', '.join(missing)}")
         for name in ("qweight", "qzeros"):

@@ -4,7 +4,7 @@ re-laying of grouped integers into the native products' layout."""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -29,6 +29,30 @@ class PackedScheme(Protocol):
     def load(self, layer: str, parts: dict[str, torch.Tensor], keep_packed: bool) -> tuple[LoadedWeight, str]:
         """The layer's weight from its parts (keyed by the name after the layer's prefix), and how it was
         kept (a short phrase for the load log, e.g. "int4 packed")."""
+
+
+class LayerParts:
+    """Which tensors form a checkpoint's packed layers: a layer's parts are named `<layer>.<part>` for the
+    part names `parts`; `layers`, where given, are the only prefixes that are layers (a float layer's
+    `.weight` is not a part of a packed one)."""
+
+    def __init__(self, parts: Sequence[str], layers: Optional[set[str]] = None) -> None:
+        self.parts, self.layers = tuple(parts), layers
+
+    def layer_of(self, name: str) -> Optional[str]:
+        """The layer prefix of tensor `name` if it is a part of a packed layer, else None."""
+        prefix, _, part = name.rpartition(".")
+        return prefix if part in self.parts and (self.layers is None or prefix in self.layers) else None
+
+    def complete(self, layer: str, parts: dict[str, torch.Tensor], names: set[str]) -> bool:
+        """Whether every part of `layer` the checkpoint has (`names`) has arrived."""
+        return all(part in parts for part in self.parts if f"{layer}.{part}" in names)
+
+
+def kv_cache_scale(name: str) -> bool:
+    """Whether tensor `name` is an attention layer's KV-cache scale (`k_scale`, `v_scale`), which no layer
+    reads: a one-byte KV cache scales each row itself (compressed_tensors.py)."""
+    return name.endswith((".k_scale", ".v_scale"))
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
