@@ -56,7 +56,8 @@ class _ShardedLinear(nn.Module):
 
     @property
     def quantized_format(self) -> Optional[str]:
-        """'int8', 'int4', 'fp8' or 'int8_w8a8' for a weight kept quantised (before or after `use_kernel`), else None."""
+        """'int8', 'int4', 'fp8' or 'int8_w8a8' for a weight kept quantised (before or after `use_kernel`),
+        else None."""
         if self.quantized is not None:
             return self.quantized.format
         return self.kernel.format if isinstance(self.kernel, (QuantizedKernel, W8A8Kernel)) else None

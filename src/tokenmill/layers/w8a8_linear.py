@@ -36,7 +36,6 @@ import logging
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill import envs
 from tokenmill.kernels import w8a8
