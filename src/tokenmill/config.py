@@ -117,7 +117,9 @@ class ModelConfig:
                              "the projections' float weights to float8 e4m3 per output channel (scale = max |w| / "
                              "448; the embedding and LM head stay in --dtype) and multiply them W8A8, activations "
                              "quantised per token (TOKENMILL_FP8_WEIGHT_ONLY=1: unquantised). auto also keeps FP8 "
-                             "checkpoints (compressed-tensors float-quantized, quant_method fp8) in FP8; awq, "
+                             "checkpoints (compressed-tensors float-quantized, quant_method fp8) in FP8, and "
+                             "compressed-tensors int8 W8A8 ones in int8, multiplied W8A8 (int8 activations per "
+                             "token) where Triton's products run (--linear-kernel triton); awq, "
                              "awq_marlin, gptq, gptq_marlin, compressed-tensors, gguf (vLLM's names) = as auto, "
                              "after checking the checkpoint is of that method",
                              choices=QUANTIZATIONS)

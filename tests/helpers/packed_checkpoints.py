@@ -186,11 +186,33 @@ def write_fp8_checkpoint(base, folder, block=(128, 128)):
     return float_folder
 
 
+def hf_with_quantised_inputs(floats, group, values=None):
+    """HF float32 on the float checkpoint in `floats`, every decoder projection fed its input quantised per
+    token (per `group` columns when set) to `values` (kernels/w8a8.py's FP8 by default, or INT8) and
+    dequantised, as the W8A8 products quantise theirs."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.kernels import w8a8
+
+    values = values or w8a8.FP8
+    hf = AutoModelForCausalLM.from_pretrained(str(floats), dtype=torch.float32).eval()
+
+    def quantised(module, args):
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        return (w8a8.dequantize_activations(*w8a8.quantize_activations(flat, group, values), group).view_as(x),)
+
+    for module in hf.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(quantised)
+    return hf
+
+
 def assert_layers_loaded_as(packed, floats, kept) -> None:
     """Loaded with packed layers kept (the default), each of the tiny model's 14 projections of the
-    checkpoint in `packed` is a `QuantizedWeight` of format `kept` (an `Fp8Weight` for "fp8"; None: a float
-    tensor) and dequantises to exactly the weight of the float checkpoint in `floats`."""
-    from tokenmill.kernels.fp8 import Fp8Weight
+    checkpoint in `packed` is a `QuantizedWeight` of format `kept` (a `W8A8Weight` for "fp8" and "int8_w8a8";
+    None: a float tensor) and dequantises to exactly the weight of the float checkpoint in `floats`."""
+    from tokenmill.kernels.w8a8 import W8A8Weight
     from tokenmill.kernels.quantized import QuantizedWeight
     from tokenmill.models.loader import load_model_source
 
@@ -203,7 +225,8 @@ def assert_layers_loaded_as(packed, floats, kept) -> None:
         if kept is None:
             assert isinstance(weight, torch.Tensor), name
         else:
-            assert isinstance(weight, Fp8Weight if kept == "fp8" else QuantizedWeight) and weight.format == kept, name
+            kind = W8A8Weight if kept in ("fp8", "int8_w8a8") else QuantizedWeight
+            assert isinstance(weight, kind) and weight.format == kept, name
             weight = weight.dequantize()
         assert torch.equal(weight, expected[name]), name
     assert seen == 7 * 2  # two layers of seven projections

@@ -37,7 +37,7 @@ def test_dequantised_it_runs_as_hf_on_the_weights_the_library_decompresses_to(ba
 
 
 @pytest.mark.parametrize("preset, kept", [("W4A16", "int4"), ("W4A16_ASYM", "int4"), ("W8A16", "int8"),
-                                          ("W8A8", "int8"), ("FP8", "fp8"), ("FP8_BLOCK", "fp8")])
+                                          ("W8A8", "int8_w8a8"), ("FP8", "fp8"), ("FP8_BLOCK", "fp8")])
 def test_int_layers_stay_packed_and_equal_the_decompressed_weights(base, tmp_path, preset, kept):
     """Packed (the default): int layers as int4/int8 holding the library's integers, FP8 layers (per-tensor
     scales with a static input_scale; 128 x 128 blocks) as FP8 weights holding its e4m3 values, dequantising

@@ -106,11 +106,11 @@ def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: 
     the projections run on Triton's products (layers/triton_products.py), not on `kernels`."""
     kernels_used = [getattr(m, "kernel", None) for m in model.modules() if hasattr(m, "use_kernel")]
     kernel_names = {type(kernel).__name__ for kernel in kernels_used}
-    kernel_names -= {"NoneType", "QuantizedKernel", "Fp8Kernel"}
+    kernel_names -= {"NoneType", "QuantizedKernel", "W8A8Kernel"}
     float_kernel = ", ".join(sorted(kernel_names)) or None
-    fp8_paths = sorted({kernel.path for kernel in kernels_used if type(kernel).__name__ == "Fp8Kernel"})
-    # FP8 projections say their own paths; the int8/int4 line is for the packed int weights
-    int_weights = model.has_quantized_weights() and (not fp8_paths or any(
+    w8a8_paths = sorted({kernel.path for kernel in kernels_used if type(kernel).__name__ == "W8A8Kernel"})
+    # W8A8 projections (FP8, int8) say their own paths; the int8/int4 line is for the packed int weights
+    int_weights = model.has_quantized_weights() and (not w8a8_paths or any(
         getattr(m, "quantized_format", None) in quantized.FORMATS for m in model.modules())
         or getattr(model, "embed_quantized", None) is not None or getattr(model, "head_quantized", None) is not None)
     parts = [kernels_line(kernels) if device == "cpu" else f"device {device}",
@@ -118,8 +118,8 @@ def describe_model_paths(model: Any, kernels: Any, dtype: torch.dtype, backend: 
              else product_paths(kernels, dtype, int_weights, float_kernel, batch_invariant, device),
              attention_paths(kernels, dtype, backend),
              "fused step on" if getattr(model, "fused_decode", None) is not None else "fused step off"]
-    if fp8_paths:
-        parts.insert(2, f"FP8 products: {', '.join(fp8_paths)}")
+    if w8a8_paths:
+        parts.insert(2, f"W8A8 products: {', '.join(w8a8_paths)}")
     return "; ".join(parts)
 
 

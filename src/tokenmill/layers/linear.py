@@ -10,9 +10,11 @@ quantised, or `quantize_to` names a format, the parts are gathered until every r
 packed into one `QuantizedWeight`; the float parameter is dropped without ever being written. Parts in
 activation order whose input orders differ (no GPTQ tool writes fused projections so: they share one
 input) cannot share one packed weight and are dequantised into the float parameter instead, with a log line;
-so are the row-parallel shards (several ranks) of a weight in activation order. FP8 weights
-(kernels/fp8.py: an FP8 checkpoint's parts, or `quantize_to` "fp8") are gathered the same way into one
-`Fp8Weight`, multiplied by `Fp8Kernel` (layers/fp8_linear.py).
+so are the row-parallel shards (several ranks) of a weight in activation order. W8A8 weights
+(kernels/w8a8.py: an FP8 checkpoint's parts, or `quantize_to` "fp8"; a compressed-tensors int8 W8A8
+checkpoint's parts) are gathered the same way into one `W8A8Weight`, multiplied by `W8A8Kernel`
+(layers/w8a8_linear.py) where it takes them, else (int8 on the CPU's products) as the packed int8 weight
+the checkpoint would have loaded as before.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
-from tokenmill.kernels import fp8
-from tokenmill.kernels.fp8 import Fp8Weight
+from tokenmill.kernels import w8a8
+from tokenmill.kernels.w8a8 import W8A8Weight
 from tokenmill.kernels.quantized import QuantizedWeight, cat_rows, quantize
-from tokenmill.layers.fp8_linear import Fp8Kernel
+from tokenmill.layers.w8a8_linear import W8A8Kernel, multiplies_w8a8
 from tokenmill.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -48,16 +50,17 @@ class _ShardedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernel: Optional[LinearKernel] = None
         self.quantize_to: Optional[str] = None  # set before loading: quantise float parts to this format
-        self.quantized: Optional[QuantizedWeight | Fp8Weight] = None
+        self.quantized: Optional[QuantizedWeight | W8A8Weight] = None
         self._parts: dict[int, Any] = {}  # first row -> loaded part, until all rows have arrived
         self.lora: Any = None  # LoRADeltas (lora/layers.py) when the engine serves LoRA adapters
 
     @property
     def quantized_format(self) -> Optional[str]:
-        """'int8', 'int4' or 'fp8' for a weight kept quantised (before or after `use_kernel`), else None."""
+        """'int8', 'int4', 'fp8' or 'int8_w8a8' for a weight kept quantised (before or after `use_kernel`),
+        else None."""
         if self.quantized is not None:
             return self.quantized.format
-        return self.kernel.format if isinstance(self.kernel, (QuantizedKernel, Fp8Kernel)) else None
+        return self.kernel.format if isinstance(self.kernel, (QuantizedKernel, W8A8Kernel)) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to the last dimension of x (plus the step's LoRA deltas, if any)."""
@@ -76,8 +79,10 @@ class _ShardedLinear(nn.Module):
         weights use `native` (CpuKernels) when given, else the PyTorch reference. `batch_invariant`: a
         row's result may not depend on the other rows of the product (layers/linear_kernels.py)."""
         bias = self._local_bias()
-        if isinstance(self.quantized, Fp8Weight):
-            self.kernel, self.quantized = Fp8Kernel(self.quantized, bias, native, batch_invariant), None
+        if isinstance(self.quantized, W8A8Weight) and not multiplies_w8a8(self.quantized, native):
+            self.quantized = self.quantized.to_packed_int8()  # int8 on the CPU's products: as before W8A8
+        if isinstance(self.quantized, W8A8Weight):
+            self.kernel, self.quantized = W8A8Kernel(self.quantized, bias, native, batch_invariant), None
             return
         if self.quantized is not None:
             self.kernel = QuantizedKernel(self.quantized, bias, native, batch_invariant)
@@ -104,11 +109,18 @@ class _ShardedLinear(nn.Module):
             self._assemble(parts)
 
     def _assemble(self, parts: list) -> None:
-        if self.quantize_to == "fp8" or (self.quantize_to is None and any(isinstance(p, Fp8Weight) for p in parts)):
-            self.quantized = fp8.cat_rows([fp8.as_fp8(p) for p in parts]).to(self.weight.device)
+        if self.quantize_to == "fp8" or (self.quantize_to is None and any(
+                isinstance(p, W8A8Weight) and p.values is w8a8.FP8 for p in parts)):
+            self.quantized = w8a8.cat_rows([w8a8.as_fp8(p) for p in parts]).to(self.weight.device)
             self.weight = None
             return
-        parts = [p.dequantize() if isinstance(p, Fp8Weight) else p for p in parts]  # requantised below
+        if self.quantize_to is None and all(isinstance(p, W8A8Weight) for p in parts):  # int8 W8A8 parts
+            self.quantized = w8a8.cat_rows(parts).to(self.weight.device)
+            self.weight = None
+            return
+        # int8 W8A8 parts beside float ones, or asked in another format: the packed int8 weight (as before W8A8)
+        parts = [p.to_packed_int8() if isinstance(p, W8A8Weight) and p.values is w8a8.INT8
+                 else p.dequantize() if isinstance(p, W8A8Weight) else p for p in parts]  # requantised below
         quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
         orders = [p.input_order for p in quantized if p.input_order is not None]
         if orders and (len(orders) < len(parts) or any(not torch.equal(o, orders[0]) for o in orders)):
@@ -131,11 +143,11 @@ class _ShardedLinear(nn.Module):
 
     @staticmethod
     def _copy(dest: torch.Tensor, source: Any) -> None:
-        """Copy a float tensor, or a QuantizedWeight or Fp8Weight dequantised, into `dest`."""
+        """Copy a float tensor, or a QuantizedWeight or W8A8Weight dequantised, into `dest`."""
         if tuple(dest.shape) != tuple(source.shape):
             raise ValueError(f"weight shape mismatch: checkpoint {tuple(source.shape)}, "
                              f"model expects {tuple(dest.shape)}")
-        if isinstance(source, (QuantizedWeight, Fp8Weight)):
+        if isinstance(source, (QuantizedWeight, W8A8Weight)):
             source = source.dequantize(dest.dtype)
         dest.copy_(source)
 

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.w8a8 import INT8, W8A8Weight
 from tokenmill.layers.linear import default_weight_loader
 from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
 from tokenmill.parallel.group import TPGroup
@@ -367,7 +368,10 @@ class MoEBlock(nn.Module):
 
 
 def _loaded_weight(layer: nn.Module) -> Any:
-    """A projection's loaded weight, before it picks a kernel: its QuantizedWeight or float tensor."""
+    """A projection's loaded weight, before it picks a kernel: its QuantizedWeight or float tensor (an
+    int8 W8A8 weight as the packed int8 weight the fused experts take)."""
+    if isinstance(layer.quantized, W8A8Weight) and layer.quantized.values is INT8:
+        return layer.quantized.to_packed_int8()
     if layer.quantized is not None:
         return layer.quantized
     if layer.weight is None:

@@ -23,6 +23,7 @@ from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinea
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.layers.moe import MoEBlock, expert_checkpoint_names, local_experts
 from tokenmill.kernels.quantized import FORMATS as QUANTIZED_FORMATS, QuantizedWeight, quantize
+from tokenmill.kernels.w8a8 import INT8, W8A8Weight
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
@@ -291,7 +292,7 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]], quantize_to: Optional[str] = None) -> None:
         """Load Hugging Face-named tensors; raise if any parameter is left unset or a name is unknown.
 
-        Tensors may come as `QuantizedWeight`s (a quantised GGUF) or `Fp8Weight`s (an FP8 checkpoint);
+        Tensors may come as `QuantizedWeight`s (a quantised GGUF) or `W8A8Weight`s (an FP8 or int8 W8A8 checkpoint);
         `quantize_to` ("int8"/"int4"/"fp8") quantises the float ones as well. Projections keep such weights
         packed; the embedding table and the LM head keep a quantised checkpoint's own format, or become int8
         under `quantize_to` int8/int4 (their precision matters most, as in llama.cpp's quantised files);
@@ -337,6 +338,8 @@ class DecoderForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
             if target in ("embed_tokens.weight", "lm_head.weight"):
+                if isinstance(tensor, W8A8Weight) and tensor.values is INT8:
+                    tensor = tensor.to_packed_int8()  # the vocabulary matrices keep int8 packed, as ever
                 tensor = self._vocab_rows(tensor)
             if target in ("embed_tokens.weight", "lm_head.weight") and (
                     isinstance(tensor, QuantizedWeight) or quantize_to in QUANTIZED_FORMATS):

@@ -15,20 +15,25 @@ as floats; a group's `format` (or the config's) says how its tensors are stored:
   `weight_zero_point` (int8). **float-quantized** (FP8): `weight` float8_e4m3fn [out, in], `weight_scale`
   per tensor, channel, group or block. w = v * s.
 
-Kept packed, int layers become int4 (4 bits) or int8 (8 bits) `QuantizedWeight`s: u = v + 2^(bits - 1),
+Kept packed, int8 W8A8 layers (int-quantized / naive-quantized int8 weights per channel or tensor,
+symmetric, with int8 `input_activations`: llm-compressor's W8A8 preset) become int8 `W8A8Weight`s
+(kernels/w8a8.py: the int8 values and float32 scales as stored), multiplied with activations quantised to
+int8 per token on int8 tensor cores where the products run on the device (layers/w8a8_linear.py), and as
+the packed int8 weights below on the CPU's products. Other kept int layers become int4 (4 bits) or int8
+(8 bits) `QuantizedWeight`s: u = v + 2^(bits - 1),
 and per 32 inputs scale = s and offset = -s (zp + 2^(bits - 1)) of their group. With half-precision
 scales (llm-compressor saves the model's bf16/fp16) that is exact: s u and s (zp + 2^(bits - 1)) need at
 most 11 + 9 bits, so s u + offset = (v - zp) s in float32. Float32 scales are rounded once more (s u + offset
 is within a float32 rounding of (v - zp) s).
 Groups must come in runs of 32 inputs, after sorting the inputs by group where `weight_g_idx` shuffles
 them (activation order, kept as the weight's `input_order`, as for GPTQ). FP8 weights (float-quantized, or
-naive-quantized with float8 values) are kept as `Fp8Weight`s (kernels/fp8.py: e4m3 values and their scales
+naive-quantized with float8 values) are kept as `W8A8Weight`s (kernels/w8a8.py: e4m3 values and their scales
 as stored; per tensor, channel, group or block of 32, 64 or 128 columns) and multiplied W8A8
-(layers/fp8_linear.py); with `--quantization none`, or scales per other widths, they are dequantised to their
+(layers/w8a8_linear.py); with `--quantization none`, or scales per other widths, they are dequantised to their
 float values (e4m3 times the scale, exact in float32). The checkpoint's activation scheme is not applied as
-written: FP8 products quantise activations dynamically per token (per token and block for block weights),
-which for a static `input_scale` (one per tensor) is finer; an int product quantises its input to int8 per
-32 values, a float product keeps it in `--dtype`. Sparsity (2:4), transforms (Hadamard rotations) and the
+written: FP8 and int8 W8A8 products quantise activations dynamically per token (FP8: per token and block
+for block weights), which for a static `input_scale` (one per tensor) is finer; the packed int products
+quantise their input to int8 per 32 values, a float product keeps it in `--dtype`. Sparsity (2:4), transforms (Hadamard rotations) and the
 FP4/MX formats are refused by name.
 
 A `kv_cache_scheme`'s per-tensor KV-cache scales (attention's `k_scale`, `v_scale`) are read and dropped
@@ -46,7 +51,7 @@ from typing import Any, Optional
 
 import torch
 
-from tokenmill.kernels import fp8
+from tokenmill.kernels import w8a8
 from tokenmill.kernels.quantized import BLOCK
 from tokenmill.models.loader.packed_layers import (LayerParts, LoadedWeight, kv_cache_scale, packed_when_in_runs,
                                                    unpack_cols, unpack_rows)
@@ -75,6 +80,7 @@ class CompressedTensorsLayers:
                                  f"and transformed (rotated) weights are not read")
         self.ignore = list(config.get("ignore") or [])
         self.groups: list[tuple[str, list[str], dict[str, Any], str]] = []
+        self.activations: dict[str, Optional[dict[str, Any]]] = {}  # each group's input_activations
         for group_name, group in (config.get("config_groups") or {}).items():
             weights = group.get("weights")
             if not weights:
@@ -82,6 +88,7 @@ class CompressedTensorsLayers:
             fmt = group.get("format") or config.get("format")
             self._check_scheme(group_name, weights, fmt)
             self.groups.append((group_name, list(group.get("targets") or []), weights, fmt))
+            self.activations[group_name] = group.get("input_activations")
         if not self.groups:
             raise ValueError(f"{self.where} has no config group with a weight scheme")
         self.tensors = LayerParts(_PARTS, {name.rpartition(".")[0] for name in names if name.endswith(".weight_scale")})
@@ -90,6 +97,7 @@ class CompressedTensorsLayers:
                         "(--kv-cache-dtype int8/fp8) calculates a finer scale for every token and head as it "
                         "writes it, and the cache keeps --kv-cache-dtype")
         self._unused_logged = False
+        self._activations_logged = False
 
     def _check_scheme(self, group_name: str, weights: dict[str, Any], fmt: Optional[str]) -> None:
         where = f"{self.where} config group {group_name!r}"
@@ -141,12 +149,14 @@ class CompressedTensorsLayers:
         where = f"compressed-tensors layer {layer} (config group {group_name!r}, {fmt})"
         if not self._unused_logged and any(part in parts for part in _UNUSED):
             self._unused_logged = True
-            logger.info("the checkpoint's activation scales (input_scale) are not applied: FP8 products quantise "
-                        "activations per token, int products to int8 per 32 values, float products keep them "
-                        "in --dtype")
+            logger.info("the checkpoint's activation scales (input_scale) are not applied: FP8 and int8 W8A8 "
+                        "products quantise activations per token, packed int products to int8 per 32 values, "
+                        "float products keep them in --dtype")
         bits = weights["num_bits"]
         if weights["type"] == "float":
             return self._float8(layer, parts, weights, where, keep_packed)
+        if keep_packed and self._int8_w8a8(group_name, weights, fmt, parts):
+            return self._int8_weight(layer, group_name, parts, weights, where), "int8 W8A8 kept"
         values, signed_zero = self._integers(parts, weights, fmt, where)
         out, cols = values.shape
         scale, groups = self._scales_by_input(parts, weights, out, cols, where)
@@ -167,7 +177,7 @@ class CompressedTensorsLayers:
     @staticmethod
     def _float8(layer: str, parts: dict[str, torch.Tensor], weights: dict[str, Any], where: str,
                 keep_packed: bool) -> tuple[LoadedWeight, str]:
-        """An FP8 layer kept as an `Fp8Weight` (`keep_packed`, scales per tensor, channel, or 32/64/128
+        """An FP8 layer kept as an `W8A8Weight` (`keep_packed`, scales per tensor, channel, or 32/64/128
         columns), else its float32 weight [out, in]."""
         values = _part(parts, "weight", where)
         if values.dtype != torch.float8_e4m3fn:
@@ -176,10 +186,42 @@ class CompressedTensorsLayers:
         raw = _part(parts, "weight_scale", where)
         scale = _expanded_scale(raw.float(), weights, out, cols, where)  # checks the shape against the strategy
         block = _fp8_block(weights)
-        if keep_packed and (block is None or block[1] in fp8.BLOCK_WIDTHS):
-            return fp8.from_checkpoint(values, raw, block, where), "fp8 kept"
+        if keep_packed and (block is None or block[1] in w8a8.BLOCK_WIDTHS):
+            return w8a8.from_checkpoint(values, raw, block, where), "fp8 kept"
         how = "fp8 dequantised to floats" if not keep_packed else f"fp8 dequantised (scales per {block[1]} columns)"
         return values.float() * scale, how
+
+    def _int8_w8a8(self, group_name: str, weights: dict[str, Any], fmt: str, parts: dict[str, torch.Tensor]
+                   ) -> bool:
+        """Whether a layer of this scheme is kept as an int8 `W8A8Weight`: int8 values stored as they are,
+        per channel or tensor, with int8 input activations, no non-zero zero point (asymmetric weights stay
+        packed int8 `QuantizedWeight`s, which hold zero points exactly), whole 32-column blocks (so the CPU's
+        packed int8 form holds it exactly)."""
+        activations = self.activations.get(group_name) or {}
+        weight = parts.get("weight")
+        zero = parts.get("weight_zero_point")
+        return (fmt in ("int-quantized", "naive-quantized") and weights["num_bits"] == 8
+                and weights["strategy"] in ("channel", "tensor") and activations.get("type") == "int"
+                and activations.get("num_bits") == 8 and weight is not None and weight.dim() == 2
+                and weight.shape[1] % BLOCK == 0 and (zero is None or not bool(zero.ne(0).any())))
+
+    def _int8_weight(self, layer: str, group_name: str, parts: dict[str, torch.Tensor], weights: dict[str, Any],
+                     where: str) -> w8a8.W8A8Weight:
+        """The layer as an int8 `W8A8Weight` (all-zero zero points dropped: they change nothing)."""
+        activations = self.activations[group_name]
+        if not self._activations_logged and (activations.get("strategy") != "token" or not activations.get("dynamic")
+                                             or activations.get("symmetric") is False):
+            self._activations_logged = True
+            logger.info("int8 W8A8 activations are quantised dynamically per token, symmetric (the checkpoint's "
+                        "scheme: %s per %s, %s)", "dynamic" if activations.get("dynamic") else "static",
+                        activations.get("strategy"),
+                        "asymmetric" if activations.get("symmetric") is False else "symmetric")
+        values = _part(parts, "weight", where)
+        if values.dtype != torch.int8:
+            raise ValueError(f"{where}: {layer}.weight is {values.dtype}, the scheme stores int8")
+        raw = _part(parts, "weight_scale", where)
+        _expanded_scale(raw.float(), weights, values.shape[0], values.shape[1], where)  # checks the shape
+        return w8a8.from_checkpoint(values, raw, None, where, parts.get("weight_zero_point"))
 
     def _integers(self, parts: dict[str, torch.Tensor], weights: dict[str, Any], fmt: str, where: str
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -8,7 +8,7 @@ layer is `weight` float8_e4m3fn [out, in] and, with blocks, `weight_scale_inv` f
 ceil(in / cols)] (despite its name the multiplier: w = weight * weight_scale_inv, as DeepSeek's
 weight_dequant computes it), else `weight_scale` (one value per tensor, or one per output channel).
 
-Kept (the default), a layer becomes an `Fp8Weight` (kernels/fp8.py) multiplied W8A8 with activations
+Kept (the default), a layer becomes an `W8A8Weight` (kernels/w8a8.py) multiplied W8A8 with activations
 quantised dynamically per token, per token and block with block weights (DeepSeek's recipe); a static
 `input_scale` is not applied (per token is finer). With `--quantization none` it is dequantised to float32.
 """
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from tokenmill.kernels import fp8
+from tokenmill.kernels import w8a8
 from tokenmill.models.loader.packed_layers import LayerParts, LoadedWeight, kv_cache_scale
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ class Fp8Layers:
                                   or not all(isinstance(v, int) and v > 0 for v in block)):
             raise ValueError(f"{self.where}: weight_block_size must be two positive integers, got {block!r}")
         self.block: Optional[tuple[int, int]] = None if block is None else (block[0], block[1])
-        if self.block is not None and self.block[1] not in fp8.BLOCK_WIDTHS:
+        if self.block is not None and self.block[1] not in w8a8.BLOCK_WIDTHS:
             raise ValueError(f"{self.where}: weight_block_size {list(self.block)} is not supported (the FP8 "
-                             f"products take blocks of {', '.join(map(str, fp8.BLOCK_WIDTHS))} columns)")
+                             f"products take blocks of {', '.join(map(str, w8a8.BLOCK_WIDTHS))} columns)")
         self.scale_name = "weight_scale_inv" if self.block is not None else "weight_scale"
         self.tensors = LayerParts(_PARTS, {name.rpartition(".")[0] for name in names
                                            if name.endswith(tuple(f".{s}" for s in _SCALES))})
@@ -72,7 +72,7 @@ class Fp8Layers:
         return self.tensors.complete(layer, parts, names)
 
     def load(self, layer: str, parts: dict[str, torch.Tensor], keep_packed: bool) -> tuple[LoadedWeight, str]:
-        """The layer as an `Fp8Weight` (`keep_packed`), else its float32 weight [out, in]."""
+        """The layer as an `W8A8Weight` (`keep_packed`), else its float32 weight [out, in]."""
         where = f"FP8 layer {layer}"
         if "weight" not in parts:
             raise ValueError(f"{where}: the layer has no weight tensor")
@@ -80,7 +80,7 @@ class Fp8Layers:
             other = next(iter(set(_SCALES) & set(parts)))
             raise ValueError(f"{where}: the layer has {other} but no {self.scale_name} (the config "
                              f"{'gives' if self.block else 'gives no'} weight_block_size)")
-        weight = fp8.from_checkpoint(parts["weight"], parts[self.scale_name], self.block, where)
+        weight = w8a8.from_checkpoint(parts["weight"], parts[self.scale_name], self.block, where)
         if keep_packed:
             return weight, "fp8 kept"
         return weight.dequantize(), "fp8 dequantised to floats"

@@ -8,10 +8,10 @@ from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
-from tokenmill.kernels.fp8 import Fp8Weight
+from tokenmill.kernels.w8a8 import W8A8Weight
 from tokenmill.kernels.quantized import BLOCK, QuantizedWeight, pack_blocks
 
-LoadedWeight = Union[torch.Tensor, QuantizedWeight, Fp8Weight]
+LoadedWeight = Union[torch.Tensor, QuantizedWeight, W8A8Weight]
 
 
 class PackedScheme(Protocol):

@@ -4,7 +4,7 @@ stream that turns each packed layer's tensors into one weight as they load.
 A scheme (`packed_layers.PackedScheme`: `gptq_awq.GptqAwqLayers`,
 `compressed_tensors.CompressedTensorsLayers`, `fp8_checkpoints.Fp8Layers`) names the tensors that form a
 packed layer and turns them into either a `QuantizedWeight` (kept packed, run on the native int8/int4
-products; only where the format maps exactly onto their layout), an `Fp8Weight` (FP8 layers, kept as
+products; only where the format maps exactly onto their layout), an `W8A8Weight` (FP8 layers, kept as
 stored) or the float32 weight they dequantise to (with `--quantization none`, and for layers whose layout
 does not map). Every other `quant_method` is refused by name.
 """
