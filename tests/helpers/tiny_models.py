@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Gemma 2, SmolLM3, OLMo 2/3, Phi-3,
-DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, LLaVA) with the SmolLM2 tokenizer."""
+DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -95,6 +95,14 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # 0.5, the default), q/k norm, q/k/v bias; layer 0 dense, layer 1 sparse: 8 experts in one group (as
     # GLM-4.5), top 2 renormalised and scaled by 2.5, one shared expert; its correction bias and an MTP layer
     # added by `make_tiny_hf_model`
+    # GPT-OSS: a sliding layer (window 16, shorter than the test prompts) then a full one, head_dim 64 (the AVX-512
+    # attention tiles take it), 8 biased experts of width 32, 2 per token; YaRN with a fractional ramp
+    # (truncate False) inside the head's frequencies; a SwiGLU limit low enough to clamp (gates of ~1)
+    "gpt_oss": {"head_dim": 64, "sliding_window": 16, "max_position_embeddings": 256, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "intermediate_size": 32, "swiglu_limit": 0.6, "initializer_range": 0.1,
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64,
+                                    "rope_theta": 150_000.0}},
     "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
                  "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
@@ -116,7 +124,7 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
-    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe) and its tokenizer in `dir`.
+    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss) and its tokenizer in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and
@@ -135,6 +143,13 @@ def make_tiny_hf_model(
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # about the spread of the sigmoid scores
                 buffer.copy_(torch.randn(buffer.shape) * 0.1)
+        for name, param in model.named_parameters():
+            # GPT-OSS: its sinks about as large as the scores (HF's init, std 0.1, would barely move the softmax)
+            # and random biases where HF initialises them to zero (a dropped bias would go unnoticed)
+            if name.endswith(".sinks"):
+                param.copy_(torch.randn(param.shape))
+            elif arch == "gpt_oss" and "bias" in name and not param.any():
+                param.copy_(torch.randn(param.shape) * 0.1)
     model.save_pretrained(path, max_shard_size="1MB" if sharded else "10GB")
     if getattr(config, "num_nextn_predict_layers", 0) and not sharded:
         _add_mtp_layer(path / "model.safetensors", config.num_hidden_layers)

@@ -10,15 +10,19 @@ import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionLayer:
     """What one layer's attention adds to the step's metadata: its softmax scale, its sliding window
-    (a query at position p sees keys (p - sliding_window, p]; None: every earlier key) and its score
-    soft cap (scores -> cap * tanh(scores / cap) before the softmax, Gemma 2's; None: none)."""
+    (a query at position p sees keys (p - sliding_window, p]; None: every earlier key), its score
+    soft cap (scores -> cap * tanh(scores / cap) before the softmax, Gemma 2's; None: none) and its
+    attention sinks (GPT-OSS: float32 [local query heads], contiguous, on the model's device; head h's softmax
+    denominator gains exp(sinks[h]), a logit that takes no value, so a query may attend to "nothing"; None: none).
+    Compared by identity (eq=False): it holds a tensor."""
 
     scale: float
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

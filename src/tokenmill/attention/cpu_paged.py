@@ -12,7 +12,8 @@ of the step, decodes included, goes to the AMX tiles, whose arithmetic is lane-w
 (prefill_attention.c); elsewhere, and for the layers those tiles do not take (a sliding window, float32,
 a quantised cache, other head sizes), every query attends as a one-token decode at its position
 (kernels/decode_attention.c). Which of the two a layer takes depends on the layer alone, never on the
-batch. A layer with a score soft cap (Gemma 2) never takes the AMX tiles: the decode kernels cap its scores.
+batch. A layer with a score soft cap (Gemma 2) or attention sinks (GPT-OSS) never takes the AMX tiles: the decode
+kernels cap its scores and join its sinks.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ class CpuPagedBackend(TorchReferenceBackend):
     @staticmethod
     def tiles_take(q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> bool:
         """Whether the AMX tiles attend every query of this layer (batch-invariant, with AMX): bfloat16,
-        no sliding window or soft cap, a bfloat16 cache, a head size they take. A property of the layer."""
+        no sliding window, soft cap or sinks, a bfloat16 cache, a head size they take. A property of the layer."""
         return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and layer.sliding_window is None
-                and layer.logit_softcap is None and prefill_attention_fits(head_dim=q.shape[-1]))
+                and layer.logit_softcap is None and layer.sinks is None
+                and prefill_attention_fits(head_dim=q.shape[-1]))
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
         self.kernels.cache_write(kv_cache, k, None if key_only(kv_cache, k, v) else v, m.slots)
@@ -119,7 +121,7 @@ class CpuPagedBackend(TorchReferenceBackend):
                      layer: AttentionLayer) -> None:
         self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
                                       m.decode_lens, layer.scale, window=layer.sliding_window or 0,
-                                      softcap=layer.logit_softcap or 0.0)
+                                      softcap=layer.logit_softcap or 0.0, sinks=layer.sinks)
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:
@@ -129,7 +131,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         soft cap: a capped layer's chunks take the reference's."""
         assert isinstance(m, CpuPagedMetadata)
         windowless = layer.sliding_window is None or all(p.context_len <= layer.sliding_window for p in m.prefills)
-        uncapped = layer.logit_softcap is None
+        uncapped = layer.logit_softcap is None and layer.sinks is None  # (nor sinks: GPT-OSS's)
         if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and windowless and uncapped and \
                 not is_quantized(kv_cache) and \
                 self.kernels.prefill_attention(out, q, kv_cache, m.prefill_chunks, m.prefill_tables, layer.scale):

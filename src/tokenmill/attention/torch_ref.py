@@ -158,21 +158,31 @@ def _as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-              layer: AttentionLayer) -> torch.Tensor:
+              layer: AttentionLayer, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v: q [..., H, Q, D], k and v [..., KVH, L, D] (H a multiple of KVH), `mask`
     [..., Q, L] True where a query may attend, None for causal attention with Q == L. A layer with a score soft
     cap (Gemma 2) caps the scores, cap * tanh(scores / cap), before the mask and softmax, as transformers'
-    eager attention does (float32 softmax); SDPA, which has no cap, attends the others."""
-    if layer.logit_softcap is None:
+    eager attention does (float32 softmax). `sinks` (GPT-OSS's attention sinks, float32, shaped to broadcast
+    against the scores' [..., H, Q, 1]): one more logit per row that joins the softmax and is then dropped, as
+    transformers' eager GPT-OSS attention does. SDPA, which has neither, attends the others."""
+    if layer.logit_softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
                                               enable_gqa=True)
-    assert mask is not None, "a soft-capped layer's caller builds its causal mask"
+    if mask is None:  # causal with Q == L
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scale
     cap = layer.logit_softcap
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * layer.scale / cap) * cap
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
     return torch.matmul(weights.to(q.dtype), v)
 
 
@@ -241,10 +251,8 @@ class TorchReferenceBackend(AttentionBackend):
             else:
                 kp = _keys(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
                 vp = _values(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
-            mask = p.mask(layer.sliding_window)
-            if mask is None and layer.logit_softcap is not None:  # a chunk from position 0: plain causal
-                mask = torch.ones(p.query_len, p.query_len, dtype=torch.bool, device=q.device).tril()
-            op = attention(qp, kp, vp, mask, layer)
+            sinks = None if layer.sinks is None else layer.sinks.view(-1, 1, 1)  # per query head
+            op = attention(qp, kp, vp, p.mask(layer.sliding_window), layer, sinks)
             out[rows] = op.squeeze(0).transpose(0, 1)
 
     @staticmethod
@@ -269,5 +277,6 @@ class TorchReferenceBackend(AttentionBackend):
         k = _keys(kv_cache, m.decode_tables, q.dtype)  # [B, KVH, L, D]
         v = k if kv_cache.shape[0] == 1 else _values(kv_cache, m.decode_tables, q.dtype)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = attention(grouped, k, v, m.decode_mask_for(layer.sliding_window), layer)
+        sinks = None if layer.sinks is None else layer.sinks.view(num_kv_heads, -1, 1)  # [KVH, G, 1], as grouped
+        out = attention(grouped, k, v, m.decode_mask_for(layer.sliding_window), layer, sinks)
         return out.reshape(batch, num_heads, head_dim)

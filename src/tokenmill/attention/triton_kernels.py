@@ -128,7 +128,17 @@ def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_p
 
 
 @triton.jit
-def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+def _fold_sink(acc, m_i, l_i, sink):
+    """An online softmax's (acc, l) with one more logit per row, `sink` (GPT-OSS's attention sink), that joins the
+    denominator and takes no value: both rescaled to max(m, sink), then exp(sink - that) added to l. The same
+    operations for a row wherever it comes (batch invariance holds)."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)  # m_i -inf (no key seen): 0, and acc is 0 already
+    return acc * alpha[:, None], l_i * alpha + tl.exp(sink - m_new)
+
+
+@triton.jit
+def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr,
                              num_seqs, scale, softcap, window,
                              q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
                              c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
@@ -136,12 +146,12 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
                              BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr,
                              USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                             KV_ROWS: tl.constexpr):
+                             KV_ROWS: tl.constexpr, USE_SINKS: tl.constexpr):
     """Program (query block, kv head): BLOCK_Q consecutive queries of one sequence times the
     QUERIES_PER_KV query heads of the kv head, as BLOCK_M rows, attended causally over the sequence's
     block table. Prefill chunks, prefix hits, decode and speculative rows alike: a query at absolute
     position p sees keys [0, p] (within the window). A sequence of context length 0 (graph padding)
-    writes zeros."""
+    writes zeros. USE_SINKS: each row's softmax denominator gains exp(sinks[head]) (`_fold_sink`)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _sequence_of(query_start_ptr, num_seqs, q_block, BLOCK_Q)
@@ -175,6 +185,8 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
                                       window, c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                                       V_PLANE, TILE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_WINDOW, USE_SOFTCAP,
                                       UPCAST, IEEE, KV_ROWS)
+        if USE_SINKS:
+            acc, l_i = _fold_sink(acc, m_i, l_i, tl.load(sinks_ptr + head, mask=row_valid, other=0.0))
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_mask[None, :])
@@ -232,10 +244,11 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
 
 
 @triton.jit
-def merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, o_stride_t, o_stride_h,
+def merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, sinks_ptr, o_stride_t, o_stride_h,
                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
-    """Program (sequence, head): the splits' partial outputs weighted by their share of the softmax."""
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_SINKS: tl.constexpr):
+    """Program (sequence, head): the splits' partial outputs weighted by their share of the softmax (with
+    USE_SINKS, the head's sink logit a share of its own that takes no value)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P)
@@ -243,9 +256,14 @@ def merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, o_stride_t, o_stride_h,
     index = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
     lse = tl.load(lse_ptr + index, mask=split_valid, other=float("-inf"))
     top = tl.max(lse, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     weights = tl.exp(lse - top)
     total = tl.sum(weights, 0)
+    if USE_SINKS:
+        total += tl.exp(sink - top)
     dims = tl.arange(0, HEAD_DIM_P)
     parts = tl.load(partial_ptr + index[:, None] * HEAD_DIM_P + dims[None, :], mask=split_valid[:, None], other=0.0)
     result = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)

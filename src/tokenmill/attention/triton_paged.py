@@ -210,6 +210,12 @@ def write_kv(k: torch.Tensor, v: Optional[torch.Tensor], kv_cache: torch.Tensor,
         BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim, HEAD_DIM_P=next_power_of_2(head_dim), WRITE_V=v is not None)
 
 
+def _sinks(layer: AttentionLayer, q: torch.Tensor) -> torch.Tensor:
+    """The layer's attention sinks (float32 [heads]) for the kernels, or q as a pointer never read (USE_SINKS
+    off)."""
+    return q if layer.sinks is None else layer.sinks
+
+
 def _layer_args(layer: AttentionLayer) -> tuple[float, int, bool, bool]:
     softcap = layer.logit_softcap or 0.0
     window = layer.sliding_window or 0
@@ -229,13 +235,14 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
     upcast, ieee = _precision(q.dtype)
     grid = (m.num_tokens // block_q + m.num_seqs, num_kv_heads)
     unified_attention_kernel[grid](
-        out, q, kv_cache, m.block_tables, m.seq_lens, m.query_start, m.num_seqs, layer.scale, softcap, window,
+        out, q, kv_cache, m.block_tables, m.seq_lens, m.query_start, _sinks(layer, q), m.num_seqs, layer.scale,
+        softcap, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), m.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
         TILE=WIDE_TILE if wide else TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
         HEAD_DIM_P=next_power_of_2(head_dim), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
-        IEEE=ieee, KV_ROWS=rows)
+        IEEE=ieee, KV_ROWS=rows, USE_SINKS=layer.sinks is not None)
 
 
 def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
@@ -260,5 +267,6 @@ def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: 
         HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, IEEE=ieee,
         KV_ROWS=rows)
     merge_splits_kernel[(num_seqs, num_heads)](
-        out, partial, lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits,
-        SPLITS_P=max(2, next_power_of_2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+        out, partial, lse, _sinks(layer, q), out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits,
+        SPLITS_P=max(2, next_power_of_2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        USE_SINKS=layer.sinks is not None)

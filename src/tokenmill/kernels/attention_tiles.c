@@ -19,7 +19,8 @@
  * dimension as one vector of bytes.
  * The spans are then folded in order (fold_span): (m, l, o) starts as the first span's (top, total, part)
  * and each later span rescales both sides by fast_exp of their tops less the new maximum; the output is
- * o / l, rounded once to the storage dtype. The two levels' results differ (other lanes, other trees);
+ * o / l (a layer's attention sink first joined to l, fold_sink), rounded once to the storage dtype.
+ * The two levels' results differ (other lanes, other trees);
  * within a level they never depend on the batch.
  *
  * How the work is shared changes none of those operations. A tile is up to TILE_QUERIES consecutive
@@ -66,6 +67,7 @@ typedef struct {
     int64_t window, span_keys;
     float scale;
     float softcap;      /* > 0: scores -> softcap * tanh(score / softcap) before the softmax (Gemma 2) */
+    const float *sinks; /* GPT-OSS's attention sinks [heads], joined to each row's total as it is written; or NULL */
     int bf16;
     int rows;           /* TM_ROWS_*: what the cache rows hold */
     int paired;         /* the scores take bfloat16 dot products of dimension pairs (PAIRED, bfloat16 rows) */
@@ -239,8 +241,11 @@ static inline void fold_span(float *m, float *l, float *o, float top, float tota
     for (int64_t d = 0; d < head_dim; d++) o[d] = o[d] * keep + part[d] * add;
 }
 
-/* out row = o / l in the storage dtype. */
-static inline void write_row(const paged_args *a, int64_t out_at, float *o, float l) {
+/* out row = o / l in the storage dtype, for query head `head` of state (m, l, o): with sinks, the head's sink
+ * folded in first (fold_sink). */
+static inline void write_row(const paged_args *a, int64_t out_at, float *o, float m, float l, int64_t head) {
+    if (a->sinks)
+        fold_sink(m, &l, o, a->head_dim, a->sinks[head]);
     const float inv = 1.0f / l;
     for (int64_t d = 0; d < a->head_dim; d++) o[d] *= inv;
     store_row(a->out, out_at, o, a->head_dim, a->bf16);
@@ -282,7 +287,8 @@ static void attend_tile(const paged_args *a, const query_tile *t, int64_t kvh, s
     for (int64_t i = 0; i < t->n; i++) {
         const int64_t out_row = a->token_index[t->b0 + i] * a->out_row_stride + kvh * group * head_dim;
         for (int64_t g = 0; g < group; g++)
-            write_row(a, out_row + g * head_dim, o + (i * group + g) * head_dim, l[i * group + g]);
+            write_row(a, out_row + g * head_dim, o + (i * group + g) * head_dim, m[i * group + g], l[i * group + g],
+                      kvh * group + g);
     }
 }
 
@@ -293,10 +299,10 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, float softcap, int bf16, int rows) {
+                        float scale, int64_t window, float softcap, const float *sinks, int bf16, int rows) {
     const paged_args a = {out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_kv_heads, group,
                           head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride, window,
-                          span_length(block_size), scale, softcap, bf16, rows, rows == TM_ROWS_DTYPE && PAIRED(bf16),
+                          span_length(block_size), scale, softcap, sinks, bf16, rows, rows == TM_ROWS_DTYPE && PAIRED(bf16),
                           rows == TM_ROWS_DTYPE ? head_dim : head_dim + 4};
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     const int64_t tiles = query_tiles(starts, token_index, block_tables, context_lens, num_seqs, max_blocks,
@@ -384,7 +390,7 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const float *slot = partials + (((first_split[i] + c - c_first) * num_kv_heads + kvh) * group + g) * part_row;
                         fold_span(&m, &l, state, slot[0], slot[1], slot + 2, head_dim, c == c_first);
                     }
-                    write_row(&a, out_row + g * head_dim, state, l);
+                    write_row(&a, out_row + g * head_dim, state, m, l, kvh * group + g);
                 }
             }
         free(buffer);

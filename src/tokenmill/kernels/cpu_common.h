@@ -109,6 +109,34 @@ static inline void softmax_rows(float *scores, int64_t rows, int64_t len) {
     }
 }
 
+/* softmax_rows with GPT-OSS's attention sinks: row g's denominator also holds exp(sinks[g]), a logit that takes no
+ * value (the row's weights then sum to less than 1); sinks NULL: softmax_rows. */
+static inline void sink_softmax_rows(float *scores, int64_t rows, int64_t len, const float *sinks) {
+    if (!sinks) {
+        softmax_rows(scores, rows, len);
+        return;
+    }
+    for (int64_t g = 0; g < rows; g++) {
+        float *sg = scores + g * len;
+        float mx = sinks[g], sum = 0.0f;
+        #pragma omp simd reduction(max:mx)
+        for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < len; t++) { sg[t] = fast_exp(sg[t] - mx); sum += sg[t]; }
+        const float inv = 1.0f / (sum + fast_exp(sinks[g] - mx));
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+    }
+}
+
+/* A row's finished online softmax (max m, total *l, unnormalised output o) with GPT-OSS's sink logit `sink` joined:
+ * both rescaled to max(m, sink) and exp(sink - that) added to the total, which the caller then divides o by. */
+static inline void fold_sink(float m, float *l, float *o, int64_t head_dim, float sink) {
+    const float top = sink > m ? sink : m;
+    const float keep = fast_exp(m - top);
+    *l = *l * keep + fast_exp(sink - top);
+    for (int64_t d = 0; d < head_dim; d++) o[d] *= keep;
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 

@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _F, _INT],
-    "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _F, _INT, _INT],
+    "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _F, _P, _INT],
+    "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _F, _P, _INT, _INT],
     "tm_cache_write": [_P] * 5 + [_I64] * 6 + [_INT],
     "tm_cache_write_q8": [_P] * 5 + [_I64] * 6 + [_INT, _INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
@@ -159,14 +159,16 @@ class CpuKernels:
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                          token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         scale: float, window: int = 0, softcap: float = 0.0) -> None:
+                         scale: float, window: int = 0, softcap: float = 0.0,
+                         sinks: Optional[torch.Tensor] = None) -> None:
         """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
         cached tokens, or with window > 0 over the last `window` of them only (the blocks before those are
         not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [planes, blocks, kv_heads,
         block_size, head_dim] contiguous (values in the last plane) of q's dtype, or a one-byte cache (int8,
         or fp8 as uint8) of rows head_dim + 4 (attention/kv_quant.py, read by decode_attention_q8.c);
         block_tables int32 [B, max_blocks]; context_lens int32 [B]. softcap > 0: each score becomes
-        softcap * tanh(score / softcap) before the softmax (Gemma 2's attention soft-capping)."""
+        softcap * tanh(score / softcap) before the softmax (Gemma 2's attention soft-capping). sinks (GPT-OSS's
+        attention sinks): float32 [heads], contiguous; head h's softmax denominator also holds exp(sinks[h])."""
         quantized = kv_cache.dtype in (torch.int8, torch.uint8)
         bf16 = _storage_flag(out, q, *([] if quantized else [kv_cache]))
         _, _, num_kv_heads, block_size, width = kv_cache.shape
@@ -178,9 +180,13 @@ class CpuKernels:
             raise ValueError("decode_attention needs contiguous head rows, a contiguous out row and cache")
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or token_index.dtype != torch.int64:
             raise ValueError("decode_attention takes int32 block tables and lengths, int64 token indices")
+        if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                                  or sinks.shape != (q.shape[1],)):
+            raise ValueError(f"decode_attention takes float32 sinks, one per head ({q.shape[1]}), contiguous")
         args = (_ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
                 _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
-                block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, softcap, bf16)
+                block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, softcap,
+                None if sinks is None else _ptr(sinks), bf16)
         if quantized:
             self.lib.tm_decode_attention_q8(*args, int(kv_cache.dtype == torch.uint8))
         else:

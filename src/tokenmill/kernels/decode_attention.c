@@ -24,20 +24,23 @@
  * are never read (a window's sequence may have given them back), and with no window, or a context no
  * longer than it, every path runs exactly the operations it runs without one.
  * softcap > 0: each score (q . k times scale) becomes softcap * tanh(score / softcap) before the softmax
- * (Gemma 2); 0: none. */
+ * (Gemma 2); 0: none.
+ * sinks (GPT-OSS's attention sinks, float32 [num_heads], or NULL): head h's softmax denominator also holds
+ * exp(sinks[h]), a logit that takes no value. */
 
 void tm_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                          const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                         int64_t out_row_stride, float scale, int64_t window, float softcap, int bf16) {
+                         int64_t out_row_stride, float scale, int64_t window, float softcap, const float *sinks,
+                         int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tile_elems = block_size * head_dim;  /* one (block, kv head) tile is contiguous */
 #if defined(__AVX512F__) || defined(TM_AVX2)
     if (head_dim % 64 == 0 && head_dim <= 256 && group <= 8) {
         tm_attention_tiles(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
                            num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride,
-                           out_row_stride, scale, window, softcap, bf16, TM_ROWS_DTYPE);
+                           out_row_stride, scale, window, softcap, sinks, bf16, TM_ROWS_DTYPE);
         return;
     }
 #endif
@@ -83,7 +86,7 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                 }
             }
             softcap_scores(scores, group * len, softcap);
-            softmax_rows(scores, group, len);
+            sink_softmax_rows(scores, group, len, sinks ? sinks + kvh * group : NULL);
             for (int64_t start = first, block, end; start < ctx; start = end) {
                 const int64_t base = block_run(table, start, ctx, block_size, kvh, num_kv_heads, head_dim, &block, &end);
                 const int64_t n = end - start;

@@ -96,13 +96,14 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                             const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                            int64_t out_row_stride, float scale, int64_t window, float softcap, int bf16, int fp8) {
+                            int64_t out_row_stride, float scale, int64_t window, float softcap, const float *sinks,
+                            int bf16, int fp8) {
     const int64_t group = num_heads / num_kv_heads;
 #ifdef Q8_VECTOR
     if (head_dim % 64 == 0 && head_dim <= 256 && group <= 8 && block_size % 16 == 0) {
         tm_attention_tiles(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
                            num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride,
-                           out_row_stride, scale, window, softcap, bf16, fp8 ? TM_ROWS_FP8 : TM_ROWS_INT8);
+                           out_row_stride, scale, window, softcap, sinks, bf16, fp8 ? TM_ROWS_FP8 : TM_ROWS_INT8);
         return;
     }
 #endif
@@ -179,7 +180,7 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                 }
             }
             softcap_scores(scores, group * len, softcap);  /* Gemma 2's (decode_attention.c) */
-            softmax_rows(scores, group, len);
+            sink_softmax_rows(scores, group, len, sinks ? sinks + kvh * group : NULL);  /* GPT-OSS's */
             for (int64_t start = first, end; start < ctx; start = end) {
                 const int64_t block = table[start / block_size], offset = start % block_size;
                 end = start - offset + block_size < ctx ? start - offset + block_size : ctx;

@@ -17,7 +17,7 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, float softcap, int bf16, int rows);
+                        float scale, int64_t window, float softcap, const float *sinks, int bf16, int rows);
 
 /* The first key a query of context `ctx` attends: window <= 0 is full attention. */
 static inline int64_t window_first(int64_t ctx, int64_t window) {

@@ -77,12 +77,14 @@ class Router(nn.Module):
     `correction_bias` (sigmoid routing, DeepSeek-V3's noaux_tc): the router also holds
     `e_score_correction_bias` [num_experts], and both it and the weight are float32 whatever the model's
     dtype, the logits computed in float32 (transformers keeps both in float32 too).
+    `bias` (GPT-OSS): a per-expert bias added to the logits.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False, bias: bool = False) -> None:
         super().__init__()
         dtype = torch.float32 if correction_bias else None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
         self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
                                         if correction_bias else None)
         self.kernel: Optional[LinearKernel] = None
@@ -91,7 +93,7 @@ class Router(nn.Module):
         """Copy the checkpoint's router weight (a QuantizedWeight dequantised) or correction bias, naming the
         expert counts when the checkpoint's disagrees with the config's."""
         if param.dim() == 1 and tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"the checkpoint's e_score_correction_bias has shape {tuple(loaded.shape)}, but the "
+            raise ValueError(f"the checkpoint's router bias (e_score_correction_bias or bias) has shape {tuple(loaded.shape)}, but the "
                              f"config has num_experts={param.shape[0]}")
         if tuple(loaded.shape) != tuple(param.shape):
             raise ValueError(f"the checkpoint's router weight has shape {tuple(loaded.shape)}: "
@@ -101,7 +103,8 @@ class Router(nn.Module):
 
     def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: multiply through `make_kernel` like the projections (unpacked: it is small)."""
-        self.kernel = make_kernel(self.weight.data, None, False, native, batch_invariant)
+        self.kernel = make_kernel(self.weight.data, None if self.bias is None else self.bias.data, False, native,
+                                  batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> logits [T, num_experts] in x's dtype (as HF computes them), in float32 for a router
@@ -110,7 +113,7 @@ class Router(nn.Module):
             x = x.float()
         if self.kernel is not None:
             return self.kernel(x)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool, scale: float = 1.0
@@ -127,6 +130,15 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, scale: float = 1.0
     if scale != 1.0:
         weights = weights * scale
     return weights, ids
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's routing (transformers' GptOssTopKRouter): the `top_k` largest logits (in descending order), then
+    a softmax over those k alone, in the logits' dtype as HF computes it; weights returned in float32.
+
+    logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]). Row-wise throughout."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1).float(), ids
 
 
 def route_grouped_sigmoid(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
@@ -210,9 +222,10 @@ class MoEBlock(nn.Module):
         self.local = local_experts(moe.num_experts, tp)
         self.expert_parallel = len(self.local) < moe.num_experts
         self.split_experts = tp.size > 1 and not tp.expert_parallel  # each expert's intermediate split
-        if moe.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"unsupported MoE scoring {moe.scoring!r}; supported: softmax, sigmoid")
-        self.gate = Router(hidden_size, moe.num_experts, correction_bias=moe.scoring == "sigmoid")
+        if moe.scoring not in ("softmax", "sigmoid", "topk_softmax"):
+            raise ValueError(f"unsupported MoE scoring {moe.scoring!r}; supported: softmax, sigmoid, topk_softmax")
+        self.gate = Router(hidden_size, moe.num_experts, correction_bias=moe.scoring == "sigmoid",
+                           bias=moe.router_bias)
         self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in self.local)
         self.shared_experts = make_expert(moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = Router(hidden_size, 1) if moe.shared_expert_gate else None
@@ -229,6 +242,10 @@ class MoEBlock(nn.Module):
         its children, and the children it then visits are the emptied `experts`."""
         if not getattr(native, "on_device", False) or not self.experts:
             return
+        if self.moe.swiglu_limit is not None:
+            raise ValueError("GPT-OSS's experts (biased projections, clamped SwiGLU) do not run on the fused Triton "
+                             "MoE kernels yet (the Triton products: CUDA's default, --linear-kernel triton); use "
+                             "--linear-kernel dense")
         from tokenmill.layers.fused_moe import FusedExperts, StackedWeight
 
         gate_up = StackedWeight.of([_loaded_weight(e.gate_up_proj) for e in self.experts])
@@ -268,6 +285,8 @@ class MoEBlock(nn.Module):
         """The step's routing (weights float32 [T, top_k], expert ids [T, top_k]): softmax top-k (`route`) or
         sigmoid grouped top-k (`route_grouped_sigmoid`), by the fused kernel on the fused path."""
         moe, bias = self.moe, self.gate.e_score_correction_bias
+        if moe.scoring == "topk_softmax":  # (never fused: use_kernel refuses GPT-OSS's experts)
+            return route_topk_softmax(logits, moe.top_k)
         if self.fused is not None:
             from tokenmill.layers.fused_moe import route as fused_route
 

@@ -26,6 +26,10 @@ class MoEConfig:
     `scoring` "sigmoid" (DeepSeek-V3's noaux_tc, GLM-4.5): sigmoid scores, the top k chosen by score plus a
     per-expert correction bias within the best `topk_groups` of `num_groups` expert groups, weighted by their
     scores (layers/moe.py's `route_grouped_sigmoid`).
+    `scoring` "topk_softmax" (GPT-OSS): the top k logits chosen, then a softmax over those k alone.
+    `router_bias`: the router adds a per-expert bias to its logits (GPT-OSS). `swiglu_limit` (GPT-OSS's experts,
+    layers/gpt_oss_experts.py): every projection of an expert has a bias, and the activation is the clamped
+    SwiGLU (up + 1) * gate * sigmoid(`swiglu_alpha` * gate), gate clamped above at the limit and up to +-limit.
     `shared_intermediate_size` > 0 adds an always-on SwiGLU expert of that width (DeepSeek's shared experts,
     fused into one); with `shared_expert_gate` (Qwen2-MoE) its output is scaled per token by
     sigmoid(x . w), w a [1, hidden] gate. `dense_layers` run a plain MLP of the model's `intermediate_size`
@@ -40,9 +44,12 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
     shared_expert_gate: bool = False
-    scoring: str = "softmax"  # softmax | sigmoid
+    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax
     num_groups: int = 1
     topk_groups: int = 1
+    router_bias: bool = False
+    swiglu_limit: Optional[float] = None  # GPT-OSS's biased experts with the clamped SwiGLU; None: plain SwiGLU
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,8 @@ class ArchConfig:
     attention_scale: Optional[float] = None  # softmax scale (default head_dim ** -0.5)
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
     attn_logit_softcap: Optional[float] = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    # GPT-OSS: each query head has a learned logit (`sinks`) that joins its softmax's denominator and takes no value
+    attention_sinks: bool = False
     no_rope_layers: frozenset[int] = frozenset()  # SmolLM3: the layers without rotary embeddings (NoPE)
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None

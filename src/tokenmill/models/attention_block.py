@@ -39,7 +39,13 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(q_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
         self.k_norm = RMSNorm(k_width, arch.rms_norm_eps, offset) if arch.qk_norm else None
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim ** -0.5
-        self.attention = AttentionLayer(scale, spec.sliding_window, arch.attn_logit_softcap)
+        # GPT-OSS's attention sinks, this rank's heads; float32 whatever the model's dtype (the kernels read them
+        # as float32). Invariant: the model is never cast after construction, so the Parameter the
+        # AttentionLayer holds is the one the checkpoint loads into and that moves with the model.
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.sinks = (nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+                      if arch.attention_sinks else None)
+        self.attention = AttentionLayer(scale, spec.sliding_window, arch.attn_logit_softcap, self.sinks)
         self.rope_key = rope_key(arch, spec)
         self.rotary_dim = arch.rotary_dim or arch.head_dim
         self.rotates = spec.rope  # False: a NoPE layer (SmolLM3)
@@ -64,6 +70,16 @@ class SelfAttention(nn.Module):
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """The attention's own tensor, GPT-OSS's `sinks` [num_attention_heads]: this rank's heads of it."""
+        if param is not self.sinks:
+            raise ValueError("SelfAttention loads only its attention sinks itself")
+        heads = self.num_heads
+        if loaded.dim() != 1 or loaded.shape[0] != heads * self.tp_size:
+            raise ValueError(f"the checkpoint's attention sinks have shape {tuple(loaded.shape)}, not one per "
+                             "query head")
+        param.data.copy_(loaded.narrow(0, self.tp_rank * heads, heads).to(torch.float32))
 
     def rotate(self, rope: "RopeInputs", q_and_k: torch.Tensor) -> torch.Tensor:
         """RoPE on q and k [T, heads, head_dim]: on the whole heads, or with partial rotary (GLM) on the first

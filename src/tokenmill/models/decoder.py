@@ -3,7 +3,8 @@ bias), Qwen3 (q/k norm), Gemma 3 (sliding-window layers, local/global RoPE, sand
 scaled embeddings, logit soft-capping), Gemma 2 (attention-score soft-capping), SmolLM3 (NoPE layers),
 OLMo 2/3 (norms after the blocks only), Phi-3 / Phi-4-mini (LongRoPE, partial rotary), the mixtures of
 experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (layers/moe.py; OLMoE's q/k norm spans the whole
-projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py) and GLM-4.5 (partial RoPE).
+projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py), GLM-4.5 (partial RoPE) and
+GPT-OSS (attention sinks, biased experts with a clamped SwiGLU, layers/gpt_oss_experts.py).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -19,6 +20,7 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
+from tokenmill.layers.gpt_oss_experts import BiasedExpertMLP, gpt_oss_expert_tensors
 from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 from tokenmill.layers.linear_kernels import DenseKernel, LinearKernel, QuantizedKernel, make_kernel
 from tokenmill.layers.moe import MoEBlock, expert_checkpoint_names, local_experts
@@ -48,11 +50,17 @@ class GatedMLP(nn.Module):
 
 
 def make_mlp(arch: ArchConfig, spec: LayerSpec, tp: TPGroup) -> nn.Module:
-    """The layer's MLP: dense, or a mixture of experts (each expert a GatedMLP) where the layer's spec says so."""
+    """The layer's MLP: dense, or a mixture of experts (each expert a GatedMLP, or GPT-OSS's BiasedExpertMLP) where
+    the layer's spec says so."""
     if spec.moe:  # experts whole on the ranks that hold them (expert parallelism), else split like this MLP
         experts_tp = TPGroup.single() if tp.expert_parallel else tp
-        expert = lambda width: GatedMLP(arch.hidden_size, width, arch.hidden_act, experts_tp)  # noqa: E731
-        return MoEBlock(arch.moe, arch.hidden_size, expert, tp)
+        moe = arch.moe
+        if moe.swiglu_limit is not None:
+            expert = lambda width: BiasedExpertMLP(arch.hidden_size, width, moe.swiglu_limit,  # noqa: E731
+                                                   moe.swiglu_alpha, experts_tp)
+        else:
+            expert = lambda width: GatedMLP(arch.hidden_size, width, arch.hidden_act, experts_tp)  # noqa: E731
+        return MoEBlock(moe, arch.hidden_size, expert, tp)
     return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, tp)
 
 
@@ -307,6 +315,9 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
             local = local_experts(self.arch.moe.num_experts, self.tp) if self.tp.expert_parallel else None
             weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size, local)
+            if self.arch.moe.swiglu_limit is not None:  # GPT-OSS: stacked experts, split one by one
+                weights = gpt_oss_expert_tensors(weights, self.arch.moe.num_experts, self.arch.hidden_size,
+                                                 self.arch.moe.intermediate_size, local)
         weights = split_fused_projections(weights, self.arch)  # Phi-3's qkv_proj and gate_up_proj
         vision_weights = []
         for name, tensor in weights:

@@ -30,6 +30,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": DecoderForCausalLM,  # fused checkpoint tensors split at load (loader/fused_tensors.py)
     "Olmo2ForCausalLM": DecoderForCausalLM,  # norms after the blocks only (ArchConfig.post_norms)
     "Olmo3ForCausalLM": DecoderForCausalLM,
+    "GptOssForCausalLM": DecoderForCausalLM,  # attention sinks, biased experts (layers/gpt_oss_experts.py)
 }
 
 

@@ -20,6 +20,7 @@ from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loader.chat_templates import built_in_chat_template
 from tokenmill.models.loader.gguf_file import GGUFCheckpoint
 from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf
+from tokenmill.models.loader.mxfp4 import dequantized_mxfp4_stream, mxfp4_names
 from tokenmill.models.loader.quantized_checkpoints import packed_layer_stream, packed_scheme, quantization_config
 from tokenmill.models.loader.resolve import DEFAULT_MODEL, model_location, resolve_model_path
 from tokenmill.models.loader.safetensors_weights import SafetensorsWeights
@@ -100,7 +101,10 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
     }
     stream: Callable[[bool], Iterator[tuple[str, Any]]] = lambda keep_quantized: weights.iter_tensors(wanted)
     packing = quantization_config(folder)
-    if packing is not None:  # GPTQ / AWQ / compressed-tensors: one weight per packed layer as it loads
+    if packing is not None and str(packing.get("quant_method", "")).lower() == "mxfp4":
+        # GPT-OSS's MXFP4 experts: dequantised to floats as they load (loader/mxfp4.py)
+        stream, wanted = dequantized_mxfp4_stream(weights.iter_tensors, wanted), mxfp4_names(wanted)
+    elif packing is not None:  # GPTQ / AWQ / compressed-tensors: one weight per packed layer as it loads
         scheme = packed_scheme(packing, folder, wanted)
         wanted, stream = packed_layer_stream(scheme, wanted, weights.iter_tensors, weights.file_of)
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None

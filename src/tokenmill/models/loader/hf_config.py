@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
+    "GptOssForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -57,6 +58,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -113,6 +115,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "Olmo3ForCausalLM": {  # transformers' Olmo3Config
         "vocab_size": 50304, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
         "hidden_act": "silu", "sliding_window": 4096,
+    },
+    "GptOssForCausalLM": {  # transformers' GptOssConfig (its rope_parameters default: _GPT_OSS_ROPE)
+        "vocab_size": 201_088, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5, "head_dim": 64,
+        "num_key_value_heads": 8, "sliding_window": 128, "num_local_experts": 128, "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True, "hidden_act": "silu",
+        "rope_theta": 150_000.0,
     },
     "OlmoeForCausalLM": {
         "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
@@ -254,7 +262,7 @@ def _token_ids(*values: Any) -> tuple[int, ...]:
 
 def _sliding_window(architecture: str, setting: dict[str, Any]) -> Optional[int]:
     if architecture in ("MistralForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM",
-                        "Olmo3ForCausalLM", "Phi3ForCausalLM"):
+                        "Olmo3ForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM"):
         return setting["sliding_window"]
     qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if (qwen or architecture == "SmolLM3ForCausalLM") and setting.get("use_sliding_window"):
@@ -461,6 +469,34 @@ def _glm4_moe_fields(setting: dict[str, Any], rope_params: dict[str, Any]) -> di
                 rotary_dim=_rotary_dim(name, setting, factor))
 
 
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_fields(setting: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's ArchConfig fields beyond the Llama ones (transformers' GptOssConfig): attention sinks on every
+    layer, sliding layers alternating with full ones (the first sliding) unless layer_types says otherwise,
+    biased q/k/v/o projections (attention_bias), and every layer a MoE of num_local_experts biased experts with
+    the clamped SwiGLU, routed by the top k of biased router logits then a softmax over those k."""
+    name = "GptOssForCausalLM"
+    act = setting["hidden_act"]
+    if act != "silu":
+        raise ValueError(f"{name} with hidden_act={act!r} is not supported; supported: 'silu' (its clamped SwiGLU)")
+    layers = setting["num_hidden_layers"]
+    layer_types = setting.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    experts, top_k = int(setting["num_local_experts"]), int(setting["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ValueError(f"{name} with num_experts_per_tok={top_k} of {experts} experts is not supported")
+    limit = setting["swiglu_limit"]
+    if limit is None or float(limit) <= 0:
+        raise ValueError(f"{name} with swiglu_limit={limit!r} is not supported: a positive limit is needed")
+    moe = MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=int(setting["intermediate_size"]),
+                    norm_topk_prob=True, scoring="topk_softmax", router_bias=True, swiglu_limit=float(limit),
+                    swiglu_alpha=float(setting["swiglu_alpha"]))
+    return dict(layer_types=tuple(layer_types), attention_sinks=True, moe=moe)
+
+
 def _rotary_dim(name: str, setting: dict[str, Any], factor: float) -> Optional[int]:
     """ArchConfig.rotary_dim for a partial_rotary_factor: int(head_dim * factor) dims of each head, as
     transformers turns them (None: the whole head); ValueError naming a factor that turns an odd number or none."""
@@ -646,6 +682,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if architecture == "Phi3ForCausalLM":
         rope_params = _phi3_rope(setting, rope_params)
+    if architecture == "GptOssForCausalLM" and not rope_params:
+        rope_params = _GPT_OSS_ROPE  # what transformers' GptOssConfig fills in
     num_heads = setting["num_attention_heads"]
     bos_token_id = setting["bos_token_id"]
     if bos_token_id is None:
@@ -660,6 +698,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         **(_deepseek_v2_fields(setting, rope_params) if architecture == "DeepseekV2ForCausalLM" else {}),
         **(_deepseek_v3_fields(setting, rope_params) if architecture == "DeepseekV3ForCausalLM" else {}),
         **(_glm4_moe_fields(setting, rope_params) if architecture == "Glm4MoeForCausalLM" else {}),
+        **(_gpt_oss_fields(setting) if architecture == "GptOssForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,
         vocab_size=setting["vocab_size"],

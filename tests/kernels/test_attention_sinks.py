@@ -1,0 +1,112 @@
+"""GPT-OSS's attention sinks (a learned logit per query head that joins its softmax's denominator and takes no
+value) on every attention backend, against transformers' own GPT-OSS eager attention: the reference backend, the
+native CPU kernels (the AVX-512/AVX2 tiles at head_dim 64, the portable loop at 32; batch-invariant and not) and
+Triton's kernels in the interpreter (the unified kernel, and the split-KV decode whose merge joins the sinks).
+
+One step of decodes, a chunk from position 0, a chunk after cached context and a sliding window, float32; sinks
+of std 2 (scores of std ~1), so that leaving them out moves every output far beyond the tolerance. Each case
+runs in well under a second (the interpreter's few programs included)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+from tokenmill.attention.base import AttentionLayer, SequenceChunk
+from tokenmill.attention.cpu_paged import CpuPagedBackend
+from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.kernels.cpu_kernels import cpu_kernels
+
+CPU = torch.device("cpu")
+BLOCK = 8
+TOLERANCE = 2e-5
+
+
+def sink_step(heads, kv_heads, head_dim, seed=5):
+    """A random cache, one step's chunks (decodes, a fresh chunk, a chunk after context) and its q, k, v, slots."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, 40, kv_heads, BLOCK, head_dim, generator=gen)
+    chunks = [SequenceChunk(0, 1, 70, list(range(0, 9))), SequenceChunk(1, 6, 6, [9]),
+              SequenceChunk(7, 5, 30, [10, 11, 12, 13]), SequenceChunk(12, 1, 2, [14])]
+    slots = torch.tensor([8 * 8 + 5] + [9 * 8 + i for i in range(6)] + [13 * 8 + i for i in range(1, 6)] + [14 * 8 + 1])
+    q = torch.randn(13, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, 13, kv_heads, head_dim, generator=gen)
+    sinks = torch.randn(heads, generator=gen) * 2
+    return cache, chunks, slots, q, k, v, sinks
+
+
+def hf_attention(q, cache, chunks, slots, k, v, sinks, scale, window):
+    """transformers' GPT-OSS eager attention of each chunk over its cached context (the step's K/V written first)."""
+    written = cache.clone()
+    written[0][slots // BLOCK, :, slots % BLOCK] = k
+    written[1][slots // BLOCK, :, slots % BLOCK] = v
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=q.shape[1] // cache.shape[2], training=False)
+    out = torch.empty(q.shape)
+    for c in chunks:
+        keys, values = written[:, list(c.block_ids)].transpose(1, 2).flatten(2, 3)[:, :, :c.context_len]
+        rows = slice(c.query_start, c.query_start + c.query_len)
+        positions = torch.arange(c.context_len - c.query_len, c.context_len)[:, None]
+        seen = torch.arange(c.context_len)[None, :] <= positions
+        if window:
+            seen &= torch.arange(c.context_len)[None, :] > positions - window
+        mask = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))[None, None]
+        got, _ = eager_attention_forward(module, q[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale)
+        out[rows] = got[0]
+    return out
+
+
+def backends():
+    """(name, backend) of every backend this machine runs."""
+    found = [("torch_ref", TorchReferenceBackend())]
+    kernels = cpu_kernels()
+    if kernels is not None:
+        found += [("cpu_paged", CpuPagedBackend(kernels)), ("cpu_paged, not invariant",
+                                                            CpuPagedBackend(kernels, batch_invariant=False))]
+    try:
+        from tokenmill.attention.triton_paged import TritonPagedBackend
+    except ImportError:
+        return found
+    return found + [("triton_paged", TritonPagedBackend(True, CPU))]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32)])  # the tiles; the portable loop
+@pytest.mark.parametrize("window", [None, 9])
+def test_sinks_join_the_softmax_as_transformers_gpt_oss_does_on_every_backend(heads, kv_heads, head_dim, window):
+    cache, chunks, slots, q, k, v, sinks = sink_step(heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    expected = hf_attention(q, cache, chunks, slots, k, v, sinks, scale, window)
+    sinkless = hf_attention(q, cache, chunks, slots, k, v, torch.full_like(sinks, -1e9), scale, window)
+    assert not torch.allclose(expected, sinkless, atol=1e-2)
+    layer = AttentionLayer(scale, window, sinks=sinks)
+    for name, backend in backends():
+        c = cache.clone()
+        got = backend.forward(q, k, v, c, backend.build_metadata(chunks, slots, BLOCK, CPU), layer)
+        assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE), name
+
+
+def test_split_kv_decode_merges_the_sinks_in():
+    # without batch invariance long decodes split their keys across programs; the merge joins each head's sink once
+    triton_paged = pytest.importorskip("tokenmill.attention.triton_paged")
+    gen = torch.Generator().manual_seed(6)
+    heads, kv_heads, head_dim, block = 8, 2, 32, 16
+    cache = torch.randn(2, 64, kv_heads, block, head_dim, generator=gen)
+    lengths = (300, 129, 5)
+    chunks, start, slots = [], 0, []
+    for i, length in enumerate(lengths):
+        blocks = list(range(i * 20, i * 20 + -(-length // block)))
+        chunks.append(SequenceChunk(i, 1, length, blocks))
+        slots.append(blocks[(length - 1) // block] * block + (length - 1) % block)
+    slots = torch.tensor(slots)
+    q = torch.randn(3, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, 3, kv_heads, head_dim, generator=gen)
+    layer = AttentionLayer(head_dim ** -0.5, None, sinks=torch.randn(heads, generator=gen) * 2)
+    backend = triton_paged.TritonPagedBackend(False, CPU)
+    meta = backend.build_metadata(chunks, slots, block, CPU)
+    assert backend._splits(meta, kv_heads) > 1, "this step must take the split-KV kernel"
+    ref = TorchReferenceBackend()
+    expected = ref.forward(q, k, v, cache.clone(), ref.build_metadata(chunks, slots, block, CPU), layer)
+    got = backend.forward(q, k, v, cache.clone(), meta, layer)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
