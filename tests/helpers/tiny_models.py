@@ -98,7 +98,8 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # GPT-OSS: a sliding layer (window 16, shorter than the test prompts) then a full one, head_dim 64 (the AVX-512
     # attention tiles take it), 8 biased experts of width 32, 2 per token; YaRN with a fractional ramp
     # (truncate False) inside the head's frequencies; a SwiGLU limit low enough to clamp (gates of ~1)
-    "gpt_oss": {"head_dim": 64, "sliding_window": 16, "max_position_embeddings": 256, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "gpt_oss": {"head_dim": 64, "sliding_window": 16, "max_position_embeddings": 256, "num_local_experts": 8,
+                "num_experts_per_tok": 2,
                 "intermediate_size": 32, "swiglu_limit": 0.6, "initializer_range": 0.1,
                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 64,
@@ -124,7 +125,8 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
-    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss) and its tokenizer in `dir`.
+    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss) and its tokenizer
+    in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
     `rope_parameters=LLAMA3_ROPE_SCALING`); `sharded=True` writes several safetensors files and

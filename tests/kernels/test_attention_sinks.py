@@ -94,7 +94,7 @@ def test_split_kv_decode_merges_the_sinks_in():
     heads, kv_heads, head_dim, block = 8, 2, 32, 16
     cache = torch.randn(2, 64, kv_heads, block, head_dim, generator=gen)
     lengths = (300, 129, 5)
-    chunks, start, slots = [], 0, []
+    chunks, slots = [], []
     for i, length in enumerate(lengths):
         blocks = list(range(i * 20, i * 20 + -(-length // block)))
         chunks.append(SequenceChunk(i, 1, length, blocks))

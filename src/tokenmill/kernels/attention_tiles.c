@@ -302,7 +302,8 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         float scale, int64_t window, float softcap, const float *sinks, int bf16, int rows) {
     const paged_args a = {out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_kv_heads, group,
                           head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride, window,
-                          span_length(block_size), scale, softcap, sinks, bf16, rows, rows == TM_ROWS_DTYPE && PAIRED(bf16),
+                          span_length(block_size), scale, softcap, sinks, bf16, rows,
+                          rows == TM_ROWS_DTYPE && PAIRED(bf16),
                           rows == TM_ROWS_DTYPE ? head_dim : head_dim + 4};
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     const int64_t tiles = query_tiles(starts, token_index, block_tables, context_lens, num_seqs, max_blocks,

@@ -93,7 +93,8 @@ class Router(nn.Module):
         """Copy the checkpoint's router weight (a QuantizedWeight dequantised) or correction bias, naming the
         expert counts when the checkpoint's disagrees with the config's."""
         if param.dim() == 1 and tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"the checkpoint's router bias (e_score_correction_bias or bias) has shape {tuple(loaded.shape)}, but the "
+            raise ValueError(f"the checkpoint's router bias (e_score_correction_bias or bias) has shape "
+                             f"{tuple(loaded.shape)}, but the "
                              f"config has num_experts={param.shape[0]}")
         if tuple(loaded.shape) != tuple(param.shape):
             raise ValueError(f"the checkpoint's router weight has shape {tuple(loaded.shape)}: "
