@@ -52,6 +52,7 @@ batch. Without the native kernels (TOKENMILL_KERNELS=off, linear_kernel="dense")
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
@@ -63,6 +64,8 @@ from tokenmill.kernels.w8a8 import INT8, W8A8Weight
 from tokenmill.layers.linear import default_weight_loader
 from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
 from tokenmill.parallel.group import TPGroup
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tokenmill.models.arch import MoEConfig
@@ -232,6 +235,8 @@ class MoEBlock(nn.Module):
         self.shared_expert_gate = Router(hidden_size, 1) if moe.shared_expert_gate else None
         self.fused: Any = None  # FusedExperts (layers/fused_moe.py) once `use_kernel` chose the fused path
 
+    _unfused_logged = False  # GPT-OSS's experts left unfused: said once a process
+
     def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: where the product kernels `native` are Triton's (`on_device`: CUDA's default,
         `--linear-kernel triton` anywhere), stack the experts' weights for the fused path
@@ -244,9 +249,12 @@ class MoEBlock(nn.Module):
         if not getattr(native, "on_device", False) or not self.experts:
             return
         if self.moe.swiglu_limit is not None:
-            raise ValueError("GPT-OSS's experts (biased projections, clamped SwiGLU) do not run on the fused Triton "
-                             "MoE kernels yet (the Triton products: CUDA's default, --linear-kernel triton); use "
-                             "--linear-kernel dense")
+            if not MoEBlock._unfused_logged:
+                MoEBlock._unfused_logged = True
+                logger.info("GPT-OSS's experts (biased projections, clamped SwiGLU) have no fused Triton kernel "
+                            "yet: they run one by one on the Triton products (a host sync per MoE layer, so its "
+                            "steps run without CUDA graphs' gain there)")
+            return
         from tokenmill.layers.fused_moe import FusedExperts, StackedWeight
 
         gate_up = StackedWeight.of([_loaded_weight(e.gate_up_proj) for e in self.experts])
@@ -286,7 +294,7 @@ class MoEBlock(nn.Module):
         """The step's routing (weights float32 [T, top_k], expert ids [T, top_k]): softmax top-k (`route`) or
         sigmoid grouped top-k (`route_grouped_sigmoid`), by the fused kernel on the fused path."""
         moe, bias = self.moe, self.gate.e_score_correction_bias
-        if moe.scoring == "topk_softmax":  # (never fused: use_kernel refuses GPT-OSS's experts)
+        if moe.scoring == "topk_softmax":  # (never fused: use_kernel leaves GPT-OSS's experts unfused)
             return route_topk_softmax(logits, moe.top_k)
         if self.fused is not None:
             from tokenmill.layers.fused_moe import route as fused_route
