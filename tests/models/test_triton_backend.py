@@ -77,7 +77,9 @@ def test_a_batch_invariant_cuda_run_takes_the_triton_products_and_norms():
         assert isinstance(choice.native, TritonProducts) and choice.batch_invariant
         assert isinstance(choice.elementwise, TritonFusedOps)
     off = choose_kernels(ModelConfig(), cuda, torch.float32, triton_backend, kernels, False, False, True)
-    assert off.native is None and off.elementwise is None  # cuBLAS and PyTorch's float32 ops, as before
+    # not invariant: TritonProducts still (quantised weights stay packed) but float products on cuBLAS, and
+    # PyTorch's float32 ops
+    assert isinstance(off.native, TritonProducts) and not off.batch_invariant and off.elementwise is None
     with pytest.raises(ValueError, match="--linear-kernel dense"):
         choose_kernels(ModelConfig(linear_kernel="dense"), cuda, torch.float32, triton_backend, kernels, True,
                        False, True)

@@ -170,8 +170,10 @@ def make_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool
     product at every row count where it applies, else `InvariantDenseKernel`. Otherwise: dense unless `packed`; packed, with the AMX product too where
     `native` has AMX and the input width suits it, or computed in float32 where oneDNN cannot pack
     bfloat16 weights on this CPU."""
-    if batch_invariant and native is not None and (weight.device.type == "cpu" or getattr(native, "on_device", False)) \
-            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    on_device = getattr(native, "on_device", False)  # Triton's products take float16 too; the CPU's do not
+    if batch_invariant and native is not None and (weight.device.type == "cpu" or on_device) \
+            and weight.dtype in ((torch.float32, torch.bfloat16, torch.float16) if on_device
+                                 else (torch.float32, torch.bfloat16)):
         if packed and native.amx and weight.shape[1] % AMX_FEATURE_TILE == 0 \
                 and onednn_packing_available(weight.dtype, weight.device):
             return AmxPackedKernel(weight, bias, native, batch_invariant=True)

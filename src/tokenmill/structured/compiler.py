@@ -6,7 +6,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
 from tokenmill.structured.schema_checks import unsatisfiable
 from tokenmill.structured.spec import StructuredOutput
@@ -33,11 +33,27 @@ def json_schema_ebnf(schema: str) -> str:
     """
     import xgrammar as xgr
 
-    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))  # its own errors name the keyword
+    try:
+        text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))  # its own errors name the keyword
+    except RuntimeError:
+        # a schema no finite value satisfies: ours names how (xgrammar 0.2.9 and later refuse $ref cycles
+        # themselves, in fewer words)
+        problem = _unsatisfiable_or_none(schema)
+        if problem:
+            raise RuntimeError(problem) from None
+        raise
     problem = unsatisfiable(json.loads(schema))
     if problem:
         raise RuntimeError(problem)
     return text.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR)
+
+
+def _unsatisfiable_or_none(schema: str) -> Optional[str]:
+    """`unsatisfiable` of a schema xgrammar refused, or None where the check cannot read it either."""
+    try:
+        return unsatisfiable(json.loads(schema))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
 
 
 class GrammarCache:
