@@ -31,7 +31,7 @@ def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
     missing = [key for key in KEYS + SECTIONS if result.get(key) is None]
     assert not missing, missing
     assert result["skipped"] == []
-    assert set(result["quantized_checkpoints"]) == {"gptq", "awq", "ct-W4A16", "ct-W8A8", "ct-FP8"}
+    assert set(result["quantized_checkpoints"]) == {"gptq", "ct-FP8"}  # (a GPU run adds awq, ct-W4A16, ct-W8A8)
     # the Triton kernels in the interpreter give HF float32's greedy ids in every mode (the dry run's 3 prompts)
     assert result["hf_fp32_identical"] == {"graphs": "3/3", "prefix_hit": "3/3", "eager": "3/3", "chunked": "3/3"}
     assert result["bf16_top1_agreement"] == 1.0  # float32 in the dry run: the two backends agree
@@ -51,7 +51,7 @@ def test_the_dry_run_writes_every_figure_the_gpu_issue_reads(tmp_path):
 def assert_issue58_sections(result, stdout):
     """Issue 58's sections at the dry run's sizes: 3 prompts, a batch of 4, small benches."""
     assert result["async_identical"] == "6/6"  # 3 prompts, greedy and seeded
-    assert [run["async_scheduling"] for run in result["async_decode"]["runs"]] == [True, False, False, True]
+    assert [run["async_scheduling"] for run in result["async_decode"]["runs"]] == [True, False]  # a GPU's: A B B A
     assert 0 <= result["gpu_idle_share_bs64"] <= 1
     served = result["served_1b"]
     assert all(served[key] is not None for key in ("output_tok_s", "tpot_p50_ms", "single_tpot_p50_ms"))

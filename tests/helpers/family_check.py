@@ -1,7 +1,8 @@
 """One check of a model family against HF transformers float32, in every mode the engine schedules a request
 in (what issue 60 asks of each architecture), for the price of two engine runs:
 
-1. plain: the eight prompts (helpers/engine_probe.EIGHT_PROMPTS) one at a time, ample memory and budget;
+1. plain: the eight prompts (helpers/engine_probe.EIGHT_PROMPTS) as one batch, whole, with ample memory and
+   budget (alone, a request gives the same bits as in a batch: `check_alone_equals_batched`);
 2. stressed: the eight as one batch on an engine whose token budget is smaller than a block (every prompt
    prefills in chunks of less than a block), whose pool is too small for all of them at once (requests are
    preempted and recomputed), followed by the second prompt alone, twice (the second run a prefix-cache
@@ -29,9 +30,10 @@ def check_family(path: Any, hf: Any, count: int = 32, logprob_tolerance: float =
     expected = [hf_greedy_logprobs(hf, ids, count) for ids in prompts]
     params = SamplingParams(temperature=0, max_tokens=count, ignore_eos=True, logprobs=0)
     plain = LLM(str(path), dtype="float32", block_size=BLOCK, num_kv_blocks=512, **engine)
-    for ids, want in zip(prompts, expected):
-        _assert_same(plain.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0], want, "plain", ids,
-                     logprob_tolerance)
+    # one batch of whole prompts (a request alone gives the same bits: check_alone_equals_batched)
+    outputs = plain.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    for ids, want, output in zip(prompts, expected, outputs):
+        _assert_same(output, want, "plain", ids, logprob_tolerance)
     groups = plain.llm_engine.kv_cache.num_groups
     plain.shutdown()
     longest = max(len(ids) for ids in prompts) + count

@@ -204,7 +204,9 @@ FUSED = dict(dtype="float32", linear_kernel="triton", attention_backend="torch_r
              block_size=8, num_kv_blocks=64)
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v2"])
+# Mixtral's routing renormalised, OLMoE's not, DeepSeek-V2's scaled beside a shared expert (Qwen3-MoE's routing is
+# Mixtral's: the loop-path tests hold it)
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe", "deepseek_v2"])
 def test_fused_experts_give_hf_greedy_tokens(folders, tmp_path, arch):
     folder = folders[arch] if arch in folders else make_tiny_hf_model(tmp_path, arch=arch, first_k_dense_replace=1)
     llm = LLM(str(folder), **FUSED)
