@@ -96,13 +96,13 @@ def weight_memory(llm: Any) -> int:
     return total
 
 
-def engine_pair(path: Path, device: str, dry: bool, batch: int, quantized: dict[str, Any], measure: Any
-                ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`measure(llm)` on the bfloat16 engine and on the one with the `quantized` options, in turn (one
-    engine on the device at a time)."""
+def engine_pair(path: Path, device: str, dry: bool, batch: int, baseline: dict[str, Any], other: dict[str, Any],
+                measure: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`measure(llm)` on the engine with the `baseline` options and on the one with the `other` options, in
+    turn (one engine on the device at a time)."""
     g = check_module()
     found = []
-    for options in ({"quantization": "none"}, quantized):
+    for options in (baseline, other):
         llm = g.decode_llm(path, device, dry, batch, **options, **dry_paths(dry))
         try:
             found.append(measure(llm))
@@ -113,6 +113,9 @@ def engine_pair(path: Path, device: str, dry: bool, batch: int, quantized: dict[
     return found[0], found[1]
 
 
+BF16 = {"quantization": "none"}  # the float side of a weight format's pair
+
+
 def w4a16(path: Path, device: str, dry: bool) -> dict[str, Any]:
     """Replay at batch 1 and 64 and the weights' memory, int4 (kept packed) against bfloat16."""
     steps, ctx, batch = check_module().decode_shape(dry)
@@ -121,7 +124,7 @@ def w4a16(path: Path, device: str, dry: bool) -> dict[str, Any]:
         return {"bs1_ms": replays(llm, 1, ctx, device, 11), f"bs{batch}_ms": replays(llm, batch, ctx, device, 12),
                 "weight_bytes": weight_memory(llm), "weights": llm.llm_engine.model.describe_weights()}
 
-    bf16, int4 = engine_pair(path, device, dry, batch, {"quantization": "int4"}, measure)
+    bf16, int4 = engine_pair(path, device, dry, batch, BF16, {"quantization": "int4"}, measure)
     return {"bf16": bf16, "int4": int4, "w4a16_bs1_step_ratio": ratio(int4["bs1_ms"], bf16["bs1_ms"]),
             "w4a16_bs64_step_ratio": ratio(int4[f"bs{batch}_ms"], bf16[f"bs{batch}_ms"]),
             "w4a16_weight_memory_ratio": ratio(int4["weight_bytes"], bf16["weight_bytes"])}
@@ -140,7 +143,7 @@ def fp8(path: Path, device: str, dry: bool) -> dict[str, Any]:
         return {"prefill_ms": round(statistics.median(prefill[1:]) * 1e3, 2),
                 f"bs{batch}_ms": replays(llm, batch, ctx, device, 13), "weights": llm.llm_engine.model.describe_weights()}
 
-    bf16, w8a8 = engine_pair(path, device, dry, batch, {"quantization": "fp8"}, measure)
+    bf16, w8a8 = engine_pair(path, device, dry, batch, BF16, {"quantization": "fp8"}, measure)
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
     return {"bf16": bf16, "fp8": w8a8, "device_capability": capability,
             "fp8_prefill_2048_ratio": ratio(w8a8["prefill_ms"], bf16["prefill_ms"]),
@@ -151,26 +154,16 @@ def fp8_kv(path_1b: Path, trained_135m: Any, device: str, dry: bool) -> dict[str
     """The batch-64 replay at 4,096 tokens of context with an fp8 cache against the bfloat16 cache, and the
     top-1 agreement under teacher forcing (prompt logprobs) of the trained 135M model's fp8 cache with its
     bfloat16 cache over the README's text."""
-    g = check_module()
     batch, ctx = (4, 24) if dry else (64, 4096)
 
     def measure(llm: Any) -> dict[str, Any]:
         return {f"bs{batch}_ctx{ctx}_ms": replays(llm, batch, ctx, device, 14)}
 
-    base = dict(max_model_len=ctx + 64)
-    found = []
-    for kv in ("auto", "fp8"):
-        llm = g.decode_llm(path_1b, device, dry, batch, kv_cache_dtype=kv,
-                           **(dict(base, kv_cache_memory_gb=24.0) if not dry else dry_paths(dry)))
-        try:
-            found.append(measure(llm))
-        finally:
-            llm.shutdown()
-            del llm
-            g.free_memory()
-    out: dict[str, Any] = {"bf16_cache": found[0], "fp8_cache": found[1],
-                           "fp8_kv_step_ratio": ratio(found[1][f"bs{batch}_ctx{ctx}_ms"],
-                                                      found[0][f"bs{batch}_ctx{ctx}_ms"])}
+    room = {} if dry else dict(max_model_len=ctx + 64, kv_cache_memory_gb=24.0)  # 64 x 4,096 tokens of cache
+    bf16, fp8 = engine_pair(path_1b, device, dry, batch, dict(room, kv_cache_dtype="auto"),
+                            dict(room, kv_cache_dtype="fp8"), measure)
+    out: dict[str, Any] = {"bf16_cache": bf16, "fp8_cache": fp8,
+                           "fp8_kv_step_ratio": ratio(fp8[f"bs{batch}_ctx{ctx}_ms"], bf16[f"bs{batch}_ctx{ctx}_ms"])}
     if trained_135m:
         out["fp8_kv_top1_agreement"] = cache_agreement(Path(trained_135m), device, dry)
     return out

@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
+from helpers.attention_steps import mixed_attention_step
+
 from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
@@ -27,13 +29,7 @@ TOLERANCE = 2e-5
 
 def sink_step(heads, kv_heads, head_dim, seed=5):
     """A random cache, one step's chunks (decodes, a fresh chunk, a chunk after context) and its q, k, v, slots."""
-    gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, 40, kv_heads, BLOCK, head_dim, generator=gen)
-    chunks = [SequenceChunk(0, 1, 70, list(range(0, 9))), SequenceChunk(1, 6, 6, [9]),
-              SequenceChunk(7, 5, 30, [10, 11, 12, 13]), SequenceChunk(12, 1, 2, [14])]
-    slots = torch.tensor([8 * 8 + 5] + [9 * 8 + i for i in range(6)] + [13 * 8 + i for i in range(1, 6)] + [14 * 8 + 1])
-    q = torch.randn(13, heads, head_dim, generator=gen)
-    k, v = torch.randn(2, 13, kv_heads, head_dim, generator=gen)
+    cache, chunks, slots, q, k, v, gen = mixed_attention_step(heads, kv_heads, head_dim, seed, BLOCK)
     sinks = torch.randn(heads, generator=gen) * 2
     return cache, chunks, slots, q, k, v, sinks
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.attention_steps import mixed_attention_step
 from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend, padded_block_tables, split_decodes
@@ -338,13 +339,7 @@ def test_soft_capped_scores_are_capped_before_the_softmax_on_both_cpu_backends(k
     # Gemma 2's attn_logit_softcapping: decodes, a chunk from position 0 and one after cached context, in one step,
     # float32, against the formula; the cap (0.4, scores of std ~1) moves every output far beyond the tolerance
     block_size, cap, scale = 8, 0.4, head_dim ** -0.5
-    gen = torch.Generator().manual_seed(21)
-    cache = torch.randn(2, 40, kv_heads, block_size, head_dim, generator=gen)
-    chunks = [SequenceChunk(0, 1, 70, list(range(0, 9))), SequenceChunk(1, 6, 6, [9]),
-              SequenceChunk(7, 5, 30, [10, 11, 12, 13]), SequenceChunk(12, 1, 2, [14])]
-    slots = torch.tensor([8 * 8 + 5] + [9 * 8 + i for i in range(6)] + [13 * 8 + i for i in range(1, 6)] + [14 * 8 + 1])
-    q = torch.randn(13, heads, head_dim, generator=gen)
-    k, v = torch.randn(2, 13, kv_heads, head_dim, generator=gen)
+    cache, chunks, slots, q, k, v, _ = mixed_attention_step(heads, kv_heads, head_dim, 21, block_size)
     layer, cpu = AttentionLayer(scale, logit_softcap=cap), torch.device("cpu")
     written = cache.clone()
     written[0][slots // block_size, :, slots % block_size] = k
