@@ -22,3 +22,17 @@ def mixed_attention_step(heads: int, kv_heads: int, head_dim: int, seed: int, bl
     q = torch.randn(13, heads, head_dim, generator=gen)
     k, v = torch.randn(2, 13, kv_heads, head_dim, generator=gen)
     return cache, chunks, slots, q, k, v, gen
+
+
+def reference_and_backend(backend, cache: torch.Tensor, chunks: list, slots: torch.Tensor, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, layer, block_size: int) -> tuple:
+    """(reference output, reference cache, backend output, backend cache): the step attended by the reference
+    backend and by `backend`, each over its own copy of `cache`."""
+    from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+    cpu = torch.device("cpu")
+    ref = TorchReferenceBackend()
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, cpu), layer)
+    got = backend.forward(q, k, v, got_cache, backend.build_metadata(chunks, slots, block_size, cpu), layer)
+    return expected, ref_cache, got, got_cache

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.attention_steps import reference_and_backend
 from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.attention.triton_paged import TritonPagedBackend, host_metadata, write_kv
@@ -41,15 +42,6 @@ def mixed_batch(seed, heads, kv_heads, head_dim, block_size, specs, num_blocks=9
     return cache, chunks, torch.tensor(slots), q, k, v
 
 
-def both(backend, cache, chunks, slots, q, k, v, layer, block_size):
-    """(reference output, reference cache, backend output, backend cache)."""
-    ref = TorchReferenceBackend()
-    ref_cache, got_cache = cache.clone(), cache.clone()
-    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, CPU), layer)
-    got = backend.forward(q, k, v, got_cache, backend.build_metadata(chunks, slots, block_size, CPU), layer)
-    return expected, ref_cache, got, got_cache
-
-
 # a fresh prefill, a prefix hit's chunk, decodes (one a block's first token), speculative rows
 MIXED = [(20, 20, False), (7, 40, False), (1, 33, False), (1, 17, False), (3, 50, True), (1, 2, False)]
 
@@ -66,7 +58,7 @@ MIXED = [(20, 20, False), (7, 40, False), (1, 33, False), (1, 17, False), (3, 50
 def test_mixed_batch_matches_the_reference_backend(heads, kv_heads, head_dim, block_size, window):
     cache, chunks, slots, q, k, v = mixed_batch(1, heads, kv_heads, head_dim, block_size, MIXED)
     layer = AttentionLayer(head_dim ** -0.5, window)
-    expected, ref_cache, got, got_cache = both(TritonPagedBackend(True, CPU), cache, chunks, slots, q, k, v,
+    expected, ref_cache, got, got_cache = reference_and_backend(TritonPagedBackend(True, CPU), cache, chunks, slots, q, k, v,
                                                layer, block_size)
     assert torch.equal(got_cache, ref_cache)  # the K/V writes are copies: exact
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
@@ -78,7 +70,7 @@ def test_wide_prefill_tiling_matches_the_reference_backend(window):
     specs = [(70, 70, False), (40, 100, False), (1, 33, False), (3, 50, True)]
     cache, chunks, slots, q, k, v = mixed_batch(8, 8, 2, 32, 16, specs)
     layer = AttentionLayer(32 ** -0.5, window)
-    expected, ref_cache, got, got_cache = both(TritonPagedBackend(False, CPU), cache, chunks, slots, q, k, v,
+    expected, ref_cache, got, got_cache = reference_and_backend(TritonPagedBackend(False, CPU), cache, chunks, slots, q, k, v,
                                                layer, 16)
     assert torch.equal(got_cache, ref_cache)
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
@@ -93,7 +85,7 @@ def test_split_kv_decode_matches_the_reference_backend(window):
     meta = backend.build_metadata(chunks, slots, 16, CPU)
     assert backend._splits(meta, 2) > 1, "this step must take the split-KV kernel"
     layer = AttentionLayer(32 ** -0.5, window)
-    expected, _, got, _ = both(backend, cache, chunks, slots, q, k, v, layer, 16)
+    expected, _, got, _ = reference_and_backend(backend, cache, chunks, slots, q, k, v, layer, 16)
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
@@ -107,7 +99,7 @@ def test_a_graphs_fixed_split_count_covers_short_and_empty_contexts(window):
     meta = dataclasses.replace(backend.build_metadata(chunks, slots, 16, CPU), graph_splits=16)
     assert backend._splits(meta, 2) == 16
     layer = AttentionLayer(32 ** -0.5, window)
-    expected, _, _, _ = both(backend, cache, chunks, slots, q, k, v, layer, 16)
+    expected, _, _, _ = reference_and_backend(backend, cache, chunks, slots, q, k, v, layer, 16)
     got = backend.forward(q, k, v, cache.clone(), meta, layer)
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
     padded = dataclasses.replace(meta, seq_lens=torch.tensor([300, 0, 33], dtype=torch.int32),
@@ -177,7 +169,7 @@ def test_key_only_cache_reads_values_from_the_key_plane():
     backend = TritonPagedBackend(True, CPU)
     layer = AttentionLayer(32 ** -0.5)
     got = backend.forward(q, k, k, one_plane, backend.build_metadata(chunks, slots, 16, CPU), layer)
-    expected, _, _, _ = both(TorchReferenceBackend(), cache[:1].clone(), chunks, slots, q, k, k, layer, 16)
+    expected, _, _, _ = reference_and_backend(TorchReferenceBackend(), cache[:1].clone(), chunks, slots, q, k, k, layer, 16)
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 

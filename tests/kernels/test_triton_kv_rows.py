@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.attention_steps import reference_and_backend
 from tokenmill.attention.base import AttentionLayer, SequenceChunk
 from tokenmill.attention.kv_quant import STORAGE, row_width, write_tokens
-from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.attention.triton_paged import TritonPagedBackend, check_cache
 from tokenmill.attention.triton_kv_rows import write_kv_rows
 
@@ -110,15 +110,6 @@ def mixed_step(fmt, seed, heads, kv_heads, head_dim, block_size, specs, num_bloc
     return cache, chunks, torch.tensor(slots), q, k, v
 
 
-def attend_both_ways(backend, cache, chunks, slots, q, k, v, layer, block_size):
-    """(reference output, reference cache, Triton output, Triton cache)."""
-    ref = TorchReferenceBackend()
-    ref_cache, got_cache = cache.clone(), cache.clone()
-    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, CPU), layer)
-    got = backend.forward(q, k, v, got_cache, backend.build_metadata(chunks, slots, block_size, CPU), layer)
-    return expected, ref_cache, got, got_cache
-
-
 # a fresh prefill, a prefix hit's chunk, decodes (one a block's first token), speculative rows
 MIXED = [(12, 12, False), (5, 30, False), (1, 33, False), (1, 17, False), (3, 40, True)]
 
@@ -128,7 +119,7 @@ def test_a_mixed_step_over_a_one_byte_cache_matches_the_reference_backend(fmt):
     # GQA group 3 and a window: the unified kernel's every kind of query over one-byte tiles
     cache, chunks, slots, q, k, v = mixed_step(fmt, 2, 6, 2, 32, 16, MIXED)
     layer = AttentionLayer(32 ** -0.5, 21)
-    expected, ref_cache, got, got_cache = attend_both_ways(TritonPagedBackend(True, CPU), cache, chunks, slots,
+    expected, ref_cache, got, got_cache = reference_and_backend(TritonPagedBackend(True, CPU), cache, chunks, slots,
                                                            q, k, v, layer, 16)
     assert torch.equal(got_cache, ref_cache)
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
@@ -141,7 +132,7 @@ def test_split_kv_decode_over_a_one_byte_cache_matches_the_reference_backend(fmt
     cache, chunks, slots, q, k, v = mixed_step(fmt, 3, 4, 1, 64, 16, specs, num_blocks=24)
     backend = TritonPagedBackend(False, CPU)
     assert backend._splits(backend.build_metadata(chunks, slots, 16, CPU), 1) > 1, "this step must split"
-    expected, ref_cache, got, got_cache = attend_both_ways(backend, cache, chunks, slots, q, k, v,
+    expected, ref_cache, got, got_cache = reference_and_backend(backend, cache, chunks, slots, q, k, v,
                                                            AttentionLayer(0.125), 16)
     assert torch.equal(got_cache, ref_cache)
     assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
