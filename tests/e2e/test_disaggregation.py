@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.server_harness import HOST, ServerProcess, free_port, metric, metric_samples, sse_events
+from e2e.server_harness import HOST, ServerProcess, free_port, local_http, metric, metric_samples, sse_events
 from helpers.tiny_models import make_tiny_hf_model
 
 PROMPT = "The lighthouse keeper counted the ships that passed in the night, one by one, until dawn came"
@@ -74,7 +74,7 @@ def servers(request, model, single, tmp_path_factory):
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if local_http().get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

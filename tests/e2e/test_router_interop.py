@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.server_harness import HOST, ServerProcess, free_port, metric_samples
+from e2e.server_harness import HOST, ServerProcess, free_port, local_http, metric_samples
 from helpers.tiny_models import make_tiny_hf_model
 
 BLOCK = 4
@@ -57,7 +57,7 @@ def start_router(command: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
         try:
-            if httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "warm", "max_tokens": 1},
+            if local_http().post(f"{url}/v1/completions", json={"model": "m", "prompt": "warm", "max_tokens": 1},
                           timeout=5).status_code == 200:
                 return proc, url
         except httpx.TransportError:

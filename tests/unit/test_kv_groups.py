@@ -65,7 +65,7 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_still_sees():
     # the sliding group's early blocks went back to the pool while "a" ran, before its other blocks:
     # evicting up to them leaves every block "a" released at its end cached
     early = [kv.pool.lookup((1, key)) for key in keys[:3]]
-    free_order = list(kv.pool._free)
+    free_order = kv.pool.free_list()
     kv.pool.allocate(max(free_order.index(block) for block in early) + 1)
     assert all(kv.pool.lookup((1, key)) is None for key in keys[:3])
     assert all(kv.pool.lookup((0, key)) is not None for key in keys)

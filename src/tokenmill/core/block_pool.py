@@ -18,6 +18,8 @@ class BlockPool:
     - every block id is on the free list with ref count 0, or off it with ref count >= 1 — never both;
     - the free list is in LRU order: allocation takes (and evicts, if cached) from the front,
       release appends at the back, and a cache hit on a free block unlinks it — all O(1);
+    - the front of the free list is the blocks never handed out, [_fresh_from, num_blocks) in id order (kept as a
+      bound, not listed: a tiny model's default pool has 100k+ blocks), then `_released` in LRU order;
     - `cached[key] == block` exactly when `keys[block] == key`.
     """
 
@@ -26,7 +28,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._fresh_from = 0
+        self._released: OrderedDict[int, None] = OrderedDict()
         self.keys: list[Optional[BlockKey]] = [None] * num_blocks
         self.cached: dict[BlockKey, int] = {}
         self.num_evictions = 0
@@ -37,24 +40,28 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached ones included: they can be evicted)."""
-        return len(self._free)
+        return self.num_blocks - self._fresh_from + len(self._released)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by at least one request."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` blocks from the front of the free list, each with ref count 1.
 
         A cached block taken this way is evicted: its content key is forgotten.
         """
-        if count > len(self._free):
-            raise RuntimeError(f"asked for {count} KV blocks, only {len(self._free)} free")
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"asked for {count} KV blocks, only {self.num_free_blocks} free")
         blocks = []
         for _ in range(count):
-            block, _ = self._free.popitem(last=False)
-            self._evict(block)
+            if self._fresh_from < self.num_blocks:
+                block = self._fresh_from
+                self._fresh_from += 1
+            else:
+                block, _ = self._released.popitem(last=False)
+                self._evict(block)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -72,7 +79,7 @@ class BlockPool:
         """Add one holder to each of `blocks`; a free (cached) block is taken off the free list."""
         for block in blocks:
             if self.ref_counts[block] == 0:
-                del self._free[block]
+                del self._released[block]  # a block with a holder or a key was handed out: never fresh
             self.ref_counts[block] += 1
 
     def release(self, blocks: list[int]) -> None:
@@ -86,7 +93,7 @@ class BlockPool:
             assert count > 0, f"double free of block {block}"
             self.ref_counts[block] = count - 1
             if count == 1:
-                self._free[block] = None
+                self._released[block] = None
 
     def lookup(self, key: BlockKey) -> Optional[int]:
         """The block holding content `key`, if cached."""
@@ -102,11 +109,17 @@ class BlockPool:
         self.keys[block] = key
         return True
 
+    def free_list(self) -> list[int]:
+        """The free blocks in LRU order: the next allocation takes from the front."""
+        return [*range(self._fresh_from, self.num_blocks), *self._released]
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the free list, ref counts and cache disagree."""
         for block, count in enumerate(self.ref_counts):
+            free = block >= self._fresh_from or block in self._released
             assert count >= 0, f"block {block} has negative ref count"
-            assert (count == 0) == (block in self._free), f"block {block}: ref {count}, free={block in self._free}"
+            assert (count == 0) == free, f"block {block}: ref {count}, free={free}"
+            assert block < self._fresh_from or self.keys[block] is None, f"never handed out, yet block {block} has a key"
         for key, block in self.cached.items():
             assert self.keys[block] == key, f"cache entry for block {block} disagrees with its key"
         assert sum(k is not None for k in self.keys) == len(self.cached)

@@ -64,7 +64,10 @@ class SwapSpace(KVConnectorScheduler):
     def __init__(self, num_slots: int) -> None:
         super().__init__()  # pending: (block, slot) swap-outs out, (slot, block) swap-ins in
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        # Free slots: those handed back (reused last-in first-out), then [_unused_from, num_slots), never handed
+        # out. A list of every slot would cost a tiny model's engine a million entries (4 GiB of 4 KiB slots).
+        self._returned: list[int] = []
+        self._unused_from = 0
         self._held: dict[str, list[int]] = {}  # request id -> its blocks' slots, in table order
         self._freed_this_step: list[int] = []
         self.num_swapped_out = 0  # requests swapped out since start
@@ -73,7 +76,7 @@ class SwapSpace(KVConnectorScheduler):
     @property
     def num_free_slots(self) -> int:
         """Slots no request holds."""
-        return len(self._free)
+        return len(self._returned) + self.num_slots - self._unused_from
 
     def holds(self, request_id: str) -> bool:
         """Whether the request's blocks wait in this space."""
@@ -84,9 +87,9 @@ class SwapSpace(KVConnectorScheduler):
         False (and nothing done) when the space lacks the slots or the request has no blocks."""
         assert kv.num_groups == 1, "swapping is refused for models with several KV cache groups"
         table = kv.block_tables(request_id)[0]
-        if not table or len(table) > len(self._free):
+        if not table or len(table) > self.num_free_slots:
             return False
-        slots = [self._free.pop() for _ in table]
+        slots = [self._take_slot() for _ in table]
         self.pending.out.extend(zip(table, slots))
         self._held[request_id] = slots
         kv.free(request_id)
@@ -108,5 +111,11 @@ class SwapSpace(KVConnectorScheduler):
 
     def end_step(self) -> None:
         """The runner has done the step's copies: the slots swapped in or dropped may be reused."""
-        self._free.extend(reversed(self._freed_this_step))
+        self._returned.extend(reversed(self._freed_this_step))
         self._freed_this_step = []
+
+    def _take_slot(self) -> int:
+        if self._returned:
+            return self._returned.pop()
+        self._unused_from += 1
+        return self._unused_from - 1

@@ -23,6 +23,7 @@ from tokenmill.worker.mrope import mrope_positions
 from tokenmill.worker.pending_output import HostRead, PendingOutput, fail_request, step_event, to_host
 from tokenmill.worker.request_state import BatchItem
 from tokenmill.worker.step_inputs import StepInputs, is_decode_step
+from tokenmill.worker.zeroed_memory import zeroed
 
 
 class ModelRunner:
@@ -51,8 +52,8 @@ class ModelRunner:
         # this pipeline stage's layers: (group, position) of each
         places = [layout.place(first_layer + i) for i in range(len(model.layers))]
         positions = sorted({position for _, position in places})
-        pages = {position: torch.zeros(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
-                                                              width, spec.planes), dtype=cache_dtype, device=device)
+        pages = {position: zeroed(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, width,
+                                                         spec.planes), cache_dtype, device)
                  for position in positions}
         self.kv_pages = [pages[position] for position in positions]
         self.kv_caches = [pages[position] for _, position in places]  # one per layer (layers share pages)

@@ -10,15 +10,21 @@ small tokenizer takes to load. The class it picked is remembered under
 `$TOKENMILL_CACHE_DIR/tokenizer-classes/<key>`, the key a hash of everything the choice reads (the
 transformers version, the folder's file names and its config and tokenizer files); a later load of the
 same files calls that class's `from_pretrained`, as AutoTokenizer does once it has picked.
+
+Within a process, the second load of the same folder's files (engines built one after another, as tests and
+benchmarks do) keeps an untouched copy of the tokenizer it built, and later loads get deep copies of it: 0.2 s
+instead of 0.7 s for a 49k-token tokenizer, and every caller still owns its own object.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import hashlib
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -41,9 +47,47 @@ _CLASS_CHOICE_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json",
                        "tokenizer.model", "tekken.json", "params.json")
 
 
+# the folders' identities loaded once in this process, and the untouched copies of those loaded again (bounded)
+_LOADED_ONCE: OrderedDict[tuple, None] = OrderedDict()
+_UNTOUCHED: OrderedDict[tuple, "PreTrainedTokenizerBase"] = OrderedDict()
+_MAX_REMEMBERED, _MAX_UNTOUCHED = 64, 4
+
+
 def load_hf_tokenizer(folder: str | Path) -> "PreTrainedTokenizerBase":
     """The tokenizer saved in an HF checkpoint folder: AutoTokenizer's, by the class it picked for the same
-    files before where the cache remembers it (see the module docstring)."""
+    files before where the cache remembers it; a deep copy of an untouched one where this process loaded the
+    same files twice before (see the module docstring). The caller owns the object it gets."""
+    from transformers import PreTrainedTokenizerFast
+
+    identity = _files_identity(Path(folder))
+    untouched = _UNTOUCHED.get(identity) if identity else None
+    if untouched is not None:
+        _UNTOUCHED.move_to_end(identity)
+        return copy.deepcopy(untouched)
+    tokenizer = _load_hf_tokenizer(folder)
+    if identity and isinstance(tokenizer, PreTrainedTokenizerFast):  # a fast one copies in full
+        if identity in _LOADED_ONCE:
+            _UNTOUCHED[identity] = copy.deepcopy(tokenizer)
+            if len(_UNTOUCHED) > _MAX_UNTOUCHED:
+                _UNTOUCHED.popitem(last=False)
+        _LOADED_ONCE[identity] = None
+        if len(_LOADED_ONCE) > _MAX_REMEMBERED:
+            _LOADED_ONCE.popitem(last=False)
+    return tokenizer
+
+
+def _files_identity(folder: Path) -> Optional[tuple]:
+    """The folder's path and each of its files' name, size and modification time: what changes when anything a
+    tokenizer could read there changes; None where the folder cannot be listed."""
+    try:
+        folder = folder.resolve()
+        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        return (str(folder), *((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns) for entry in entries))
+    except OSError:
+        return None
+
+
+def _load_hf_tokenizer(folder: str | Path) -> "PreTrainedTokenizerBase":
     from transformers import AutoTokenizer
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
@@ -109,7 +153,7 @@ def load_gguf_tokenizer(gguf_path: str | Path) -> "PreTrainedTokenizerBase":
 
     cached = gguf_tokenizer_cache_dir(gguf_path)
     if cached.is_dir():
-        return AutoTokenizer.from_pretrained(str(cached))
+        return load_hf_tokenizer(cached)
     path = Path(gguf_path).resolve()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
