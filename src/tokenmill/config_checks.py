@@ -7,7 +7,12 @@ starts a worker, so a refused combination never leaves anything to clean up.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 from tokenmill.config import EngineConfig, ParallelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def check_node_rank(parallel: ParallelConfig) -> None:
@@ -69,3 +74,22 @@ def async_scheduling_applies(config: EngineConfig, device_type: str) -> bool:
                          f"uni), but this engine uses {parallel.backend} with {parallel.world_size} rank(s); "
                          "use --no-async-scheduling")
     return asked
+
+
+def for_recurrent_states(config: EngineConfig, architecture: str) -> EngineConfig:
+    """`config` for a model whose layers keep a recurrent state per request (Mamba2): prefix caching is turned off
+    with a log line (a state page holds the state after a request's latest token, not at block boundaries, so
+    there is nothing to reuse), and preemption recomputes (the `auto` default; `swap` is refused: state pages are
+    not swapped). Speculative decoding is refused: a rejected proposal's tokens are already folded into the state."""
+    if config.speculative.enabled:
+        raise ValueError(f"speculative decoding: {architecture} keeps a recurrent state per request, which cannot "
+                         "be rolled back past rejected proposals; turn speculative decoding off")
+    if config.scheduler.preemption_mode == "swap":
+        raise ValueError(f"preemption_mode swap: {architecture} keeps a recurrent state per request, whose page is "
+                         "not swapped; use recompute (or auto)")
+    cache, scheduler = config.cache, replace(config.scheduler, preemption_mode="recompute")
+    if cache.prefix_caching:
+        logger.info("prefix caching is off: %s keeps a recurrent state per request, which is not cached at block "
+                    "boundaries", architecture)
+        cache = replace(cache, prefix_caching=False)
+    return replace(config, cache=cache, scheduler=scheduler)

@@ -59,6 +59,8 @@ def hf_greedy_tokens_from(model, ids: list[int], count: int, candidate: list[int
 def hf_greedy_logprobs(model, ids: list[int], count: int) -> tuple[list[int], list[float]]:
     """Greedy decoding with HF's own KV cache: the tokens and each one's float32 log-probability."""
     out = model(torch.tensor([ids]), use_cache=True)
+    if "cache" in out:  # a recurrent model (Mamba2): its forward alone steps its state cache wrongly, generate right
+        return _hf_generate_logprobs(model, ids, count)
     tokens, logprobs = [], []
     for _ in range(count):
         row = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
@@ -66,6 +68,16 @@ def hf_greedy_logprobs(model, ids: list[int], count: int) -> tuple[list[int], li
         tokens.append(token)
         logprobs.append(float(row[token]))
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logprobs
+
+
+def _hf_generate_logprobs(model, ids: list[int], count: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding through HF's `generate` (which steps a recurrent model's state cache as its forward alone
+    does not): the tokens and each one's float32 log-probability."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[token]) for step, token in zip(out.logits, tokens)]
     return tokens, logprobs
 
 

@@ -23,9 +23,11 @@ BLOCK = 8
 
 
 def check_family(path: Any, hf: Any, count: int = 32, logprob_tolerance: float = 1e-4, prefix_caching: bool = True,
-                 prompts: list[list[int]] = EIGHT_PROMPTS, **engine: Any) -> dict[str, int]:
+                 prompts: list[list[int]] = EIGHT_PROMPTS, preempts: bool = True, **engine: Any) -> dict[str, int]:
     """Assert the engine on `path` gives HF's greedy ids and logprobs for `prompts` plain, chunked, preempted,
     batched and (with `prefix_caching`) after a prefix hit; `engine`: further options for both engines.
+    `preempts` False: the family's requests never grow once admitted (a recurrent state's one page: Mamba2), so the
+    small pool makes them wait instead of being preempted (its caller tests preemption on its own).
     Returns the stressed engine's counts of preemptions and prefix-cache hits (each asserted above 0)."""
     expected = [hf_greedy_logprobs(hf, ids, count) for ids in prompts]
     params = SamplingParams(temperature=0, max_tokens=count, ignore_eos=True, logprobs=0)
@@ -54,7 +56,7 @@ def check_family(path: Any, hf: Any, count: int = 32, logprob_tolerance: float =
     stats = stressed.llm_engine.stats()
     counts = {"preemptions": stats.num_preemptions, "prefix_cache_hits": stats.prefix_cache_hits - hits_before}
     stressed.shutdown()
-    assert counts["preemptions"] > 0, counts
+    assert counts["preemptions"] > 0 or not preempts, counts
     assert counts["prefix_cache_hits"] > 0 or not prefix_caching, counts
     return counts
 

@@ -104,6 +104,10 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 64,
                                     "rope_theta": 150_000.0}},
+    # Mamba2: 8 heads of 16 (expand 2 x hidden 64), 2 groups of B/C of state 16; chunks of 8 so a prompt's
+    # prefill scan crosses chunk boundaries
+    "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "expand": 2, "conv_kernel": 4,
+               "chunk_size": 8, "initializer_range": 0.1},
     "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
                  "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
@@ -125,7 +129,7 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
-    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss) and its tokenizer
+    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss, mamba2) and its tokenizer
     in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,

@@ -25,19 +25,28 @@ class KVCacheManager(PrefixLookup):
     Token i of a request lives, for the layers of group g, in block `tables[g][i // block_size]` at
     offset `i % block_size` (see core/kv_spec.py). A sliding-window group of window W lets go of the
     blocks no later query can see: a query at position p sees keys (p - W, p].
-    Invariants: every table of a request has exactly cdiv(tokens allocated, block_size) entries; the
+    A recurrent-state group (`state_groups`, core/kv_group_specs.py's RecurrentStateSpec) holds one block per
+    request, its state page, for the request's life; its pages are never cached (prefix caching is refused
+    with such a group) nor shared (`fork` shares nothing then).
+    Invariants: every table of a request has exactly `specs[g].table_length(tokens allocated)` entries
+    (cdiv(tokens, block_size) for attention, 1 for a state); the
     first `released[g]` entries of group g's table are held no more (blocks given back or placeholders)
     and no backend reads them; every later entry holds one reference to its block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, hash_seed: Optional[str] = None, secondary_slots: int = 0,
-                 windows: Sequence[Optional[int]] = (None,), record_events: bool = False) -> None:
+                 windows: Sequence[Optional[int]] = (None,), record_events: bool = False,
+                 state_groups: frozenset[int] = frozenset()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if state_groups and enable_prefix_caching:
+            raise ValueError("prefix caching of recurrent states is not supported: a state page holds the state "
+                             "after a request's latest token, not at block boundaries; turn prefix_caching off")
         self.block_size = block_size
         self.windows = list(windows)  # each group's sliding window, None for full attention
-        self.specs = [group_spec(block_size, window) for window in self.windows]  # each group's rules
+        # each group's rules
+        self.specs = [group_spec(block_size, window, g in state_groups) for g, window in enumerate(self.windows)]
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[list[int]]] = {}
         self.released: dict[str, list[int]] = {}
@@ -100,7 +109,7 @@ class KVCacheManager(PrefixLookup):
             skipped = sum(1 for b in hits if b == SKIPPED)
             free -= sum(1 for b in in_pool if self.pool.ref_counts[b] == 0)  # they leave the free list
             have = len(tables[group]) if tables else 0
-            free -= max(0, self.blocks_for(num_tokens) - have - len(in_pool) - skipped)
+            free -= max(0, self.specs[group].table_length(num_tokens) - have - len(in_pool) - skipped)
         return free
 
     def allocate_slots(self, request_id: str, num_tokens: int,
@@ -116,8 +125,8 @@ class KVCacheManager(PrefixLookup):
         if cached and any(cached):
             assert not any(tables), "cached blocks can only start a table"
             self._start_with_hits(request_id, cached)
-        needed = self.blocks_for(num_tokens)
-        for table in tables:
+        for spec, table in zip(self.specs, tables):
+            needed = spec.table_length(num_tokens)
             if needed > len(table):
                 table.extend(self.pool.allocate(needed - len(table)))
         return True
@@ -203,8 +212,8 @@ class KVCacheManager(PrefixLookup):
         """Release the request's blocks past those holding its first `num_tokens` tokens (the slots of
         rejected speculative tokens). Those blocks were allocated for this request alone and never cached."""
         tables = self.tables.get(request_id)
-        keep = self.blocks_for(num_tokens)
         for group, table in enumerate(tables or ()):
+            keep = self.specs[group].table_length(num_tokens)
             if len(table) > keep:
                 released = self.released[request_id]
                 self.pool.release(table[max(keep, released[group]):])
@@ -227,11 +236,14 @@ class KVCacheManager(PrefixLookup):
         Only whole blocks are shared: returns the number of tokens shared, the largest multiple of
         block_size <= num_tokens (0 if a windowed group of the parent no longer holds what the child's
         first query sees). The child writes everything after that into blocks of its own, so no block
-        is ever written by two requests.
+        is ever written by two requests. With a recurrent-state group nothing is shared (0): a state page
+        belongs to one request, and the child computes its state from the start.
         """
         tables = self.tables.get(parent_id) or [[] for _ in self.windows]
         released = self.released.get(parent_id) or [0] * self.num_groups
         shared = min(num_tokens // self.block_size, len(tables[0]))
+        if any(spec.recurrent for spec in self.specs):
+            shared = 0
         if any(released[g] > self.specs[g].first_needed(shared * self.block_size) for g in range(self.num_groups)):
             shared = 0
         self.tables[child_id], self.released[child_id] = [], []

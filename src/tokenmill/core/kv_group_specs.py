@@ -1,4 +1,4 @@
-"""What one KV cache group's attention needs of its blocks: full attention or a sliding window (no torch).
+"""What one KV cache group needs of its blocks: full attention, a sliding window, or a recurrent state (no torch).
 
 The KV manager keeps one block table per group and asks the group's spec, as vLLM asks its per-type
 managers (`SingleTypeKVCacheManager`): which blocks a query still sees, how many blocks a request holds
@@ -21,6 +21,8 @@ class GroupSpec:
 
     # whether a prefix hit needs every one of its blocks in this group (the hit ends at the first miss)
     needs_whole_prefix: bool = True
+    # whether the group keeps one state page per request instead of a block per block_size tokens
+    recurrent: bool = False
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -28,6 +30,10 @@ class GroupSpec:
     def first_needed(self, num_tokens: int) -> int:
         """Index of the first block a query at position `num_tokens` can see."""
         raise NotImplementedError
+
+    def table_length(self, num_tokens: int) -> int:
+        """Entries of a request's table in this group when it holds `num_tokens` tokens."""
+        return cdiv(num_tokens, self.block_size)
 
     def blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks a request of `num_tokens` tokens, computed in chunks of at most `max_chunk`,
@@ -68,6 +74,30 @@ class SlidingWindowSpec(GroupSpec):
         return min(cdiv(num_tokens, self.block_size), cdiv(self.window - 1 + max_chunk, self.block_size) + 1)
 
 
-def group_spec(block_size: int, window: Optional[int]) -> GroupSpec:
-    """The spec of a group with sliding window `window` (None: full attention)."""
+class RecurrentStateSpec(GroupSpec):
+    """A recurrent state (Mamba2's conv and SSM states, as vLLM's `MambaSpec`): a request holds exactly one
+    block, its state page, from its first token to its end, whatever its length; every step reads and
+    overwrites it in place. So a page is never shared (no prefix hit, no fork), and a request that loses it
+    (preempted by recompute) starts again from a zero state at position 0."""
+
+    recurrent = True
+
+    def first_needed(self, num_tokens: int) -> int:
+        return 0
+
+    def table_length(self, num_tokens: int) -> int:
+        return 1 if num_tokens > 0 else 0
+
+    def blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        return self.table_length(num_tokens)
+
+    def serves(self, found: Sequence[object], num_blocks: int, missing: object) -> bool:
+        """Never: the page holds the state after the request's latest token, not after a block boundary."""
+        return False
+
+
+def group_spec(block_size: int, window: Optional[int], recurrent: bool = False) -> GroupSpec:
+    """The spec of a group with sliding window `window` (None: full attention), or of a recurrent state."""
+    if recurrent:
+        return RecurrentStateSpec(block_size)
     return FullAttentionSpec(block_size) if window is None else SlidingWindowSpec(block_size, window)

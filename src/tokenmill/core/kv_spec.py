@@ -9,6 +9,13 @@ layers (`layers_per_group`, the greatest common divisor of the kinds' layer coun
 one page of `layers_per_group` layers for every group alike: the runner keeps `layers_per_group` cache
 tensors, and the layer at position j of group g reads and writes tensor j through group g's tables.
 Invariant: a pool block belongs to at most one group's table at a time (or to none: free or cached).
+
+A recurrent layer (Mamba2's mixer) keeps no per-token cache but one state per request (`StateCacheSpec`):
+its group's table holds one pool block for the request's whole life, the state page, whatever its length.
+Budget rule: state pages and attention blocks come from one pool and so from one memory budget; a pool
+block is sized for the largest page of any group (`KVCacheLayout.block_bytes`), as vLLM pads the attention
+page up to the state's size. For now a layout is either all attention or all recurrent (`group_layers`
+refuses a mix: hybrid models need the runner to view one byte buffer both ways).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class KVCacheSpec:
     sliding_window: Optional[int] = None
     mla_latent: Optional[tuple[int, int]] = None  # (kv_lora_rank, qk_rope_head_dim) of an MLA layer
     quantized: Optional[str] = None  # "int8" / "fp8" rows: head_dim one-byte values and a float32 scale (kv_quant.py)
+
+    recurrent = False  # a per-token cache (StateCacheSpec: one state per request)
 
     @property
     def kind(self) -> str:
@@ -64,16 +73,54 @@ class KVCacheSpec:
 
 
 @dataclass(frozen=True)
+class StateCacheSpec:
+    """What one recurrent layer (Mamba2's mixer) keeps per request, whatever its length: the convolution's last
+    `conv_kernel - 1` inputs of `conv_dim` channels (compute dtype) and the SSM state of `num_heads` x
+    `head_dim` x `state_size` (float32, as the scan computes it). Its bytes live in the runner's state tensors
+    (worker/model_runner.py), row = the request's state page (its group's one pool block)."""
+
+    conv_kernel: int
+    conv_dim: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    dtype_bytes: int
+    ssm_dtype_bytes: int = 4
+    sliding_window: Optional[int] = None  # (none: read alike with KVCacheSpec by KVCacheGroup)
+    quantized: Optional[str] = None  # states are never one-byte rows
+    mla_latent: Optional[tuple[int, int]] = None
+
+    kind = "recurrent state"
+    recurrent = True
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer's state of one request."""
+        return ((self.conv_kernel - 1) * self.conv_dim * self.dtype_bytes
+                + self.num_heads * self.head_dim * self.state_size * self.ssm_dtype_bytes)
+
+    def describe(self) -> str:
+        """The spec in words."""
+        return (f"recurrent state (conv {self.conv_kernel - 1}x{self.conv_dim}, SSM {self.num_heads}x{self.head_dim}"
+                f"x{self.state_size})")
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """Layers (global indices, in model order) that share one block table per request."""
 
-    spec: KVCacheSpec
+    spec: "KVCacheSpec | StateCacheSpec"
     layers: tuple[int, ...]
 
     @property
     def sliding_window(self) -> Optional[int]:
         """The group's window (None: it keeps every token)."""
         return self.spec.sliding_window
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the group keeps one state page per request (no per-token cache)."""
+        return self.spec.recurrent
 
 
 @dataclass(frozen=True)
@@ -92,6 +139,11 @@ class KVCacheLayout:
         """Each group's sliding window (None for groups that keep every token)."""
         return [group.sliding_window for group in self.groups]
 
+    @property
+    def state_groups(self) -> frozenset[int]:
+        """Indices of the groups that keep a recurrent state page per request."""
+        return frozenset(index for index, group in enumerate(self.groups) if group.recurrent)
+
     def place(self, layer: int) -> tuple[int, int]:
         """(group, position in the group) of global layer `layer`: it uses cache tensor `position`
         through the tables of `group`."""
@@ -101,17 +153,25 @@ class KVCacheLayout:
         raise KeyError(f"layer {layer} is in no KV cache group")
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one pool block: `block_size` tokens of `layers_per_group` layers."""
-        return block_size * self.layers_per_group * self.groups[0].spec.bytes_per_token
+        """Bytes of one pool block: `block_size` tokens of `layers_per_group` layers, or one request's state
+        of `layers_per_group` recurrent layers (the largest page of any group: see the module docstring)."""
+        spec = self.groups[0].spec
+        if spec.recurrent:
+            return self.layers_per_group * spec.page_bytes
+        return block_size * self.layers_per_group * spec.bytes_per_token
 
     def describe(self) -> str:
         """Memory per token, per group, as the engine reports it at start."""
-        kinds: dict[KVCacheSpec, int] = {}
+        kinds: dict = {}
         for group in self.groups:
             kinds[group.spec] = kinds.get(group.spec, 0) + 1
         parts = []
         for spec, count in kinds.items():
             layers = count * self.layers_per_group
+            if spec.recurrent:
+                parts.append(f"{spec.describe()}: {count} group(s), {layers} layers, "
+                             f"{layers * spec.page_bytes / 1024:.1f} KiB per request whatever its length, 0 per token")
+                continue
             per_token = layers * spec.bytes_per_token
             reach = "every token" if spec.sliding_window is None else f"at most its {spec.sliding_window} latest tokens"
             parts.append(f"{spec.describe()}: {count} group(s), {layers} layers, {per_token / 1024:.1f} KiB per "
@@ -119,13 +179,23 @@ class KVCacheLayout:
         return "; ".join(parts)
 
 
-def group_layers(specs: list[KVCacheSpec]) -> KVCacheLayout:
-    """Group layers of equal spec into groups of equal size (in model order within each kind).
+def group_layers(specs: list) -> KVCacheLayout:
+    """Group layers of equal spec (`KVCacheSpec` or `StateCacheSpec`) into groups of equal size (in model
+    order within each kind).
 
-    ValueError if the kinds cache different amounts per token: one pool's blocks must fit every group.
+    ValueError if the kinds cache different amounts per token (one pool's blocks must fit every group), or mix
+    recurrent states with attention (hybrid models: not supported yet).
     """
     if not specs:
         raise ValueError("a model without layers has no KV cache")
+    recurrent = {spec.recurrent for spec in specs}
+    if len(recurrent) > 1:
+        raise ValueError("hybrid models (recurrent-state layers beside attention layers) are not supported yet: "
+                         "one pool would have to hold state pages and attention blocks in one byte size")
+    if recurrent == {True}:
+        if len(set(specs)) > 1:
+            raise ValueError("recurrent layers of different state shapes cannot share one pool")
+        return KVCacheLayout((KVCacheGroup(specs[0], tuple(range(len(specs)))),))
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer)

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 from tokenmill.config import EngineConfig
 from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, check_kv_transfer, check_lora,
-                                     check_node_rank)
+                                     check_node_rank, for_recurrent_states)
 from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import RequestUpdate, SchedulerOutput
 from tokenmill.core.scheduler import StepAttachment
@@ -77,9 +77,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, source: Optional[ModelSource] = None) -> None:
         check_node_rank(config.parallel)
         check_lora(config)
-        self.config = config
         started = time.perf_counter()
         model = read_model(config, source or load_model_source(config.model.model, **model_location(config.model)))
+        if model.arch.mamba is not None:  # recurrent states: no prefix caching, recompute on preemption
+            config = for_recurrent_states(config, model.arch.architecture)
+        self.config = config
         self.source, self.tokenizer, self.arch = model.source, model.source.tokenizer, model.arch
         self.device, self.dtype, self.max_model_len = model.device, model.dtype, model.max_model_len
         self.eos_token_ids = self.arch.eos_token_ids

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tokenmill.core.kv_spec import KVCacheLayout, KVCacheSpec, group_layers
+from tokenmill.core.kv_spec import KVCacheLayout, KVCacheSpec, StateCacheSpec, group_layers
 from tokenmill.layers.rotary import RopeScaling
 from tokenmill.models.vision.config import VisionConfig
 
@@ -66,6 +66,36 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class MambaConfig:
+    """Mamba2's mixer (models/mamba2.py), as transformers' Mamba2Config describes it: in_proj gives the gate
+    z, the conv input xBC (x of `num_heads` x `head_dim`, B and C of `n_groups` x `state_size` each) and dt per
+    head; a causal depthwise conv of `conv_kernel` taps (+ bias when `conv_bias`) and SiLU over xBC; the
+    selective scan with dt = softplus(dt + dt_bias), A = -exp(A_log) and the D skip; a gated RMSNorm (one per
+    group of the n_groups) and out_proj (both projections biased when `bias`). `chunk_size`: the prefill
+    scan's chunk length."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    norm_eps: float
+    conv_bias: bool = True
+    bias: bool = False
+
+    @property
+    def intermediate_size(self) -> int:
+        """Width of x (and of z): num_heads x head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x, B and C."""
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """What differs from one decoder layer to the next: its attention kind, window and RoPE base, whether
     its MLP is sparse and whether it rotates q and k at all."""
@@ -75,6 +105,7 @@ class LayerSpec:
     rope_theta: float
     moe: bool
     rope: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
+    mixer: str = "attention"  # "mamba": a Mamba2 mixer and no MLP (models/mamba2.py)
 
 
 @dataclass(frozen=True)
@@ -130,6 +161,8 @@ class ArchConfig:
     # partial RoPE (GLM-4.5's partial_rotary_factor): only the first rotary_dim dims of each q/k head turn, the
     # rest pass through; None: the whole head
     rotary_dim: Optional[int] = None
+    # Mamba2 (models/mamba2.py): every layer a Mamba2 mixer keeping a recurrent state per request
+    mamba: Optional[MambaConfig] = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
@@ -169,7 +202,8 @@ class ArchConfig:
         sliding = kind == SLIDING_ATTENTION
         theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
         moe = self.moe is not None and index not in self.moe.dense_layers
-        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers)
+        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers,
+                         "mamba" if self.mamba is not None else "attention")
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -201,6 +235,13 @@ def kv_cache_spec(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1,
 def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quantized: Optional[str] = None
                     ) -> KVCacheLayout:
     """One rank's KV cache groups: layers grouped by what they cache per token (full attention, a sliding
-    window, an MLA latent), see core/kv_spec.py."""
+    window, an MLA latent) or per request (a Mamba2 layer's recurrent state), see core/kv_spec.py."""
+    if arch.mamba is not None:
+        if quantized:
+            raise ValueError(f"kv_cache_dtype {quantized}: {arch.architecture}'s recurrent states are not quantised; "
+                             "use auto")
+        m = arch.mamba
+        state = StateCacheSpec(m.conv_kernel, m.conv_dim, m.num_heads, m.head_dim, m.state_size, dtype_bytes)
+        return group_layers([state] * arch.num_hidden_layers)
     return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window, quantized)
                          for i in range(arch.num_hidden_layers)])

@@ -30,6 +30,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
 from tokenmill.models.kernel_choice import KernelChoice
+from tokenmill.models.mamba2 import Mamba2Layer, mamba2_checkpoint_names
 from tokenmill.models.loader.fused_tensors import split_fused_projections
 from tokenmill.models.mla_attention import MLAAttention
 from tokenmill.parallel.group import PipelineStage, TPGroup
@@ -140,14 +141,17 @@ class DecoderForCausalLM(nn.Module):
         self.vocab_start = tp.rank * self.local_vocab
         # MLA: k_pe, q_pe only; partial rotary: the first rotary_dim dims of each head
         rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.rotary_dim or arch.head_dim
-        self.rotary = RotaryTables(arch, rotated, max_positions)
+        # (Mamba2 has no attention, nothing to rotate)
+        self.rotary = RotaryTables(arch, rotated, max_positions) if arch.mamba is None else None
         # uninitialised: the checkpoint's weights replace it (nn.Embedding's own random init of SmolLM2's table
         # costs 0.4 s a load, Gemma 3's 262k rows 2 s)
         self.embed_tokens = nn.Embedding(self.local_vocab, arch.hidden_size,
                                          _weight=torch.empty(self.local_vocab, arch.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, index, backend, tp)
-                                    for index in range(self.first_layer, end_layer))
+        # a Mamba2 layer (models/mamba2.py) where the layer's spec says so
+        self.layers = nn.ModuleList(
+            (Mamba2Layer if arch.layer_spec(index).mixer == "mamba" else DecoderLayer)(arch, index, backend, tp)
+            for index in range(self.first_layer, end_layer))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)
         self.lm_head = None
         if not arch.tie_word_embeddings:
@@ -193,7 +197,7 @@ class DecoderForCausalLM(nn.Module):
         if positions.dim() == 2:  # M-RoPE positions [3, T]: this step's own tables, row t for token t
             rotary = self.rotary.for_step(positions, self.arch.mrope_section)
             positions = torch.arange(positions.shape[1], device=positions.device)
-        rope = RopeInputs(rotary, positions, hidden.dtype, self.kernels)
+        rope = RopeInputs(rotary, positions, hidden.dtype, self.kernels) if rotary is not None else None
         for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         if not self.stage.is_last:
@@ -319,6 +323,8 @@ class DecoderForCausalLM(nn.Module):
                 weights = gpt_oss_expert_tensors(weights, self.arch.moe.num_experts, self.arch.hidden_size,
                                                  self.arch.moe.intermediate_size, local)
         weights = split_fused_projections(weights, self.arch)  # Phi-3's qkv_proj and gate_up_proj
+        if self.arch.mamba is not None:
+            weights = mamba2_checkpoint_names(weights)
         vision_weights = []
         for name, tensor in weights:
             if name.startswith("vision."):

@@ -31,6 +31,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": DecoderForCausalLM,  # norms after the blocks only (ArchConfig.post_norms)
     "Olmo3ForCausalLM": DecoderForCausalLM,
     "GptOssForCausalLM": DecoderForCausalLM,  # attention sinks, biased experts (layers/gpt_oss_experts.py)
+    "Mamba2ForCausalLM": DecoderForCausalLM,  # Mamba2 mixers over recurrent states (models/mamba2.py)
 }
 
 

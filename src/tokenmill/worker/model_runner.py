@@ -10,6 +10,7 @@ from tokenmill.attention.base import AttentionBackend, SequenceChunk
 from tokenmill.attention.kv_quant import STORAGE, row_width
 from tokenmill.core.kv_spec import KVCacheLayout
 from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, SchedulerOutput
+from tokenmill.layers.mamba2_mixer import RecurrentState, StateChunk
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import logprob_entries, logprob_tensors, token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
@@ -23,7 +24,7 @@ from tokenmill.worker.mrope import mrope_positions
 from tokenmill.worker.pending_output import HostRead, PendingOutput, fail_request, step_event, to_host
 from tokenmill.worker.request_state import BatchItem
 from tokenmill.worker.step_inputs import StepInputs, is_decode_step
-from tokenmill.worker.zeroed_memory import zeroed
+from tokenmill.kernels.zeroed_memory import zeroed
 
 
 class ModelRunner:
@@ -52,10 +53,15 @@ class ModelRunner:
         # this pipeline stage's layers: (group, position) of each
         places = [layout.place(first_layer + i) for i in range(len(model.layers))]
         positions = sorted({position for _, position in places})
-        pages = {position: zeroed(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, width,
-                                                         spec.planes), cache_dtype, device)
-                 for position in positions}
-        self.kv_pages = [pages[position] for position in positions]
+        self.state_groups = layout.state_groups  # groups of recurrent states: one page per request
+        if self.state_groups:  # (a layout is all states or all attention: core/kv_spec.py)
+            pages = {position: RecurrentState(num_blocks, spec, dtype, device) for position in positions}
+        else:
+            pages = {position: zeroed(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, width,
+                                                             spec.planes), cache_dtype, device)
+                     for position in positions}
+        # the pages the connectors copy (none for states: neither prefix-cached nor swapped)
+        self.kv_pages = [] if self.state_groups else [pages[position] for position in positions]
         self.kv_caches = [pages[position] for _, position in places]  # one per layer (layers share pages)
         self.layer_groups = [group for group, _ in places]
         self.tier = None
@@ -177,6 +183,9 @@ class ModelRunner:
         chunks, slots, tables = {}, {}, {}
         decode = is_decode_step(batch)
         for group in dict.fromkeys(self.layer_groups):  # each group's tables, once
+            if group in self.state_groups:
+                chunks[group], slots[group], tables[group] = state_chunks(batch, group), None, None
+                continue
             chunks[group], slots[group], tables[group] = self.inputs.group_chunks(batch, group, decode)
         first = chunks[self.layer_groups[0]]
         images = None
@@ -200,8 +209,9 @@ class ModelRunner:
             positions = mrope_positions(batch, positions)
         input_ids, positions = self._tensor(ids), self.uploads.upload(positions)
         self._fill_placeholders(input_ids, batch)
-        metadata = {group: self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device,
-                                                       tables=tables[group])
+        metadata = {group: state_metadata(chunks[group]) if group in self.state_groups else
+                    self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device,
+                                                tables=tables[group])
                     for group in chunks}
         per_layer = [metadata[group] for group in self.layer_groups]
         if images is not None:
@@ -387,6 +397,22 @@ class ModelRunner:
                 fail_request(result, item.request_id, exc)
                 continue
             result.prompt_logprobs[item.request_id] = entries
+
+
+def state_chunks(batch: list[BatchItem], group: int) -> list[SequenceChunk]:
+    """The batch's chunks over a recurrent-state group's tables (one page each: no slots per token)."""
+    chunks, query_start = [], 0
+    for item in batch:
+        chunks.append(SequenceChunk(query_start, item.num_tokens, item.start + item.num_tokens, item.block_ids[group],
+                                    False))
+        query_start += item.num_tokens
+    return chunks
+
+
+def state_metadata(chunks: list[SequenceChunk]) -> list[StateChunk]:
+    """What a Mamba2 mixer reads of the step (layers/mamba2_mixer.py): each request's rows, its state page, and
+    whether its chunk starts the sequence (then its state starts at zero: a new or recomputed request)."""
+    return [StateChunk(c.query_start, c.query_len, int(c.block_ids[0]), c.context_len == c.query_len) for c in chunks]
 
 
 def kv_cache_storage(layout: KVCacheLayout, dtype: torch.dtype) -> tuple[torch.dtype, int]:

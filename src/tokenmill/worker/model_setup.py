@@ -81,7 +81,8 @@ def load_model(source: ModelSource, config: ModelConfig, device: torch.device, d
     if config.enable_lora and num_layers is None:  # a draft model runs without adapters
         from tokenmill.lora.layers import ModelLoRA
         model.lora = ModelLoRA(model, dtype, choice.native, invariant, config.max_lora_rank)
-    model.rotary.to_device(device)
+    if model.rotary is not None:  # (none without attention: Mamba2)
+        model.rotary.to_device(device)
     model.eval()
     if device.type == "cuda":  # what the weights hold on the device, kept as loaded (packed where quantised)
         logger.info("weights take %.2f GiB on %s (%s)", (torch.cuda.memory_allocated(device) - allocated_before)

@@ -94,13 +94,16 @@ class Worker:
         if backend.on_triton:  # its kv_cache_shape sees a one-byte row's width only: the exact check, at start
             from tokenmill.attention.triton_paged import check_cache
             for group in layout.groups:
+                if group.recurrent:  # a state page is no K/V row (layers/mamba2_mixer.py)
+                    continue
                 check_cache(group.spec.head_dim, group.spec.quantized, group.spec.planes)
         self.num_blocks = spec.num_blocks or self._profile_blocks(backend, layout, dtype)
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
                                   swap_slots=spec.swap_slots, encoder_cache_tokens=spec.encoder_cache_tokens,
                                   max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
-        graphs = self._decode_graphs_apply(backend, tp, stage)
+        # (a recurrent state's per-request loop is not captured: those models run eagerly)
+        graphs = self._decode_graphs_apply(backend, tp, stage) and not layout.state_groups
         if graphs:
             try:
                 self.runner.use_decode_graphs(spec.max_num_seqs, spec.max_model_len,

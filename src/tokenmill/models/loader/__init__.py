@@ -44,6 +44,7 @@ __all__ = [
 _LM_HEAD = "lm_head.weight"
 _EMBEDDING = "model.embed_tokens.weight"
 _BASE_EMBEDDING = "embed_tokens.weight"
+_MAMBA2_EMBEDDING = "backbone.embeddings.weight"
 
 
 @dataclass
@@ -173,6 +174,8 @@ def vision_language_name(name: str) -> str:
 def _embedding_name(names: Collection[str]) -> str:
     """The embedding table's name: a base model's checkpoint (Qwen3Model, as embedding models save it) names
     its tensors without "model.", which the decoder's loader drops anyway."""
+    if _MAMBA2_EMBEDDING in names:  # Mamba2's (models/mamba2.py renames it as it loads)
+        return _MAMBA2_EMBEDDING
     return _EMBEDDING if _EMBEDDING in names else _BASE_EMBEDDING
 
 

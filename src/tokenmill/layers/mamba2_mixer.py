@@ -1,0 +1,151 @@
+"""Mamba2's mixer in pure torch (every attention backend runs it), over per-request recurrent states.
+
+Each request of a step is computed alone from its own state page (`StateChunk.slot`), so its output does not
+depend on what else runs (batch invariance): the conv continues from the page's last conv_kernel - 1 inputs, the
+scan from its SSM state, and both are written back for the request's next chunk. A chunk from position 0
+(`fresh`: a new request, or one preempted and recomputed) starts from zeros, whatever the page held before.
+Prefill chunks run the chunked SSD scan (transformers' `mamba2_chunk_scan`, the reference semantics, with an
+initial state); a one-token chunk runs the single-step recurrence. No CUDA/Triton kernel (the mamba_ssm or
+flash-linear-attention kernels) is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels.zeroed_memory import zeroed
+from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass(frozen=True)
+class StateChunk:
+    """One request's rows [query_start, query_start + query_len) of the step, its state page `slot`, and whether
+    the chunk starts the sequence (`fresh`: the state is zero, not the page's)."""
+
+    query_start: int
+    query_len: int
+    slot: int
+    fresh: bool
+
+
+class RecurrentState:
+    """One Mamba2 layer's states of every pool block: conv [blocks, conv_kernel - 1, conv_dim] in the compute dtype
+    and ssm [blocks, heads, head_dim, state_size] in float32 (core/kv_spec.py's StateCacheSpec counts these bytes)."""
+
+    def __init__(self, num_blocks: int, spec, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv = zeroed((num_blocks, spec.conv_kernel - 1, spec.conv_dim), dtype, device)
+        self.ssm = zeroed((num_blocks, spec.num_heads, spec.head_dim, spec.state_size), torch.float32, device)
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L]: out[..., i, j] = sum of x[..., j+1 .. i] for j <= i, -inf above the diagonal
+    (transformers' stable form: masked cumulative sums, no subtraction)."""
+    length = x.size(-1)
+    x = x[..., None].expand(*x.size(), length)
+    below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=x.device), diagonal=-1)
+    sums = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
+    keep = torch.tril(torch.ones(length, length, dtype=torch.bool, device=x.device), diagonal=0)
+    return sums.masked_fill(~keep, -torch.inf)
+
+
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   initial: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of one request in float32: x [T, H, P], dt [T, H] (after softplus), A [H], B and C [T, H, N]
+    (already per head), `initial` state [H, P, N] -> (y [T, H, P] without the D skip, final state [H, P, N])."""
+    T = x.shape[0]
+    pad = (-T) % chunk_size
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [c, l, ...], zero-padded
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+        return t.reshape(-1, chunk_size, *t.shape[1:])
+
+    xd, a, B, C = chunks(x * dt[..., None]), chunks(A * dt), chunks(B), chunks(C)
+    a = a.permute(2, 0, 1)  # [H, c, l]
+    a_cumsum = torch.cumsum(a, dim=-1)
+    # within each chunk: attention-like weights C_l . B_s, decayed from s to l
+    decay = torch.exp(segment_sum(a))  # [H, c, l, s]
+    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay.permute(1, 2, 3, 0)
+    y_diag = torch.einsum("clsh,cshp->clhp", scores, xd)
+    # each chunk's own contribution to the state at its end
+    to_end = torch.exp(a_cumsum[:, :, -1:] - a_cumsum)  # [H, c, l]
+    chunk_states = torch.einsum("clhn,clhp->chpn", B * to_end.permute(1, 2, 0)[..., None], xd)
+    # the state entering each chunk: the initial state and the chunks before, decayed across chunks
+    states = torch.cat([initial[None], chunk_states], dim=0)  # [c + 1, H, P, N]
+    across = torch.exp(segment_sum(F.pad(a_cumsum[:, :, -1], (1, 0))))  # [H, c + 1 (to), c + 1 (from)]
+    entering = torch.einsum("htz,zhpn->thpn", across, states)
+    states, final = entering[:-1], entering[-1]
+    y_off = torch.einsum("clhn,chpn->clhp", C, states) * torch.exp(a_cumsum).permute(1, 2, 0)[..., None]
+    y = (y_diag + y_off).reshape(-1, *x.shape[1:])[:T]
+    return y, final
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2's token mixer (transformers' Mamba2Mixer) for a flattened batch of requests' chunks; tensor names
+    as the checkpoint's (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
+
+    def __init__(self, hidden_size: int, config) -> None:
+        super().__init__()
+        self.config = config
+        inner, conv_dim, heads = config.intermediate_size, config.conv_dim, config.num_heads
+        self.in_proj = ColumnParallelLinear(hidden_size, inner + conv_dim + heads, bias=config.bias)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.conv_kernel, groups=conv_dim, bias=config.conv_bias)
+        self.conv1d.requires_grad_(False)
+        self.dt_bias = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.norm = nn.Module()  # the gated RMSNorm's weight, under the checkpoint's name
+        self.norm.weight = nn.Parameter(torch.empty(inner), requires_grad=False)
+        self.out_proj = RowParallelLinear(inner, hidden_size, bias=config.bias)
+
+    def forward(self, hidden: torch.Tensor, state: RecurrentState, chunks: Sequence[StateChunk]) -> torch.Tensor:
+        """hidden [T, hidden] (the step's chunks, in `chunks` order) -> [T, hidden]; each request's conv and SSM
+        states are read from and written back to its page of `state`."""
+        c = self.config
+        projected = self.in_proj(hidden)
+        gate, xbc, dt = projected.split([c.intermediate_size, c.conv_dim, c.num_heads], dim=-1)
+        y = torch.empty(hidden.shape[0], c.intermediate_size, dtype=torch.float32, device=hidden.device)
+        for chunk in chunks:  # one request at a time: its arithmetic is its own (batch invariance)
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            y[rows] = self._request(xbc[rows], dt[rows], state, chunk)
+        return self.out_proj(self._gated_norm(y, gate).to(hidden.dtype))
+
+    def _request(self, xbc: torch.Tensor, dt: torch.Tensor, state: RecurrentState, chunk: StateChunk) -> torch.Tensor:
+        """One request's chunk: conv from its conv state, then the scan from its SSM state -> y [T, inner] (float32)."""
+        c = self.config
+        weight = self.conv1d.weight
+        earlier = torch.zeros_like(state.conv[chunk.slot]) if chunk.fresh else state.conv[chunk.slot]
+        window = torch.cat([earlier, xbc.to(earlier.dtype)], dim=0)  # [K - 1 + T, conv_dim]
+        state.conv[chunk.slot] = window[-(c.conv_kernel - 1):]
+        conv = F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight, self.conv1d.bias, groups=c.conv_dim)
+        conv = F.silu(conv[0].t())
+        x, B, C = conv.float().split([c.intermediate_size, c.n_groups * c.state_size, c.n_groups * c.state_size], -1)
+        T, heads = x.shape[0], c.num_heads
+        x = x.reshape(T, heads, c.head_dim)
+        per_group = heads // c.n_groups
+        B = B.reshape(T, c.n_groups, c.state_size).repeat_interleave(per_group, dim=1)  # [T, H, N]
+        C = C.reshape(T, c.n_groups, c.state_size).repeat_interleave(per_group, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
+        A = -torch.exp(self.A_log.float())
+        ssm = torch.zeros_like(state.ssm[chunk.slot]) if chunk.fresh else state.ssm[chunk.slot]
+        if T == 1:  # the recurrence: h = exp(dt A) h + dt B x; y = C . h
+            step = dt[0][:, None, None]
+            ssm = ssm * torch.exp(step * A[:, None, None]) + (step * B[0][:, None, :]) * x[0][:, :, None]
+            y = (ssm * C[0][:, None, :]).sum(-1)[None]
+        else:
+            y, ssm = ssd_chunk_scan(x, dt, A, B, C, ssm, c.chunk_size)
+        state.ssm[chunk.slot] = ssm
+        y = y + self.D.float()[:, None] * x
+        return y.reshape(T, c.intermediate_size)
+
+    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of y * silu(gate) over each of the n_groups groups (transformers' MambaRMSNormGated), float32."""
+        c = self.config
+        y = y * F.silu(gate.float())
+        grouped = y.reshape(y.shape[0], c.n_groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + c.norm_eps)
+        return self.norm.weight.float() * grouped.reshape(y.shape)

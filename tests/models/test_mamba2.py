@@ -1,0 +1,127 @@
+"""Mamba2 (Mamba2ForCausalLM): a tiny random checkpoint (2 layers, hidden 64, 8 heads of 16, 2 groups of state 16,
+scan chunks of 8) gives HF float32's greedy ids and logprobs plain, chunked and batched; its recurrent state
+carries across chunks split at every boundary and restarts cleanly after a recompute preemption (the same ids as
+one pass); a request's output in the default dtype does not depend on its batch; prefix caching is turned off
+and swap preemption refused, each saying why.
+
+Cost: check_family about 4 s (HF's generate is the oracle: its forward alone does not step the state), the
+engine runs below 2 prompts x 12 tokens each; the checkpoint and the HF model are built once per module."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers.family_check import check_family
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.kv_spec import StateCacheSpec
+from tokenmill.layers.mamba2_mixer import Mamba2Mixer, RecurrentState, StateChunk
+from tokenmill.models.loader.hf_config import arch_config_from_hf
+from tokenmill.models.loader.hf_mamba2 import mamba2_arch_config
+
+PROMPT = list(range(300, 100, -9))  # 23 tokens: three scan chunks of 8
+OTHERS = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3]]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("mamba2"), arch="mamba2")
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_mamba2_matches_hf_plain_chunked_and_batched(folder, hf, caplog):
+    with caplog.at_level(logging.INFO):
+        check_family(folder, hf, prefix_caching=False, preempts=False)
+    assert "prefix caching is off: Mamba2ForCausalLM keeps a recurrent state" in caplog.text
+    assert "KiB per request whatever its length" in caplog.text  # the state's memory, logged at start
+
+
+def _run(llm: LLM, prompts: list[list[int]], preempt_at_step: int = 0) -> list[tuple]:
+    """Greedy ids and logprobs of `prompts` run together; with `preempt_at_step`, the last-admitted running request
+    is preempted (recompute: its state page freed) after that many steps, as the scheduler does when short of pool."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for index, ids in enumerate(prompts):
+        engine.add_request(str(index), None, params, prompt_token_ids=ids)
+    done, steps, preempted = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+        steps += 1
+        if steps == preempt_at_step:
+            scheduler = engine.scheduler
+            victim = scheduler.running.pop()
+            assert victim.num_computed_tokens > 0
+            scheduler._preempt(victim)
+            preempted += 1
+    assert preempted == (1 if preempt_at_step else 0)
+    return [(tuple(done[str(i)].token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
+                                                   for step in done[str(i)].logprobs)) for i in range(len(prompts))]
+
+
+def test_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):
+    """One-token chunks split the prompt at every boundary; a preemption mid-prefill drops the request's state and it
+    recomputes from zero. Float32: the ids are the one pass's, the logprobs within float32 noise."""
+    prompts = [PROMPT, OTHERS[0]]
+    one_pass = _run(LLM(str(folder), dtype="float32", num_kv_blocks=8), prompts)
+    every_boundary = _run(LLM(str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=1), prompts)
+    preempted = _run(LLM(str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=7), prompts,
+                     preempt_at_step=3)
+    for run in (every_boundary, preempted):
+        for (ids, logprobs), (want_ids, want_logprobs) in zip(run, one_pass):
+            assert ids == want_ids
+            worst = max(abs(a[1] - b[1]) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y))
+            assert worst < 1e-4
+
+
+def test_a_request_output_does_not_depend_on_its_batch_in_the_default_dtype(folder):
+    alone = _run(LLM(str(folder), num_kv_blocks=8), [PROMPT])[0]
+    busy = LLM(str(folder), num_kv_blocks=3, max_num_batched_tokens=5)  # 5-token chunks; two requests wait
+    batched = _run(busy, [OTHERS[0], PROMPT, *OTHERS[1:]])
+    assert batched[1] == alone  # the same bits
+
+
+def test_mixer_state_split_at_every_boundary_equals_one_chunk():
+    """The scan and the conv continue from the stored state exactly: a prompt split in two at each position gives the
+    one chunk's outputs and final state (float32 noise)."""
+    # 4 heads of 16 in 2 groups, scan chunks of 4: a split lands inside and on chunk boundaries
+    arch = mamba2_arch_config({"hidden_size": 32, "num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 2,
+                               "chunk_size": 4, "num_hidden_layers": 1, "vocab_size": 10}, {}, lambda: "float32")
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(arch.hidden_size, arch.mamba)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape) * 0.3)
+    x = torch.randn(20, arch.hidden_size)
+    m = arch.mamba
+    spec = StateCacheSpec(m.conv_kernel, m.conv_dim, m.num_heads, m.head_dim, m.state_size, 4)
+    with torch.inference_mode():
+        whole_state = RecurrentState(2, spec, torch.float32, torch.device("cpu"))
+        whole = mixer(x, whole_state, [StateChunk(0, 20, 1, True)])
+        for split in range(1, 20):
+            state = RecurrentState(2, spec, torch.float32, torch.device("cpu"))
+            state.ssm.fill_(7.0)  # a previous owner's state: a fresh chunk must not read it
+            first = mixer(x[:split], state, [StateChunk(0, split, 1, True)])
+            second = mixer(x[split:], state, [StateChunk(0, 20 - split, 1, False)])
+            torch.testing.assert_close(torch.cat([first, second]), whole, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(state.ssm[1], whole_state.ssm[1], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(state.conv[1], whole_state.conv[1])
+
+
+def test_unsupported_settings_and_swap_preemption_are_refused(folder):
+    with pytest.raises(ValueError, match="time_step_limit"):
+        mamba2_arch_config({"time_step_limit": [0.0, 1.0]}, {}, lambda: "float32")
+    with pytest.raises(ValueError, match="hidden_act"):
+        mamba2_arch_config({"hidden_act": "gelu"}, {}, lambda: "float32")
+    with pytest.raises(ValueError, match="preemption_mode swap: Mamba2ForCausalLM keeps a recurrent state"):
+        LLM(str(folder), preemption_mode="swap", swap_space_gb=0.01)
+    assert arch_config_from_hf(folder).mamba.conv_dim == 128 + 2 * 2 * 16
