@@ -3,8 +3,8 @@ as a tool call through Chat Completions (whole and streamed), Responses and Mess
 
 The model is a tiny GPT-OSS with GPT-OSS's vocabulary, wired as a bigram table that greedily writes one
 scripted harmony tool call (tests/helpers/harmony_models.py): the server's tokenizer is the o200k one built
-offline, and the server builds harmony's vocabulary file from it into a fresh cache (TOKENMILL_CACHE_DIR), as
-it does from a real checkpoint. Cost: about 15 s (building the 201088-token tokenizer, one server start)."""
+offline; harmony's vocabulary file is built from it into a fresh cache (TOKENMILL_CACHE_DIR) here, as the
+server does from a real checkpoint (the server keeps the usual cache: a fresh one would rebuild the kernels). Cost: about 15 s (building the 201088-token tokenizer, one server start)."""
 
 from __future__ import annotations
 
@@ -39,10 +39,8 @@ def setup(tmp_path_factory):
                                 ToolMode([Tool.model_validate(WEATHER)], "auto"))
     script = harmony.encoding.encode(CALL, allowed_special="all")
     model = make_scripted_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), script, after=prompt[-1])
-    server_cache = tmp_path_factory.mktemp("server_cache")  # the server builds the file again, from the model's
     proc = ServerProcess(str(model), "--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "oss",
-                         log_path=tmp_path_factory.mktemp("logs") / "server.log",
-                         env={"TOKENMILL_CACHE_DIR": str(server_cache)})
+                         log_path=tmp_path_factory.mktemp("logs") / "server.log")
     with proc.running():
         yield proc, prompt, script
 
