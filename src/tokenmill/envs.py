@@ -24,6 +24,9 @@ OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_SERVICE_NAME
 TOKENMILL_FP8_WEIGHT_ONLY  1: FP8 weights multiply unquantised activations on the weight-only product (the
                            path of GPUs below sm89) instead of quantising them per token (W8A8).
 TRITON_INTERPRET           Triton's: 1 runs its kernels in the interpreter (set for a CPU triton_paged run).
+TIKTOKEN_ENCODINGS_BASE    openai-harmony's: the folder holding o200k_base.tiktoken (GPT-OSS's chat format); unset,
+                           tokenmill builds that file from the model's own tokenizer into the cache folder
+                           and sets it (server/harmony_vocab.py), so harmony never downloads it.
 THP_MEM_ALLOC_ENABLE       PyTorch's: 1 puts CPU tensors of 2 MB and more on transparent huge pages;
                            importing tokenmill sets it to 1 unless it is set.
 Set for others: the oneDNN and MKL caps below, and a data-parallel replica's OMP_NUM_THREADS.
@@ -128,6 +131,17 @@ def triton_interpreted() -> bool:
 def interpret_triton() -> None:
     """Set TRITON_INTERPRET=1, for a Triton not yet imported."""
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def tiktoken_encodings_base() -> Optional[Path]:
+    """TIKTOKEN_ENCODINGS_BASE (openai-harmony's vocabulary folder), or None when unset."""
+    value = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    return Path(value) if value else None
+
+
+def set_tiktoken_encodings_base(folder: Path) -> None:
+    """Point openai-harmony at `folder` for its vocabulary files (it reads the variable when it loads one)."""
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
 
 
 def prefer_huge_pages() -> None:

@@ -20,7 +20,8 @@ class EngineInfo:
     `sampling_defaults`: what the model's generation config recommends (`sampling_defaults`).
     `accepts_images`: the model reads images as well as text; a vision-language model sets it, and then
     takes the images the server loads for its prompts (`ChatRun.images`); a text-only model refuses
-    requests with images with a 400."""
+    requests with images with a 400. `architecture`: the checkpoint's (config.json's `architectures`), which
+    decides its chat format (GPT-OSS: harmony)."""
 
     max_model_len: int
     vocab_size: int
@@ -31,13 +32,14 @@ class EngineInfo:
     kv_transfers: Optional[KVTransfers]  # other threads call only its thread-safe needs_fetch and fetch
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     accepts_images: bool = False
+    architecture: str = ""
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         """The snapshot of a just-built engine."""
         return cls(engine.max_model_len, engine.arch.vocab_size, tuple(engine.eos_token_ids),
                    engine.source.chat_template, engine.tokenizer, engine.loras, engine.kv_transfers,
-                   sampling_defaults(engine.source.path), engine.arch.vision is not None)
+                   sampling_defaults(engine.source.path), engine.arch.vision is not None, engine.arch.architecture)
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

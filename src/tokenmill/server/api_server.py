@@ -23,6 +23,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
 from tokenmill.server.lora_routes import ServedModels, add_lora_routes
 from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
+from tokenmill.server.harmony import harmony_for
 from tokenmill.server.reasoning import reasoning_parser
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_chat import ChatHandler
@@ -252,9 +253,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
     limits = RequestLimits.from_config(config)
     served = ServedModels(model_name, engine.info.loras)
     completions = CompletionHandler(engine, model_name, limits, served.adapter)
-    chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter,
-                       reasoning_parser(config.reasoning_parser, engine.tokenizer), config.tool_call_parser,
-                       MediaPolicy.from_config(config))
+    harmony = harmony_for(engine.info.architecture, engine.tokenizer, config.reasoning_parser,
+                          config.tool_call_parser)
+    if harmony is not None:  # GPT-OSS: harmony renders its prompts and reads its thinking and calls
+        chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter,
+                           media=MediaPolicy.from_config(config), harmony=harmony)
+    else:
+        chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter,
+                           reasoning_parser(config.reasoning_parser, engine.tokenizer), config.tool_call_parser,
+                           MediaPolicy.from_config(config))
     live = EngineStream(engine)
     app, _ = base_app(
         config, api_key, model_name, engine.tracer is not None,

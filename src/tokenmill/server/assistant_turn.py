@@ -2,8 +2,9 @@
 
 Chat Completions, Responses and Messages all read one generated output through the same two parsers, in
 this order: the reasoning parser splits the thinking off (server/reasoning.py), then the tool parser of the
-model's family finds the calls in the answer (server/tool_parsers.py). So the same output is the same turn
-through every route, whole or streamed.
+model's family finds the calls in the answer (server/tool_parsers.py). A GPT-OSS model's output is read
+instead by harmony's parser from its token ids (server/harmony.py), which gives all three at once. So the
+same output is the same turn through every route, whole or streamed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from tokenmill.server.harmony import HarmonyParsing, HarmonyStream
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
 from tokenmill.server.tool_parsers import CallDelta, ParsedCall, ToolParser, ToolStream
 
@@ -18,15 +20,20 @@ from tokenmill.server.tool_parsers import CallDelta, ParsedCall, ToolParser, Too
 @dataclass(frozen=True)
 class TurnParsing:
     """How one request's output is read: its reasoning parser and how its prompt left the thinking
-    (`ReasoningParser.opening`), and the tool parser with the names it may call (None: no tools)."""
+    (`ReasoningParser.opening`), and the tool parser with the names it may call (None: no tools); or, for
+    a GPT-OSS model, `harmony`, which then reads the output alone."""
 
     reasoning: Optional[ReasoningParser] = None
     opening: Optional[str] = None
     tools: Optional[ToolParser] = None
     names: frozenset[str] = frozenset()
+    harmony: Optional[HarmonyParsing] = None
 
-    def whole(self, text: str) -> "Turn":
-        """The turn of a finished output."""
+    def whole(self, text: str, token_ids: list[int]) -> "Turn":
+        """The turn of a finished output: its `text`, or its `token_ids` for harmony."""
+        if self.harmony is not None:
+            thinking, content, calls = self.harmony.whole(token_ids)
+            return Turn(thinking, (content.strip() or None) if calls else content, calls)
         thinking, answer = self.reasoning.split(text, self.opening) if self.reasoning else (None, text)
         if self.tools is None:
             return Turn(thinking, answer, [])
@@ -52,14 +59,20 @@ class TurnStream:
     """Reads a streamed output delta by delta into (thinking, text, call deltas) to send now."""
 
     def __init__(self, parsing: TurnParsing) -> None:
+        self.harmony: Optional[HarmonyStream] = parsing.harmony.stream() if parsing.harmony is not None else None
         self.reasoning: Optional[ReasoningStream] = (
             parsing.reasoning.stream(parsing.opening) if parsing.reasoning is not None else None)
         self.tools: Optional[ToolStream] = parsing.tools.stream(set(parsing.names)) if parsing.tools else None
         self.answer = ""  # the whole answer so far: the tool parser reads it cumulatively
         self.called = False  # whether any call was sent (the turn then ends in tool use)
 
-    def push(self, delta: str, finished: bool) -> tuple[str, str, list[CallDelta]]:
-        """(thinking, answer text, tool-call deltas) to send for the output's next `delta`."""
+    def push(self, delta: str, token_ids: list[int], finished: bool) -> tuple[str, str, list[CallDelta]]:
+        """(thinking, answer text, tool-call deltas) to send for the output's next `delta` of text, which is
+        its next `token_ids` (harmony reads those)."""
+        if self.harmony is not None:
+            thinking, text, calls = self.harmony.push(token_ids, finished)
+            self.called = self.called or bool(calls)
+            return thinking, text, calls
         thinking, answer = self.reasoning.push(delta, finished) if self.reasoning is not None else ("", delta)
         if self.tools is None:
             return thinking, answer, []

@@ -17,6 +17,7 @@ from tokenmill.outputs import CompletionOutput, LogprobsDict, RequestOutput, mer
 from tokenmill.server.assistant_turn import TurnParsing, TurnStream
 from tokenmill.server.chat_images import check_conversation_images, load_conversation_images
 from tokenmill.server.chat_prompt import chat_prompt_ids
+from tokenmill.server.harmony import Harmony, HarmonyParsing
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.request_limits import RequestLimits
@@ -83,18 +84,20 @@ class ChatHandler:
     """Runs a chat completion on the engine and shapes the OpenAI response. `reasoning` splits thinking
     from answers (--reasoning-parser); `tool_family` names the tool-call syntax read from answers
     (--tool-call-parser; auto: from the chat template); `media` bounds the images of a request and where
-    they may come from."""
+    they may come from. `harmony`, for a GPT-OSS model, replaces the template and both parsers: prompts are
+    harmony's renderings, outputs read by its parser (server/harmony.py)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, chat_template: Optional[str],
                  limits: RequestLimits = RequestLimits(), adapter_of: AdapterLookup = lambda name: None,
                  reasoning: Optional[ReasoningParser] = None, tool_family: str = "auto",
-                 media: MediaPolicy = MediaPolicy()) -> None:
+                 media: MediaPolicy = MediaPolicy(), harmony: Optional[Harmony] = None) -> None:
         self.engine, self.model_name, self.chat_template, self.limits = engine, model_name, chat_template, limits
         self.media = media
         self.adapter_of = adapter_of  # the LoRA adapter a body's `model` names (None: the base model)
         self.reasoning = reasoning
         self.family = tool_parser(tool_family, chat_template)
         self.forced_family = tool_parser("hermes", None)  # what forced_call's grammar writes
+        self.harmony = harmony
 
     def answering(self, body: Any) -> str:
         """The model a response names: the LoRA adapter the body asked for, else the base model (as vLLM)."""
@@ -112,6 +115,12 @@ class ChatHandler:
         """The prompt text and token ids of `messages` (`chat_prompt`); APIError 400 for images a text-only
         model cannot take, which the template (rendering text parts only) would otherwise drop."""
         self.check_images(messages)
+        if self.harmony is not None:
+            try:
+                token_ids = self.harmony.prompt_ids(messages, tools, template_kwargs)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            return self.engine.tokenizer.decode(token_ids), token_ids
         family = self.forced_family if tools is not None and tools.forced else self.family
         return chat_prompt(self.engine.tokenizer, self.chat_template, messages, add_generation_prompt, tools,
                            family, template_kwargs)
@@ -167,7 +176,9 @@ class ChatHandler:
         try:
             tools = tool_mode(body)
             params = with_adapter(body.sampling_params(max_tokens, logprobs), self.adapter_of(body.model))
-            if tools is not None and tools.forced:
+            if self.harmony is not None:
+                params = self._harmony_params(params, tools)
+            elif tools is not None and tools.forced:
                 params = dataclasses.replace(params, structured_output=forced_call(tools))  # re-validated
             ticket = self.engine.reserve(body.n)
         except ValueError as exc:
@@ -187,7 +198,24 @@ class ChatHandler:
         stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority, features)
         return ChatRun(request_id, token_ids, stream, parsing, ticket, features)
 
+    def _harmony_params(self, params: Any, tools: Optional[ToolMode]) -> Any:
+        """`params` for a harmony turn: ended by harmony's stop tokens; ValueError for what the harmony path
+        does not do yet (a forced call or an output constraint: both would have to hold on the final or
+        commentary channel only, not over the analysis that comes first)."""
+        if tools is not None and tools.forced:
+            raise ValueError("tool_choice required or a named function is not supported for GPT-OSS's harmony "
+                             "format yet; use tool_choice auto")
+        if params.structured_output is not None:
+            raise ValueError("output constraints (response_format, guided_*) are not supported for GPT-OSS's "
+                             "harmony format yet")
+        stops = list(params.stop_token_ids or []) + [t for t in self.harmony.stop_token_ids
+                                                     if t not in (params.stop_token_ids or [])]
+        return dataclasses.replace(params, stop_token_ids=stops)
+
     def _parsing(self, prompt_ids: list[int], tools: Optional[ToolMode]) -> TurnParsing:
+        if self.harmony is not None:
+            names = frozenset(t.function.name for t in tools.tools) if tools is not None else frozenset()
+            return TurnParsing(harmony=HarmonyParsing(self.harmony, names))
         opening = self.reasoning.opening(prompt_ids) if self.reasoning is not None else None
         if tools is None:
             return TurnParsing(self.reasoning, opening)
@@ -202,7 +230,7 @@ class ChatHandler:
         final = await self.finish(run)
         choices = []
         for c in final.outputs:
-            turn = run.parsing.whole(c.text)
+            turn = run.parsing.whole(c.text, c.token_ids)
             message: dict[str, Any] = {"role": "assistant", "content": turn.content}
             if turn.thinking is not None and body.include_reasoning:
                 message["reasoning_content"] = turn.thinking
@@ -332,7 +360,7 @@ class ChatHandler:
         token_ids, entries = completion.token_ids, completion.logprobs
         if not tracker.take(index, completion) or not (completion.text or token_ids or completion.finished):
             return None
-        thinking, text, calls = turn.push(completion.text, completion.finished)
+        thinking, text, calls = turn.push(completion.text, completion.token_ids, completion.finished)
         delta: dict[str, Any] = {}
         if thinking and body.include_reasoning:
             delta["reasoning_content"] = thinking

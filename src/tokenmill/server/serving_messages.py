@@ -72,7 +72,7 @@ class MessagesHandler:
         run = await self.chat.start(chat, "msg")
         final = await self.chat.finish(run)
         (output,) = final.outputs
-        turn = run.parsing.whole(output.text)
+        turn = run.parsing.whole(output.text, output.token_ids)
         content: list[dict[str, Any]] = []
         if turn.thinking is not None:
             content.append({"type": "thinking", "thinking": turn.thinking, "signature": ""})
@@ -108,7 +108,7 @@ class MessagesHandler:
             async for output in run.outputs:
                 (completion,) = output.outputs
                 output_tokens += len(completion.token_ids)
-                thinking, text, calls = turn.push(completion.text, completion.finished)
+                thinking, text, calls = turn.push(completion.text, completion.token_ids, completion.finished)
                 for event in blocks.thinking(thinking) + blocks.text(text) + blocks.calls(calls):
                     yield event
                 if completion.finished:

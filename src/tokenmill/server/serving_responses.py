@@ -212,7 +212,7 @@ class ResponsesHandler:
         run = await self.start(job)
         final = await self.chat.finish(run)
         completion = final.outputs[0]
-        turn = run.parsing.whole(completion.text)
+        turn = run.parsing.whole(completion.text, completion.token_ids)
         cut = completion.finish_reason == "length"
         output_tokens = len(completion.token_ids)
         usage = response_usage(len(run.prompt_ids), output_tokens, cached_tokens([final]),
@@ -244,7 +244,7 @@ class ResponsesHandler:
                         continue
                     output_tokens += len(completion.token_ids)
                     finish_reason = completion.finish_reason if completion.finished else finish_reason
-                    chunk = output.push(*turn.push(completion.text, completion.finished))
+                    chunk = output.push(*turn.push(completion.text, completion.token_ids, completion.finished))
                     if chunk:
                         yield chunk
             cut = finish_reason == "length"

@@ -124,7 +124,7 @@ class ToolStream:
         return content, deltas
 
 
-def _call(name: Any, arguments: Any, names: Collection[str]) -> Optional[ParsedCall]:
+def known_call(name: Any, arguments: Any, names: Collection[str]) -> Optional[ParsedCall]:
     """The call to `name`, when it is one of `names` and `arguments` is an object, JSON text of one, or None."""
     if not isinstance(name, str) or name not in names:
         return None
@@ -142,7 +142,7 @@ def _json_call(data: Any, names: Collection[str]) -> Optional[ParsedCall]:
     """The call a parsed `{"name": ..., "arguments" or "parameters": ...}` object makes, if any."""
     if not isinstance(data, dict):
         return None
-    return _call(data.get("name"), data.get("arguments", data.get("parameters")), names)
+    return known_call(data.get("name"), data.get("arguments", data.get("parameters")), names)
 
 
 def _split_json(text: str, separator: str) -> list[str]:
@@ -251,7 +251,7 @@ class MistralParser(ToolParser):
                         brace = segment.find("{")
                         head, arguments = (segment[:brace], segment[brace:]) if brace > 0 else (segment, "")
                     name = head.partition("[CALL_ID]")[0].strip()
-                    calls.append(_call(name, loads_nested_json(arguments, "tool call arguments"), names))
+                    calls.append(known_call(name, loads_nested_json(arguments, "tool call arguments"), names))
             except ValueError:
                 return _NOTHING
         if not calls or None in calls:
@@ -301,7 +301,7 @@ class PythonicParser(ToolParser):
             return None
         arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
         json.dumps(arguments, allow_nan=False)
-        return _call(node.func.id, arguments, names)
+        return known_call(node.func.id, arguments, names)
 
 
 def _python_depth(text: str) -> int:
