@@ -149,6 +149,18 @@ def prefer_huge_pages() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
+def environment() -> dict[str, str]:
+    """A copy of this process's whole environment (for a process that starts later to take on: take_on)."""
+    return dict(os.environ)
+
+
+def take_on(environment: dict[str, str]) -> None:
+    """Make `environment` this process's whole environment (a rank forked from a server that started earlier,
+    under another environment, takes on its engine's)."""
+    os.environ.clear()
+    os.environ.update(environment)
+
+
 def environment_with(**overrides: str) -> dict[str, str]:
     """This process's environment with `overrides`: a child process's."""
     return {**os.environ, **overrides}

@@ -33,18 +33,26 @@ def streamed(url: str) -> tuple[str, list]:
 
 
 def worker_pids(server_pid: int) -> list[int]:
-    """The server's worker processes: its spawned children (not multiprocessing's resource tracker)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
+    """The server's worker processes: the children of the forkserver it started (executor/rank_start.py), which
+    is one of its own children (multiprocessing's resource tracker is another)."""
+    def children(pid: int) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
             try:
-                stat = open(f"/proc/{entry}/stat").read()
+                if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and \
-                    b"spawn_main" in open(f"/proc/{entry}/cmdline", "rb").read():
-                children.append(int(entry))
-    return sorted(children)
+        return found
+
+    def cmdline(pid: int) -> bytes:
+        try:
+            return open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            return b""
+
+    servers = [pid for pid in children(server_pid) if b"forkserver" in cmdline(pid)]
+    return sorted(worker for server in servers for worker in children(server))
 
 
 @pytest.fixture(scope="module")

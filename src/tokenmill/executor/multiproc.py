@@ -1,4 +1,4 @@
-"""One worker process per rank, started with spawn; each step is pickled once and sent down a pipe to every rank.
+"""One worker process per rank, forked from a server that imported its modules once (rank_start.py); each step is pickled once and sent down a pipe to every rank.
 
 Each worker owns its device, its model (its shard) and its KV pool. The engine's process keeps the
 scheduler, tokenizer and grammars. A worker that exits is noticed at once (its process sentinel), by
@@ -13,12 +13,13 @@ import logging
 import pickle
 import threading
 import time
-from multiprocessing import connection, get_context
+from multiprocessing import connection
 from typing import Iterable, Optional
 
 from tokenmill.config import ParallelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError, WorkerStepError
+from tokenmill.executor.rank_start import Surroundings, rank_context
 from tokenmill.executor.worker_process import StepDone, WorkerFailed, WorkerMessage, WorkerReady, worker_main
 from tokenmill.worker.worker import WorkerSpec
 
@@ -38,7 +39,7 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, spec: WorkerSpec, parallel: ParallelConfig) -> None:
-        context = get_context("spawn")
+        context = rank_context()
         world_size = spec.world_size
         self.driver = spec.driver_rank
         self.max_steps_in_flight = spec.pp_size
@@ -65,7 +66,7 @@ class MultiprocExecutor(Executor):
             ours, theirs = context.Pipe()
             process = context.Process(target=worker_main, name=f"tokenmill-worker-{rank}", daemon=True,
                                       args=(dataclasses.replace(spec, rank=rank), theirs,
-                                            logging.getLogger().getEffectiveLevel()))
+                                            logging.getLogger().getEffectiveLevel(), Surroundings.now()))
             process.start()
             theirs.close()
             self.processes.append(process)

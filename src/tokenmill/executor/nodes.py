@@ -18,8 +18,10 @@ import signal
 import socket
 import struct
 import time
-from multiprocessing import AuthenticationError, connection, get_context
+from multiprocessing import AuthenticationError, connection
 from typing import TYPE_CHECKING, Optional
+
+from tokenmill.executor.rank_start import Surroundings, rank_context
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig, ParallelConfig
@@ -140,11 +142,11 @@ def run_worker_node(config: "EngineConfig") -> int:
     model_path = resolve_model_path(config.model.model, **model_location(config.model))  # this host's copy
     first = parallel.node_rank * parallel.ranks_per_node
     ranks = range(first, first + parallel.ranks_per_node)
-    context = get_context("spawn")
+    context = rank_context()
     level = logging.getLogger().getEffectiveLevel()
     processes = [context.Process(target=remote_worker_main, name=f"tokenmill-worker-{rank}",
                                  args=(step_address(parallel), key, rank, model_path, parallel.distributed_timeout,
-                                       level))
+                                       level, Surroundings.now()))
                  for rank in ranks]
     logger.info("node %d of %d: worker ranks %d-%d of %d, engine at %s:%d", parallel.node_rank, parallel.nnodes,
                 ranks[0], ranks[-1], parallel.world_size, *step_address(parallel))
@@ -174,11 +176,12 @@ def run_worker_node(config: "EngineConfig") -> int:
 
 
 def remote_worker_main(address: tuple[str, int], key: bytes, rank: int, model_path: str, timeout: float,
-                       log_level: int) -> None:
-    """A worker process of another node: connect to the engine, take the spec it sends, then serve steps
-    exactly as a local worker does (worker_process.worker_main)."""
+                       log_level: int, surroundings: Surroundings) -> None:
+    """A worker process of another node: take on the node process's `surroundings`, connect to the engine,
+    take the spec it sends, then serve steps exactly as a local worker does (worker_process.worker_main)."""
     from tokenmill.executor.worker_process import worker_main
 
+    surroundings.enter()
     logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger(__name__).info("connecting to node 0's engine at %s:%d (for up to %g s)", *address, timeout)
     try:

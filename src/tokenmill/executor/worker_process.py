@@ -14,9 +14,10 @@ import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing import connection
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from tokenmill.core.sched_output import ModelRunnerOutput
+from tokenmill.executor.rank_start import Surroundings
 from tokenmill.worker.worker import WorkerSpec
 
 
@@ -45,10 +46,15 @@ class StepDone:
 WorkerMessage = Union[WorkerReady, WorkerFailed, StepDone]
 
 
-def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int) -> None:
-    """A worker process: build the rank, say ready (or why not), then run steps until told to stop or
-    until the engine's end of the pipe closes (the engine is gone)."""
+def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int,
+                surroundings: Optional[Surroundings] = None) -> None:
+    """A worker process: take on the engine's `surroundings` (a rank started by rank_start's context), build
+    the rank, say ready (or why not), then run steps until told to stop or until the engine's end of the pipe
+    closes (the engine is gone)."""
     import signal
+
+    if surroundings is not None:
+        surroundings.enter()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
     if spec.world_size > 1:  # the ranks share this host's cores
