@@ -504,15 +504,17 @@ class ServerConfig:
         "'{\"name\": ..., \"path\": ...}'; requests choose one by its name as `model`", nargs="+")
     reasoning_parser: Optional[str] = _opt(
         None, "split a reasoning model's thinking (<think>...</think>) from its answer: deepseek_r1 (DeepSeek-R1 "
-        "and its distills), qwen3 (Qwen3, SmolLM3), or openai_gptoss (GPT-OSS: "
+        "and its distills), qwen3 (Qwen3, SmolLM3), glm45 (GLM-4.5/4.6), or openai_gptoss (GPT-OSS: "
         "its analysis channel, read by harmony, as it is with this unset); chat answers carry it as "
         "reasoning_content, Responses as reasoning items, Messages as thinking blocks, and output constraints "
-        "apply after it", choices=["deepseek_r1", "qwen3", "openai_gptoss"])
+        "apply after it", choices=["deepseek_r1", "qwen3", "glm45", "openai_gptoss"])
     tool_call_parser: str = _opt(
         "auto", "the syntax tool calls are read in when tool_choice is auto: hermes (<tool_call>{...}</tool_call>; "
-        "Qwen), llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(x=1)]), openai (GPT-OSS's harmony, as it is "
-        "with auto), or auto (from the chat template; hermes when it names none)",
-        choices=["auto", "hermes", "llama3_json", "mistral", "pythonic", "openai"])
+        "Qwen), llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(x=1)]), glm45 (<tool_call>f<arg_key>...; "
+        "GLM-4.5/4.6), granite (<|tool_call|>[...]), deepseek_v3 (DeepSeek-V3, R1), deepseek_v31 (DeepSeek-V3.1), "
+        "openai (GPT-OSS's harmony, as it is with auto), or auto (from the chat template; hermes when it names none)",
+        choices=["auto", "hermes", "llama3_json", "mistral", "pythonic", "glm45", "granite", "deepseek_v3",
+                 "deepseek_v31", "openai"])
     max_stored_responses: int = _opt(1000, "responses /v1/responses keeps for previous_response_id and GET "
                                      "(store: true); the oldest is dropped past it")
     data_parallel_size: int = _opt(1, "engine processes (replicas of the whole model) behind this port, each "

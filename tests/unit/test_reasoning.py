@@ -7,6 +7,7 @@ import pytest
 from tokenmill.server.reasoning import ReasoningParser, reasoning_parser
 
 R1, QWEN3 = ReasoningParser("deepseek_r1", 7, 8), ReasoningParser("qwen3", 7, 8)
+GLM = ReasoningParser("glm45", 7, 8, turn_token_id=9)  # 9: <|assistant|>
 CASES = [  # parser, opening, output, (thinking, answer)
     (QWEN3, None, "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "\n\nParis.")),
     (QWEN3, None, "Paris.", (None, "Paris.")),
@@ -22,6 +23,10 @@ CASES = [  # parser, opening, output, (thinking, answer)
     (R1, "answer", "just an answer", (None, "just an answer")),
     (R1, "answer", "<think>a</think>b", ("a", "b")),
     (R1, None, "", ("", "")),
+    (GLM, None, "<think>plan</think>answer", ("plan", "answer")),
+    (GLM, None, "just an answer </think>", (None, "just an answer </think>")),
+    (GLM, None, "<think>cut off", ("cut off", "")),
+    (GLM, "answer", "<think></think>x", ("", "x")),
 ]
 
 
@@ -50,6 +55,11 @@ def test_the_prompt_s_last_tag_says_how_the_output_begins():
     assert QWEN3.opening([1, 7, 5, 8, 3]) == "answer"  # thinking switched off: an empty think block
     assert R1.opening([1, 8, 2, 7, 4]) == "thinking"  # the template opened the tag
     assert R1.opening([1, 2, 3]) is None
+    # GLM's template closes a think block in every earlier assistant turn: only tags after the last
+    # <|assistant|> speak of the turn being generated
+    assert GLM.opening([9, 7, 8, 5, 2, 9]) is None
+    assert GLM.opening([9, 7, 8, 5, 2, 9, 7, 8]) == "answer"  # enable_thinking=False
+    assert QWEN3.opening([9, 7, 8, 5, 2, 9]) == "answer"
 
 
 class _Tokenizer:
@@ -66,5 +76,9 @@ def test_a_parser_needs_its_tags_as_single_tokens():
     assert reasoning_parser(None, _Tokenizer({})) is None
     with pytest.raises(ValueError, match="'</think>' to be one token"):
         reasoning_parser("deepseek_r1", _Tokenizer({"<think>": 11}))
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    glm = reasoning_parser("glm45", _Tokenizer({"<think>": 11, "</think>": 12, "<|assistant|>": 13}))
+    assert (glm.start_token_id, glm.end_token_id, glm.turn_token_id) == (11, 12, 13)
+    with pytest.raises(ValueError, match="'<\\|assistant\\|>' to be one token"):
+        reasoning_parser("glm45", _Tokenizer({"<think>": 11, "</think>": 12}))
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3, glm45"):
         reasoning_parser("granite", _Tokenizer({}))

@@ -9,8 +9,8 @@ same output is the same turn through every route, whole or streamed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 from tokenmill.server.harmony import HarmonyParsing, HarmonyStream
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
@@ -20,13 +20,14 @@ from tokenmill.server.tool_parsers import CallDelta, ParsedCall, ToolParser, Too
 @dataclass(frozen=True)
 class TurnParsing:
     """How one request's output is read: its reasoning parser and how its prompt left the thinking
-    (`ReasoningParser.opening`), and the tool parser with the names it may call (None: no tools); or, for
-    a GPT-OSS model, `harmony`, which then reads the output alone."""
+    (`ReasoningParser.opening`), and the tool parser with the functions it may call, each name with its
+    parameters' JSON schema (None: no tools); or, for a GPT-OSS model, `harmony`, which then reads the
+    output alone."""
 
     reasoning: Optional[ReasoningParser] = None
     opening: Optional[str] = None
     tools: Optional[ToolParser] = None
-    names: frozenset[str] = frozenset()
+    names: Mapping[str, Any] = field(default_factory=dict)
     harmony: Optional[HarmonyParsing] = None
 
     def whole(self, text: str, token_ids: list[int]) -> "Turn":
@@ -37,7 +38,7 @@ class TurnParsing:
         thinking, answer = self.reasoning.split(text, self.opening) if self.reasoning else (None, text)
         if self.tools is None:
             return Turn(thinking, answer, [])
-        content, calls = self.tools.parse(answer, set(self.names))
+        content, calls = self.tools.parse(answer, self.names)
         return Turn(thinking, content, calls)
 
     def stream(self) -> "TurnStream":
@@ -62,7 +63,7 @@ class TurnStream:
         self.harmony: Optional[HarmonyStream] = parsing.harmony.stream() if parsing.harmony is not None else None
         self.reasoning: Optional[ReasoningStream] = (
             parsing.reasoning.stream(parsing.opening) if parsing.reasoning is not None else None)
-        self.tools: Optional[ToolStream] = parsing.tools.stream(set(parsing.names)) if parsing.tools else None
+        self.tools: Optional[ToolStream] = parsing.tools.stream(parsing.names) if parsing.tools else None
         self.answer = ""  # the whole answer so far: the tool parser reads it cumulatively
         self.called = False  # whether any call was sent (the turn then ends in tool use)
 

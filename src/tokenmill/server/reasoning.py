@@ -1,12 +1,15 @@
 """Reasoning parsers: the model's thinking (`<think>…</think>`) split from its answer, whole or streamed.
 
-The names are vLLM's `--reasoning-parser` names. Both families write their thinking between `<think>` and
+The names are vLLM's `--reasoning-parser` names. The families write their thinking between `<think>` and
 `</think>`; they differ in what an output without the closing tag means:
 
 - `deepseek_r1` (DeepSeek-R1 and its distills, whose templates open `<think>` in the prompt): everything
   before `</think>` is thinking, with or without an opening tag in the output.
 - `qwen3` (Qwen3, SmolLM3, whose thinking can be switched off): thinking only when the output opens
   `<think>` itself (or the prompt did); an output that does not is all answer.
+- `glm45` (GLM-4.5/4.6): the qwen3 rule, but the prompt's tags count only after its last `<|assistant|>`:
+  GLM's template writes a closed `<think></think>` into every earlier assistant turn, which says nothing
+  about the turn being generated.
 
 Either way an output cut off before `</think>` is all thinking. The prompt's last tag overrides both
 (`ReasoningParser.opening`): one it opened means the output starts thinking; one it closed (thinking
@@ -32,13 +35,17 @@ class ReasoningParser:
     name: str
     start_token_id: int
     end_token_id: int
+    turn_token_id: Optional[int] = None  # where the turn being generated starts (glm45's `<|assistant|>`)
 
     def opening(self, prompt_token_ids: list[int]) -> Optional[str]:
         """How the output begins, by the last tag in the prompt: "thinking" when the template opened
         `<think>` (DeepSeek-R1, Qwen3-Thinking); "answer" when it wrote a closed one (thinking switched
         off: the output thinks only if it opens a tag itself, and a request's constraint applies from the
-        start); None when the family's rule decides."""
+        start); None when the family's rule decides, as it does when no tag follows the prompt's last
+        `turn_token_id`."""
         for token in reversed(prompt_token_ids):
+            if token == self.turn_token_id:
+                return None  # tags before it belong to earlier turns
             if token == self.end_token_id:
                 return "answer"
             if token == self.start_token_id:
@@ -95,7 +102,8 @@ class ReasoningStream:
         return thinking, answer
 
 
-PARSER_NAMES = ("deepseek_r1", "qwen3")
+PARSER_NAMES = ("deepseek_r1", "qwen3", "glm45")
+TURN_TAGS = {"glm45": "<|assistant|>"}  # families whose prompt tags count only after this token
 
 
 def reasoning_parser(name: Optional[str], tokenizer: Any) -> Optional[ReasoningParser]:
@@ -106,10 +114,10 @@ def reasoning_parser(name: Optional[str], tokenizer: Any) -> Optional[ReasoningP
     if name not in PARSER_NAMES:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSER_NAMES)}, got {name!r}")
     ids = []
-    for tag in (START, END):
+    for tag in (START, END) + ((TURN_TAGS[name],) if name in TURN_TAGS else ()):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1:
             raise ValueError(f"--reasoning-parser {name} needs {tag!r} to be one token of this model's tokenizer; "
                              f"it is {len(encoded)} tokens here (this model does not write reasoning in tags)")
         ids.append(encoded[0])
-    return ReasoningParser(name, ids[0], ids[1])
+    return ReasoningParser(name, *ids)

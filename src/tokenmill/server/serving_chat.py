@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, AsyncIterator, Optional
 
 from pydantic import ValidationError
@@ -220,7 +221,8 @@ class ChatHandler:
         if tools is None:
             return TurnParsing(self.reasoning, opening)
         family = self.forced_family if tools.forced else self.family
-        return TurnParsing(self.reasoning, opening, family, frozenset(t.function.name for t in tools.tools))
+        return TurnParsing(self.reasoning, opening, family,
+                           MappingProxyType({t.function.name: t.function.parameters or {} for t in tools.tools}))
 
     async def complete(self, body: ChatCompletionRequest) -> dict[str, Any]:
         """The whole response."""

@@ -7,10 +7,20 @@ mistral      text, then `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` (
              `[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g{...}` (v11+).
 pythonic     the whole output is a Python list of calls with keyword arguments: `[f(city="Paris"), g()]`,
              maybe inside `<|python_start|>` ... `<|python_end|>`.
+glm45        `<tool_call>f\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>`, any number,
+             anywhere (GLM-4.5/4.6); a value is JSON (or a Python literal) unless its parameter is a string.
+granite      the whole output is `<|tool_call|>[{"name": "f", "arguments": {...}}, ...]` (or `<tool_call>[...]`).
+deepseek_v3  text, then `<｜tool▁calls▁begin｜>` and per call
+             `<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{...}\n```<｜tool▁call▁end｜>`, then
+             `<｜tool▁calls▁end｜>` (DeepSeek-V3, R1).
+deepseek_v31 the same without the type and the code fence: `<｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
 
 Output that does not parse as calls (broken JSON, unknown functions, nesting deeper than MAX_NESTING) is
-content, never an exception. Apart from hermes, whose blocks count one by one, a family's calls are all or
-nothing: one bad call makes the whole output content.
+content, never an exception. Apart from hermes and glm45, whose blocks count one by one, a family's calls are
+all or nothing: one bad call makes the whole output content.
+
+`names`, everywhere below, holds the functions the request offers. A Mapping from each name to its parameters'
+JSON schema (what the server passes) also tells glm45 which argument values are strings.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Collection, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from tokenmill.engine.stop_strings import partial_stop_suffix
 from tokenmill.structured.json_text import JSON_STRING, MAX_NESTING, bracket_depth, loads_nested_json
@@ -167,12 +177,16 @@ class HermesParser(ToolParser):
         for match in self._BLOCK.finditer(text):
             last = match.end()
             try:
-                call = _json_call(loads_nested_json(match.group(1), "a tool call"), names)
+                call = self._block_call(match.group(1), names)
             except ValueError:
                 continue
             if call is not None:
                 calls.append((match, call))
         return calls, last
+
+    def _block_call(self, body: str, names: Collection[str]) -> Optional[ParsedCall]:
+        """The call a block's stripped `body` makes, if any (ValueError also means none)."""
+        return _json_call(loads_nested_json(body, "a tool call"), names)
 
     def _find(self, text: str, names: Collection[str]) -> _Found:
         blocks, _ = self._blocks(text, names)
@@ -304,14 +318,146 @@ class PythonicParser(ToolParser):
         return known_call(node.func.id, arguments, names)
 
 
+class Glm45Parser(HermesParser):
+    """GLM-4.5's `<tool_call>` blocks: the function's name, then `<arg_key>`/`<arg_value>` pairs. A block is
+    a call when it holds nothing else and names a known function; otherwise it stays text, as in hermes."""
+
+    name = "glm45"
+    prompt = ("You can call functions. To call one, answer with\n<tool_call><function name>\n"
+              "<arg_key><argument name></arg_key>\n<arg_value><argument value></arg_value>\n...\n</tool_call>\n"
+              "The functions you can call:\n")
+    _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+
+    def _block_call(self, body: str, names: Collection[str]) -> Optional[ParsedCall]:
+        first_key = body.find("<arg_key>")
+        at = len(body) if first_key < 0 else first_key
+        name, arguments = body[:at].strip(), {}
+        while at < len(body):
+            pair = self._PAIR.match(body, at)
+            if pair is None:
+                return None
+            key = pair.group(1).strip()
+            arguments[key] = glm_value(pair.group(2).strip(), _declared_type(names, name, key))
+            at = pair.end()
+        return known_call(name, arguments, names)
+
+
+def glm_value(text: str, declared_type: Any) -> Any:
+    """An argument value as GLM writes it (vLLM's rule): the text itself for a parameter declared a string;
+    else the JSON it is, or the JSON it is once its escapes are undone (`{\\"a\\": 1}`), or the Python
+    literal it is, whichever comes first, and the text when none is JSON."""
+    if declared_type == "string":
+        return text
+    for read in (_json_text, _escaped_json_text, _python_literal):
+        try:
+            value = read(text)
+            json.dumps(value, allow_nan=False)  # NaN, sets, bytes... are no JSON value
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            continue
+        return value
+    return text
+
+
+def _json_text(text: str) -> Any:
+    return loads_nested_json(text, "an argument value")
+
+
+def _escaped_json_text(text: str) -> Any:
+    return loads_nested_json(json.loads(f'"{text}"'), "an argument value")
+
+
+def _python_literal(text: str) -> Any:
+    if len(text) > MAX_PYTHONIC_CHARS or _python_depth(text) > MAX_NESTING:
+        raise ValueError("too long or deep for ast")  # ast builds a node per token and recurses per level
+    return ast.literal_eval(text)
+
+
+def _declared_type(names: Collection[str], function: str, key: str) -> Any:
+    """The JSON schema type `function` declares for its parameter `key`; None when unknown (`names` is no
+    Mapping to schemas, or the schema does not say)."""
+    schema = names.get(function) if isinstance(names, Mapping) else None
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    parameter = properties.get(key) if isinstance(properties, dict) else None
+    return parameter.get("type") if isinstance(parameter, dict) else None
+
+
+class GraniteParser(ToolParser):
+    """The whole output is a JSON list of calls after `<|tool_call|>` (Granite 3.0) or `<tool_call>` (3.1+)."""
+
+    name = "granite"
+    prompt = ("You can call functions. To call them, answer with nothing but\n"
+              "<|tool_call|>[{\"name\": <function name>, \"arguments\": <its arguments as a JSON object>}]\n"
+              "(the list may hold several calls)\nThe functions you can call:\n")
+    TOKEN, TAG = "<|tool_call|>", "<tool_call>"
+    _openers = ("[", TOKEN, TAG)
+
+    def _find(self, text: str, names: Collection[str]) -> _Found:
+        body = text.strip().removeprefix(self.TOKEN).removeprefix(self.TAG).lstrip()
+        if not body.startswith("["):
+            return _NOTHING
+        try:
+            data = loads_nested_json(body, "tool calls")
+        except ValueError:
+            return _NOTHING
+        calls = [_json_call(item, names) for item in data] if isinstance(data, list) else []
+        return _NOTHING if not calls or None in calls else ([c for c in calls if c is not None], "", 0)
+
+
+class DeepSeekV3Parser(ToolParser):
+    """Text, then a section of calls between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>` holding
+    nothing but calls, each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`.
+    Text after the section is content too."""
+
+    name = "deepseek_v3"
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    prompt = ("You can call functions. To call them, answer with\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+              "<｜tool▁sep｜><function name>\n```json\n<its arguments as a JSON object>\n```<｜tool▁call▁end｜>"
+              "<｜tool▁calls▁end｜>\n(one <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> per call)\n"
+              "The functions you can call:\n")
+    # (name, arguments); the arguments end at the first fence that closes the call
+    _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>[^<\n]*<｜tool▁sep｜>([^<\n]*)\n\s*```(?:json)?\s*(.*?)\s*```\s*"
+                       r"<｜tool▁call▁end｜>", re.DOTALL)
+
+    def _find(self, text: str, names: Collection[str]) -> _Found:
+        first = text.find(self.BEGIN)
+        if first < 0:
+            return _NOTHING
+        calls, at = [], first + len(self.BEGIN)
+        while (match := self._CALL.match(text, at)) is not None:
+            call = known_call(match.group(1).strip(), match.group(2), names)
+            if call is None:
+                return _NOTHING
+            calls.append(call)
+            at = match.end()
+        rest = text[at:].lstrip()
+        if not calls or (rest and not rest.startswith(self.END)):
+            return _NOTHING  # no call, or something in the section that is none
+        return calls, text[:first] + rest[len(self.END):], first
+
+    def _settled(self, text: str, names: Collection[str]) -> tuple[int, list[ParsedCall]]:
+        first = text.find(self.BEGIN)
+        return (first if first >= 0 else len(text) - partial_stop_suffix(text, [self.BEGIN])), []
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1's calls: as deepseek_v3's, each `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`."""
+
+    name = "deepseek_v31"
+    prompt = ("You can call functions. To call them, answer with\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+              "<function name><｜tool▁sep｜><its arguments as a JSON object><｜tool▁call▁end｜><｜tool▁calls▁end｜>\n"
+              "(one <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> per call)\nThe functions you can call:\n")
+    _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>([^<\n]*)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+
+
 def _python_depth(text: str) -> int:
     """How deep brackets nest in Python source, strings not counted (roughly: prefixes and triple quotes
     are not told apart, which can only overcount)."""
     return bracket_depth(text, _PYTHON_STRING, "([{", ")]}")
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                              PythonicParser)}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Glm45Parser, GraniteParser, DeepSeekV3Parser,
+    DeepSeekV31Parser)}
 _PYTHONIC_TEMPLATE = re.compile(r"\[\s*func_name\w*\(|func_name\w*\(\s*param")
 
 
@@ -319,6 +465,12 @@ def parser_for_template(chat_template: Optional[str]) -> str:
     """The family `auto` picks for a chat template: the one whose call syntax the template shows; hermes
     when it shows none (tokenmill's own system prompt asks for Hermes calls then)."""
     template = chat_template or ""
+    if "<arg_key>" in template:  # before hermes: GLM's calls are <tool_call> blocks too
+        return "glm45"
+    if DeepSeekV3Parser.BEGIN in template:
+        return "deepseek_v3" if "```json" in template else "deepseek_v31"
+    if GraniteParser.TOKEN in template:
+        return "granite"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
