@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tokenmill import envs
+from tokenmill.speculative_json import speculative_json, speculative_settings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -278,7 +279,7 @@ class SchedulerConfig:
                              f"got {self.preemption_mode!r}")
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -287,14 +288,18 @@ class SpeculativeConfig:
 
     speculative_method: str = _opt("none", "propose tokens for the target to verify in one pass: ngram = "
                                    "continue the latest earlier occurrence of the sequence's last tokens "
-                                   "(prompt lookup, no extra model), draft = a second model (--draft-model)",
+                                   "(prompt lookup, no extra model), draft = a second model (--draft-model), "
+                                   "eagle3 = an EAGLE-3 head (--draft-model) fed three of the target's layers' "
+                                   "hidden states, mtp = the target's own multi-token prediction layer "
+                                   "(DeepSeek-V3's num_nextn_predict_layers)",
                                    choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(4, "tokens proposed per request and step")
     prompt_lookup_min: int = _opt(2, "ngram: shortest suffix of the sequence to look up")
     prompt_lookup_max: int = _opt(5, "ngram: longest suffix of the sequence to look up (longest match wins)")
     draft_model: Optional[str] = _opt(None, "draft: HF folder, .gguf file or alias of a model with the target's "
                                       "tokenizer; it gets its own paged KV cache with as many blocks as the "
-                                      "target's")
+                                      "target's. eagle3: the EAGLE-3 head's folder (LlamaForCausalLMEagle3, e.g. "
+                                      "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B)")
     draft_num_layers: Optional[int] = _opt(None, "draft: run only the draft model's first N layers (with its "
                                            "final norm and head); the target's own first layers make a "
                                            "self-speculative draft")
@@ -306,6 +311,22 @@ class SpeculativeConfig:
                                       "leave no idle compute to spend on proposals)")
     speculative_min_acceptance: float = _opt(0.25, "a request whose recent acceptance rate falls below this "
                                              "stops speculating for a while (then tries again)")
+    speculative_config: Optional[Any] = _opt(
+        None, "vLLM's form of the settings above, as JSON (a dict in LLM(...)): '{\"method\": \"eagle3\" | \"mtp\" | "
+        "\"ngram\" | \"draft_model\", \"model\": ..., \"num_speculative_tokens\": k}' (also prompt_lookup_min, "
+        "prompt_lookup_max, quantization); a flag given too must agree with it", parse=speculative_json)
+
+    def __post_init__(self) -> None:
+        # the JSON form sets the flag fields it names (frozen: through object.__setattr__, once, at construction)
+        if self.speculative_config is not None:
+            settings, canonical = speculative_settings(self.speculative_config)
+            for name, value in settings.items():
+                given, default = getattr(self, name), SPECULATIVE_DEFAULTS[name]
+                if given != default and given != value:
+                    raise ValueError(f"speculative_config sets {name} to {value!r} but {name} is {given!r}: give "
+                                     f"one of speculative_config and {name}, or the same value in both")
+                object.__setattr__(self, name, value)
+            object.__setattr__(self, "speculative_config", canonical)  # a string keeps the config hashable
 
     @property
     def enabled(self) -> bool:
@@ -324,8 +345,13 @@ class SpeculativeConfig:
                              f"and {self.prompt_lookup_max}")
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method 'draft' needs draft_model (a model with the target's tokenizer)")
-        if self.speculative_method != "draft" and (self.draft_model or self.draft_num_layers is not None):
-            raise ValueError("draft_model and draft_num_layers apply only with speculative_method 'draft'")
+        if self.speculative_method == "eagle3" and not self.draft_model:
+            raise ValueError("speculative_method 'eagle3' needs draft_model (the EAGLE-3 head's folder)")
+        # (mtp takes a draft_model only when it names the target itself: checked where the target is known)
+        if self.speculative_method not in ("draft", "eagle3", "mtp") and self.draft_model:
+            raise ValueError("draft_model applies only with speculative_method 'draft', 'eagle3' or 'mtp'")
+        if self.speculative_method != "draft" and self.draft_num_layers is not None:
+            raise ValueError("draft_num_layers applies only with speculative_method 'draft'")
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.draft_quantization!r}")
@@ -336,6 +362,9 @@ class SpeculativeConfig:
         if not 0.0 <= self.speculative_min_acceptance <= 1.0:
             raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {self.speculative_min_acceptance}")
 
+
+# the defaults of the fields speculative_config may set (a field still at its default yields to the JSON form)
+SPECULATIVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
 
 EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 

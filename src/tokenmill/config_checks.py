@@ -93,3 +93,14 @@ def for_recurrent_states(config: EngineConfig, architecture: str) -> EngineConfi
                     "boundaries", architecture)
         cache = replace(cache, prefix_caching=False)
     return replace(config, cache=cache, scheduler=scheduler)
+
+
+def for_hidden_state_drafts(config: EngineConfig) -> EngineConfig:
+    """`config` for an EAGLE-3 head or MTP layer drafting (speculative_method eagle3 / mtp), which reads the target's
+    hidden state at every position it feeds: prefix caching is turned off with a log line (a cached prefix is not
+    computed again, so its hidden states would be missing and such a request could not speculate)."""
+    if config.speculative.speculative_method not in ("eagle3", "mtp") or not config.cache.prefix_caching:
+        return config
+    logger.info("prefix caching is off: speculative_method %s reads the target's hidden state at every position, "
+                "which a cached prefix does not compute", config.speculative.speculative_method)
+    return replace(config, cache=replace(config.cache, prefix_caching=False))

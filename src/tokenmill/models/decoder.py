@@ -168,6 +168,10 @@ class DecoderForCausalLM(nn.Module):
         self.fused_decode: Any = None  # the one-call step, when asked for and the model qualifies
         self.lora: Any = None  # ModelLoRA (lora/layers.py) when the engine serves LoRA adapters
         self.vision: Any = None  # a vision-language model's image side (models/vision/), set by build_model
+        # EAGLE-3's taps (spec_decode/hidden_drafts.py): the residual stream entering each of these layers, kept
+        # after every forward as `aux_hidden` [T, len(layers) x hidden] (empty: nothing kept)
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[Any], image_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -185,7 +189,9 @@ class DecoderForCausalLM(nn.Module):
                 hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
             # the fused step runs only models of one KV cache group (_llama_shaped): one metadata for all
             # the native step has no LoRA deltas: a step with adapted rows runs the module path
+            # (nor does it keep EAGLE-3's taps)
             if self.fused_decode is not None and not (self.lora is not None and self.lora.active) \
+                    and not self.aux_hidden_layers \
                     and positions.dim() == 1 and self.fused_decode.applies(attn_metadata[0], hidden.shape[0]):
                 fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata[0])
                 if fused is not None:
@@ -198,8 +204,14 @@ class DecoderForCausalLM(nn.Module):
             rotary = self.rotary.for_step(positions, self.arch.mrope_section)
             positions = torch.arange(positions.shape[1], device=positions.device)
         rope = RopeInputs(rotary, positions, hidden.dtype, self.kernels) if rotary is not None else None
-        for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
+        taps = [] if self.aux_hidden_layers else None
+        for index, (layer, kv_cache, metadata) in enumerate(zip(self.layers, kv_caches, attn_metadata),
+                                                            self.first_layer):
+            if taps is not None and index in self.aux_hidden_layers:
+                taps.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        if taps is not None:
+            self.aux_hidden = torch.cat(taps, dim=-1)
         if not self.stage.is_last:
             self.stage.send(hidden, residual)
             return None

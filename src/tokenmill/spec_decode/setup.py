@@ -28,6 +28,8 @@ class SpeculationTarget(Protocol):
     dtype: torch.dtype
     kv_cache: KVCacheManager
     eos_token_ids: tuple[int, ...]
+    source: Any  # the target's ModelSource (mtp reads its checkpoint again)
+    runner: Any  # the target's ModelRunner, in the engine's process (eagle3 and mtp read its hidden states)
 
     @property
     def step_grammars(self) -> Optional[StepGrammars]:
@@ -35,10 +37,15 @@ class SpeculationTarget(Protocol):
 
 
 def make_speculation(config: EngineConfig, engine: SpeculationTarget) -> SpeculationController:
-    """The controller for config.speculative (method ngram or draft), proposing for `engine`'s requests."""
+    """The controller for config.speculative (method ngram, draft, eagle3 or mtp), proposing for `engine`'s
+    requests."""
     spec = config.speculative
     if spec.speculative_method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.speculative_method in ("eagle3", "mtp"):
+        from tokenmill.spec_decode.hidden_drafts import hidden_state_proposer
+
+        proposer = hidden_state_proposer(config, engine, draft_blocks(engine.kv_cache))
     else:
         proposer = _draft_proposer(config, engine)
     return SpeculationController(proposer, spec.num_speculative_tokens, spec.speculative_max_batch,

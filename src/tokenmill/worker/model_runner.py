@@ -99,6 +99,9 @@ class ModelRunner:
         self._sampled: dict[str, tuple[torch.Tensor, int]] = {}
         self._previous_sampled: dict[str, tuple[torch.Tensor, int]] = {}
         self._reads: list[HostRead] = []  # the step's host reads of its sampled ids and logprobs
+        # an EAGLE-3 / MTP draft's store of the target's hidden states (spec_decode/hidden_states.py): given every
+        # forward pass's final hidden states, and the ids of the requests that ended
+        self.hidden_tap: Any = None
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and read its output on the host."""
@@ -113,6 +116,8 @@ class ModelRunner:
         self._previous_sampled, self._sampled, self._reads = self._sampled, {}, []
         for request_id in schedule.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.hidden_tap is not None:
+            self.hidden_tap.drop(schedule.finished_request_ids)
         for adapter_id in schedule.lora_unloads:
             self.model.lora.unload(adapter_id)
         batch = self.input_batch.apply(schedule)
@@ -167,6 +172,8 @@ class ModelRunner:
         run_phase(self.kv_connectors, self.kv_pages, schedule.kv_copies, "after")
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             return
+        if self.hidden_tap is not None:
+            self.hidden_tap.record(batch, chunks, hidden)
         rows, sample_rows, prompt_rows = self._logit_rows(batch, chunks)
         if rows:  # else every chunk is a partial prefill: nothing to sample or score yet
             logits = self.model.compute_logits(self._rows(hidden, rows))

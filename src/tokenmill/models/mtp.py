@@ -1,0 +1,133 @@
+"""A model's own multi-token prediction layer as a draft (DeepSeek-V3's num_nextn_predict_layers; vLLM's
+DeepSeekMTP): layer N = num_hidden_layers of the checkpoint, stored beside the decoder's as model.layers.N.*.
+
+At position i it reads the embedding of token i+1 and a hidden state h_i: the target's final (normed) hidden state
+at a position the target computed, the layer's own output at a chained one. eh_proj(concat(enorm(embedding),
+hnorm(h))) goes through one decoder layer of the target's kind (DeepSeek-V3: MLA attention and the routed
+experts), whose output (residual stream) chains; shared_head's norm and head give the logits. As in vLLM, the
+embedding at position 0 is zeroed (nothing precedes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from tokenmill.attention.base import AttentionBackend
+from tokenmill.layers.linear import ColumnParallelLinear, default_weight_loader
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.models.arch import ArchConfig
+from tokenmill.models.attention_block import RopeInputs
+from tokenmill.models.decoder import DecoderForCausalLM
+from tokenmill.models.kernel_choice import KernelChoice
+from tokenmill.parallel.group import PipelineStage
+
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # the layer's tensors outside its decoder block
+
+
+def mtp_layer_index(folder: str | Path, arch: ArchConfig) -> int:
+    """N, the index of the checkpoint's first multi-token prediction layer; ValueError for a model without one."""
+    if arch.architecture not in MTP_ARCHITECTURES:
+        raise ValueError(f"speculative_method 'mtp' runs the multi-token prediction layers of "
+                         f"{', '.join(MTP_ARCHITECTURES)}; {arch.architecture} is not supported")
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if not config.get("num_nextn_predict_layers"):
+        raise ValueError(f"speculative_method 'mtp': the model's config has no num_nextn_predict_layers (it has no "
+                         f"multi-token prediction layer)")
+    return arch.num_hidden_layers
+
+
+class MultiTokenPredictor(nn.Module):
+    """Layer N as the draft's ModelRunner runs it: `forward(ids, positions, kv_caches, metadata)` -> the states
+    that chain [T, hidden], `compute_logits` -> float32 logits [N, vocab].
+
+    `block` is a DecoderForCausalLM holding layer N alone (a pipeline stage of one layer), whose embedding, final
+    norm and head are the MTP layer's embed_tokens and shared_head (norm, head): its loader places every tensor
+    of the decoder block (MLA, experts) as the target's does.
+
+    Invariant: `step_hidden` holds the input hidden state of each of the step's rows, in the batch's order, when
+    `forward` runs (spec_decode/draft.py sets it before every pass)."""
+
+    def __init__(self, arch: ArchConfig, index: int, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        # layer N's spec as the target's layers': past the last, so MoE as DeepSeek-V3's later layers
+        block_arch = dataclasses.replace(arch, num_hidden_layers=index + 1, layer_types=(
+            tuple(arch.layer_types) + (arch.layer_types[-1],) * (index + 1 - len(arch.layer_types))
+            if arch.layer_types else arch.layer_types))
+        self.block = DecoderForCausalLM(block_arch, backend, max_positions,
+                                        stage=PipelineStage(first_layer=index, end_layer=index + 1))
+        self.index = index
+        self.arch, self.stage, self.lora, self.vision = arch, PipelineStage(), None, None
+        self.layers = self.block.layers
+        self.kernel_choice: Optional[KernelChoice] = None
+        hidden = arch.hidden_size
+        self.enorm = RMSNorm(hidden, arch.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, arch.rms_norm_eps)
+        self.eh_proj = ColumnParallelLinear(2 * hidden, hidden)
+        self.step_hidden: Optional[torch.Tensor] = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: list[Any]) -> torch.Tensor:
+        """The layer's output (residual stream, before shared_head's norm) [T, hidden]."""
+        embeds = self.block.embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(self.step_hidden.to(embeds.dtype))], dim=-1))
+        rope = RopeInputs(self.block.rotary, positions, x.dtype, self.block.kernels)
+        hidden, residual = self.layers[0](rope, x, None, kv_caches[0], attn_metadata[0])
+        return hidden + residual
+
+    def compute_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """shared_head: norm, then the head -> float32 logits [N, vocab]."""
+        return self.block.compute_logits(self.block.norm(states))
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]], quantize_to: Optional[str] = None) -> None:
+        """Load layer N's tensors out of the whole checkpoint's (`weights`); its embed_tokens and shared_head.head
+        default to the model's own embedding and head where the checkpoint stores no copy."""
+        prefix = f"model.layers.{self.index}."
+        own, block, shared = {}, [], {}
+        for name, tensor in weights:
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                shared[name] = tensor
+            elif name.startswith(prefix):
+                rest = name[len(prefix):]
+                if rest in _OWN:
+                    own[rest] = tensor
+                elif rest == "embed_tokens.weight":
+                    shared["mtp.embed_tokens.weight"] = tensor
+                elif rest.startswith("shared_head."):
+                    shared["mtp." + rest] = tensor
+                else:
+                    block.append((name, tensor))
+        if not block or set(own) != set(_OWN):
+            raise ValueError(f"the checkpoint has no complete multi-token prediction layer {prefix}* (missing "
+                             f"{sorted(set(_OWN) - set(own)) or 'its decoder block'})")
+        self.block.load_weights(self._block_tensors(block, shared), quantize_to)
+        for name, tensor in own.items():
+            param = self.get_parameter(name)
+            default_weight_loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor)
+
+    @staticmethod
+    def _block_tensors(block: list, shared: dict) -> Iterator[tuple[str, Any]]:
+        yield from block
+        yield "model.embed_tokens.weight", shared.get("mtp.embed_tokens.weight", shared.get("model.embed_tokens.weight"))
+        if "mtp.shared_head.norm.weight" not in shared:
+            raise ValueError("the checkpoint's multi-token prediction layer has no shared_head.norm.weight")
+        yield "model.norm.weight", shared["mtp.shared_head.norm.weight"]
+        head = shared.get("mtp.shared_head.head.weight", shared.get("lm_head.weight"))
+        if head is not None:
+            yield "lm_head.weight", head
+
+    def apply_kernels(self, choice: KernelChoice) -> None:
+        """After loading: the target's kernels, without its one-call step (it runs the decoder's layers)."""
+        choice = dataclasses.replace(choice, fused_decode=False)
+        self.block.apply_kernels(choice)
+        self.eh_proj.use_kernel(choice.packed, choice.native, choice.batch_invariant)
+        if choice.elementwise is not None:
+            self.enorm.kernels = self.hnorm.kernels = choice.elementwise
+        self.kernel_choice = choice
