@@ -8,7 +8,7 @@ is the server's own (`build_app`, as `tokenmill serve --reasoning-parser openai_
 openai` builds it) run in-process: a `tokenmill serve` subprocess would cost ~10 s of imports and start-up
 for nothing this file checks. The app builds harmony's vocabulary file from the engine's tokenizer (loaded
 from the checkpoint, as a server loads it) into a fresh cache (TOKENMILL_CACHE_DIR, only while the app is
-built: the engine's kernels come from the usual cache). Cost: about 6 s (the 201088-token tokenizer written
+built: the engine's kernels come from the usual cache). Cost: about 6 s of CPU (the 201088-token tokenizer written
 and loaded, the model's 201088-row tables, harmony's vocabulary read twice)."""
 
 from __future__ import annotations
@@ -122,3 +122,18 @@ def test_forced_calls_constraints_and_beam_search_are_refused_for_now(setup, ext
     answer = client.post("/v1/chat/completions",
                          json={"model": "oss", "messages": ASK, "tools": [WEATHER], "max_tokens": 4, **extra})
     assert answer.status_code == 400 and says in answer.json()["error"]["message"], answer.text
+
+
+def test_responses_and_messages_refuse_them_in_their_own_shapes(setup):
+    client, _, _, _ = setup
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": WEATHER["function"]["parameters"]}
+    answer = client.post("/v1/messages", json={"model": "oss", "max_tokens": 4, "messages": ASK[1:], "tools": [tool],
+                                               "tool_choice": {"type": "any"}})
+    assert answer.status_code == 400 and answer.json()["type"] == "error", answer.text
+    assert "tool_choice 'required' is not supported for GPT-OSS's harmony format" in answer.json()["error"]["message"]
+    answer = client.post("/v1/responses", json={"model": "oss", "input": "Weather in Paris?", "max_output_tokens": 4,
+                                                "text": {"format": {"type": "json_schema", "name": "w",
+                                                                    "schema": {"type": "object"}}}})
+    assert answer.status_code == 400, answer.text
+    assert "response_format json_schema is not supported for GPT-OSS's harmony format" in answer.json()["error"]["message"]
