@@ -136,4 +136,5 @@ def test_responses_and_messages_refuse_them_in_their_own_shapes(setup):
                                                 "text": {"format": {"type": "json_schema", "name": "w",
                                                                     "schema": {"type": "object"}}}})
     assert answer.status_code == 400, answer.text
-    assert "response_format json_schema is not supported for GPT-OSS's harmony format" in answer.json()["error"]["message"]
+    message = answer.json()["error"]["message"]
+    assert "response_format json_schema is not supported for GPT-OSS's harmony format" in message
