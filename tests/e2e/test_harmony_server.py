@@ -1,27 +1,34 @@
-"""A GPT-OSS model through `tokenmill serve`: its prompts are harmony's tokens and its harmony output comes back
-as a tool call through Chat Completions (whole and streamed), Responses and Messages.
+"""A GPT-OSS model behind the server's routes: its prompts are harmony's tokens, its harmony output comes back as
+a tool call through Chat Completions (whole and streamed), Responses and Messages, and what the harmony path
+does not do yet is refused with a 400 naming the field.
 
 The model is a tiny GPT-OSS with GPT-OSS's vocabulary, wired as a bigram table that greedily writes one
-scripted harmony tool call (tests/helpers/harmony_models.py): the server's tokenizer is the o200k one built
-offline; harmony's vocabulary file is built from it into a fresh cache (TOKENMILL_CACHE_DIR) here, as the
-server does from a real checkpoint (the server keeps the usual cache: a fresh one would rebuild the kernels). Cost: about 15 s (building the 201088-token tokenizer, one server start)."""
+scripted harmony tool call (tests/helpers/harmony_models.py), with an o200k tokenizer written offline. The app
+is the server's own (`build_app`, as `tokenmill serve --reasoning-parser openai_gptoss --tool-call-parser
+openai` builds it) run in-process: a `tokenmill serve` subprocess would cost ~10 s of imports and start-up
+for nothing this file checks. The app builds harmony's vocabulary file from the engine's tokenizer (loaded
+from the checkpoint, as a server loads it) into a fresh cache (TOKENMILL_CACHE_DIR, only while the app is
+built: the engine's kernels come from the usual cache). Cost: about 6 s of CPU (the 201088-token tokenizer written
+and loaded, the model's 201088-row tables, harmony's vocabulary read twice)."""
 
 from __future__ import annotations
 
 import json
 
 import anthropic
-import httpx
 import pytest
+from fastapi.testclient import TestClient
 from openai import OpenAI
 
-from e2e.server_harness import ServerProcess
-from helpers.harmony_models import make_scripted_gpt_oss, o200k_tokenizer
-from tokenmill.server.harmony import Harmony
+from helpers.harmony_models import make_scripted_gpt_oss, o200k_file
+from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.server.api_server import build_app
 from tokenmill.server.protocol import ChatMessage, Tool
 from tokenmill.server.tool_calls import ToolMode
 
-CALL = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>')
+CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>'
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
@@ -29,33 +36,49 @@ ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
+    from tokenmill.server.harmony import Harmony  # imports openai-harmony: not at collection
+
+    # the test's own harmony reads o200k from bpe-openai's copy, to script the model before it exists
+    reference = tmp_path_factory.mktemp("tiktoken")
+    (reference / "o200k_base.tiktoken").write_bytes(o200k_file())
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TOKENMILL_CACHE_DIR", str(cache))
-        patch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
-        harmony = Harmony.load(o200k_tokenizer())  # builds o200k_base.tiktoken under the cache from the tokenizer
-    assert (cache / "harmony" / "o200k_base.tiktoken").is_file()
+        patch.setenv("TIKTOKEN_ENCODINGS_BASE", str(reference))
+        import openai_harmony
+
+        harmony = Harmony(openai_harmony.load_harmony_encoding(openai_harmony.HarmonyEncodingName.HARMONY_GPT_OSS))
     prompt = harmony.prompt_ids([ChatMessage.model_validate(m) for m in ASK],
                                 ToolMode([Tool.model_validate(WEATHER)], "auto"))
     script = harmony.encoding.encode(CALL, allowed_special="all")
     model = make_scripted_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), script, after=prompt[-1])
-    proc = ServerProcess(str(model), "--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "oss",
-                         log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    with proc.running():
-        yield proc, prompt, script
+    config = EngineConfig.from_kwargs(model=str(model), max_model_len=256, num_kv_blocks=64)
+    engine = AsyncEngine(lambda: LLMEngine(config), "oss")
+    cache = tmp_path_factory.mktemp("cache")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TOKENMILL_CACHE_DIR", str(cache))
+            patch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+            app = build_app(engine, ServerConfig(reasoning_parser="openai_gptoss", tool_call_parser="openai"),
+                            engine.info.chat_template)
+        yield TestClient(app), cache, prompt, script
+    finally:
+        engine.shutdown()
+
+
+def test_the_vocabulary_file_is_built_from_the_models_tokenizer(setup):
+    _, cache, _, _ = setup
+    assert (cache / "harmony" / "o200k_base.tiktoken").read_bytes() == o200k_file()
 
 
 def test_the_prompt_is_harmonys_rendering(setup):
-    server, prompt, _ = setup
-    rendered = httpx.post(f"{server.url}/v1/chat/completions/render",
-                          json={"model": "oss", "messages": ASK, "tools": [WEATHER]}, timeout=60)
+    client, _, prompt, _ = setup
+    rendered = client.post("/v1/chat/completions/render", json={"model": "oss", "messages": ASK, "tools": [WEATHER]})
     assert rendered.status_code == 200, rendered.text
     assert rendered.json()["token_ids"] == prompt
 
 
 def test_a_harmony_tool_call_through_chat_responses_and_messages(setup):
-    server, prompt, script = setup
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    http, _, prompt, script = setup
+    client = OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
     chat = client.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
     choice = chat.choices[0]
     assert chat.usage.prompt_tokens == len(prompt) and chat.usage.completion_tokens == len(script)
@@ -76,7 +99,7 @@ def test_a_harmony_tool_call_through_chat_responses_and_messages(setup):
     assert [(o.type, o.name, json.loads(o.arguments)) for o in response.output] == \
         [("function_call", "get_weather", {"city": "Paris"})]
 
-    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key="none", max_retries=0, http_client=http)
     message = claude.messages.create(
         model="oss", max_tokens=40, system="Be brief.", messages=ASK[1:], extra_body={"temperature": 0},
         tools=[{"name": "get_weather", "description": "The weather in a city.",
@@ -85,9 +108,33 @@ def test_a_harmony_tool_call_through_chat_responses_and_messages(setup):
     assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", {"city": "Paris"})]
 
 
-def test_forced_calls_and_constraints_are_refused_for_now(setup):
-    server, _, _ = setup
-    for extra in ({"tool_choice": "required"}, {"response_format": {"type": "json_object"}}):
-        answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
-                            json={"model": "oss", "messages": ASK, "tools": [WEATHER], "max_tokens": 4, **extra})
-        assert answer.status_code == 400 and "harmony" in answer.text, answer.text
+@pytest.mark.parametrize("extra, says", [
+    ({"tool_choice": "required"}, "tool_choice 'required' is not supported for GPT-OSS's harmony format"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice naming function 'get_weather' is not supported for GPT-OSS's harmony format"),
+    ({"response_format": {"type": "json_object"}},
+     "response_format json_object is not supported for GPT-OSS's harmony format"),
+    ({"guided_regex": "[a-z]+"}, "guided_regex is not supported for GPT-OSS's harmony format"),
+    ({"use_beam_search": True, "tools": None}, "use_beam_search is not supported for GPT-OSS's harmony format"),
+])
+def test_forced_calls_constraints_and_beam_search_are_refused_for_now(setup, extra, says):
+    client, _, _, _ = setup
+    answer = client.post("/v1/chat/completions",
+                         json={"model": "oss", "messages": ASK, "tools": [WEATHER], "max_tokens": 4, **extra})
+    assert answer.status_code == 400 and says in answer.json()["error"]["message"], answer.text
+
+
+def test_responses_and_messages_refuse_them_in_their_own_shapes(setup):
+    client, _, _, _ = setup
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": WEATHER["function"]["parameters"]}
+    answer = client.post("/v1/messages", json={"model": "oss", "max_tokens": 4, "messages": ASK[1:], "tools": [tool],
+                                               "tool_choice": {"type": "any"}})
+    assert answer.status_code == 400 and answer.json()["type"] == "error", answer.text
+    assert "tool_choice 'required' is not supported for GPT-OSS's harmony format" in answer.json()["error"]["message"]
+    answer = client.post("/v1/responses", json={"model": "oss", "input": "Weather in Paris?", "max_output_tokens": 4,
+                                                "text": {"format": {"type": "json_schema", "name": "w",
+                                                                    "schema": {"type": "object"}}}})
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "response_format json_schema is not supported for GPT-OSS's harmony format" in message

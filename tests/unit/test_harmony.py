@@ -3,13 +3,13 @@ the same conversation, and scripted outputs (token ids harmony encodes) read as 
 calls, whole and streamed token by token alike.
 
 harmony reads its vocabulary from the o200k_base.tiktoken that the bpe-openai package ships (no internet);
-tests/e2e/test_harmony_server.py covers the file built from a model's own tokenizer. Cost: under a second."""
+tests/e2e/test_harmony_server.py covers the file built from a model's own tokenizer; the tests here of that
+build's refusals run on stand-in tokenizers. Cost: under a second."""
 
 from __future__ import annotations
 
 import json
 
-import openai_harmony as h
 import pytest
 
 from helpers.harmony_models import o200k_file
@@ -24,6 +24,8 @@ WEATHER = Tool.model_validate({"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory, monkeypatch_module):
+    import openai_harmony as h  # not at collection: every pytest-xdist worker collects every file
+
     folder = tmp_path_factory.mktemp("tiktoken")
     (folder / "o200k_base.tiktoken").write_bytes(o200k_file())
     monkeypatch_module.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
@@ -37,6 +39,8 @@ def monkeypatch_module():
 
 
 def test_a_conversation_renders_as_harmony_renders_it(harmony):
+    import openai_harmony as h
+
     messages = [ChatMessage(role="system", content="Be brief."),
                 ChatMessage(role="user", content="Weather in Paris?"),
                 ChatMessage.model_validate({
@@ -122,3 +126,40 @@ def test_harmony_parsers_fit_gpt_oss_only():
     with pytest.raises(ValueError, match="must be openai or auto"):
         harmony_for("GptOssForCausalLM", None, None, "hermes")
     assert harmony_for("LlamaForCausalLM", None, None, "hermes") is None
+
+
+class StandInTokenizer:
+    """A tokenizer's two methods the vocabulary build reads, over the given tokens."""
+
+    def __init__(self, tokens: list[str]):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.tokens[i] for i in ids]
+
+
+def test_the_vocabulary_is_built_only_from_gpt_oss_tokenizers(tmp_path, monkeypatch):
+    from tokenmill.server.harmony_vocab import O200K_TOKENS, ensure_vocab_file
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
+    with pytest.raises(ValueError, match="fewer than o200k's 199998"):
+        ensure_vocab_file(StandInTokenizer(["a"] * 50_000))
+    # a space stands for itself in a SentencePiece-style vocabulary; byte-level BPE writes it as "Ġ"
+    with pytest.raises(ValueError, match=r"token 7 of this one \('a b'\) is not byte-level"):
+        ensure_vocab_file(StandInTokenizer(["a"] * 7 + ["a b"] + ["a"] * O200K_TOKENS))
+    with pytest.raises(ValueError, match="this model's tokenizer has other tokens"):
+        ensure_vocab_file(StandInTokenizer(["Ġa"] * O200K_TOKENS))
+    assert not (tmp_path / "harmony" / "o200k_base.tiktoken").exists()
+
+
+def test_a_vocabulary_folder_the_user_names_is_used_as_it_is(tmp_path, monkeypatch):
+    from tokenmill.server.harmony_vocab import ensure_vocab_file
+
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "mine"))
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    assert ensure_vocab_file(StandInTokenizer([])) == tmp_path / "mine"  # never read, so never refused
+    assert not (tmp_path / "cache").exists()

@@ -155,8 +155,11 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)
         self.lm_head = None
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, self.local_vocab, bias=False)
-            self.lm_head.weight.requires_grad_(False)
+            # uninitialised too, for the same reason (nn.Linear's kaiming init of a 201088-row head: 0.5 s at hidden
+            # 64); load_weights raises for a parameter the checkpoint leaves unset. The weight is made where the
+            # model is built (the loader's device and dtype context), the module shell on meta.
+            self.lm_head = nn.Linear(arch.hidden_size, self.local_vocab, bias=False, device="meta")
+            self.lm_head.weight = nn.Parameter(torch.empty(self.local_vocab, arch.hidden_size), requires_grad=False)
         self.logits_kernel: Optional[LinearKernel] = None
         self.kernel_choice: Optional[KernelChoice] = None  # see apply_kernels
         self.kernels: Any = None  # the element-wise ops' kernels (kernel_choice.elementwise)

@@ -10,7 +10,7 @@ are that file byte for byte; tokenmill writes it once under its cache folder and
 
 from __future__ import annotations
 
-import base64
+import binascii
 import hashlib
 import os
 import tempfile
@@ -24,35 +24,39 @@ O200K_TOKENS = 199_998  # the ordinary tokens; ids from here on are harmony's sp
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # what harmony checks
 
 
-def _byte_of_char() -> dict[str, int]:
-    """The inverse of byte-level BPE's byte -> printable character table (GPT-2's): printable Latin-1 bytes
-    stand for themselves, the others for the characters from U+0100 on, in byte order."""
+def _bytes_of_chars() -> dict[int, str]:
+    """A str.translate table undoing byte-level BPE's byte -> printable character table (GPT-2's): printable
+    Latin-1 bytes stand for themselves, the others for the characters from U+0100 on, in byte order. Each of
+    the 256 characters goes to the Latin-1 character of its byte; every other Latin-1 character goes to one
+    that Latin-1 cannot encode, so a token that is not byte-level fails to encode (characters past U+0143 are
+    left as they are, and fail too)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
+    table = {code: "\uffff" for code in range(256) if code not in printable}
+    extra = 0
     for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
+        if byte not in printable:
+            table[256 + extra] = chr(byte)
             extra += 1
-    return chars
+    return table
 
 
 def tiktoken_lines(tokenizer: Any) -> bytes:
     """The vocabulary file's bytes for a byte-level BPE `tokenizer` (a transformers tokenizer): its first
-    O200K_TOKENS tokens, rank = id; ValueError when it is not byte-level BPE or has fewer tokens."""
+    O200K_TOKENS tokens, rank = id; ValueError when it is not byte-level BPE or has fewer tokens. (A
+    translate and a Latin-1 encode per token, not a dictionary look-up per character: this runs over 200k
+    tokens at a GPT-OSS server's first start.)"""
     if len(tokenizer) < O200K_TOKENS:
         raise ValueError(f"the harmony format needs the o200k vocabulary (GPT-OSS's tokenizer); this tokenizer has "
                          f"{len(tokenizer)} tokens, fewer than o200k's {O200K_TOKENS}")
-    byte_of = _byte_of_char()
+    table = _bytes_of_chars()
     lines = []
     for rank, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(O200K_TOKENS)))):
         try:
-            data = bytes(byte_of[c] for c in token)
-        except (KeyError, TypeError):
+            data = token.translate(table).encode("latin-1")
+        except (UnicodeEncodeError, AttributeError):
             raise ValueError(f"the harmony format needs GPT-OSS's byte-level BPE tokenizer; token {rank} of this "
                              f"one ({token!r}) is not byte-level") from None
-        lines.append(base64.b64encode(data) + b" " + str(rank).encode() + b"\n")
+        lines.append(b"%s %d\n" % (binascii.b2a_base64(data, newline=False), rank))
     return b"".join(lines)
 
 

@@ -30,6 +30,15 @@ from tokenmill.server.tool_calls import ToolMode, forced_call, render_messages, 
 from tokenmill.server.tool_parsers import CallDelta, ToolParser, call_id, tool_parser
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
+CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def constraint_field(body: ChatCompletionRequest) -> str:
+    """The field that asks `body`'s output constraint, as an error names it (`response_format json_object`)."""
+    for name in CONSTRAINT_FIELDS:
+        if getattr(body, name) is not None:
+            return name
+    return f"response_format {body.response_format.type}" if body.response_format is not None else "response_format"
 
 
 def chat_prompt(tokenizer: Any, chat_template: Optional[str], messages: list[ChatMessage],
@@ -178,7 +187,7 @@ class ChatHandler:
             tools = tool_mode(body)
             params = with_adapter(body.sampling_params(max_tokens, logprobs), self.adapter_of(body.model))
             if self.harmony is not None:
-                params = self._harmony_params(params, tools)
+                params = self._harmony_params(params, tools, body)
             elif tools is not None and tools.forced:
                 params = dataclasses.replace(params, structured_output=forced_call(tools))  # re-validated
             ticket = self.engine.reserve(body.n)
@@ -199,16 +208,18 @@ class ChatHandler:
         stream = self.engine.generate(request_id, token_ids, params, prompt, body.priority, features)
         return ChatRun(request_id, token_ids, stream, parsing, ticket, features)
 
-    def _harmony_params(self, params: Any, tools: Optional[ToolMode]) -> Any:
-        """`params` for a harmony turn: ended by harmony's stop tokens; ValueError for what the harmony path
-        does not do yet (a forced call or an output constraint: both would have to hold on the final or
-        commentary channel only, not over the analysis that comes first)."""
+    def _harmony_params(self, params: Any, tools: Optional[ToolMode], body: ChatCompletionRequest) -> Any:
+        """`params` for a harmony turn: ended by harmony's stop tokens; ValueError, naming the field, for what
+        the harmony path does not do yet (a forced call or an output constraint: both would have to hold on
+        the commentary or final channel only, not over the analysis that comes first)."""
         if tools is not None and tools.forced:
-            raise ValueError("tool_choice required or a named function is not supported for GPT-OSS's harmony "
-                             "format yet; use tool_choice auto")
+            given = "'required'" if tools.choice == "required" else f"naming function {tools.choice!r}"
+            raise ValueError(f"tool_choice {given} is not supported for GPT-OSS's harmony format yet (a forced "
+                             f"call would have to start after the model's analysis); use tool_choice 'auto'")
         if params.structured_output is not None:
-            raise ValueError("output constraints (response_format, guided_*) are not supported for GPT-OSS's "
-                             "harmony format yet")
+            raise ValueError(f"{constraint_field(body)} is not supported for GPT-OSS's harmony format yet (the "
+                             f"constraint would have to hold on the final channel only, after the model's "
+                             f"analysis); leave it unset")
         stops = list(params.stop_token_ids or []) + [t for t in self.harmony.stop_token_ids
                                                      if t not in (params.stop_token_ids or [])]
         return dataclasses.replace(params, stop_token_ids=stops)
@@ -274,6 +285,8 @@ class ChatHandler:
         try:
             if body.tools:
                 raise ValueError("beam search cannot honour tools: leave them unset with use_beam_search")
+            if self.harmony is not None:  # its hypotheses would come back unread: channels and all as text
+                raise ValueError("use_beam_search is not supported for GPT-OSS's harmony format yet")
             params = body.beam_search_params(max_tokens if max_tokens is not None else 16)
             ticket = self.engine.reserve(params.beam_width)
         except ValueError as exc:
