@@ -2,7 +2,7 @@
 attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1) gives HF float32's
 greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at every
 boundary and restart after a recompute preemption (the one pass's ids), its attention layer on every attention
-backend; a request's output in the default dtype does not depend on its batch; a state kept in the attention
+backend; a request's output in the default dtype does not depend on its batch; the dense, NoPE variant matches HF; a state kept in the attention
 cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
 
 Cost: check_family on 4 prompts x 16 tokens (HF's generate is the oracle), small engines of 6 tokens a request
@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.engine_probe import EIGHT_PROMPTS
+from helpers.engine_probe import EIGHT_PROMPTS, hf_greedy_logprobs
 from helpers.family_check import check_family
 from helpers.forced_preemption import greedy_runs
 from helpers.tiny_models import make_tiny_hf_model
@@ -77,6 +77,22 @@ def test_granite_hybrid_output_does_not_depend_on_its_batch_in_the_default_dtype
     busy = LLM(str(folder), num_kv_blocks=24, max_num_batched_tokens=5)
     batched = greedy_runs(busy, [OTHERS[0], PROMPT, *OTHERS[1:]], preempt_at_step=4)
     assert batched[1] == alone  # the same bits
+
+
+def test_a_dense_granite_hybrid_without_rope_matches_hf(tmp_path):
+    # the other variant Granite 4.0-H ships: no experts (each layer's MLP the shared MLP alone) and no position
+    # embedding (NoPE), here with the attention layer first; 2 layers, 2 prompts x 8 tokens
+    path = make_tiny_hf_model(tmp_path, arch="granitemoehybrid", num_hidden_layers=2,
+                              layer_types=["attention", "mamba"], num_local_experts=0, position_embedding_type=None)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [PROMPT, OTHERS[1]]
+    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=64)
+    for ids, (tokens, logprobs) in zip(prompts, greedy_runs(llm, prompts, max_tokens=8)):
+        want_tokens, want_logprobs = hf_greedy_logprobs(hf, ids, 8)
+        assert list(tokens) == want_tokens
+        assert max(abs(step[0][1] - want) for step, want in zip(logprobs, want_logprobs)) < 1e-4
+    arch = llm.llm_engine.arch
+    assert arch.moe is None and arch.no_rope_layers == {0, 1} and arch.mamba_layers == {1}
 
 
 def test_a_state_in_attention_blocks_round_trips_and_touches_no_other_block():
