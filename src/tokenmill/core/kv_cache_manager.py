@@ -30,7 +30,7 @@ class KVCacheManager(PrefixLookup):
     request's life; its pages are never cached (prefix caching is refused
     with such a group) nor shared (`fork` shares nothing then).
     Invariants: every table of a request has exactly `specs[g].table_length(tokens allocated)` entries
-    (cdiv(tokens, block_size) for attention, 1 for a state); the
+    (cdiv(tokens, block_size) for attention, `state_pages` for a state); the
     first `released[g]` entries of group g's table are held no more (blocks given back or placeholders)
     and no backend reads them; every later entry holds one reference to its block.
     """
