@@ -1,5 +1,6 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Gemma 2, SmolLM3, OLMo 2/3, Phi-3,
-DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, LLaVA) with the SmolLM2 tokenizer."""
+DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, Mamba2, Granite 4.0-H, LLaVA) with the
+SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -108,6 +109,16 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     # prefill scan crosses chunk boundaries
     "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "expand": 2, "conv_kernel": 4,
                "chunk_size": 8, "initializer_range": 0.1},
+    # Granite 4.0-H: Mamba2 layers around an attention layer (one attention group beside two state groups), 4
+    # experts of width 32 plus a shared expert of 48; the mixers as tiny Mamba2's (8 heads of 16, 2 groups of state
+    # 16, scan chunks of 8); every multiplier away from 1 (and the attention scale from head_dim ** -0.5) so a
+    # dropped one changes the logits
+    "granitemoehybrid": {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"],
+                         "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                         "shared_intermediate_size": 48, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+                         "mamba_d_state": 16, "mamba_chunk_size": 8, "position_embedding_type": "rope",
+                         "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.2,
+                         "logits_scaling": 6.0, "initializer_range": 0.1},
     "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
                  "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
@@ -129,7 +140,8 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
-    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss, mamba2) and its tokenizer
+    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss, mamba2,
+    granitemoehybrid) and its tokenizer
     in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,

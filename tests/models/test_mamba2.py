@@ -16,8 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.family_check import check_family
+from helpers.forced_preemption import greedy_runs as _run
 from helpers.tiny_models import make_tiny_hf_model
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.core.kv_spec import StateCacheSpec
 from tokenmill.layers.mamba2_mixer import Mamba2Mixer, RecurrentState, StateChunk
 from tokenmill.models.loader.hf_config import arch_config_from_hf
@@ -42,30 +43,6 @@ def test_mamba2_matches_hf_plain_chunked_and_batched(folder, hf, caplog):
         check_family(folder, hf, prefix_caching=False, preempts=False)
     assert "prefix caching is off: Mamba2ForCausalLM keeps a recurrent state" in caplog.text
     assert "KiB per request whatever its length" in caplog.text  # the state's memory, logged at start
-
-
-def _run(llm: LLM, prompts: list[list[int]], preempt_at_step: int = 0) -> list[tuple]:
-    """Greedy ids and logprobs of `prompts` run together; with `preempt_at_step`, the last-admitted running request
-    is preempted (recompute: its state page freed) after that many steps, as the scheduler does when short of pool."""
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    for index, ids in enumerate(prompts):
-        engine.add_request(str(index), None, params, prompt_token_ids=ids)
-    done, steps, preempted = {}, 0, 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0]
-        steps += 1
-        if steps == preempt_at_step:
-            scheduler = engine.scheduler
-            victim = scheduler.running.pop()
-            assert victim.num_computed_tokens > 0
-            scheduler._preempt(victim)
-            preempted += 1
-    assert preempted == (1 if preempt_at_step else 0)
-    return [(tuple(done[str(i)].token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
-                                                   for step in done[str(i)].logprobs)) for i in range(len(prompts))]
 
 
 def test_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):

@@ -22,8 +22,6 @@ def test_recurrent_layers_form_one_group_whose_block_is_a_request_state_of_every
     page = 3 * 96 * 2 + 4 * 8 * 16 * 4  # conv window in the compute dtype, SSM state in float32
     assert layout.block_bytes(16) == layout.block_bytes(64) == 3 * page  # whatever the block size
     assert f"{3 * page / 1024:.1f} KiB per request" in layout.describe()
-    with pytest.raises(ValueError, match="hybrid"):
-        group_layers([STATE, KVCacheSpec(1, 64, 2)])
 
 
 def test_prefix_caching_of_states_is_refused():
@@ -107,3 +105,40 @@ def test_chunks_carry_the_state_and_a_recompute_preemption_restarts_it_from_zero
     assert one_pass == _run(num_pages=8, budget=3, prompts=prompts)  # chunks of at most 3 tokens
     assert one_pass == _run(num_pages=2, budget=5, prompts=prompts)  # two pages: the third request waits
     assert one_pass == _run(num_pages=8, budget=7, prompts=prompts, preempt_after=6)
+
+
+ATTENTION = KVCacheSpec(num_kv_heads=2, head_dim=16, dtype_bytes=2)  # 128 bytes per token and layer
+
+
+def test_a_hybrid_layout_keeps_states_in_attention_blocks_of_groups_as_large_as_the_attention_groups():
+    # Granite 4.0-H's pattern in small: 2 attention layers among 6 recurrent ones -> groups of 2 layers
+    specs = [STATE, STATE, STATE, ATTENTION, STATE, STATE, STATE, ATTENTION]
+    layout = group_layers(specs)
+    assert layout.layers_per_group == 2 and layout.state_groups == {0, 1, 2}
+    assert [group.layers for group in layout.groups] == [(0, 1), (2, 4), (5, 6), (3, 7)]
+    assert layout.block_bytes(16) == 16 * 2 * 128  # an attention block: nothing padded to the state's size
+    # 2624 bytes of one layer's state over blocks of one layer of 2048 bytes (16 tokens) or 8192 (64 tokens)
+    assert STATE.page_bytes == 2624
+    assert layout.state_blocks(16) == 2 and layout.state_blocks(64) == 1
+    text = layout.describe(16)
+    assert "KiB per request whatever its length, 0 per token (2 pool block(s) in each of its 3 group(s))" in text
+    assert "full attention: 1 group(s), 2 layers, 0.2 KiB per token" in text
+    with pytest.raises(ValueError, match="different state shapes"):
+        group_layers([STATE, ATTENTION, StateCacheSpec(4, 64, 4, 8, 16, 2)])
+
+
+def test_a_hybrid_request_holds_its_state_blocks_whatever_its_length_and_its_attention_blocks_per_token():
+    kv = KVCacheManager(20, 4, watermark=0, windows=(None, None), state_groups=frozenset({1}), state_pages=3)
+    assert kv.max_blocks_held(40, 8) == 10 + 3
+    assert kv.allocate_slots("a", 5)
+    attention, state = kv.block_tables("a")
+    assert len(attention) == 2 and len(state) == 3
+    assert kv.allocate_slots("a", 17)
+    attention, state = kv.block_tables("a")
+    assert len(attention) == 5 and len(state) == 3 and not set(attention) & set(state)
+    assert kv.pool.num_free_blocks == 12
+    assert not kv.can_admit("b", 40)  # 10 attention blocks and 3 for its states: 13 > 12 free
+    assert kv.can_admit("b", 36)
+    kv.free("a")
+    assert kv.pool.num_free_blocks == 20
+    kv.pool.check_invariants()

@@ -25,11 +25,12 @@ class KVCacheManager(PrefixLookup):
     Token i of a request lives, for the layers of group g, in block `tables[g][i // block_size]` at
     offset `i % block_size` (see core/kv_spec.py). A sliding-window group of window W lets go of the
     blocks no later query can see: a query at position p sees keys (p - W, p].
-    A recurrent-state group (`state_groups`, core/kv_group_specs.py's RecurrentStateSpec) holds one block per
-    request, its state page, for the request's life; its pages are never cached (prefix caching is refused
+    A recurrent-state group (`state_groups`, core/kv_group_specs.py's RecurrentStateSpec) holds `state_pages`
+    blocks per request (one, or a hybrid's state spread over attention-sized blocks), its state page, for the
+    request's life; its pages are never cached (prefix caching is refused
     with such a group) nor shared (`fork` shares nothing then).
     Invariants: every table of a request has exactly `specs[g].table_length(tokens allocated)` entries
-    (cdiv(tokens, block_size) for attention, 1 for a state); the
+    (cdiv(tokens, block_size) for attention, `state_pages` for a state); the
     first `released[g]` entries of group g's table are held no more (blocks given back or placeholders)
     and no backend reads them; every later entry holds one reference to its block.
     """
@@ -37,7 +38,7 @@ class KVCacheManager(PrefixLookup):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, hash_seed: Optional[str] = None, secondary_slots: int = 0,
                  windows: Sequence[Optional[int]] = (None,), record_events: bool = False,
-                 state_groups: frozenset[int] = frozenset()) -> None:
+                 state_groups: frozenset[int] = frozenset(), state_pages: int = 1) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if state_groups and enable_prefix_caching:
@@ -46,7 +47,8 @@ class KVCacheManager(PrefixLookup):
         self.block_size = block_size
         self.windows = list(windows)  # each group's sliding window, None for full attention
         # each group's rules
-        self.specs = [group_spec(block_size, window, g in state_groups) for g, window in enumerate(self.windows)]
+        self.specs = [group_spec(block_size, window, g in state_groups, state_pages)
+                      for g, window in enumerate(self.windows)]
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[list[int]]] = {}
         self.released: dict[str, list[int]] = {}

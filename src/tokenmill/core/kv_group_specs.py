@@ -78,15 +78,22 @@ class RecurrentStateSpec(GroupSpec):
     """A recurrent state (Mamba2's conv and SSM states, as vLLM's `MambaSpec`): a request holds exactly one
     block, its state page, from its first token to its end, whatever its length; every step reads and
     overwrites it in place. So a page is never shared (no prefix hit, no fork), and a request that loses it
-    (preempted by recompute) starts again from a zero state at position 0."""
+    (preempted by recompute) starts again from a zero state at position 0. In a hybrid the page is `pages`
+    pool blocks (core/kv_spec.py's `state_blocks`: a state larger than an attention block), held alike."""
 
     recurrent = True
+
+    def __init__(self, block_size: int, pages: int = 1) -> None:
+        super().__init__(block_size)
+        if pages < 1:
+            raise ValueError(f"a recurrent state takes at least one pool block, not {pages}")
+        self.pages = pages
 
     def first_needed(self, num_tokens: int) -> int:
         return 0
 
     def table_length(self, num_tokens: int) -> int:
-        return 1 if num_tokens > 0 else 0
+        return self.pages if num_tokens > 0 else 0
 
     def blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         return self.table_length(num_tokens)
@@ -96,8 +103,9 @@ class RecurrentStateSpec(GroupSpec):
         return False
 
 
-def group_spec(block_size: int, window: Optional[int], recurrent: bool = False) -> GroupSpec:
-    """The spec of a group with sliding window `window` (None: full attention), or of a recurrent state."""
+def group_spec(block_size: int, window: Optional[int], recurrent: bool = False, state_pages: int = 1) -> GroupSpec:
+    """The spec of a group with sliding window `window` (None: full attention), or of a recurrent state of
+    `state_pages` pool blocks."""
     if recurrent:
-        return RecurrentStateSpec(block_size)
+        return RecurrentStateSpec(block_size, state_pages)
     return FullAttentionSpec(block_size) if window is None else SlidingWindowSpec(block_size, window)

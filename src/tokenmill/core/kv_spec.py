@@ -12,10 +12,18 @@ Invariant: a pool block belongs to at most one group's table at a time (or to no
 
 A recurrent layer (Mamba2's mixer) keeps no per-token cache but one state per request (`StateCacheSpec`):
 its group's table holds one pool block for the request's whole life, the state page, whatever its length.
-Budget rule: state pages and attention blocks come from one pool and so from one memory budget; a pool
-block is sized for the largest page of any group (`KVCacheLayout.block_bytes`), as vLLM pads the attention
-page up to the state's size. For now a layout is either all attention or all recurrent (`group_layers`
-refuses a mix: hybrid models need the runner to view one byte buffer both ways).
+Budget rule: state pages and attention blocks come from one pool and so from one memory budget.
+- All recurrent (Mamba2): a pool block is one request's state of `layers_per_group` layers.
+- Hybrid (Granite 4.0-H: recurrent layers beside attention layers): a pool block is an attention block (block_size
+  tokens of `layers_per_group` layers, nothing padded), and a request's state takes `state_blocks(block_size)`
+  whole blocks of each state group's table: the state of the layer at position j lives in the bytes of cache
+  tensor j at those blocks (the runner gathers them, `layers/paged_state.py`). The cost: the unused tail of the
+  last of those blocks (under one block per request and state group) and a gather and a scatter of the state per
+  layer and step. vLLM instead raises the attention block size until one attention page holds a whole state and
+  pads the state page up to it: no copies, but a block of hundreds of tokens (a short request holds them all) and
+  a cache layout whose block is one contiguous range of bytes, which the attention backends here do not keep
+  (their tensors are [planes, blocks, ...]). Keeping each kind in tensors of its own, one row per pool block,
+  would count every block's bytes twice (the sum of the two pages: a block serves one kind at a time).
 """
 
 from __future__ import annotations
@@ -152,16 +160,36 @@ class KVCacheLayout:
                 return index, group.layers.index(layer)
         raise KeyError(f"layer {layer} is in no KV cache group")
 
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes of one pool block: `block_size` tokens of `layers_per_group` layers, or one request's state
-        of `layers_per_group` recurrent layers (the largest page of any group: see the module docstring)."""
-        spec = self.groups[0].spec
-        if spec.recurrent:
-            return self.layers_per_group * spec.page_bytes
-        return block_size * self.layers_per_group * spec.bytes_per_token
+    @property
+    def attention_spec(self) -> "Optional[KVCacheSpec]":
+        """The spec whose K/V shape every attention group shares (None: every layer is recurrent)."""
+        return next((group.spec for group in self.groups if not group.recurrent), None)
 
-    def describe(self) -> str:
-        """Memory per token, per group, as the engine reports it at start."""
+    @property
+    def state_spec(self) -> "Optional[StateCacheSpec]":
+        """The recurrent layers' state (None: no recurrent layer)."""
+        return next((group.spec for group in self.groups if group.recurrent), None)
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one pool block: `block_size` tokens of `layers_per_group` layers, or, with no attention at
+        all, one request's state of `layers_per_group` recurrent layers (see the module docstring)."""
+        attention = self.attention_spec
+        if attention is None:
+            return self.layers_per_group * self.groups[0].spec.page_bytes
+        return block_size * self.layers_per_group * attention.bytes_per_token
+
+    def state_blocks(self, block_size: int) -> int:
+        """Pool blocks a request's state takes in each state group's table: 1 with no attention (a block is a
+        state page), else as many attention blocks as one layer's state needs (each position's cache tensor
+        holds one layer of the group: a block of it has block_size x one layer's bytes per token)."""
+        attention, state = self.attention_spec, self.state_spec
+        if state is None or attention is None:
+            return 1
+        return -(-state.page_bytes // (block_size * attention.bytes_per_token))
+
+    def describe(self, block_size: Optional[int] = None) -> str:
+        """Memory per token, per group, as the engine reports it at start (with `block_size`, a hybrid's state
+        also in pool blocks)."""
         kinds: dict = {}
         for group in self.groups:
             kinds[group.spec] = kinds.get(group.spec, 0) + 1
@@ -169,8 +197,12 @@ class KVCacheLayout:
         for spec, count in kinds.items():
             layers = count * self.layers_per_group
             if spec.recurrent:
+                blocks = ""
+                if block_size is not None and self.attention_spec is not None:
+                    blocks = f" ({self.state_blocks(block_size)} pool block(s) in each of its {count} group(s))"
                 parts.append(f"{spec.describe()}: {count} group(s), {layers} layers, "
-                             f"{layers * spec.page_bytes / 1024:.1f} KiB per request whatever its length, 0 per token")
+                             f"{layers * spec.page_bytes / 1024:.1f} KiB per request whatever its length, 0 per "
+                             f"token{blocks}")
                 continue
             per_token = layers * spec.bytes_per_token
             reach = "every token" if spec.sliding_window is None else f"at most its {spec.sliding_window} latest tokens"
@@ -183,23 +215,22 @@ def group_layers(specs: list) -> KVCacheLayout:
     """Group layers of equal spec (`KVCacheSpec` or `StateCacheSpec`) into groups of equal size (in model
     order within each kind).
 
-    ValueError if the kinds cache different amounts per token (one pool's blocks must fit every group), or mix
-    recurrent states with attention (hybrid models: not supported yet).
+    ValueError if the attention kinds cache different amounts per token (one pool's blocks must fit every group),
+    or recurrent layers keep states of different shapes. A hybrid's recurrent layers form groups of the same size
+    as its attention groups (a state group's blocks hold its layers' states: see the module docstring).
     """
     if not specs:
         raise ValueError("a model without layers has no KV cache")
-    recurrent = {spec.recurrent for spec in specs}
-    if len(recurrent) > 1:
-        raise ValueError("hybrid models (recurrent-state layers beside attention layers) are not supported yet: "
-                         "one pool would have to hold state pages and attention blocks in one byte size")
-    if recurrent == {True}:
-        if len(set(specs)) > 1:
-            raise ValueError("recurrent layers of different state shapes cannot share one pool")
+    states = {spec for spec in specs if spec.recurrent}
+    if len(states) > 1:
+        raise ValueError("recurrent layers of different state shapes cannot share one pool")
+    if len(states) == len(set(specs)):  # every layer recurrent: one group, a block per request
         return KVCacheLayout((KVCacheGroup(specs[0], tuple(range(len(specs)))),))
-    by_spec: dict[KVCacheSpec, list[int]] = {}
+    by_spec: dict = {}
     for layer, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer)
-    shapes = {(spec.planes, spec.num_kv_heads, spec.head_dim, spec.dtype_bytes) for spec in by_spec}
+    shapes = {(spec.planes, spec.num_kv_heads, spec.head_dim, spec.dtype_bytes) for spec in by_spec
+              if not spec.recurrent}
     if len(shapes) > 1:
         raise ValueError(f"layers cache K/V of different shapes (planes, kv heads, head dim, bytes: {sorted(shapes)}): "
                          "one KV block pool cannot hold them")

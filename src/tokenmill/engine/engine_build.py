@@ -127,7 +127,8 @@ def build_kv_cache(config: EngineConfig, model: ModelFacts, plan: KVPlan, num_bl
     kv_cache = KVCacheManager(num_blocks, plan.block_size, enable_prefix_caching=cache.prefix_caching,
                               hash_seed=cache.prefix_caching_hash_seed, secondary_slots=plan.tier_slots,
                               windows=plan.layout.windows, record_events=events_config.active,
-                              state_groups=plan.layout.state_groups)
+                              state_groups=plan.layout.state_groups,
+                              state_pages=plan.layout.state_blocks(plan.block_size))
     transfers = None
     if transfer_config is not None:
         fingerprint = {"model": model_identity(model.source.path), "architecture": model.arch.architecture,

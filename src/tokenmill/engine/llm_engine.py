@@ -128,7 +128,7 @@ class LLMEngine:
         rows = f"{rows} rows, a float32 scale each" if rows != "auto" else str(self.dtype).replace("torch.", "") + " rows"
         logger.info("KV cache: %d blocks of %d tokens x %d layers (%.1f KiB each, %s); %s", self.kv_cache.num_blocks,
                     plan.block_size, self.kv_layout.layers_per_group, plan.block_bytes / 1024, rows,
-                    self.kv_layout.describe())
+                    self.kv_layout.describe(plan.block_size))
 
     def _init_step_state(self) -> None:
         """What lives between steps: grammars, drafts, the steps in flight, telemetry."""

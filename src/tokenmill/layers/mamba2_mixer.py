@@ -25,12 +25,14 @@ from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 @dataclass(frozen=True)
 class StateChunk:
     """One request's rows [query_start, query_start + query_len) of the step, its state page `slot`, and whether
-    the chunk starts the sequence (`fresh`: the state is zero, not the page's)."""
+    the chunk starts the sequence (`fresh`: the state is zero, not the page's); `pages`: all its state's pool
+    blocks (a hybrid's state spans several, layers/paged_state.py)."""
 
     query_start: int
     query_len: int
     slot: int
     fresh: bool
+    pages: tuple[int, ...] = ()
 
 
 class RecurrentState:
@@ -40,6 +42,17 @@ class RecurrentState:
     def __init__(self, num_blocks: int, spec, dtype: torch.dtype, device: torch.device) -> None:
         self.conv = zeroed((num_blocks, spec.conv_kernel - 1, spec.conv_dim), dtype, device)
         self.ssm = zeroed((num_blocks, spec.num_heads, spec.head_dim, spec.state_size), torch.float32, device)
+
+    def load(self, chunk: StateChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv window, SSM state) of `chunk`'s request: zeros for a chunk that starts its sequence, else its page's."""
+        if chunk.fresh:
+            return torch.zeros_like(self.conv[chunk.slot]), torch.zeros_like(self.ssm[chunk.slot])
+        return self.conv[chunk.slot], self.ssm[chunk.slot]
+
+    def store(self, chunk: StateChunk, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Write `chunk`'s request's new state into its page."""
+        self.conv[chunk.slot] = conv
+        self.ssm[chunk.slot] = ssm
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -118,9 +131,8 @@ class Mamba2Mixer(nn.Module):
         """One request's chunk: conv from its conv state, then the scan from its SSM state -> y [T, inner] (float32)."""
         c = self.config
         weight = self.conv1d.weight
-        earlier = torch.zeros_like(state.conv[chunk.slot]) if chunk.fresh else state.conv[chunk.slot]
+        earlier, ssm = state.load(chunk)  # (RecurrentState or a hybrid's PagedState)
         window = torch.cat([earlier, xbc.to(earlier.dtype)], dim=0)  # [K - 1 + T, conv_dim]
-        state.conv[chunk.slot] = window[-(c.conv_kernel - 1):]
         conv = F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight, self.conv1d.bias, groups=c.conv_dim)
         conv = F.silu(conv[0].t())
         x, B, C = conv.float().split([c.intermediate_size, c.n_groups * c.state_size, c.n_groups * c.state_size], -1)
@@ -131,14 +143,13 @@ class Mamba2Mixer(nn.Module):
         C = C.reshape(T, c.n_groups, c.state_size).repeat_interleave(per_group, dim=1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
         A = -torch.exp(self.A_log.float())
-        ssm = torch.zeros_like(state.ssm[chunk.slot]) if chunk.fresh else state.ssm[chunk.slot]
         if T == 1:  # the recurrence: h = exp(dt A) h + dt B x; y = C . h
             step = dt[0][:, None, None]
             ssm = ssm * torch.exp(step * A[:, None, None]) + (step * B[0][:, None, :]) * x[0][:, :, None]
             y = (ssm * C[0][:, None, :]).sum(-1)[None]
         else:
             y, ssm = ssd_chunk_scan(x, dt, A, B, C, ssm, c.chunk_size)
-        state.ssm[chunk.slot] = ssm
+        state.store(chunk, window[-(c.conv_kernel - 1):], ssm)
         y = y + self.D.float()[:, None] * x
         return y.reshape(T, c.intermediate_size)
 

@@ -163,6 +163,12 @@ class ArchConfig:
     rotary_dim: Optional[int] = None
     # Mamba2 (models/mamba2.py): every layer a Mamba2 mixer keeping a recurrent state per request
     mamba: Optional[MambaConfig] = None
+    # a hybrid (Granite 4.0-H, models/granite_hybrid.py): the layers whose mixer is a Mamba2 mixer (`mamba`), the
+    # others attention, every layer with its MLP; None (with `mamba`): every layer a Mamba2 mixer and no MLP
+    mamba_layers: Optional[frozenset[int]] = None
+    # Granite: each block's output joins the residual stream times this (stream + m * block(norm(stream)))
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # Granite: the logits divided by this
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
@@ -202,8 +208,9 @@ class ArchConfig:
         sliding = kind == SLIDING_ATTENTION
         theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
         moe = self.moe is not None and index not in self.moe.dense_layers
+        mamba = self.mamba is not None and (self.mamba_layers is None or index in self.mamba_layers)
         return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers,
-                         "mamba" if self.mamba is not None else "attention")
+                         "mamba" if mamba else "attention")
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -242,6 +249,9 @@ def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quanti
                              "use auto")
         m = arch.mamba
         state = StateCacheSpec(m.conv_kernel, m.conv_dim, m.num_heads, m.head_dim, m.state_size, dtype_bytes)
-        return group_layers([state] * arch.num_hidden_layers)
+        # a hybrid's attention layers beside them (core/kv_spec.py: the state lives in attention-sized blocks)
+        return group_layers([state if arch.layer_spec(i).mixer == "mamba" else
+                             kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window)
+                             for i in range(arch.num_hidden_layers)])
     return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window, quantized)
                          for i in range(arch.num_hidden_layers)])

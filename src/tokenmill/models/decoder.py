@@ -4,7 +4,8 @@ scaled embeddings, logit soft-capping), Gemma 2 (attention-score soft-capping), 
 OLMo 2/3 (norms after the blocks only), Phi-3 / Phi-4-mini (LongRoPE, partial rotary), the mixtures of
 experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (layers/moe.py; OLMoE's q/k norm spans the whole
 projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py), GLM-4.5 (partial RoPE) and
-GPT-OSS (attention sinks, biased experts with a clamped SwiGLU, layers/gpt_oss_experts.py).
+GPT-OSS (attention sinks, biased experts with a clamped SwiGLU, layers/gpt_oss_experts.py), Mamba2
+(models/mamba2.py) and the hybrid Granite 4.0-H (Mamba2 and attention layers, models/granite_hybrid.py).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -30,6 +31,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
 from tokenmill.models.kernel_choice import KernelChoice
+from tokenmill.models.granite_hybrid import GraniteHybridLayer, granite_hybrid_checkpoint_names
 from tokenmill.models.mamba2 import Mamba2Layer, mamba2_checkpoint_names
 from tokenmill.models.loader.fused_tensors import split_fused_projections
 from tokenmill.models.mla_attention import MLAAttention
@@ -141,17 +143,22 @@ class DecoderForCausalLM(nn.Module):
         self.vocab_start = tp.rank * self.local_vocab
         # MLA: k_pe, q_pe only; partial rotary: the first rotary_dim dims of each head
         rotated = arch.mla.qk_rope_head_dim if arch.mla is not None else arch.rotary_dim or arch.head_dim
-        # (Mamba2 has no attention, nothing to rotate)
-        self.rotary = RotaryTables(arch, rotated, max_positions) if arch.mamba is None else None
+        # (Mamba2 has no attention, nothing to rotate; a hybrid's attention layers do)
+        attends = arch.mamba is None or arch.mamba_layers is not None
+        self.rotary = RotaryTables(arch, rotated, max_positions) if attends else None
         # uninitialised: the checkpoint's weights replace it (nn.Embedding's own random init of SmolLM2's table
         # costs 0.4 s a load, Gemma 3's 262k rows 2 s)
         self.embed_tokens = nn.Embedding(self.local_vocab, arch.hidden_size,
                                          _weight=torch.empty(self.local_vocab, arch.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        # a Mamba2 layer (models/mamba2.py) where the layer's spec says so
-        self.layers = nn.ModuleList(
-            (Mamba2Layer if arch.layer_spec(index).mixer == "mamba" else DecoderLayer)(arch, index, backend, tp)
-            for index in range(self.first_layer, end_layer))
+        # a Mamba2 layer (models/mamba2.py) where the layer's spec says so; a hybrid's layers (Granite 4.0-H,
+        # models/granite_hybrid.py) a Mamba2 mixer or attention, each with its MLP
+        def layer(index: int) -> nn.Module:
+            if arch.mamba_layers is not None:
+                return GraniteHybridLayer(arch, index, backend, tp, make_mlp)
+            return (Mamba2Layer if arch.layer_spec(index).mixer == "mamba" else DecoderLayer)(arch, index, backend, tp)
+
+        self.layers = nn.ModuleList(layer(index) for index in range(self.first_layer, end_layer))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset)
         self.lm_head = None
         if not arch.tie_word_embeddings:
@@ -288,6 +295,8 @@ class DecoderForCausalLM(nn.Module):
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = torch.nn.functional.linear(hidden, weight).float()
         logits = self.tp.gather_last_dim(logits)
+        if self.arch.logits_scaling != 1.0 and logits is not None:  # Granite: HF divides the logits
+            logits = logits / self.arch.logits_scaling
         cap = self.arch.final_logit_softcap
         if cap is not None and logits is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -331,6 +340,8 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             params.pop("lm_head.weight", None)
         loaded: set[str] = set()
+        if self.arch.mamba_layers is not None:  # Granite 4.0-H's fused expert and shared MLP tensors
+            weights = granite_hybrid_checkpoint_names(weights, self.arch)
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
             local = local_experts(self.arch.moe.num_experts, self.tp) if self.tp.expert_parallel else None
             weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size, local)
@@ -338,7 +349,7 @@ class DecoderForCausalLM(nn.Module):
                 weights = gpt_oss_expert_tensors(weights, self.arch.moe.num_experts, self.arch.hidden_size,
                                                  self.arch.moe.intermediate_size, local)
         weights = split_fused_projections(weights, self.arch)  # Phi-3's qkv_proj and gate_up_proj
-        if self.arch.mamba is not None:
+        if self.arch.mamba is not None and self.arch.mamba_layers is None:
             weights = mamba2_checkpoint_names(weights)
         vision_weights = []
         for name, tensor in weights:

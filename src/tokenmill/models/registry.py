@@ -32,6 +32,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Olmo3ForCausalLM": DecoderForCausalLM,
     "GptOssForCausalLM": DecoderForCausalLM,  # attention sinks, biased experts (layers/gpt_oss_experts.py)
     "Mamba2ForCausalLM": DecoderForCausalLM,  # Mamba2 mixers over recurrent states (models/mamba2.py)
+    # Granite 4.0-H: Mamba2 and attention layers, each with its MLP (models/granite_hybrid.py)
+    "GraniteMoeHybridForCausalLM": DecoderForCausalLM,
 }
 
 

@@ -11,6 +11,7 @@ from tokenmill.attention.kv_quant import STORAGE, row_width
 from tokenmill.core.kv_spec import KVCacheLayout
 from tokenmill.core.sched_output import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.mamba2_mixer import RecurrentState, StateChunk
+from tokenmill.layers.paged_state import PagedState
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling.logprobs import logprob_entries, logprob_tensors, token_logprobs
 from tokenmill.sampling.rejection import Proposal, verify
@@ -46,7 +47,7 @@ class ModelRunner:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
-        spec = layout.groups[0].spec
+        spec = layout.attention_spec or layout.groups[0].spec  # (a hybrid's first group may be a state's)
         cache_dtype, width = kv_cache_storage(layout, dtype)
         self.num_blocks = num_blocks
         first_layer = model.stage.first_layer
@@ -54,15 +55,20 @@ class ModelRunner:
         places = [layout.place(first_layer + i) for i in range(len(model.layers))]
         positions = sorted({position for _, position in places})
         self.state_groups = layout.state_groups  # groups of recurrent states: one page per request
-        if self.state_groups:  # (a layout is all states or all attention: core/kv_spec.py)
+        states_only = layout.attention_spec is None
+        if states_only:  # (Mamba2: a pool block is a state page)
             pages = {position: RecurrentState(num_blocks, spec, dtype, device) for position in positions}
         else:
             pages = {position: zeroed(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, width,
                                                              spec.planes), cache_dtype, device)
                      for position in positions}
         # the pages the connectors copy (none for states: neither prefix-cached nor swapped)
-        self.kv_pages = [] if self.state_groups else [pages[position] for position in positions]
-        self.kv_caches = [pages[position] for _, position in places]  # one per layer (layers share pages)
+        self.kv_pages = [] if states_only else [pages[position] for position in positions]
+        # one per layer (layers share pages); a hybrid's recurrent layer keeps its states in the blocks of its
+        # position's K/V tensor (layers/paged_state.py, core/kv_spec.py's budget rule)
+        self.kv_caches = [PagedState(pages[position], layout.state_spec)
+                          if group in self.state_groups and not states_only else pages[position]
+                          for group, position in places]
         self.layer_groups = [group for group, _ in places]
         self.tier = None
         if tier_slots:
@@ -419,13 +425,14 @@ def state_chunks(batch: list[BatchItem], group: int) -> list[SequenceChunk]:
 def state_metadata(chunks: list[SequenceChunk]) -> list[StateChunk]:
     """What a Mamba2 mixer reads of the step (layers/mamba2_mixer.py): each request's rows, its state page, and
     whether its chunk starts the sequence (then its state starts at zero: a new or recomputed request)."""
-    return [StateChunk(c.query_start, c.query_len, int(c.block_ids[0]), c.context_len == c.query_len) for c in chunks]
+    return [StateChunk(c.query_start, c.query_len, int(c.block_ids[0]), c.context_len == c.query_len,
+                       tuple(int(b) for b in c.block_ids)) for c in chunks]
 
 
 def kv_cache_storage(layout: KVCacheLayout, dtype: torch.dtype) -> tuple[torch.dtype, int]:
     """(element dtype, row width) of the cache's rows: the compute dtype and head_dim, or a one-byte cache's
     rows of head_dim values and their scale's 4 bytes (attention/kv_quant.py: int8, or fp8 in uint8)."""
-    spec = layout.groups[0].spec
+    spec = layout.attention_spec or layout.groups[0].spec
     return (STORAGE[spec.quantized], row_width(spec.head_dim)) if spec.quantized else (dtype, spec.head_dim)
 
 

@@ -133,7 +133,7 @@ class Worker:
         if self.device.type != "cuda":
             raise ValueError("num_blocks 0 sizes the KV pool from GPU memory, which needs a CUDA device")
         cache_dtype, width = kv_cache_storage(layout, dtype)
-        spec, group = self.spec, layout.groups[0].spec
+        spec, group = self.spec, layout.attention_spec or layout.groups[0].spec
         scratch = backend.kv_cache_shape(-(-spec.profile_tokens // spec.block_size), spec.block_size,
                                          group.num_kv_heads, width, group.planes)
         return profile_kv_blocks(self.model, backend, scratch, cache_dtype, spec.profile_tokens,

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from tokenmill.models.arch import ArchConfig, MLAConfig, MoEConfig, RopeScaling
 from tokenmill.models.vision.config import VISION_ARCHITECTURES, vision_config_from_hf
+from tokenmill.models.loader.hf_granite_hybrid import granite_hybrid_arch_config
 from tokenmill.models.loader.hf_mamba2 import mamba2_arch_config
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo3ForCausalLM",
     "GptOssForCausalLM",
     "Mamba2ForCausalLM",
+    "GraniteMoeHybridForCausalLM",
 )
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -62,6 +64,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "olmo3": "Olmo3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -680,6 +683,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
     architecture = _architecture(config)
     if architecture == "Mamba2ForCausalLM":  # no attention: its own settings (loader/hf_mamba2.py)
         return mamba2_arch_config(config, generation, stored_dtype)
+    if architecture == "GraniteMoeHybridForCausalLM":  # Mamba2 and attention layers (loader/hf_granite_hybrid.py)
+        return granite_hybrid_arch_config(config, generation, stored_dtype)
     setting = {**_COMMON_DEFAULTS, **_DEFAULTS[architecture], **config}
     # MLA: HF's head_dim is the RoPE part; ours, the q/k head width
     if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
