@@ -15,6 +15,8 @@ from tokenmill.models.vision.config import VisionConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# Llama 4's local layers: a query sees only the keys of its own chunk of `attention_chunk_size` positions
+CHUNKED_ATTENTION = "chunked_attention"
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class MoEConfig:
     per-expert correction bias within the best `topk_groups` of `num_groups` expert groups, weighted by their
     scores (layers/moe.py's `route_grouped_sigmoid`).
     `scoring` "topk_softmax" (GPT-OSS): the top k logits chosen, then a softmax over those k alone.
+    `scoring` "sigmoid_input" (Llama 4): the top k logits chosen, each expert's weight sigmoid(logit) scales the
+    expert's INPUT (the token's row), and the experts' outputs are added unweighted.
     `router_bias`: the router adds a per-expert bias to its logits (GPT-OSS). `swiglu_limit` (GPT-OSS's experts,
     layers/gpt_oss_experts.py): every projection of an expert has a bias, and the activation is the clamped
     SwiGLU (up + 1) * gate * sigmoid(`swiglu_alpha` * gate), gate clamped above at the limit and up to +-limit.
@@ -44,7 +48,7 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
     shared_expert_gate: bool = False
-    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax
+    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax | sigmoid_input
     num_groups: int = 1
     topk_groups: int = 1
     router_bias: bool = False
@@ -70,11 +74,13 @@ class LayerSpec:
     """What differs from one decoder layer to the next: its attention kind, window and RoPE base, whether
     its MLP is sparse and whether it rotates q and k at all."""
 
-    attention: str  # FULL_ATTENTION | SLIDING_ATTENTION
+    attention: str  # FULL_ATTENTION | SLIDING_ATTENTION | CHUNKED_ATTENTION
     sliding_window: Optional[int]  # tokens a query sees, itself included (None: all)
     rope_theta: float
     moe: bool
     rope: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
+    # Llama 4's chunked local attention: a query at position p sees keys [(p // chunk) * chunk, p] (None: no chunks)
+    attention_chunk: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -130,17 +136,27 @@ class ArchConfig:
     # partial RoPE (GLM-4.5's partial_rotary_factor): only the first rotary_dim dims of each q/k head turn, the
     # rest pass through; None: the whole head
     rotary_dim: Optional[int] = None
+    # Llama 4: the chunk of its chunked_attention layers (layer_types), in positions
+    attention_chunk_size: Optional[int] = None
+    # Llama 4's use_qk_norm: each head of q and k scaled to unit RMS (no weight, eps rms_norm_eps) AFTER RoPE, on
+    # the RoPE layers only
+    qk_l2_norm: bool = False
+    # Llama 4's attention temperature tuning (floor_scale, attn_scale): on NoPE layers q at position p is scaled by
+    # 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)); None: never
+    nope_query_temperature: Optional[tuple[float, float]] = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
                              f"{self.num_hidden_layers}")
-        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION}
         if unknown:
             raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {FULL_ATTENTION}, "
-                             f"{SLIDING_ATTENTION}")
+                             f"{SLIDING_ATTENTION}, {CHUNKED_ATTENTION}")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if CHUNKED_ATTENTION in self.layer_types and not (self.attention_chunk_size or 0) > 0:
+            raise ValueError("chunked_attention layers need a positive attention_chunk_size")
         if self.post_norms and self.sandwich_norms:
             raise ValueError("post_norms and sandwich_norms are two placements of the same norms: choose one")
         if self.hidden_act not in ("silu", "gelu_tanh"):
@@ -169,12 +185,19 @@ class ArchConfig:
         sliding = kind == SLIDING_ATTENTION
         theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
         moe = self.moe is not None and index not in self.moe.dense_layers
-        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers)
+        chunk = self.attention_chunk_size if kind == CHUNKED_ATTENTION else None
+        return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers,
+                         chunk)
 
     @property
     def has_sliding_layers(self) -> bool:
         """Whether any layer attends through a sliding window."""
         return any(self.layer_spec(i).attention == SLIDING_ATTENTION for i in range(self.num_hidden_layers))
+
+    @property
+    def has_chunked_layers(self) -> bool:
+        """Whether any layer attends within chunks (Llama 4's chunked_attention)."""
+        return CHUNKED_ATTENTION in self.layer_types
 
 
 def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:

@@ -31,6 +31,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": DecoderForCausalLM,  # norms after the blocks only (ArchConfig.post_norms)
     "Olmo3ForCausalLM": DecoderForCausalLM,
     "GptOssForCausalLM": DecoderForCausalLM,  # attention sinks, biased experts (layers/gpt_oss_experts.py)
+    # chunked local attention (AttentionLayer.attention_chunk), experts scaling their inputs (loader/llama4_tensors.py)
+    "Llama4ForCausalLM": DecoderForCausalLM,
 }
 
 
