@@ -123,3 +123,26 @@ def test_llama4_config(llama4, tmp_path):
 def test_llama4_unsupported_settings_are_refused_by_name(llama4, tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         config_with(llama4[0], tmp_path, **changes)
+
+
+def test_llama4_scout_shaped_multimodal_config(tmp_path):
+    # the settings of Llama-4-Scout-17B-16E-Instruct's config.json (transformers 4.51 wrote it: rope_scaling,
+    # torch_dtype, attn_temperature_tuning as an int, the EOS ids at the text_config only): read as its text model
+    text = {"model_type": "llama4_text", "attention_chunk_size": 8192, "attn_scale": 0.1, "attn_temperature_tuning": 4,
+            "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008], "floor_scale": 8192, "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760, "moe_layers": list(range(48)),
+            "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)], "num_attention_heads": 40,
+            "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16,
+            "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "use_qk_norm": True,
+            "vocab_size": 202048, "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "torch_dtype": "bfloat16",
+              "tie_word_embeddings": False, "text_config": text, "vision_config": {"model_type": "llama4_vision_model"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    arch = arch_config_from_hf(tmp_path)
+    assert arch.architecture == "Llama4ForCausalLM" and arch.vision is None and arch.checkpoint_dtype == "bfloat16"
+    assert arch.eos_token_ids == (200001, 200007, 200008) and arch.rope_scaling.kind == "llama3"
+    assert arch.layer_types.count("full_attention") == 12 and arch.attention_chunk_size == 8192
+    assert arch.no_rope_layers == frozenset(range(3, 48, 4)) and arch.nope_query_temperature == (8192.0, 0.1)
+    assert arch.moe.dense_layers == frozenset() and arch.moe.intermediate_size == 8192 and arch.intermediate_size == 16384

@@ -165,8 +165,9 @@ def _text_part_source(folder: str, arch: ArchConfig, weights: SafetensorsWeights
         return ((renamed[name], tensor) for name, tensor in weights.iter_tensors(wanted))
 
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
+    template = tokenizer.chat_template if tokenizer is not None else None  # else the processor's, as a VLM's
     return ModelSource(path=folder, arch=arch, tokenizer=tokenizer,
-                       chat_template=tokenizer.chat_template if tokenizer is not None else None,
+                       chat_template=template or (processor_chat_template(folder) if tokenizer is not None else None),
                        num_tensors=len(wanted), weight_stream=stream)
 
 
