@@ -25,7 +25,7 @@ from helpers.family_check import check_alone_equals_batched, check_family
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_kernels import cpu_kernels
-from tokenmill.models.arch import MoEConfig
+from tokenmill.models.arch import MoEConfig, kv_cache_layout
 from tokenmill.models.loader.hf_config import arch_config_from_hf
 
 
@@ -98,6 +98,7 @@ def test_llama4_config(llama4, tmp_path):
     assert arch.intermediate_size == 128  # the dense layers' intermediate_size_mlp
     assert arch.moe == MoEConfig(num_experts=4, top_k=1, intermediate_size=32, norm_topk_prob=False,
                                  shared_intermediate_size=32, dense_layers=frozenset({0}), scoring="sigmoid_input")
+    assert kv_cache_layout(arch, 4).chunks == [8, None]  # the chunked layer's KV group gives back passed chunks
     # as transformers derives them from an older config.json: every 4th layer NoPE, the others chunked
     derived = config_with(llama4[0], tmp_path, num_hidden_layers=4, no_rope_layers=[], layer_types=None,
                           moe_layers=None, interleave_moe_layer_step=1)

@@ -24,7 +24,8 @@ class KVCacheManager(PrefixLookup):
 
     Token i of a request lives, for the layers of group g, in block `tables[g][i // block_size]` at
     offset `i % block_size` (see core/kv_spec.py). A sliding-window group of window W lets go of the
-    blocks no later query can see: a query at position p sees keys (p - W, p].
+    blocks no later query can see: a query at position p sees keys (p - W, p] (a chunked group of chunk C: keys
+    [(p // C) * C, p]).
     Invariants: every table of a request has exactly cdiv(tokens allocated, block_size) entries; the
     first `released[g]` entries of group g's table are held no more (blocks given back or placeholders)
     and no backend reads them; every later entry holds one reference to its block.
@@ -32,12 +33,17 @@ class KVCacheManager(PrefixLookup):
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, hash_seed: Optional[str] = None, secondary_slots: int = 0,
-                 windows: Sequence[Optional[int]] = (None,), record_events: bool = False) -> None:
+                 windows: Sequence[Optional[int]] = (None,), record_events: bool = False,
+                 chunks: Sequence[Optional[int]] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.windows = list(windows)  # each group's sliding window, None for full attention
-        self.specs = [group_spec(block_size, window) for window in self.windows]  # each group's rules
+        # each group's rules; `chunks`: each group's attention chunk (Llama 4's chunked layers), none when empty
+        chunks = list(chunks) or [None] * len(self.windows)
+        if len(chunks) != len(self.windows):
+            raise ValueError(f"{len(chunks)} attention chunks for {len(self.windows)} KV cache groups")
+        self.specs = [group_spec(block_size, window, chunk) for window, chunk in zip(self.windows, chunks)]
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[list[int]]] = {}
         self.released: dict[str, list[int]] = {}

@@ -126,7 +126,8 @@ def build_kv_cache(config: EngineConfig, model: ModelFacts, plan: KVPlan, num_bl
     cache = config.cache
     kv_cache = KVCacheManager(num_blocks, plan.block_size, enable_prefix_caching=cache.prefix_caching,
                               hash_seed=cache.prefix_caching_hash_seed, secondary_slots=plan.tier_slots,
-                              windows=plan.layout.windows, record_events=events_config.active)
+                              windows=plan.layout.windows, record_events=events_config.active,
+                              chunks=plan.layout.chunks)
     transfers = None
     if transfer_config is not None:
         fingerprint = {"model": model_identity(model.source.path), "architecture": model.arch.architecture,

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek, GPT-OSS, Llama 4): a router picks `top_k`
 of `num_experts` gated experts per token, and the token's output is the routing-weighted sum of those experts'
-outputs (Llama 4, scoring "sigmoid_input": the sum of the experts' outputs for the token's row scaled by each
-expert's weight, `route_sigmoid_input`).
+outputs (Llama 4, scoring "sigmoid_input": the plain sum of the experts' outputs, each expert given the token's row
+scaled by that expert's weight, `route_sigmoid_input`).
 
 The experts run grouped: the (token, choice) pairs are sorted by expert, each expert multiplies all the
 rows routed to it in one product, and the results are put back in (token, choice) order and summed with

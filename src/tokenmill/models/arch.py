@@ -213,17 +213,19 @@ def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:
 
 
 def kv_cache_spec(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1,
-                  sliding_window: Optional[int] = None, quantized: Optional[str] = None) -> KVCacheSpec:
-    """What one rank's layer caches per token, for a layer of the given window (None: full attention);
-    `quantized`: one-byte rows, "int8" or "fp8" (--kv-cache-dtype)."""
+                  sliding_window: Optional[int] = None, quantized: Optional[str] = None,
+                  attention_chunk: Optional[int] = None) -> KVCacheSpec:
+    """What one rank's layer caches per token, for a layer of the given window or attention chunk (None: full
+    attention); `quantized`: one-byte rows, "int8" or "fp8" (--kv-cache-dtype)."""
     kv_heads, head_dim = kv_cache_geometry(arch, tp_size)
     mla = None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim)
-    return KVCacheSpec(kv_heads, head_dim, dtype_bytes, sliding_window, mla, quantized)
+    return KVCacheSpec(kv_heads, head_dim, dtype_bytes, sliding_window, mla, quantized, attention_chunk)
 
 
 def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quantized: Optional[str] = None
                     ) -> KVCacheLayout:
     """One rank's KV cache groups: layers grouped by what they cache per token (full attention, a sliding
-    window, an MLA latent), see core/kv_spec.py."""
-    return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window, quantized)
-                         for i in range(arch.num_hidden_layers)])
+    window, chunked local attention, an MLA latent), see core/kv_spec.py."""
+    specs = (arch.layer_spec(i) for i in range(arch.num_hidden_layers))
+    return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, spec.sliding_window, quantized, spec.attention_chunk)
+                         for spec in specs])
