@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Gemma 2, SmolLM3, OLMo 2/3, Phi-3,
-DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, Mamba2, Granite 4.0-H, LLaVA) with the
+DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, Llama 4 text, Mamba2, Granite 4.0-H, LLaVA) with the
 SmolLM2 tokenizer."""
 
 from __future__ import annotations
@@ -119,6 +119,13 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                          "mamba_d_state": 16, "mamba_chunk_size": 8, "position_embedding_type": "rope",
                          "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.2,
                          "logits_scaling": 6.0, "initializer_range": 0.1},
+    # Llama 4's text model: layer 0 RoPE with chunked local attention (chunks of 8, shorter than the test prompts
+    # and generations) and a dense MLP (width intermediate_size_mlp), layer 1 NoPE with full attention, the query
+    # temperature (floor_scale 4: it changes every 4 positions) and 4 experts (top 1, sigmoid-scaled inputs) plus
+    # a shared one; head_dim 64 (the AVX-512 attention tiles take it)
+    "llama4_text": {"head_dim": 64, "no_rope_layers": [1, 0], "attention_chunk_size": 8, "floor_scale": 4,
+                    "attn_scale": 0.5, "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
+                    "intermediate_size": 32, "intermediate_size_mlp": 128, "initializer_range": 0.1},
     "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
                  "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
@@ -140,8 +147,8 @@ def make_tiny_hf_model(
     **config_overrides: Any,
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
-    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss, mamba2,
-    granitemoehybrid) and its tokenizer
+    olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss, llama4_text,
+    mamba2, granitemoehybrid) and its tokenizer
     in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,

@@ -52,10 +52,11 @@ class FakeRunner:
 
     def _check_reads_and_write(self, item, tokens: list[int]) -> None:
         """What attention would read must be what was written: no stale or foreign KV, ever. In each KV
-        cache group, a query at position p reads the keys its group's window leaves it, (p - W, p]."""
+        cache group, a query at position p reads the keys its group's window leaves it, (p - W, p] (its chunk:
+        [(p // C) * C, p])."""
         bs = self.kv.block_size
-        for group, (table, window) in enumerate(zip(item.block_ids, self.kv.windows)):
-            first_read = 0 if window is None else max(0, item.start - window + 1)
+        for group, table in enumerate(item.block_ids):
+            first_read = self._first_read(group, item.start)
             for position in range(first_read, item.start):
                 written = self.block_contents.get(table[position // bs], {}).get(position % bs)
                 assert written == tokens[position], \
@@ -101,11 +102,18 @@ class FakeRunner:
         return out
 
 
+    def _first_read(self, group: int, start: int) -> int:
+        """The first key a query at position `start` reads in KV cache group `group` (its window's, or its
+        attention chunk's first)."""
+        window, chunk = self.kv.windows[group], getattr(self.kv.specs[group], "chunk", None)
+        first = 0 if window is None else max(0, start - window + 1)
+        return first if chunk is None else max(first, start // chunk * chunk)
+
     def _check_held(self, item, end: int) -> None:
         """Every block a query of the chunk reads or writes is held by the request (not given back)."""
         bs = self.kv.block_size
-        for table, window in zip(item.block_ids, self.kv.windows):
-            first = 0 if window is None else max(0, item.start - window + 1)
+        for group, table in enumerate(item.block_ids):
+            first = self._first_read(group, item.start)
             for index in range(first // bs, -(-end // bs)):
                 assert self.kv.pool.ref_counts[table[index]] > 0, \
                     f"{item.request_id} uses block {table[index]}, which it gave back"
@@ -127,11 +135,12 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, 
                    prefix_caching: bool = False, secondary_slots: int = 0,
                    steps_in_flight: int = 1, windows: tuple = (None,),
                    record_events: bool = False, async_scheduling: bool = False,
-                   attachments: tuple = ()) -> tuple[Scheduler, FakeRunner]:
+                   attachments: tuple = (), chunks: tuple = ()) -> tuple[Scheduler, FakeRunner]:
     """A scheduler over a KV cache manager of one group per entry of `windows` (None: full attention,
-    W: a sliding window of W tokens), completing its steps with `attachments`, and the fake runner it drives."""
+    W: a sliding window of W tokens; `chunks`, when given, each group's attention chunk C or None), completing
+    its steps with `attachments`, and the fake runner it drives."""
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching,
-                        secondary_slots=secondary_slots, windows=windows, record_events=record_events)
+                        secondary_slots=secondary_slots, windows=windows, record_events=record_events, chunks=chunks)
     limits = SchedulingLimits(budget, max_seqs, max_model_len, max_steps_in_flight=steps_in_flight,
                               async_scheduling=async_scheduling)
     scheduler, runner = Scheduler(limits, kv, attachments=attachments), FakeRunner(kv)

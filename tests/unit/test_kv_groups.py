@@ -88,3 +88,47 @@ def test_hits_forks_and_preemption_under_windows_read_only_what_was_written():
     assert scheduler.num_preemptions_total > 0, "the pool is small enough that someone is preempted"
     assert len(outputs) == 8 and all(outputs.values())
     assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_chunked_local_layers_form_their_own_groups():
+    # Llama 4: three chunked layers to one full (NoPE) layer
+    chunked = KVCacheSpec(1, 64, 2, attention_chunk=8192)
+    layout = group_layers([FULL if i % 4 == 3 else chunked for i in range(8)])
+    assert layout.chunks == [8192, 8192, 8192, None] and layout.windows == [None] * 4
+    assert "chunked local attention of 8192 tokens: 3 group(s), 6 layers" in layout.describe()
+
+
+def test_a_chunked_group_gives_back_the_blocks_before_its_current_chunk():
+    # chunks of 8 positions, blocks of 4, chunks of at most 6 queries (budget): at most the step's 6 queries and the
+    # 7 keys of its first query's chunk before them are held, never the whole sequence
+    scheduler, runner = make_scheduler(num_blocks=200, block_size=4, budget=6, max_model_len=256, windows=(None, None),
+                                       chunks=(None, 8))
+    kv = scheduler.kv_cache
+    scheduler.add_request(make_request("long", 40, max_tokens=60))
+    most_held, released = 0, 0
+    while scheduler.has_unfinished_requests():
+        schedule = scheduler.schedule()
+        scheduler.update_from_output(schedule, runner.execute(schedule))  # reads checked against the writes
+        tables = kv.tables.get("long")
+        if tables:
+            most_held = max(most_held, len(tables[1]) - kv.released["long"][1])
+            released = max(released, kv.released["long"][1])
+            assert kv.released["long"][0] == 0, "the full group gives nothing back"
+    assert most_held <= kv.blocks_for(7 + 6) + 1 < kv.blocks_for(100) and released >= 20
+    assert kv.pool.num_free_blocks == kv.num_blocks
+
+
+def test_hits_forks_and_preemption_under_chunks_read_only_what_was_written():
+    """The fake runner checks every read of every group against what was written there."""
+    scheduler, runner = make_scheduler(num_blocks=40, block_size=4, budget=12, max_model_len=128,
+                                       prefix_caching=True, windows=(None, None), chunks=(None, 8))
+    prompt = [(i * 11) % 300 + 3 for i in range(30)]
+    scheduler.add_request(make_request("a", 0, prompt=prompt, max_tokens=12))
+    run_to_completion(scheduler, runner)
+    for index in range(4):
+        scheduler.add_request(make_request(f"b{index}", 0, prompt=prompt + [index] * 5, max_tokens=10, n=2))
+    outputs = run_to_completion(scheduler, runner)
+    assert scheduler.num_preemptions_total > 0, "the pool is small enough that someone is preempted"
+    assert scheduler.kv_cache.prefix_hits > 0
+    assert len(outputs) == 8 and all(outputs.values())
+    assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.num_blocks

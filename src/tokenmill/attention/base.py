@@ -16,13 +16,16 @@ class AttentionLayer:
     (a query at position p sees keys (p - sliding_window, p]; None: every earlier key), its score
     soft cap (scores -> cap * tanh(scores / cap) before the softmax, Gemma 2's; None: none) and its
     attention sinks (GPT-OSS: float32 [local query heads], contiguous, on the model's device; head h's softmax
-    denominator gains exp(sinks[h]), a logit that takes no value, so a query may attend to "nothing"; None: none).
+    denominator gains exp(sinks[h]), a logit that takes no value, so a query may attend to "nothing"; None: none)
+    and its attention chunk (Llama 4's chunked local attention: a query at position p sees keys
+    [(p // chunk) * chunk, p], the start aligned to chunk boundaries; None: none).
     Compared by identity (eq=False): it holds a tensor."""
 
     scale: float
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
     sinks: Optional[torch.Tensor] = None
+    attention_chunk: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ oracle the tests compare this backend with.
 
 Batch-invariant (the default), every query must attend alike wherever it comes: with AMX, every chunk
 of the step, decodes included, goes to the AMX tiles, whose arithmetic is lane-wise per query
-(prefill_attention.c); elsewhere, and for the layers those tiles do not take (a sliding window, float32,
-a quantised cache, other head sizes), every query attends as a one-token decode at its position
+(prefill_attention.c); elsewhere, and for the layers those tiles do not take (a sliding window or attention
+chunk, float32, a quantised cache, other head sizes), every query attends as a one-token decode at its position
 (kernels/decode_attention.c). Which of the two a layer takes depends on the layer alone, never on the
 batch. A layer with a score soft cap (Gemma 2) or attention sinks (GPT-OSS) never takes the AMX tiles: the decode
 kernels cap its scores and join its sinks.
@@ -109,9 +109,10 @@ class CpuPagedBackend(TorchReferenceBackend):
     @staticmethod
     def tiles_take(q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> bool:
         """Whether the AMX tiles attend every query of this layer (batch-invariant, with AMX): bfloat16,
-        no sliding window, soft cap or sinks, a bfloat16 cache, a head size they take. A property of the layer."""
+        no sliding window, attention chunk, soft cap or sinks, a bfloat16 cache, a head size they take. A property of
+        the layer."""
         return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and layer.sliding_window is None
-                and layer.logit_softcap is None and layer.sinks is None
+                and layer.attention_chunk is None and layer.logit_softcap is None and layer.sinks is None
                 and prefill_attention_fits(head_dim=q.shape[-1]))
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, m: TorchRefMetadata) -> None:
@@ -121,16 +122,20 @@ class CpuPagedBackend(TorchReferenceBackend):
                      layer: AttentionLayer) -> None:
         self.kernels.decode_attention(out, q, kv_cache, m.decode_token_index, m.decode_tables_i32,
                                       m.decode_lens, layer.scale, window=layer.sliding_window or 0,
-                                      softcap=layer.logit_softcap or 0.0, sinks=layer.sinks)
+                                      softcap=layer.logit_softcap or 0.0, sinks=layer.sinks,
+                                      chunk=layer.attention_chunk or 0)
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:
         """All prefill chunks in one kernel call where it applies, else the reference's SDPA per chunk.
-        The AMX kernel attends causally without a window: a windowed layer takes it only where no
-        chunk's context is longer than the window (there the two are the same attention). It has no score
+        The AMX kernel attends causally without a window: a windowed (or chunked) layer takes it only where no
+        chunk's context is longer than the window (or the attention chunk: all within the first, where the two are
+        the same attention). It has no score
         soft cap: a capped layer's chunks take the reference's."""
         assert isinstance(m, CpuPagedMetadata)
-        windowless = layer.sliding_window is None or all(p.context_len <= layer.sliding_window for p in m.prefills)
+        windowless = all((layer.sliding_window is None or p.context_len <= layer.sliding_window)
+                         and (layer.attention_chunk is None or p.context_len <= layer.attention_chunk)
+                         for p in m.prefills)
         uncapped = layer.logit_softcap is None and layer.sinks is None  # (nor sinks: GPT-OSS's)
         if m.prefill_chunks is not None and q.dtype == torch.bfloat16 and windowless and uncapped and \
                 not is_quantized(kv_cache) and \

@@ -31,24 +31,28 @@ class _Prefill:
     context_len: int
     block_table: Optional[torch.Tensor]  # [blocks]; None when the chunk starts at position 0
     device: torch.device
-    _masks: dict[Optional[int], Optional[torch.Tensor]] = field(default_factory=dict)
+    _masks: dict[tuple[Optional[int], Optional[int]], Optional[torch.Tensor]] = field(default_factory=dict)
 
-    def mask(self, window: Optional[int]) -> Optional[torch.Tensor]:
-        """[query_len, context_len], True = may attend: causal, and within `window` keys of the query
-        when given; None where plain causal attention is exact (a chunk from position 0 that no window
-        cuts). Built on first use per window and kept for the step's other layers: a backend whose
-        kernel takes the chunk never builds it."""
+    def mask(self, window: Optional[int], chunk: Optional[int] = None) -> Optional[torch.Tensor]:
+        """[query_len, context_len], True = may attend: causal, within `window` keys of the query when given,
+        and within the query's own `chunk` of positions when given (keys from (p // chunk) * chunk); None where
+        plain causal attention is exact (a chunk from position 0 that no window or attention chunk cuts). Built
+        on first use per (window, chunk) and kept for the step's other layers: a backend whose kernel takes the
+        chunk never builds it."""
         start = self.context_len - self.query_len
-        if start == 0 and (window is None or window >= self.context_len):
+        if start == 0 and (window is None or window >= self.context_len) and \
+                (chunk is None or chunk >= self.context_len):
             return None
-        if window not in self._masks:
+        if (window, chunk) not in self._masks:
             queries = torch.arange(start, self.context_len, device=self.device)[:, None]
             keys = torch.arange(self.context_len, device=self.device)[None, :]
             allowed = keys <= queries
             if window is not None:
                 allowed &= keys > queries - window
-            self._masks[window] = allowed
-        return self._masks[window]
+            if chunk is not None:
+                allowed &= keys >= queries // chunk * chunk
+            self._masks[(window, chunk)] = allowed
+        return self._masks[(window, chunk)]
 
 
 @dataclass
@@ -62,17 +66,23 @@ class TorchRefMetadata:
     decode_tables: Optional[torch.Tensor] = None  # [B, max_blocks], padded with block 0
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_blocks * block_size]
     decode_lens: Optional[torch.Tensor] = None  # [B] context lengths (int64), for windowed masks
-    _windowed_decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _windowed_decode_masks: dict[tuple[Optional[int], Optional[int]], torch.Tensor] = field(default_factory=dict)
 
-    def decode_mask_for(self, window: Optional[int]) -> torch.Tensor:
-        """The decode mask of a layer with `window` (keys within the window of each query only)."""
-        if window is None:
+    def decode_mask_for(self, window: Optional[int], chunk: Optional[int] = None) -> torch.Tensor:
+        """The decode mask of a layer with `window` and attention `chunk` (keys within the window, and from the
+        start of the query's chunk, of each query only)."""
+        if window is None and chunk is None:
             return self.decode_mask
-        if window not in self._windowed_decode_masks:
+        if (window, chunk) not in self._windowed_decode_masks:
             keys = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
-            recent = keys[None, :] >= (self.decode_lens - window)[:, None]
-            self._windowed_decode_masks[window] = self.decode_mask & recent[:, None, None, :]
-        return self._windowed_decode_masks[window]
+            first = torch.zeros_like(self.decode_lens)
+            if window is not None:
+                first = torch.maximum(first, self.decode_lens - window)
+            if chunk is not None:  # the query sits at position decode_lens - 1
+                first = torch.maximum(first, (self.decode_lens - 1) // chunk * chunk)
+            recent = keys[None, :] >= first[:, None]
+            self._windowed_decode_masks[(window, chunk)] = self.decode_mask & recent[:, None, None, :]
+        return self._windowed_decode_masks[(window, chunk)]
 
 
 def is_decode(chunk: SequenceChunk) -> bool:
@@ -241,7 +251,7 @@ class TorchReferenceBackend(AttentionBackend):
     @staticmethod
     def _prefill_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, m: TorchRefMetadata, layer: AttentionLayer) -> None:
-        """Each prefill chunk's causal (and windowed) attention, one SDPA call per chunk, into its rows of out."""
+        """Each prefill chunk's causal (windowed, chunked) attention, one SDPA call per chunk, into its rows of out."""
         for p in m.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
@@ -252,7 +262,7 @@ class TorchReferenceBackend(AttentionBackend):
                 kp = _keys(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
                 vp = _values(kv_cache, p.block_table, q.dtype)[:, :p.context_len].unsqueeze(0)
             sinks = None if layer.sinks is None else layer.sinks.view(-1, 1, 1)  # per query head
-            op = attention(qp, kp, vp, p.mask(layer.sliding_window), layer, sinks)
+            op = attention(qp, kp, vp, p.mask(layer.sliding_window, layer.attention_chunk), layer, sinks)
             out[rows] = op.squeeze(0).transpose(0, 1)
 
     @staticmethod
@@ -278,5 +288,5 @@ class TorchReferenceBackend(AttentionBackend):
         v = k if kv_cache.shape[0] == 1 else _values(kv_cache, m.decode_tables, q.dtype)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         sinks = None if layer.sinks is None else layer.sinks.view(num_kv_heads, -1, 1)  # [KVH, G, 1], as grouped
-        out = attention(grouped, k, v, m.decode_mask_for(layer.sliding_window), layer, sinks)
+        out = attention(grouped, k, v, m.decode_mask_for(layer.sliding_window, layer.attention_chunk), layer, sinks)
         return out.reshape(batch, num_heads, head_dim)

@@ -71,13 +71,15 @@ def _sequence_of(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_pos,
-                  first_tile, end_tile, kv_end, scale, softcap, window,
+                  first_tile, end_tile, kv_end, scale, softcap, window, chunk,
                   c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                   V_PLANE: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_ROWS: tl.constexpr):
+                  USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_ROWS: tl.constexpr,
+                  USE_CHUNK: tl.constexpr):
     """Online softmax of the rows of q over key tiles [first_tile, end_tile) (keys < kv_end, causal at
-    each row's query_pos, within `window` when USE_WINDOW), over a cache of KV_ROWS (FLOAT_ROWS: q's
+    each row's query_pos, within `window` when USE_WINDOW, from the start of the row's `chunk` of positions when
+    USE_CHUNK: Llama 4's chunked local attention), over a cache of KV_ROWS (FLOAT_ROWS: q's
     dtype; else one-byte rows, widened to q's dtype with their scales applied to the scores and to the
     softmax weights). Returns (acc, m_i, l_i)."""
     dims = tl.arange(0, HEAD_DIM_P)
@@ -109,6 +111,8 @@ def _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_table_ptr, kv_head, query_p
         allowed = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (keys[None, :] > query_pos[:, None] - window)
+        if USE_CHUNK:
+            allowed = allowed & (keys[None, :] >= query_pos[:, None] // chunk * chunk)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at zero
@@ -139,18 +143,18 @@ def _fold_sink(acc, m_i, l_i, sink):
 
 @triton.jit
 def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr,
-                             num_seqs, scale, softcap, window,
+                             num_seqs, scale, softcap, window, chunk,
                              q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
                              c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                              V_PLANE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr,
                              BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr,
                              USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                             KV_ROWS: tl.constexpr, USE_SINKS: tl.constexpr):
+                             KV_ROWS: tl.constexpr, USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr):
     """Program (query block, kv head): BLOCK_Q consecutive queries of one sequence times the
     QUERIES_PER_KV query heads of the kv head, as BLOCK_M rows, attended causally over the sequence's
     block table. Prefill chunks, prefix hits, decode and speculative rows alike: a query at absolute
-    position p sees keys [0, p] (within the window). A sequence of context length 0 (graph padding)
+    position p sees keys [0, p] (within the window, and from the start of its chunk). A sequence of context length 0 (graph padding)
     writes zeros. USE_SINKS: each row's softmax denominator gains exp(sinks[head]) (`_fold_sink`)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -177,14 +181,16 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
         first_tile = 0
         if USE_WINDOW:
             first_tile = tl.maximum(first_pos + local_block * BLOCK_Q - window + 1, 0) // TILE
+        if USE_CHUNK:  # the block's first query sees the fewest keys: none before its chunk's start
+            first_tile = tl.maximum(first_tile, (first_pos + local_block * BLOCK_Q) // chunk * chunk // TILE)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_tables_ptr + seq.to(tl.int64) * bt_stride,
                                       kv_head, query_pos, first_tile, tl.cdiv(kv_end, TILE), kv_end, scale, softcap,
-                                      window, c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
+                                      window, chunk, c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                                       V_PLANE, TILE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_WINDOW, USE_SOFTCAP,
-                                      UPCAST, IEEE, KV_ROWS)
+                                      UPCAST, IEEE, KV_ROWS, USE_CHUNK)
         if USE_SINKS:
             acc, l_i = _fold_sink(acc, m_i, l_i, tl.load(sinks_ptr + head, mask=row_valid, other=0.0))
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -194,14 +200,14 @@ def unified_attention_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_le
 
 @triton.jit
 def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        scale, softcap, window,
+                        scale, softcap, window, chunk,
                         q_stride_t, q_stride_h, bt_stride,
                         c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         V_PLANE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr,
                         TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                         HEAD_DIM_P: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_ROWS: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_ROWS: tl.constexpr, USE_CHUNK: tl.constexpr):
     """Program (sequence, kv head, split) of a decode-only batch (token i is sequence i's one query):
     attends over its split's share of the sequence's key tiles (a ceil(tiles / NUM_SPLITS) run; past
     the end a split is empty) and writes the normalised partial output and its
@@ -223,6 +229,8 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
     first_tile = 0
     if USE_WINDOW:
         first_tile = tl.maximum(seq_len - window, 0) // TILE
+    if USE_CHUNK:
+        first_tile = tl.maximum(first_tile, (seq_len - 1) // chunk * chunk // TILE)
     end_tile = tl.cdiv(seq_len, TILE)
     tiles_per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
     start = first_tile + split * tiles_per_split
@@ -231,10 +239,10 @@ def split_decode_kernel(partial_ptr, lse_ptr, q_ptr, cache_ptr, block_tables_ptr
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, cache_ptr, block_tables_ptr + seq.to(tl.int64) * bt_stride,
-                                  kv_head, query_pos, start, end, seq_len, scale, softcap, window,
+                                  kv_head, query_pos, start, end, seq_len, scale, softcap, window, chunk,
                                   c_stride_plane, c_stride_block, c_stride_head, c_stride_pos,
                                   V_PLANE, TILE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_WINDOW, USE_SOFTCAP,
-                                  UPCAST, IEEE, KV_ROWS)
+                                  UPCAST, IEEE, KV_ROWS, USE_CHUNK)
     seen = l_i > 0
     result = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))

@@ -4,8 +4,8 @@ Same cache layout as the reference backend, so the prefix cache, the second tier
 work unchanged; one-byte (int8 / fp8) caches too, in kv_quant.py's row layout (attention/triton_kv_rows.py
 quantises rows as they are written and widens them in registers as they are read). Per layer: one kernel
 writes the step's K/V by slot, one unified kernel attends every
-query of a mixed batch (fresh prefills, prefix hits, decode, speculative rows, windows, GQA) over the
-block tables (attention/triton_kernels.py). Decode-only steps with few sequences and long contexts split
+query of a mixed batch (fresh prefills, prefix hits, decode, speculative rows, windows, attention chunks, GQA) over
+the block tables (attention/triton_kernels.py). Decode-only steps with few sequences and long contexts split
 each sequence's keys over several programs when batch invariance is off.
 
 Per step the host packs the metadata (query starts, context lengths, block tables, slots) into one
@@ -236,13 +236,13 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
     grid = (m.num_tokens // block_q + m.num_seqs, num_kv_heads)
     unified_attention_kernel[grid](
         out, q, kv_cache, m.block_tables, m.seq_lens, m.query_start, _sinks(layer, q), m.num_seqs, layer.scale,
-        softcap, window,
+        softcap, window, layer.attention_chunk or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), m.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
         TILE=WIDE_TILE if wide else TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
         HEAD_DIM_P=next_power_of_2(head_dim), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
-        IEEE=ieee, KV_ROWS=rows, USE_SINKS=layer.sinks is not None)
+        IEEE=ieee, KV_ROWS=rows, USE_SINKS=layer.sinks is not None, USE_CHUNK=layer.attention_chunk is not None)
 
 
 def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: TritonMetadata,
@@ -260,12 +260,13 @@ def split_decode(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, m: 
     lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     split_decode_kernel[(num_seqs, num_kv_heads, splits)](
         partial, lse, q, kv_cache, m.block_tables, m.seq_lens, layer.scale, softcap, window,
+        layer.attention_chunk or 0,
         q.stride(0), q.stride(1), m.block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_SPLITS=splits, V_PLANE=kv_cache.shape[0] - 1, QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=max(16, next_power_of_2(queries_per_kv)), TILE=TILE, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast, IEEE=ieee,
-        KV_ROWS=rows)
+        KV_ROWS=rows, USE_CHUNK=layer.attention_chunk is not None)
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial, lse, _sinks(layer, q), out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits,
         SPLITS_P=max(2, next_power_of_2(splits)), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,

@@ -24,7 +24,8 @@ class KVCacheManager(PrefixLookup):
 
     Token i of a request lives, for the layers of group g, in block `tables[g][i // block_size]` at
     offset `i % block_size` (see core/kv_spec.py). A sliding-window group of window W lets go of the
-    blocks no later query can see: a query at position p sees keys (p - W, p].
+    blocks no later query can see: a query at position p sees keys (p - W, p] (a chunked group of chunk C: keys
+    [(p // C) * C, p]).
     A recurrent-state group (`state_groups`, core/kv_group_specs.py's RecurrentStateSpec) holds `state_pages`
     blocks per request (one, or a hybrid's state spread over attention-sized blocks), its state page, for the
     request's life; its pages are never cached (prefix caching is refused
@@ -38,7 +39,8 @@ class KVCacheManager(PrefixLookup):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, hash_seed: Optional[str] = None, secondary_slots: int = 0,
                  windows: Sequence[Optional[int]] = (None,), record_events: bool = False,
-                 state_groups: frozenset[int] = frozenset(), state_pages: int = 1) -> None:
+                 state_groups: frozenset[int] = frozenset(), state_pages: int = 1,
+                 chunks: Sequence[Optional[int]] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if state_groups and enable_prefix_caching:
@@ -46,9 +48,12 @@ class KVCacheManager(PrefixLookup):
                              "after a request's latest token, not at block boundaries; turn prefix_caching off")
         self.block_size = block_size
         self.windows = list(windows)  # each group's sliding window, None for full attention
-        # each group's rules
-        self.specs = [group_spec(block_size, window, g in state_groups, state_pages)
-                      for g, window in enumerate(self.windows)]
+        # each group's rules; `chunks`: each group's attention chunk (Llama 4's chunked layers), none when empty
+        chunks = list(chunks) or [None] * len(self.windows)
+        if len(chunks) != len(self.windows):
+            raise ValueError(f"{len(chunks)} attention chunks for {len(self.windows)} KV cache groups")
+        self.specs = [group_spec(block_size, window, chunk, g in state_groups, state_pages)
+                      for g, (window, chunk) in enumerate(zip(self.windows, chunks))]
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[list[int]]] = {}
         self.released: dict[str, list[int]] = {}

@@ -1,4 +1,5 @@
-"""What one KV cache group needs of its blocks: full attention, a sliding window, or a recurrent state (no torch).
+"""What one KV cache group needs of its blocks: full attention, a sliding window, chunked local attention or a
+recurrent state (no torch).
 
 The KV manager keeps one block table per group and asks the group's spec, as vLLM asks its per-type
 managers (`SingleTypeKVCacheManager`): which blocks a query still sees, how many blocks a request holds
@@ -17,7 +18,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 class GroupSpec:
-    """One group's rules (subclasses: full attention, a sliding window)."""
+    """One group's rules (subclasses: full attention, a sliding window, chunked local attention)."""
 
     # whether a prefix hit needs every one of its blocks in this group (the hit ends at the first miss)
     needs_whole_prefix: bool = True
@@ -103,9 +104,30 @@ class RecurrentStateSpec(GroupSpec):
         return False
 
 
-def group_spec(block_size: int, window: Optional[int], recurrent: bool = False, state_pages: int = 1) -> GroupSpec:
-    """The spec of a group with sliding window `window` (None: full attention), or of a recurrent state of
-    `state_pages` pool blocks."""
+class ChunkedLocalSpec(GroupSpec):
+    """Chunked local attention of C positions (Llama 4): a query at position p sees keys [(p // C) * C, p], so the
+    blocks wholly before its chunk go back to the pool, and a hit needs only the blocks its next query sees."""
+
+    needs_whole_prefix = False
+
+    def __init__(self, block_size: int, chunk: int) -> None:
+        super().__init__(block_size)
+        self.chunk = chunk
+
+    def first_needed(self, num_tokens: int) -> int:
+        return num_tokens // self.chunk * self.chunk // self.block_size
+
+    def blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The step's queries and the rest of the first one's chunk before them (at most C - 1 keys), at most."""
+        return min(cdiv(num_tokens, self.block_size), cdiv(self.chunk - 1 + max_chunk, self.block_size) + 1)
+
+
+def group_spec(block_size: int, window: Optional[int], chunk: Optional[int] = None, recurrent: bool = False,
+               state_pages: int = 1) -> GroupSpec:
+    """The spec of a group with sliding window `window` or attention chunk `chunk` (both None: full attention),
+    or of a recurrent state of `state_pages` pool blocks."""
     if recurrent:
         return RecurrentStateSpec(block_size, state_pages)
+    if chunk is not None:
+        return ChunkedLocalSpec(block_size, chunk)
     return FullAttentionSpec(block_size) if window is None else SlidingWindowSpec(block_size, window)

@@ -1,8 +1,9 @@
 """What each layer keeps in the KV cache, and how layers are grouped to share one block pool (no torch).
 
-Layers that keep the same thing per token (full attention, a sliding window of W tokens, an MLA latent)
-form a group, and each group has its own block table per request: a sliding-window group lets go of the
-blocks that fall out of its window while the full-attention group keeps every block.
+Layers that keep the same thing per token (full attention, a sliding window of W tokens, chunked local attention
+of C positions, an MLA latent) form a group, and each group has its own block table per request: a sliding-window
+(or chunked) group lets go of the blocks that fall out of its window (before its current chunk) while the
+full-attention group keeps every block.
 
 All groups draw from one pool (vLLM's hybrid allocator). For that, every group has the same number of
 layers (`layers_per_group`, the greatest common divisor of the kinds' layer counts), so a pool block is
@@ -42,7 +43,7 @@ class KVCacheSpec:
     """What one layer caches per token: K and V of `num_kv_heads` x `head_dim` (for MLA, one head of
     the latent plus the RoPE key, stored once: it is the key and its first values are the value), and,
     for a sliding-window layer, its window (a query sees the `sliding_window` latest keys, itself
-    included)."""
+    included), for a chunked local layer (Llama 4) its chunk (a query at p sees keys from (p // chunk) * chunk)."""
 
     num_kv_heads: int
     head_dim: int
@@ -50,14 +51,17 @@ class KVCacheSpec:
     sliding_window: Optional[int] = None
     mla_latent: Optional[tuple[int, int]] = None  # (kv_lora_rank, qk_rope_head_dim) of an MLA layer
     quantized: Optional[str] = None  # "int8" / "fp8" rows: head_dim one-byte values and a float32 scale (kv_quant.py)
+    attention_chunk: Optional[int] = None
 
     recurrent = False  # a per-token cache (StateCacheSpec: one state per request)
 
     @property
     def kind(self) -> str:
-        """"full attention", "sliding window" or "MLA latent"."""
+        """"full attention", "sliding window", "chunked local attention" or "MLA latent"."""
         if self.mla_latent is not None:
             return "MLA latent"
+        if self.attention_chunk is not None:
+            return "chunked local attention"
         return "full attention" if self.sliding_window is None else "sliding window"
 
     @property
@@ -77,6 +81,8 @@ class KVCacheSpec:
         if self.mla_latent is not None:
             rank, rope = self.mla_latent
             return f"MLA latent (rank {rank} + RoPE key {rope})"
+        if self.attention_chunk is not None:
+            return f"chunked local attention of {self.attention_chunk} tokens"
         return self.kind if self.sliding_window is None else f"sliding window of {self.sliding_window} tokens"
 
 
@@ -97,6 +103,7 @@ class StateCacheSpec:
     sliding_window: Optional[int] = None  # (none: read alike with KVCacheSpec by KVCacheGroup)
     quantized: Optional[str] = None  # states are never one-byte rows
     mla_latent: Optional[tuple[int, int]] = None
+    attention_chunk: Optional[int] = None
 
     kind = "recurrent state"
     recurrent = True
@@ -130,6 +137,11 @@ class KVCacheGroup:
         """Whether the group keeps one state page per request (no per-token cache)."""
         return self.spec.recurrent
 
+    @property
+    def attention_chunk(self) -> Optional[int]:
+        """The group's attention chunk (None: no chunks)."""
+        return self.spec.attention_chunk
+
 
 @dataclass(frozen=True)
 class KVCacheLayout:
@@ -151,6 +163,11 @@ class KVCacheLayout:
     def state_groups(self) -> frozenset[int]:
         """Indices of the groups that keep a recurrent state page per request."""
         return frozenset(index for index, group in enumerate(self.groups) if group.recurrent)
+
+    @property
+    def chunks(self) -> list[Optional[int]]:
+        """Each group's attention chunk (None for groups without chunks)."""
+        return [group.attention_chunk for group in self.groups]
 
     def place(self, layer: int) -> tuple[int, int]:
         """(group, position in the group) of global layer `layer`: it uses cache tensor `position`
@@ -206,6 +223,8 @@ class KVCacheLayout:
                 continue
             per_token = layers * spec.bytes_per_token
             reach = "every token" if spec.sliding_window is None else f"at most its {spec.sliding_window} latest tokens"
+            if spec.attention_chunk is not None:
+                reach = f"at most its current chunk's {spec.attention_chunk} tokens"
             parts.append(f"{spec.describe()}: {count} group(s), {layers} layers, {per_token / 1024:.1f} KiB per "
                          f"token, for {reach}")
         return "; ".join(parts)

@@ -128,7 +128,8 @@ def build_kv_cache(config: EngineConfig, model: ModelFacts, plan: KVPlan, num_bl
                               hash_seed=cache.prefix_caching_hash_seed, secondary_slots=plan.tier_slots,
                               windows=plan.layout.windows, record_events=events_config.active,
                               state_groups=plan.layout.state_groups,
-                              state_pages=plan.layout.state_blocks(plan.block_size))
+                              state_pages=plan.layout.state_blocks(plan.block_size),
+                              chunks=plan.layout.chunks)
     transfers = None
     if transfer_config is not None:
         fingerprint = {"model": model_identity(model.source.path), "architecture": model.arch.architecture,

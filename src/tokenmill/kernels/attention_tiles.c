@@ -64,7 +64,7 @@ typedef struct {
     const int64_t *token_index;
     const int32_t *block_tables, *context_lens;
     int64_t num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride;
-    int64_t window, span_keys;
+    int64_t window, chunk, span_keys;  /* chunk > 0: Llama 4's chunked local attention (window_first) */
     float scale;
     float softcap;      /* > 0: scores -> softcap * tanh(score / softcap) before the softmax (Gemma 2) */
     const float *sinks; /* GPT-OSS's attention sinks [heads], joined to each row's total as it is written; or NULL */
@@ -88,7 +88,7 @@ static inline int64_t span_length(int64_t block_size) {
 
 /* Query b's keys in span c: [*key0, *key1), empty when *key0 >= *key1. */
 static inline void span_keys_of(const paged_args *a, int64_t b, int64_t c, int64_t *key0, int64_t *key1) {
-    const int64_t ctx = a->context_lens[b], first = window_first(ctx, a->window);
+    const int64_t ctx = a->context_lens[b], first = window_first(ctx, a->window, a->chunk);
     const int64_t start = c * a->span_keys, end = start + a->span_keys;
     *key0 = start > first ? start : first;
     *key1 = end < ctx ? end : ctx;
@@ -254,7 +254,7 @@ static inline void write_row(const paged_args *a, int64_t out_at, float *o, floa
 /* Span range of query b: [first span, last span]. */
 static inline void query_spans(const paged_args *a, int64_t b, int64_t *c_first, int64_t *c_last) {
     const int64_t ctx = a->context_lens[b];
-    *c_first = window_first(ctx, a->window) / a->span_keys;
+    *c_first = window_first(ctx, a->window, a->chunk) / a->span_keys;
     *c_last = (ctx - 1) / a->span_keys;
 }
 
@@ -299,10 +299,11 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, float softcap, const float *sinks, int bf16, int rows) {
+                        float scale, int64_t window, int64_t chunk, float softcap, const float *sinks, int bf16,
+                        int rows) {
     const paged_args a = {out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_kv_heads, group,
                           head_dim, block_size, max_blocks, q_row_stride, q_head_stride, out_row_stride, window,
-                          span_length(block_size), scale, softcap, sinks, bf16, rows,
+                          chunk, span_length(block_size), scale, softcap, sinks, bf16, rows,
                           rows == TM_ROWS_DTYPE && PAIRED(bf16),
                           rows == TM_ROWS_DTYPE ? head_dim : head_dim + 4};
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));

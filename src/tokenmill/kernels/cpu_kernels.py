@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _F, _P, _INT],
-    "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _F, _P, _INT, _INT],
+    "tm_decode_attention": [_P] * 7 + [_I64] * 9 + [_F, _I64, _I64, _F, _P, _INT],
+    "tm_decode_attention_q8": [_P] * 7 + [_I64] * 9 + [_F, _I64, _I64, _F, _P, _INT, _INT],
     "tm_cache_write": [_P] * 5 + [_I64] * 6 + [_INT],
     "tm_cache_write_q8": [_P] * 5 + [_I64] * 6 + [_INT, _INT],
     "tm_add_rms_norm": [_P] * 4 + [_I64, _I64, _F, _INT],
@@ -160,11 +160,12 @@ class CpuKernels:
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                          token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                          scale: float, window: int = 0, softcap: float = 0.0,
-                         sinks: Optional[torch.Tensor] = None) -> None:
+                         sinks: Optional[torch.Tensor] = None, chunk: int = 0) -> None:
         """out[token_index[b]] = attention of q[token_index[b]] over sequence b's first context_lens[b]
         cached tokens, or with window > 0 over the last `window` of them only (the blocks before those are
-        not read). q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [planes, blocks, kv_heads,
-        block_size, head_dim] contiguous (values in the last plane) of q's dtype, or a one-byte cache (int8,
+        not read); with chunk > 0 (Llama 4's chunked local attention) from the start of the query's chunk of
+        `chunk` positions only. q, out: [T, heads, head_dim] (head_dim contiguous); kv_cache: [planes, blocks,
+        kv_heads, block_size, head_dim] contiguous (values in the last plane) of q's dtype, or a one-byte cache (int8,
         or fp8 as uint8) of rows head_dim + 4 (attention/kv_quant.py, read by decode_attention_q8.c);
         block_tables int32 [B, max_blocks]; context_lens int32 [B]. softcap > 0: each score becomes
         softcap * tanh(score / softcap) before the softmax (Gemma 2's attention soft-capping). sinks (GPT-OSS's
@@ -185,7 +186,7 @@ class CpuKernels:
             raise ValueError(f"decode_attention takes float32 sinks, one per head ({q.shape[1]}), contiguous")
         args = (_ptr(out), _ptr(q), *_planes(kv_cache), _ptr(token_index), _ptr(block_tables),
                 _ptr(context_lens), block_tables.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
-                block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, softcap,
+                block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), scale, window, chunk, softcap,
                 None if sinks is None else _ptr(sinks), bf16)
         if quantized:
             self.lib.tm_decode_attention_q8(*args, int(kv_cache.dtype == torch.uint8))

@@ -20,9 +20,10 @@
  * Cache (one layer, one of K or V): [num_blocks, kv_heads, block_size, head_dim], contiguous.
  * Query head h reads kv head h / (num_heads / kv_heads).
  * Sliding window: query b sits at position context_lens[b] - 1 and attends the keys
- * [window_first(context_lens[b], window), context_lens[b]). The blocks wholly before that first key
+ * [window_first(context_lens[b], window, chunk), context_lens[b]). The blocks wholly before that first key
  * are never read (a window's sequence may have given them back), and with no window, or a context no
- * longer than it, every path runs exactly the operations it runs without one.
+ * longer than it, every path runs exactly the operations it runs without one. chunk > 0 (Llama 4's chunked
+ * local attention): the query also sees no key before the start of its chunk of `chunk` positions.
  * softcap > 0: each score (q . k times scale) becomes softcap * tanh(score / softcap) before the softmax
  * (Gemma 2); 0: none.
  * sinks (GPT-OSS's attention sinks, float32 [num_heads], or NULL): head h's softmax denominator also holds
@@ -32,15 +33,15 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                          const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                         int64_t out_row_stride, float scale, int64_t window, float softcap, const float *sinks,
-                         int bf16) {
+                         int64_t out_row_stride, float scale, int64_t window, int64_t chunk, float softcap,
+                         const float *sinks, int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tile_elems = block_size * head_dim;  /* one (block, kv head) tile is contiguous */
 #if defined(__AVX512F__) || defined(TM_AVX2)
     if (head_dim % 64 == 0 && head_dim <= 256 && group <= 8) {
         tm_attention_tiles(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
                            num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride,
-                           out_row_stride, scale, window, softcap, sinks, bf16, TM_ROWS_DTYPE);
+                           out_row_stride, scale, window, chunk, softcap, sinks, bf16, TM_ROWS_DTYPE);
         return;
     }
 #endif
@@ -48,7 +49,7 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
     for (int64_t b = 0; b < num_seqs; b++) {
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
             /* the keys [first, ctx): scores[g * len + j - first] */
-            const int64_t ctx = context_lens[b], first = window_first(ctx, window), len = ctx - first;
+            const int64_t ctx = context_lens[b], first = window_first(ctx, window, chunk), len = ctx - first;
             const int32_t *table = block_tables + b * max_blocks;
             float *qf = (float *)malloc(sizeof(float) * (size_t)(group * head_dim * 2 + tile_elems + group * len));
             float *acc = qf + group * head_dim;

@@ -67,11 +67,6 @@ static inline float q8_widen(int8_t byte, const float *table) {
     return table ? table[(uint8_t)byte] : (float)byte;
 }
 
-/* First key a query at context length ctx sees with a window (0: every key). */
-static inline int64_t q8_window_first(int64_t ctx, int64_t window) {
-    return window > 0 && ctx > window ? ctx - window : 0;
-}
-
 /* Rows [first, first + n) of one block of one head, widened: tile[t * head_dim + d] = value * row scale. */
 static inline void q8_load_rows(float *tile, const int8_t *plane, int64_t block, int64_t head, int64_t first,
                                 int64_t n, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
@@ -96,14 +91,14 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                             const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                            int64_t out_row_stride, float scale, int64_t window, float softcap, const float *sinks,
-                            int bf16, int fp8) {
+                            int64_t out_row_stride, float scale, int64_t window, int64_t chunk, float softcap,
+                            const float *sinks, int bf16, int fp8) {
     const int64_t group = num_heads / num_kv_heads;
 #ifdef Q8_VECTOR
     if (head_dim % 64 == 0 && head_dim <= 256 && group <= 8 && block_size % 16 == 0) {
         tm_attention_tiles(out, q, k_cache, v_cache, token_index, block_tables, context_lens, num_seqs,
                            num_kv_heads, group, head_dim, block_size, max_blocks, q_row_stride, q_head_stride,
-                           out_row_stride, scale, window, softcap, sinks, bf16, fp8 ? TM_ROWS_FP8 : TM_ROWS_INT8);
+                           out_row_stride, scale, window, chunk, softcap, sinks, bf16, fp8 ? TM_ROWS_FP8 : TM_ROWS_INT8);
         return;
     }
 #endif
@@ -113,7 +108,7 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; b++) {
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
-            const int64_t ctx = context_lens[b], first = q8_window_first(ctx, window), len = ctx - first;
+            const int64_t ctx = context_lens[b], first = window_first(ctx, window, chunk), len = ctx - first;
             const int32_t *table = block_tables + b * max_blocks;
             float *qf = (float *)malloc(sizeof(float) * (size_t)(group * head_dim * 2 + block_size * head_dim
                                                                   + block_size + group * len));

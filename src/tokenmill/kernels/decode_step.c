@@ -16,8 +16,8 @@ void tm_decode_attention(void *out, const void *q, const void *k_cache, const vo
                          const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                         int64_t out_row_stride, float scale, int64_t window, float softcap, const float *sinks,
-                         int bf16);
+                         int64_t out_row_stride, float scale, int64_t window, int64_t chunk, float softcap,
+                         const float *sinks, int bf16);
 int tm_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int64_t *query_starts, const int64_t *query_lens, const int64_t *context_lens,
                          const int32_t *block_tables, int64_t max_blocks, int64_t num_chunks, int64_t num_heads,
@@ -30,8 +30,8 @@ void tm_decode_attention_q8(void *out, const void *q, const int8_t *k_cache, con
                             const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride,
-                            int64_t out_row_stride, float scale, int64_t window, float softcap, const float *sinks,
-                            int bf16, int fp8);
+                            int64_t out_row_stride, float scale, int64_t window, int64_t chunk, float softcap,
+                            const float *sinks, int bf16, int fp8);
 void tm_cache_write_q8(int8_t *k_cache, int8_t *v_cache, const void *k, const void *v, const int64_t *slots,
                        int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
                        int64_t k_row_stride, int64_t v_row_stride, int bf16, int fp8);
@@ -135,18 +135,18 @@ int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, con
         else
             tm_cache_write(layer->kv_cache, v_cache, k, v, s->slots, t, s->num_kv_heads, s->block_size, s->head_dim,
                            qkv_width, qkv_width, s->bf16);
-        /* window 0, no soft cap, no sinks: models with sliding layers, capped scores or sinks do not take this step
-         * (fused_decode.py) */
+        /* window 0, chunk 0, no soft cap, no sinks: models with sliding or chunked layers, capped scores or sinks
+         * do not take this step (fused_decode.py) */
         if (s->num_decodes && s->kv_rows)
             tm_decode_attention_q8(attn, qkv, layer->kv_cache, (const int8_t *)v_cache, s->token_index,
                                    s->block_tables, s->context_lens, s->num_decodes, s->num_heads, s->num_kv_heads,
                                    s->head_dim, s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size,
-                                   s->scale, 0, 0.0f, NULL, s->bf16, s->kv_rows == 2);
+                                   s->scale, 0, 0, 0.0f, NULL, s->bf16, s->kv_rows == 2);
         else if (s->num_decodes)
             tm_decode_attention(attn, qkv, layer->kv_cache, v_cache, s->token_index,
                                 s->block_tables, s->context_lens, s->num_decodes, s->num_heads, s->num_kv_heads,
                                 s->head_dim, s->block_size, s->max_blocks, qkv_width, s->head_dim, q_size, s->scale,
-                                0, 0.0f, NULL, s->bf16);
+                                0, 0, 0.0f, NULL, s->bf16);
         const int64_t p = s->num_prefills;
         if (p && tm_prefill_attention((uint16_t *)attn, (const uint16_t *)qkv, layer->kv_cache,
                                       (const uint16_t *)v_cache, s->prefill_chunks, s->prefill_chunks + p,

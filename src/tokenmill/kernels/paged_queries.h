@@ -17,11 +17,16 @@ void tm_attention_tiles(void *out, const void *q, const void *k_cache, const voi
                         const int64_t *token_index, const int32_t *block_tables, const int32_t *context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, int64_t q_row_stride, int64_t q_head_stride, int64_t out_row_stride,
-                        float scale, int64_t window, float softcap, const float *sinks, int bf16, int rows);
+                        float scale, int64_t window, int64_t chunk, float softcap, const float *sinks, int bf16,
+                        int rows);
 
-/* The first key a query of context `ctx` attends: window <= 0 is full attention. */
-static inline int64_t window_first(int64_t ctx, int64_t window) {
-    return window > 0 && ctx > window ? ctx - window : 0;
+/* The first key a query of context `ctx` (at position ctx - 1) attends: within its `window` latest keys (window <= 0:
+ * no window) and, with chunk > 0 (Llama 4's chunked local attention), from the start of its own chunk of `chunk`
+ * positions, (ctx - 1) / chunk * chunk. */
+static inline int64_t window_first(int64_t ctx, int64_t window, int64_t chunk) {
+    const int64_t first = window > 0 && ctx > window ? ctx - window : 0;
+    const int64_t chunk_start = chunk > 0 && ctx > 0 ? (ctx - 1) / chunk * chunk : 0;
+    return first > chunk_start ? first : chunk_start;
 }
 
 /* Gemma 2's score soft cap: each of n scores s becomes cap * tanh(s / cap), in place, before the softmax (as

@@ -1,5 +1,7 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek): a router picks `top_k` of
-`num_experts` gated experts per token, and the token's output is the routing-weighted sum of those experts' outputs.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek, GPT-OSS, Llama 4): a router picks `top_k`
+of `num_experts` gated experts per token, and the token's output is the routing-weighted sum of those experts'
+outputs (Llama 4, scoring "sigmoid_input": the plain sum of the experts' outputs, each expert given the token's row
+scaled by that expert's weight, `route_sigmoid_input`).
 
 The experts run grouped: the (token, choice) pairs are sorted by expert, each expert multiplies all the
 rows routed to it in one product, and the results are put back in (token, choice) order and summed with
@@ -145,6 +147,14 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, 
     return torch.softmax(values, dim=-1).float(), ids
 
 
+def route_sigmoid_input(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's routing (transformers' Llama4Router): the `top_k` largest logits (in descending order), each
+    expert's weight sigmoid(logit) computed in float32 and rounded to the logits' dtype, as HF scales the expert's
+    input by it. logits [T, E] -> (weights [T, top_k] in the logits' dtype, expert ids int64 [T, top_k]). Row-wise."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.sigmoid(values.float()).to(logits.dtype), ids
+
+
 def route_grouped_sigmoid(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
                           topk_groups: int, normalize: bool, scale: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,8 +236,11 @@ class MoEBlock(nn.Module):
         self.local = local_experts(moe.num_experts, tp)
         self.expert_parallel = len(self.local) < moe.num_experts
         self.split_experts = tp.size > 1 and not tp.expert_parallel  # each expert's intermediate split
-        if moe.scoring not in ("softmax", "sigmoid", "topk_softmax"):
-            raise ValueError(f"unsupported MoE scoring {moe.scoring!r}; supported: softmax, sigmoid, topk_softmax")
+        if moe.scoring not in ("softmax", "sigmoid", "topk_softmax", "sigmoid_input"):
+            raise ValueError(f"unsupported MoE scoring {moe.scoring!r}; supported: softmax, sigmoid, topk_softmax, "
+                             "sigmoid_input")
+        # Llama 4: the routing weights scale the experts' inputs; their outputs are added as they are
+        self.weights_inputs = moe.scoring == "sigmoid_input"
         self.gate = Router(hidden_size, moe.num_experts, correction_bias=moe.scoring == "sigmoid",
                            bias=moe.router_bias)
         self.experts = nn.ModuleList(make_expert(moe.intermediate_size) for _ in self.local)
@@ -235,7 +248,7 @@ class MoEBlock(nn.Module):
         self.shared_expert_gate = Router(hidden_size, 1) if moe.shared_expert_gate else None
         self.fused: Any = None  # FusedExperts (layers/fused_moe.py) once `use_kernel` chose the fused path
 
-    _unfused_logged = False  # GPT-OSS's experts left unfused: said once a process
+    _unfused_logged = False  # GPT-OSS's (or Llama 4's) experts left unfused: said once a process
 
     def use_kernel(self, packed: bool, native: Any = None, batch_invariant: bool = True) -> None:
         """After loading: where the product kernels `native` are Triton's (`on_device`: CUDA's default,
@@ -248,12 +261,13 @@ class MoEBlock(nn.Module):
         its children, and the children it then visits are the emptied `experts`."""
         if not getattr(native, "on_device", False) or not self.experts:
             return
-        if self.moe.swiglu_limit is not None:
+        if self.moe.swiglu_limit is not None or self.weights_inputs:
             if not MoEBlock._unfused_logged:
                 MoEBlock._unfused_logged = True
-                logger.info("GPT-OSS's experts (biased projections, clamped SwiGLU) have no fused Triton kernel "
-                            "yet: they run one by one on the Triton products (a host sync per MoE layer, so its "
-                            "steps run without CUDA graphs' gain there)")
+                which = ("GPT-OSS's experts (biased projections, clamped SwiGLU)" if self.moe.swiglu_limit is not None
+                         else "Llama 4's experts (routing weights scaling their inputs)")
+                logger.info("%s have no fused Triton kernel yet: they run one by one on the Triton products (a host "
+                            "sync per MoE layer, so its steps run without CUDA graphs' gain there)", which)
             return
         from tokenmill.layers.fused_moe import FusedExperts, StackedWeight
 
@@ -266,19 +280,22 @@ class MoEBlock(nn.Module):
         """x [T, hidden] (the same on every rank) -> [T, hidden]."""
         moe = self.moe
         weights, ids = self.route(self.gate(x))
+        input_scales = None
+        if self.weights_inputs:  # (never fused: use_kernel leaves these experts unfused)
+            input_scales, weights = weights.reshape(-1), torch.ones(weights.shape, device=x.device)
         if self.expert_parallel:
             order, mine, counts = self.slot_order(ids)
             if self.fused is not None:
                 grouped = self.fused_slot_outputs(x, ids)[mine]
             else:
-                grouped = self.looped_outputs(x, mine, counts)
+                grouped = self.looped_outputs(x, mine, counts, input_scales)
             out = self.combined_across_ranks(x, weights, ids, order, mine, grouped)
         else:
             if self.fused is not None:
                 per_slot = self.fused_slot_outputs(x, ids)
             else:
                 order, mine, counts = self.slot_order(ids)
-                grouped = self.looped_outputs(x, mine, counts)
+                grouped = self.looped_outputs(x, mine, counts, input_scales)
                 per_slot = torch.empty_like(grouped)
                 per_slot[order] = grouped  # invariant: `order` is a permutation, so every slot is written once
             sums = combine(per_slot.view(x.shape[0], moe.top_k, per_slot.shape[-1]), weights)
@@ -296,6 +313,8 @@ class MoEBlock(nn.Module):
         moe, bias = self.moe, self.gate.e_score_correction_bias
         if moe.scoring == "topk_softmax":  # (never fused: use_kernel leaves GPT-OSS's experts unfused)
             return route_topk_softmax(logits, moe.top_k)
+        if moe.scoring == "sigmoid_input":  # (nor Llama 4's)
+            return route_sigmoid_input(logits, moe.top_k)
         if self.fused is not None:
             from tokenmill.layers.fused_moe import route as fused_route
 
@@ -318,10 +337,14 @@ class MoEBlock(nn.Module):
         last = first + sum(counts[self.local.start:self.local.stop])
         return order, order[first:last], counts
 
-    def looped_outputs(self, x: torch.Tensor, mine: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def looped_outputs(self, x: torch.Tensor, mine: torch.Tensor, counts: list[int],
+                       input_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The outputs of the slots `mine` (this rank's experts', sorted by expert) [len(mine), hidden out]
-        in x's dtype, one product per expert hit and projection."""
+        in x's dtype, one product per expert hit and projection; `input_scales` (Llama 4: [T * top_k] in x's
+        dtype, slot s's routing weight) scale each slot's input row first, as HF scales it."""
         rows = x[mine // self.moe.top_k]  # each local expert's rows contiguous, in token order
+        if input_scales is not None:
+            rows = rows * input_scales[mine, None]
         runs = [(index, counts[expert]) for index, expert in enumerate(self.local) if counts[expert]]
         hidden = []
         start = 0

@@ -41,3 +41,10 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, computed in float32 and returned in x's dtype, no weight
+    (Llama 4's q/k "L2 norm", transformers' Llama4TextL2Norm). Row by row: a row's result never depends on the
+    others'."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)

@@ -101,6 +101,9 @@ class LoRADeltas:
 
 def _targets(model: nn.Module) -> list[tuple[int, nn.Module, list[tuple[str, int, int]]]]:
     """(layer index, projection, its checkpoint parts) of every projection an adapter may target."""
+    if model.arch.architecture == "Llama4ForCausalLM":  # an adapter's q/k deltas would need the same reordering
+        raise ValueError("LoRA adapters on Llama 4 are not supported: its q and k rows are reordered at load "
+                         "(models/loader/llama4_tensors.py)")
     found = []
     for index, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp

@@ -15,6 +15,8 @@ from tokenmill.models.vision.config import VisionConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# Llama 4's local layers: a query sees only the keys of its own chunk of `attention_chunk_size` positions
+CHUNKED_ATTENTION = "chunked_attention"
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class MoEConfig:
     per-expert correction bias within the best `topk_groups` of `num_groups` expert groups, weighted by their
     scores (layers/moe.py's `route_grouped_sigmoid`).
     `scoring` "topk_softmax" (GPT-OSS): the top k logits chosen, then a softmax over those k alone.
+    `scoring` "sigmoid_input" (Llama 4): the top k logits chosen, each expert's weight sigmoid(logit) scales the
+    expert's INPUT (the token's row), and the experts' outputs are added unweighted.
     `router_bias`: the router adds a per-expert bias to its logits (GPT-OSS). `swiglu_limit` (GPT-OSS's experts,
     layers/gpt_oss_experts.py): every projection of an expert has a bias, and the activation is the clamped
     SwiGLU (up + 1) * gate * sigmoid(`swiglu_alpha` * gate), gate clamped above at the limit and up to +-limit.
@@ -44,7 +48,7 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
     shared_expert_gate: bool = False
-    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax
+    scoring: str = "softmax"  # softmax | sigmoid | topk_softmax | sigmoid_input
     num_groups: int = 1
     topk_groups: int = 1
     router_bias: bool = False
@@ -100,12 +104,14 @@ class LayerSpec:
     """What differs from one decoder layer to the next: its attention kind, window and RoPE base, whether
     its MLP is sparse and whether it rotates q and k at all."""
 
-    attention: str  # FULL_ATTENTION | SLIDING_ATTENTION
+    attention: str  # FULL_ATTENTION | SLIDING_ATTENTION | CHUNKED_ATTENTION
     sliding_window: Optional[int]  # tokens a query sees, itself included (None: all)
     rope_theta: float
     moe: bool
     rope: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
     mixer: str = "attention"  # "mamba": a Mamba2 mixer and no MLP (models/mamba2.py)
+    # Llama 4's chunked local attention: a query at position p sees keys [(p // chunk) * chunk, p] (None: no chunks)
+    attention_chunk: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -169,17 +175,27 @@ class ArchConfig:
     # Granite: each block's output joins the residual stream times this (stream + m * block(norm(stream)))
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0  # Granite: the logits divided by this
+    # Llama 4: the chunk of its chunked_attention layers (layer_types), in positions
+    attention_chunk_size: Optional[int] = None
+    # Llama 4's use_qk_norm: each head of q and k scaled to unit RMS (no weight, eps rms_norm_eps) AFTER RoPE, on
+    # the RoPE layers only
+    qk_l2_norm: bool = False
+    # Llama 4's attention temperature tuning (floor_scale, attn_scale): on NoPE layers q at position p is scaled by
+    # 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)); None: never
+    nope_query_temperature: Optional[tuple[float, float]] = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
                              f"{self.num_hidden_layers}")
-        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION}
         if unknown:
             raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {FULL_ATTENTION}, "
-                             f"{SLIDING_ATTENTION}")
+                             f"{SLIDING_ATTENTION}, {CHUNKED_ATTENTION}")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if CHUNKED_ATTENTION in self.layer_types and not (self.attention_chunk_size or 0) > 0:
+            raise ValueError("chunked_attention layers need a positive attention_chunk_size")
         if self.post_norms and self.sandwich_norms:
             raise ValueError("post_norms and sandwich_norms are two placements of the same norms: choose one")
         if self.hidden_act not in ("silu", "gelu_tanh"):
@@ -209,13 +225,19 @@ class ArchConfig:
         theta = self.rope_local_theta if sliding and self.rope_local_theta is not None else self.rope_theta
         moe = self.moe is not None and index not in self.moe.dense_layers
         mamba = self.mamba is not None and (self.mamba_layers is None or index in self.mamba_layers)
+        chunk = self.attention_chunk_size if kind == CHUNKED_ATTENTION else None
         return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers,
-                         "mamba" if mamba else "attention")
+                         mixer="mamba" if mamba else "attention", attention_chunk=chunk)
 
     @property
     def has_sliding_layers(self) -> bool:
         """Whether any layer attends through a sliding window."""
         return any(self.layer_spec(i).attention == SLIDING_ATTENTION for i in range(self.num_hidden_layers))
+
+    @property
+    def has_chunked_layers(self) -> bool:
+        """Whether any layer attends within chunks (Llama 4's chunked_attention)."""
+        return CHUNKED_ATTENTION in self.layer_types
 
 
 def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:
@@ -231,18 +253,20 @@ def kv_cache_geometry(arch: ArchConfig, tp_size: int = 1) -> tuple[int, int]:
 
 
 def kv_cache_spec(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1,
-                  sliding_window: Optional[int] = None, quantized: Optional[str] = None) -> KVCacheSpec:
-    """What one rank's layer caches per token, for a layer of the given window (None: full attention);
-    `quantized`: one-byte rows, "int8" or "fp8" (--kv-cache-dtype)."""
+                  sliding_window: Optional[int] = None, quantized: Optional[str] = None,
+                  attention_chunk: Optional[int] = None) -> KVCacheSpec:
+    """What one rank's layer caches per token, for a layer of the given window or attention chunk (None: full
+    attention); `quantized`: one-byte rows, "int8" or "fp8" (--kv-cache-dtype)."""
     kv_heads, head_dim = kv_cache_geometry(arch, tp_size)
     mla = None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim)
-    return KVCacheSpec(kv_heads, head_dim, dtype_bytes, sliding_window, mla, quantized)
+    return KVCacheSpec(kv_heads, head_dim, dtype_bytes, sliding_window, mla, quantized, attention_chunk)
 
 
 def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quantized: Optional[str] = None
                     ) -> KVCacheLayout:
     """One rank's KV cache groups: layers grouped by what they cache per token (full attention, a sliding
-    window, an MLA latent) or per request (a Mamba2 layer's recurrent state), see core/kv_spec.py."""
+    window, chunked local attention, an MLA latent) or per request (a Mamba2 layer's recurrent state), see
+    core/kv_spec.py."""
     if arch.mamba is not None:
         if quantized:
             raise ValueError(f"kv_cache_dtype {quantized}: {arch.architecture}'s recurrent states are not quantised; "
@@ -250,8 +274,9 @@ def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quanti
         m = arch.mamba
         state = StateCacheSpec(m.conv_kernel, m.conv_dim, m.num_heads, m.head_dim, m.state_size, dtype_bytes)
         # a hybrid's attention layers beside them (core/kv_spec.py: the state lives in attention-sized blocks)
-        return group_layers([state if arch.layer_spec(i).mixer == "mamba" else
-                             kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window)
-                             for i in range(arch.num_hidden_layers)])
-    return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, arch.layer_spec(i).sliding_window, quantized)
-                         for i in range(arch.num_hidden_layers)])
+        return group_layers([state if spec.mixer == "mamba" else
+                             kv_cache_spec(arch, dtype_bytes, tp_size, spec.sliding_window, None, spec.attention_chunk)
+                             for spec in (arch.layer_spec(i) for i in range(arch.num_hidden_layers))])
+    specs = (arch.layer_spec(i) for i in range(arch.num_hidden_layers))
+    return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, spec.sliding_window, quantized, spec.attention_chunk)
+                         for spec in specs])

@@ -1,5 +1,5 @@
-"""Self-attention over the paged KV cache (GQA, optional q/k norm, per-layer RoPE base, scale and window),
-and the step's rotary embeddings shared by the layers."""
+"""Self-attention over the paged KV cache (GQA, optional q/k norm, per-layer RoPE base, scale, window and attention
+chunk, Llama 4's q/k L2 norm and NoPE query temperature), and the step's rotary embeddings shared by the layers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer
 from tokenmill.layers.linear import QKVParallelLinear, RowParallelLinear
-from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.norm import RMSNorm, unit_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding, StepRotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig, LayerSpec, RopeScaling
 from tokenmill.parallel.group import TPGroup
@@ -45,10 +45,15 @@ class SelfAttention(nn.Module):
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.sinks = (nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
                       if arch.attention_sinks else None)
-        self.attention = AttentionLayer(scale, spec.sliding_window, arch.attn_logit_softcap, self.sinks)
+        self.attention = AttentionLayer(scale, spec.sliding_window, arch.attn_logit_softcap, self.sinks,
+                                        spec.attention_chunk)
         self.rope_key = rope_key(arch, spec)
         self.rotary_dim = arch.rotary_dim or arch.head_dim
-        self.rotates = spec.rope  # False: a NoPE layer (SmolLM3)
+        self.rotates = spec.rope  # False: a NoPE layer (SmolLM3, Llama 4)
+        # Llama 4: q and k scaled to unit RMS after RoPE, on its RoPE layers only (transformers' Llama4TextL2Norm)
+        self.l2_norm_eps = arch.rms_norm_eps if arch.qk_l2_norm and spec.rope else None
+        # Llama 4's temperature tuning (floor_scale, attn_scale), on its NoPE layers only
+        self.query_temperature = arch.nope_query_temperature if not spec.rope else None
         self.backend = backend
 
     def forward(self, rope: "RopeInputs", hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -66,7 +71,11 @@ class SelfAttention(nn.Module):
             q_and_k = torch.cat((q, k), dim=1)
         if self.rotates:
             q_and_k = self.rotate(rope, q_and_k)
+        if self.l2_norm_eps is not None:
+            q_and_k = unit_rms_norm(q_and_k, self.l2_norm_eps)
         q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.query_temperature is not None:
+            q = self.tempered(q, rope.positions)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -80,6 +89,14 @@ class SelfAttention(nn.Module):
             raise ValueError(f"the checkpoint's attention sinks have shape {tuple(loaded.shape)}, not one per "
                              "query head")
         param.data.copy_(loaded.narrow(0, self.tp_rank * heads, heads).to(torch.float32))
+
+    def tempered(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Llama 4's attention temperature tuning of a NoPE layer's q [T, heads, head_dim]: the row at position p
+        times 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)), in float32 and rounded back, as transformers
+        computes it (a query's scale is a function of its position alone)."""
+        floor_scale, attn_scale = self.query_temperature
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return (q * scales[:, None, None]).to(q.dtype)
 
     def rotate(self, rope: "RopeInputs", q_and_k: torch.Tensor) -> torch.Tensor:
         """RoPE on q and k [T, heads, head_dim]: on the whole heads, or with partial rotary (GLM) on the first

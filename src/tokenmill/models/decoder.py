@@ -3,9 +3,11 @@ bias), Qwen3 (q/k norm), Gemma 3 (sliding-window layers, local/global RoPE, sand
 scaled embeddings, logit soft-capping), Gemma 2 (attention-score soft-capping), SmolLM3 (NoPE layers),
 OLMo 2/3 (norms after the blocks only), Phi-3 / Phi-4-mini (LongRoPE, partial rotary), the mixtures of
 experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (layers/moe.py; OLMoE's q/k norm spans the whole
-projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py), GLM-4.5 (partial RoPE) and
-GPT-OSS (attention sinks, biased experts with a clamped SwiGLU, layers/gpt_oss_experts.py), Mamba2
-(models/mamba2.py) and the hybrid Granite 4.0-H (Mamba2 and attention layers, models/granite_hybrid.py).
+projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py), GLM-4.5 (partial RoPE),
+GPT-OSS (attention sinks, biased experts with a clamped SwiGLU, layers/gpt_oss_experts.py), Llama 4's text
+model (chunked local attention, NoPE layers with a query temperature, a q/k L2 norm, experts whose routing weight
+scales their input, loader/llama4_tensors.py), Mamba2 (models/mamba2.py) and the hybrid Granite 4.0-H (Mamba2 and
+attention layers, models/granite_hybrid.py).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -34,6 +36,7 @@ from tokenmill.models.kernel_choice import KernelChoice
 from tokenmill.models.granite_hybrid import GraniteHybridLayer, granite_hybrid_checkpoint_names
 from tokenmill.models.mamba2 import Mamba2Layer, mamba2_checkpoint_names
 from tokenmill.models.loader.fused_tensors import split_fused_projections
+from tokenmill.models.loader.llama4_tensors import llama4_checkpoint_tensors
 from tokenmill.models.mla_attention import MLAAttention
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
@@ -340,6 +343,8 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             params.pop("lm_head.weight", None)
         loaded: set[str] = set()
+        if self.arch.architecture == "Llama4ForCausalLM":  # its names, stacked experts and RoPE pairs (first:
+            weights = llama4_checkpoint_tensors(weights, self.arch)  # its experts then pass the checks below)
         if self.arch.mamba_layers is not None:  # Granite 4.0-H's fused expert and shared MLP tensors
             weights = granite_hybrid_checkpoint_names(weights, self.arch)
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs

@@ -53,11 +53,12 @@ _KV_ROWS = {None: 0, "int8": 1, "fp8": 2}
 
 
 def _llama_shaped(arch: Any) -> bool:
-    """Whether every layer is the one tm_decode_step runs: full attention at the default scale, SwiGLU,
-    pre-norms only, dense MLPs, no q/k norm, no score soft cap or attention sinks (tm_decode_step passes none),
-    RoPE over whole heads on every layer (tm_decode_step rotates each)."""
+    """Whether every layer is the one tm_decode_step runs: full attention at the default scale (no window or
+    attention chunk), SwiGLU, pre-norms only, dense MLPs, no q/k norm (nor Llama 4's L2 one), no score soft cap or
+    attention sinks (tm_decode_step passes none), RoPE over whole heads on every layer (tm_decode_step rotates
+    each)."""
     return (arch.attn_logit_softcap is None and not arch.attention_sinks and not arch.no_rope_layers
-            and not arch.post_norms
+            and not arch.post_norms and not arch.has_chunked_layers and not arch.qk_l2_norm
             and not arch.qk_norm and not arch.has_sliding_layers and not arch.sandwich_norms
             and arch.hidden_act == "silu" and arch.attention_scale is None and arch.moe is None
             and arch.mla is None and not arch.attention_out_bias and arch.rotary_dim is None and arch.mamba is None)

@@ -34,6 +34,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Mamba2ForCausalLM": DecoderForCausalLM,  # Mamba2 mixers over recurrent states (models/mamba2.py)
     # Granite 4.0-H: Mamba2 and attention layers, each with its MLP (models/granite_hybrid.py)
     "GraniteMoeHybridForCausalLM": DecoderForCausalLM,
+    # chunked local attention (AttentionLayer.attention_chunk), experts scaling their inputs (loader/llama4_tensors.py)
+    "Llama4ForCausalLM": DecoderForCausalLM,
 }
 
 

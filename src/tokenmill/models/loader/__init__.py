@@ -19,7 +19,7 @@ from tqdm import tqdm
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loader.chat_templates import built_in_chat_template
 from tokenmill.models.loader.gguf_file import GGUFCheckpoint
-from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf
+from tokenmill.models.loader.hf_config import SUPPORTED_ARCHITECTURES, arch_config_from_hf, served_text_part
 from tokenmill.models.loader.mxfp4 import dequantized_mxfp4_stream, mxfp4_names
 from tokenmill.models.loader.quantized_checkpoints import packed_layer_stream, packed_scheme, quantization_config
 from tokenmill.models.loader.resolve import DEFAULT_MODEL, model_location, resolve_model_path
@@ -90,6 +90,8 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
     names = weights.names
     if arch.vision is not None:
         return _vision_language_source(folder, arch, weights, with_tokenizer)
+    if served_text_part(json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))) is not None:
+        return _text_part_source(folder, arch, weights, with_tokenizer)
     if _embedding_name(names) not in names:
         raise ValueError(f"{folder} has no {_EMBEDDING} tensor")
     if _LM_HEAD not in names and not arch.tie_word_embeddings:  # output layer = embedding
@@ -139,6 +141,32 @@ def _vision_language_source(folder: str, arch: ArchConfig, weights: SafetensorsW
 
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
     template = tokenizer.chat_template if tokenizer is not None else None
+    return ModelSource(path=folder, arch=arch, tokenizer=tokenizer,
+                       chat_template=template or (processor_chat_template(folder) if tokenizer is not None else None),
+                       num_tensors=len(wanted), weight_stream=stream)
+
+
+def _text_part_source(folder: str, arch: ArchConfig, weights: SafetensorsWeights, with_tokenizer: bool) -> ModelSource:
+    """A multimodal folder whose text model alone is served (hf_config.TEXT_PART_ARCHITECTURES, Llama 4): the
+    decoder's tensors (`language_model.model.…`, `language_model.lm_head.…`) under the names a causal LM gives
+    them; the image side's tensors are not read. Float weights only."""
+    if quantization_config(folder) is not None:
+        raise ValueError(f"{folder}: quantised multimodal checkpoints are not supported yet (float weights only)")
+    renamed = {name: vision_language_name(name) for name in weights.names}
+    if _EMBEDDING not in renamed.values():
+        raise ValueError(f"{folder} has no language_model.model.embed_tokens.weight tensor")
+    if _LM_HEAD not in renamed.values() and not arch.tie_word_embeddings:
+        arch = dataclasses.replace(arch, tie_word_embeddings=True)
+    # the decoder's tensors: what maps to a causal LM's name (the image side's keep their own prefixes)
+    wanted = {name for name, ours in renamed.items()
+              if (ours.startswith("model.") or ours == _LM_HEAD) and ours != name
+              and not (ours == _LM_HEAD and arch.tie_word_embeddings) and not ours.endswith("rotary_emb.inv_freq")}
+
+    def stream(keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+        return ((renamed[name], tensor) for name, tensor in weights.iter_tensors(wanted))
+
+    tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
+    template = tokenizer.chat_template if tokenizer is not None else None  # else the processor's, as a VLM's
     return ModelSource(path=folder, arch=arch, tokenizer=tokenizer,
                        chat_template=template or (processor_chat_template(folder) if tokenizer is not None else None),
                        num_tensors=len(wanted), weight_stream=stream)

@@ -40,7 +40,13 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM",
+    "Llama4ForCausalLM",
 )
+
+# multimodal checkpoints whose text model alone is served: architecture -> what of theirs is not loaded
+TEXT_PART_ARCHITECTURES = {
+    "Llama4ForConditionalGeneration": "its vision tower (vision_model, multi_modal_projector)",
+}
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -65,6 +71,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "gpt_oss": "GptOssForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -127,6 +134,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8, "sliding_window": 128, "num_local_experts": 128, "num_experts_per_tok": 4,
         "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True, "hidden_act": "silu",
         "rope_theta": 150_000.0,
+    },
+    "Llama4ForCausalLM": {  # transformers' Llama4TextConfig
+        "vocab_size": 202_048, "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_act": "silu", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+        "eos_token_id": 2, "num_experts_per_tok": 1, "num_local_experts": 16, "moe_layers": None,
+        "interleave_moe_layer_step": 1, "use_qk_norm": True, "no_rope_layers": None, "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+        "rope_theta": 500_000.0,
     },
     "OlmoeForCausalLM": {
         "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "eos_token_id": 50279,
@@ -503,6 +519,70 @@ def _gpt_oss_fields(setting: dict[str, Any]) -> dict[str, Any]:
     return dict(layer_types=tuple(layer_types), attention_sinks=True, moe=moe)
 
 
+def _llama4_fields(setting: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's ArchConfig fields beyond the Llama ones (transformers' Llama4TextConfig / Llama4TextModel):
+    - NoPE layers where `no_rope_layers` holds 0 (a 1 is a layer WITH RoPE; empty or absent: every
+      no_rope_layer_interval-th layer has none), the others chunked local attention of attention_chunk_size
+      positions (layer_types, as transformers derives it);
+    - use_qk_norm: q and k L2-normed after RoPE on the RoPE layers; attn_temperature_tuning: the NoPE layers' q
+      scaled by position (floor_scale, attn_scale);
+    - experts on `moe_layers` (default every interleave_moe_layer_step-th layer): top num_experts_per_tok by
+      logit, sigmoid weights scaling the experts' input, plus one shared expert, all of width intermediate_size;
+      the other layers a dense MLP of intermediate_size_mlp (the model's intermediate_size here)."""
+    name, layers = "Llama4ForCausalLM", setting["num_hidden_layers"]
+    if _hidden_act(setting, "hidden_act") != "silu":
+        raise ValueError(f"{name} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    uses_rope = setting.get("no_rope_layers") or None
+    if uses_rope is None:
+        interval = setting["no_rope_layer_interval"]
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{name} with no_rope_layer_interval={interval!r} is not supported")
+        uses_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(uses_rope) < layers or any(flag not in (0, 1) for flag in uses_rope):
+        raise ValueError(f"{name} with no_rope_layers={uses_rope!r} is not supported: one 0 (NoPE) or 1 (RoPE) per "
+                         f"layer of the {layers} is needed")
+    chunk = setting["attention_chunk_size"]
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{name} with attention_chunk_size={chunk!r} is not supported: a positive int or null")
+    layer_types = setting.get("layer_types") or [
+        "chunked_attention" if uses_rope[i] and chunk is not None else "full_attention" for i in range(layers)]
+    unknown = sorted(set(layer_types) - {"full_attention", "chunked_attention"})
+    if unknown:
+        raise ValueError(f"{name} with layer_types {unknown} is not supported; supported: full_attention, "
+                         "chunked_attention")
+    floor_scale = setting["floor_scale"]
+    tuning = bool(setting["attn_temperature_tuning"])
+    if tuning and not (isinstance(floor_scale, (int, float)) and floor_scale > 0):
+        raise ValueError(f"{name} with floor_scale={floor_scale!r} is not supported: a positive number is needed")
+    return dict(layer_types=tuple(layer_types),
+                attention_chunk_size=chunk if "chunked_attention" in layer_types else None,
+                no_rope_layers=frozenset(i for i in range(layers) if not uses_rope[i]),
+                qk_l2_norm=bool(setting["use_qk_norm"]),
+                nope_query_temperature=(float(floor_scale), float(setting["attn_scale"])) if tuning else None,
+                moe=_llama4_moe(name, setting))
+
+
+def _llama4_moe(name: str, setting: dict[str, Any]) -> Optional[MoEConfig]:
+    """Llama 4's experts (`_llama4_fields`), None when no layer has them."""
+    layers = setting["num_hidden_layers"]
+    moe_layers = setting.get("moe_layers")
+    if moe_layers is None:
+        step = setting["interleave_moe_layer_step"]
+        if not isinstance(step, int) or step < 1:
+            raise ValueError(f"{name} with interleave_moe_layer_step={step!r} is not supported")
+        moe_layers = range(step - 1, layers, step)
+    sparse = {int(i) for i in moe_layers if 0 <= int(i) < layers}
+    if not sparse:
+        return None
+    experts, top_k = int(setting["num_local_experts"]), int(setting["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ValueError(f"{name} with num_experts_per_tok={top_k} of {experts} experts is not supported")
+    width = int(setting["expert_intermediate_size"])
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width, norm_topk_prob=False,
+                     shared_intermediate_size=width, dense_layers=frozenset(set(range(layers)) - sparse),
+                     scoring="sigmoid_input")
+
+
 def _rotary_dim(name: str, setting: dict[str, Any], factor: float) -> Optional[int]:
     """ArchConfig.rotary_dim for a partial_rotary_factor: int(head_dim * factor) dims of each head, as
     transformers turns them (None: the whole head); ValueError naming a factor that turns an odd number or none."""
@@ -634,6 +714,11 @@ def arch_config_from_hf(
     """
     folder = Path(folder)
     config = _read_json(folder / "config.json")
+    text_part = served_text_part(config)
+    if text_part is not None:
+        logger.info("%s: serving its text model only (%s); %s is not loaded, and requests with images are refused",
+                    folder, text_part, TEXT_PART_ARCHITECTURES[text_part])
+        return arch_config_from_hf_dict(text_settings(config), folder, stored_dtype)
     if is_vision_language(config):
         config = normalized_vision_language_config(folder, config)
         text = text_settings(config)
@@ -655,6 +740,15 @@ def normalized_vision_language_config(folder: Path, config: dict[str, Any]) -> d
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{folder}: transformers cannot read this vision-language config.json: {exc}") from exc
     return {**config, "text_config": loaded.get_text_config().to_dict(), "vision_config": loaded.vision_config.to_dict()}
+
+
+def served_text_part(config: dict[str, Any]) -> Optional[str]:
+    """The architecture of a multimodal `config` (a config.json) whose text model alone tokenmill serves
+    (TEXT_PART_ARCHITECTURES), or None. ValueError when it has no text_config."""
+    found = next((name for name in config.get("architectures") or () if name in TEXT_PART_ARCHITECTURES), None)
+    if found is not None and not isinstance(config.get("text_config"), dict):
+        raise ValueError(f"{found} config.json has no text_config")
+    return found
 
 
 def is_vision_language(config: dict[str, Any]) -> bool:
@@ -694,6 +788,9 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         rope_params = _phi3_rope(setting, rope_params)
     if architecture == "GptOssForCausalLM" and not rope_params:
         rope_params = _GPT_OSS_ROPE  # what transformers' GptOssConfig fills in
+    if architecture == "Llama4ForCausalLM":  # dense layers are intermediate_size_mlp wide, the experts intermediate_size
+        setting["expert_intermediate_size"] = setting["intermediate_size"]
+        setting["intermediate_size"] = setting["intermediate_size_mlp"]
     num_heads = setting["num_attention_heads"]
     bos_token_id = setting["bos_token_id"]
     if bos_token_id is None:
@@ -709,6 +806,7 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         **(_deepseek_v3_fields(setting, rope_params) if architecture == "DeepseekV3ForCausalLM" else {}),
         **(_glm4_moe_fields(setting, rope_params) if architecture == "Glm4MoeForCausalLM" else {}),
         **(_gpt_oss_fields(setting) if architecture == "GptOssForCausalLM" else {}),
+        **(_llama4_fields(setting) if architecture == "Llama4ForCausalLM" else {}),
         **(_moe_fields(architecture, setting) if architecture in _MOE_ARCHITECTURES else {}),
         architecture=architecture,
         vocab_size=setting["vocab_size"],
