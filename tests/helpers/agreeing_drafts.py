@@ -85,15 +85,17 @@ def write_bigram_llama(folder: Path) -> Path:
 def write_agreeing_eagle3_head(folder: Path, target: Path) -> Path:
     """An EAGLE-3 head for `write_bigram_llama`'s target that mostly proposes the target's bigram.
 
-    Its layer has two attention heads of width 64 over concat(norm(embedding), hidden_norm(hidden)) (128 wide).
-    Head 0 reads only the embedding half with q = 4 k: a position's score with itself, 4 |x|^2 / 8 = 32, beats any
-    other's by ~20 (|x| = 8 after the norm; RoPE rotates but keeps lengths), so it returns the position's own
-    normed embedding, which o_proj copies into the output; with lm_head the target's own rows, that gives the
-    target's bigram of the token read. Head 1 attends over the whole prefix with random weights (the draft's KV
-    cache matters); fc's random rows make the hidden states matter. At a chained position the residual is the
-    draft's previous state, which blends the previous token's bigram in: later proposals agree less often.
-    The draft vocabulary is 7/8 of the target's, in a shuffled order (d2t): the target's bigram lies outside it for
-    1 token in 8, whose proposals are then wrong."""
+    Its layer has two attention heads of width 64 over x = concat(norm(embedding), hidden_norm(hidden)) (128 wide).
+    Head 0's queries and keys read the embedding half only, q = 4 k: a position's score with itself, 4 |x|^2 / 8 =
+    32, beats any other's by ~20 (|x| = 8 after the norm; RoPE rotates but keeps lengths), so it returns its own
+    value, norm(embedding) - hidden_norm(hidden), which o_proj copies out. The residual adds the hidden state back:
+    the output is norm(embedding) + hidden - hidden_norm(hidden), and hidden - hidden_norm(hidden) is small for
+    hidden states of RMS near 1, as both the chained states and fc's (std 3 over taps of RMS ~0.02) are. With
+    lm_head the target's rows, that gives the target's bigram of the token read, at target-fed and chained
+    positions alike. Head 1 attends over the whole prefix with random weights (the draft's KV cache matters), and
+    the hidden states' deviation from RMS 1 goes into every state (the rows matter). The draft vocabulary is 7/8
+    of the target's, in a shuffled order (d2t): the target's bigram lies outside it for 1 token in 8, whose
+    proposals are then wrong."""
     from safetensors.torch import load_file
 
     w, width = _Weights(2), 128
@@ -110,7 +112,8 @@ def write_agreeing_eagle3_head(folder: Path, target: Path) -> Path:
                p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
                p + "self_attn.q_proj.weight": torch.cat([4 * embedding_half, w(HIDDEN, 2 * HIDDEN, std=0.05)]),
                p + "self_attn.k_proj.weight": torch.cat([embedding_half, w(HIDDEN, 2 * HIDDEN, std=0.05)]),
-               p + "self_attn.v_proj.weight": torch.cat([torch.cat([eye, -eye], dim=1), w(HIDDEN, 2 * HIDDEN, std=0.1)]),
+               p + "self_attn.v_proj.weight": torch.cat([torch.cat([eye, -eye], dim=1),
+                                                         w(HIDDEN, 2 * HIDDEN, std=0.1)]),
                p + "self_attn.o_proj.weight": torch.cat([eye, w(HIDDEN, HIDDEN, std=0.02)], dim=1),
                **_mlp(w, p + "mlp", width, 1.0),
                "fc.weight": w(HIDDEN, 3 * HIDDEN, std=3.0), "norm.weight": torch.ones(HIDDEN),

@@ -187,7 +187,7 @@ def test_incremental_draft_proposes_what_a_draft_computed_from_scratch_does(run)
             state = draft_states(fed, hidden)[-1:]
             # (torch.allclose: assert_close's checks cost more than the draft's forward pass)
             assert torch.allclose(proposal.states[index:index + 1], state, rtol=1e-4, atol=1e-4), \
-                f"{proposal}: state {index} differs from scratch's {state} by {(proposal.states[index] - state).abs().max()}"
+                f"{proposal}: state {index} is {(proposal.states[index] - state).abs().max()} from scratch's"
             assert token == int(draft.compute_logits(state).argmax())
             fed.append(token)
             hidden = torch.cat([hidden, state])
