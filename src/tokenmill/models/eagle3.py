@@ -98,6 +98,8 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.lm_head = ColumnParallelLinear(hidden, self.draft_vocab_size)
         self.register_buffer("draft_to_target", torch.arange(self.draft_vocab_size), persistent=False)
+        # its inverse, when the draft vocabulary is the whole vocabulary reordered (target id -> draft id)
+        self.register_buffer("target_to_draft", torch.arange(self.draft_vocab_size), persistent=False)
         self.embed_tokens: Optional[nn.Embedding] = None  # its own table when the checkpoint has one
         self.target_embed = target_embed
         self.step_hidden: Optional[torch.Tensor] = None
@@ -123,7 +125,7 @@ class Eagle3Head(nn.Module):
         """[N, hidden] -> float32 logits [N, target vocab], -inf for the tokens outside the draft vocabulary."""
         logits = self.lm_head(self.norm(states)).float()
         if self.draft_vocab_size == self.arch.vocab_size:
-            return logits.index_select(1, torch.argsort(self.draft_to_target))
+            return logits.index_select(1, self.target_to_draft)
         full = logits.new_full((logits.shape[0], self.arch.vocab_size), float("-inf"))
         full[:, self.draft_to_target] = logits
         return full
@@ -171,6 +173,7 @@ class Eagle3Head(nn.Module):
         if targets.min() < 0 or targets.max() >= self.arch.vocab_size or targets.unique().numel() != len(targets):
             raise ValueError("d2t maps draft tokens outside the target's vocabulary, or two onto one token")
         self.draft_to_target = targets.to(self.draft_to_target.device)
+        self.target_to_draft = torch.argsort(targets).to(self.draft_to_target.device)
 
     def apply_kernels(self, choice: KernelChoice) -> None:
         """After loading: multiply and norm through the target's kernels (no one-call step: one layer)."""
