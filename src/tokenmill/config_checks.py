@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig, ParallelConfig
+
+if TYPE_CHECKING:
+    from tokenmill.models.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,14 @@ def for_recurrent_states(config: EngineConfig, architecture: str) -> EngineConfi
                     "boundaries", architecture)
         cache = replace(cache, prefix_caching=False)
     return replace(config, cache=cache, scheduler=scheduler)
+
+
+def for_model(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
+    """`config` as the model `arch` allows it (for_recurrent_states where its layers keep a recurrent state, then
+    for_hidden_state_drafts); ValueError for what it refuses. README's support table asks this too."""
+    if arch.mamba is not None:  # recurrent states: no prefix caching, recompute on preemption
+        config = for_recurrent_states(config, arch.architecture)
+    return for_hidden_state_drafts(config)  # EAGLE-3 / MTP: no prefix caching
 
 
 def for_hidden_state_drafts(config: EngineConfig) -> EngineConfig:

@@ -25,7 +25,7 @@ LAYERS = [
     ["kernels", "parallel"],
     ["attention", "layers", "sampling", "structured", "lora"],
     ["models", "multimodal.processing"],  # processing: prompts with images, as the model's image side lays them
-    ["worker"],
+    ["worker", "support_table"],  # support_table: README's table, from the checks up to the worker's
     ["spec_decode", "pooling"],
     ["executor"],
     ["engine", "pooling.engine"],

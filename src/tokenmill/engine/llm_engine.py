@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 from tokenmill.config import EngineConfig
 from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, check_kv_transfer, check_lora,
-                                     check_node_rank, for_hidden_state_drafts, for_recurrent_states)
+                                     check_node_rank, for_model)
 from tokenmill.core.kv_connector import TRANSFER
 from tokenmill.core.sched_output import RequestUpdate, SchedulerOutput
 from tokenmill.core.scheduler import StepAttachment
@@ -79,9 +79,7 @@ class LLMEngine:
         check_lora(config)
         started = time.perf_counter()
         model = read_model(config, source or load_model_source(config.model.model, **model_location(config.model)))
-        if model.arch.mamba is not None:  # recurrent states: no prefix caching, recompute on preemption
-            config = for_recurrent_states(config, model.arch.architecture)
-        config = for_hidden_state_drafts(config)  # EAGLE-3 / MTP: no prefix caching
+        config = for_model(config, model.arch)  # recurrent states, EAGLE-3 / MTP: no prefix caching
         self.config = config
         self.source, self.tokenizer, self.arch = model.source, model.source.tokenizer, model.arch
         self.device, self.dtype, self.max_model_len = model.device, model.dtype, model.max_model_len

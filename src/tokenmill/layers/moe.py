@@ -212,6 +212,17 @@ def combine(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def unfused_experts(moe: MoEConfig) -> Optional[str]:
+    """Which experts the fused Triton MoE kernels (layers/fused_moe.py) cannot run, said for a log line and
+    README's support table, or None when they can: GPT-OSS's (biased, clamped SwiGLU) and Llama 4's (routing
+    weights scaling their inputs) run one by one on the Triton products instead."""
+    if moe.swiglu_limit is not None:
+        return "GPT-OSS's experts (biased projections, clamped SwiGLU)"
+    if moe.scoring == "sigmoid_input":
+        return "Llama 4's experts (routing weights scaling their inputs)"
+    return None
+
+
 class MoEBlock(nn.Module):
     """Sparse MLP: `gate` (Router), `experts` (this rank's gated MLPs of the expert width: all
     num_experts, or under expert parallelism the `local` range, `experts[i]` being expert
@@ -261,11 +272,10 @@ class MoEBlock(nn.Module):
         its children, and the children it then visits are the emptied `experts`."""
         if not getattr(native, "on_device", False) or not self.experts:
             return
-        if self.moe.swiglu_limit is not None or self.weights_inputs:
+        which = unfused_experts(self.moe)
+        if which is not None:
             if not MoEBlock._unfused_logged:
                 MoEBlock._unfused_logged = True
-                which = ("GPT-OSS's experts (biased projections, clamped SwiGLU)" if self.moe.swiglu_limit is not None
-                         else "Llama 4's experts (routing weights scaling their inputs)")
                 logger.info("%s have no fused Triton kernel yet: they run one by one on the Triton products (a host "
                             "sync per MoE layer, so its steps run without CUDA graphs' gain there)", which)
             return

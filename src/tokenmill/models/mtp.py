@@ -25,17 +25,23 @@ from tokenmill.models.arch import ArchConfig
 from tokenmill.models.attention_block import RopeInputs
 from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.models.kernel_choice import KernelChoice
+from tokenmill.models.support import mtp_architectures
 from tokenmill.parallel.group import PipelineStage
 
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MTP_ARCHITECTURES = mtp_architectures()  # models/support.py: the records say which checkpoints carry one
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # the layer's tensors outside its decoder block
+
+
+def check_mtp_architecture(architecture: str) -> None:
+    """ValueError unless `architecture`'s multi-token prediction layer can draft (MTP_ARCHITECTURES)."""
+    if architecture not in MTP_ARCHITECTURES:
+        raise ValueError(f"speculative_method 'mtp' runs the multi-token prediction layers of "
+                         f"{', '.join(MTP_ARCHITECTURES)}; {architecture} is not supported")
 
 
 def mtp_layer_index(folder: str | Path, arch: ArchConfig) -> int:
     """N, the index of the checkpoint's first multi-token prediction layer; ValueError for a model without one."""
-    if arch.architecture not in MTP_ARCHITECTURES:
-        raise ValueError(f"speculative_method 'mtp' runs the multi-token prediction layers of "
-                         f"{', '.join(MTP_ARCHITECTURES)}; {arch.architecture} is not supported")
+    check_mtp_architecture(arch.architecture)
     path = Path(folder) / "config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     if not config.get("num_nextn_predict_layers"):

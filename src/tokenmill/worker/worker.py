@@ -152,13 +152,17 @@ class Worker:
 def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size: int = 1,
                     expert_parallel: bool = False) -> None:
     """ValueError naming the numbers when `tp_size` does not divide what tensor parallelism splits, the
-    model has fewer layers than pipeline stages, or has layers tensor parallelism cannot split (MLA,
-    OLMoE's whole-projection q/k norm); and when `expert_parallel` is asked of a model without MoE layers
-    or whose experts `tp_size` does not divide."""
+    model has fewer layers than pipeline stages, or has layers tensor parallelism cannot split (MLA, Mamba2
+    mixers, OLMoE's whole-projection q/k norm); and when `expert_parallel` is asked of a model without MoE
+    layers or whose experts `tp_size` does not divide."""
     stage_layers(arch.num_hidden_layers, pp_size, 0)
     if expert_parallel and arch.moe is None:
         raise ValueError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers to shard")
     kv_cache_geometry(arch, tp_size)  # MLA refuses tensor parallelism
+    if tp_size > 1 and any(arch.layer_spec(i).mixer == "mamba" for i in range(arch.num_hidden_layers)):
+        # (the layers refuse too, models/mamba2.py: here it is said before any worker starts)
+        raise ValueError(f"{arch.architecture} runs at tensor_parallel_size 1 (asked for {tp_size}): "
+                         "Mamba2 mixers are not sharded")
     split_experts = []  # without expert parallelism each expert's intermediate is split like a dense MLP's
     if tp_size > 1 and arch.moe is not None:
         if expert_parallel:

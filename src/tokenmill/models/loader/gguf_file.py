@@ -33,6 +33,8 @@ GGUF_ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",
 }
+# a file of these architectures with experts is of another HF architecture (llama.cpp writes Mixtral as "llama")
+GGUF_EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 # llama.cpp's routing per architecture (its build_moe_ffn's norm_w): whether the top k weights are
 # renormalised. A "llama" file with experts is Mixtral.
 _TOPK_RENORMALISED = {"llama": True, "qwen3moe": True, "olmoe": False, "deepseek2": False}
@@ -227,8 +229,8 @@ class GGUFCheckpoint:
             intermediate_size=int(width), norm_topk_prob=bool(normalise), dense_layers=dense,
             routed_scaling_factor=float(self._arch_metadata("expert_weights_scale", 1.0)),
             shared_intermediate_size=shared * int(width)))
-        if self.gguf_architecture == "llama":
-            fields["architecture"] = "MixtralForCausalLM"
+        if self.gguf_architecture in GGUF_EXPERT_ARCHITECTURES:
+            fields["architecture"] = GGUF_EXPERT_ARCHITECTURES[self.gguf_architecture]
         if self.gguf_architecture == "olmoe":
             fields["qk_norm_per_head"] = False  # its q/k norms span the whole projections
         return fields
