@@ -126,6 +126,8 @@ def test_a_killed_replica_stops_getting_requests_and_its_requests_end_cleanly(fr
     # the front learns of the death from the replica's process ending, not from a health check on a timer;
     # the generous bound only keeps a broken front from hanging the test on a loaded machine
     wait_for_metrics(front.url, lambda s: metric(s, "tokenmill_dp_replica_up", engine="1") == 0, timeout=60)
+    for worker in late:  # a late request that met the dead replica is routed again: done before the count
+        worker.join(60)
     before = routed(front.url)
     for i in range(3):  # at once, long before the dead replica can be back
         complete(front.url, [400 + i] * 6)
