@@ -36,3 +36,31 @@ def reference_and_backend(backend, cache: torch.Tensor, chunks: list, slots: tor
     expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(chunks, slots, block_size, cpu), layer)
     got = backend.forward(q, k, v, got_cache, backend.build_metadata(chunks, slots, block_size, cpu), layer)
     return expected, ref_cache, got, got_cache
+
+
+def assert_split_kv_decode_matches_reference(layer, seed: int = 6) -> None:
+    """Three decodes after 300, 129 and 5 cached tokens (heads 8, kv heads 2, head_dim 32, blocks of 16) through the
+    Triton backend without batch invariance, where long decodes split their keys across programs, equal the
+    reference backend's within 1e-5. `layer`: the AttentionLayer under test (its window, chunk or sinks)."""
+    from tokenmill.attention.torch_ref import TorchReferenceBackend
+    from tokenmill.attention.triton_paged import TritonPagedBackend
+
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, block = 8, 2, 32, 16
+    cache = torch.randn(2, 64, kv_heads, block, head_dim, generator=gen)
+    chunks, slots = [], []
+    for i, length in enumerate((300, 129, 5)):
+        blocks = list(range(i * 20, i * 20 + -(-length // block)))
+        chunks.append(SequenceChunk(i, 1, length, blocks))
+        slots.append(blocks[(length - 1) // block] * block + (length - 1) % block)
+    slots = torch.tensor(slots)
+    q = torch.randn(3, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, 3, kv_heads, head_dim, generator=gen)
+    backend = TritonPagedBackend(False, cpu)
+    meta = backend.build_metadata(chunks, slots, block, cpu)
+    assert backend._splits(meta, kv_heads) > 1, "this step must take the split-KV kernel"
+    ref = TorchReferenceBackend()
+    expected = ref.forward(q, k, v, cache.clone(), ref.build_metadata(chunks, slots, block, cpu), layer)
+    got = backend.forward(q, k, v, cache.clone(), meta, layer)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)

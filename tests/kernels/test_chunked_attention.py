@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.attention_steps import mixed_attention_step, reference_and_backend
+from helpers.attention_steps import (assert_split_kv_decode_matches_reference, mixed_attention_step,
+                                    reference_and_backend)
 from kernels.test_attention_sinks import backends
-from tokenmill.attention.base import AttentionLayer, SequenceChunk
+from tokenmill.attention.base import AttentionLayer
 from tokenmill.attention.cpu_paged import CpuPagedBackend
-from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.kernels.cpu_kernels import cpu_kernels
 
 CPU = torch.device("cpu")
@@ -80,24 +80,5 @@ def test_native_chunked_attention_equals_the_reference_in_bfloat16_and_over_an_i
 
 def test_split_kv_decode_keeps_to_the_chunk():
     # without batch invariance long decodes split their keys across programs: the splits start at the chunk
-    triton_paged = pytest.importorskip("tokenmill.attention.triton_paged")
-    gen = torch.Generator().manual_seed(6)
-    heads, kv_heads, head_dim, block = 8, 2, 32, 16
-    cache = torch.randn(2, 64, kv_heads, block, head_dim, generator=gen)
-    lengths = (300, 129, 5)
-    chunks, slots = [], []
-    for i, length in enumerate(lengths):
-        blocks = list(range(i * 20, i * 20 + -(-length // block)))
-        chunks.append(SequenceChunk(i, 1, length, blocks))
-        slots.append(blocks[(length - 1) // block] * block + (length - 1) % block)
-    slots = torch.tensor(slots)
-    q = torch.randn(3, heads, head_dim, generator=gen)
-    k, v = torch.randn(2, 3, kv_heads, head_dim, generator=gen)
-    layer = AttentionLayer(head_dim ** -0.5, attention_chunk=100)
-    backend = triton_paged.TritonPagedBackend(False, CPU)
-    meta = backend.build_metadata(chunks, slots, block, CPU)
-    assert backend._splits(meta, kv_heads) > 1, "this step must take the split-KV kernel"
-    ref = TorchReferenceBackend()
-    expected = ref.forward(q, k, v, cache.clone(), ref.build_metadata(chunks, slots, block, CPU), layer)
-    got = backend.forward(q, k, v, cache.clone(), meta, layer)
-    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    pytest.importorskip("tokenmill.attention.triton_paged")
+    assert_split_kv_decode_matches_reference(AttentionLayer(32 ** -0.5, attention_chunk=100))

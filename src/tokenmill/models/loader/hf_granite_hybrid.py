@@ -7,7 +7,7 @@ import math
 from typing import Any, Callable
 
 from tokenmill.models.arch import ArchConfig, MambaConfig, MoEConfig
-from tokenmill.models.loader.hf_mamba2 import _number
+from tokenmill.models.loader.hf_mamba2 import check_mixer_settings
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 
@@ -39,12 +39,7 @@ def granite_hybrid_arch_config(config: dict[str, Any], generation: dict[str, Any
     not a multiple of mamba_n_groups."""
     setting = {**_DEFAULTS, **config}
     name = ARCHITECTURE
-    if setting["hidden_act"] != "silu":
-        raise ValueError(f"{name} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
-    low, high = (_number(v) for v in setting["time_step_limit"])
-    if low != 0.0 or high != math.inf:
-        raise ValueError(f"{name} with time_step_limit={list(setting['time_step_limit'])!r} is not supported; "
-                         "supported: (0.0, inf)")
+    check_mixer_settings(name, setting)
     position = setting["position_embedding_type"]
     if position not in (None, "nope", "rope"):
         raise ValueError(f"{name} with position_embedding_type={position!r} is not supported; supported: "

@@ -28,6 +28,17 @@ def _number(value: Any) -> float:
     return float(value["__float__"]) if isinstance(value, dict) and "__float__" in value else float(value)
 
 
+def check_mixer_settings(name: str, setting: dict[str, Any]) -> None:
+    """ValueError where a Mamba2 mixer's config asks what the mixer does not run: hidden_act other than silu, a
+    time_step_limit other than (0, inf) (HF clamps dt with it in the prefill scan only, not in its decode step)."""
+    if setting["hidden_act"] != "silu":
+        raise ValueError(f"{name} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
+    low, high = (_number(v) for v in setting["time_step_limit"])
+    if low != 0.0 or high != math.inf:
+        raise ValueError(f"{name} with time_step_limit={list(setting['time_step_limit'])!r} is not supported; "
+                         "supported: (0.0, inf)")
+
+
 def mamba2_arch_config(config: dict[str, Any], generation: dict[str, Any],
                        stored_dtype: Callable[[], str]) -> ArchConfig:
     """The ArchConfig of a Mamba2ForCausalLM config.json. ValueError for a setting not implemented: hidden_act
@@ -37,12 +48,7 @@ def mamba2_arch_config(config: dict[str, Any], generation: dict[str, Any],
     and the time_step_min/max/floor/rank settings only shape initialisation, so they do not matter here."""
     setting = {**_DEFAULTS, **config}
     name = ARCHITECTURE
-    if setting["hidden_act"] != "silu":
-        raise ValueError(f"{name} with hidden_act={setting['hidden_act']!r} is not supported; supported: 'silu'")
-    low, high = (_number(v) for v in setting["time_step_limit"])
-    if low != 0.0 or high != math.inf:
-        raise ValueError(f"{name} with time_step_limit={list(setting['time_step_limit'])!r} is not supported; "
-                         "supported: (0.0, inf)")
+    check_mixer_settings(name, setting)
     heads, head_dim, hidden = int(setting["num_heads"]), int(setting["head_dim"]), int(setting["hidden_size"])
     if heads * head_dim != int(setting["expand"] * hidden):
         raise ValueError(f"{name}: num_heads x head_dim ({heads} x {head_dim}) must equal expand x hidden_size "
