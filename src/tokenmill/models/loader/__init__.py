@@ -89,9 +89,9 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
     weights = SafetensorsWeights(folder)
     names = weights.names
     if arch.vision is not None:
-        return _vision_language_source(folder, arch, weights, with_tokenizer)
+        return _multimodal_source(folder, arch, weights, with_tokenizer, text_only=False)
     if served_text_part(json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))) is not None:
-        return _text_part_source(folder, arch, weights, with_tokenizer)
+        return _multimodal_source(folder, arch, weights, with_tokenizer, text_only=True)
     if _embedding_name(names) not in names:
         raise ValueError(f"{folder} has no {_EMBEDDING} tensor")
     if _LM_HEAD not in names and not arch.tie_word_embeddings:  # output layer = embedding
@@ -122,51 +122,30 @@ def _hf_folder_source(folder: str, with_tokenizer: bool) -> ModelSource:
     )
 
 
-def _vision_language_source(folder: str, arch: ArchConfig, weights: SafetensorsWeights,
-                            with_tokenizer: bool) -> ModelSource:
-    """A vision-language folder: the decoder's tensors under the names a causal LM gives them, the image
-    side's under 'vision.' (models/vision/llava.py). Float weights only."""
+def _multimodal_source(folder: str, arch: ArchConfig, weights: SafetensorsWeights, with_tokenizer: bool,
+                       text_only: bool) -> ModelSource:
+    """A multimodal folder: the decoder's tensors (`language_model.…`) under the names a causal LM gives them, and,
+    for a vision-language model, the image side's under 'vision.' (models/vision/llava.py); `text_only` (a
+    hf_config.TEXT_PART_ARCHITECTURES checkpoint, Llama 4): the image side's tensors are not read. Float weights
+    only."""
     if quantization_config(folder) is not None:
-        raise ValueError(f"{folder}: quantised vision-language checkpoints are not supported yet (float weights only)")
+        raise ValueError(f"{folder}: quantised {'multimodal' if text_only else 'vision-language'} checkpoints are "
+                         "not supported yet (float weights only)")
     renamed = {name: vision_language_name(name) for name in weights.names}
     if _EMBEDDING not in renamed.values():
-        raise ValueError(f"{folder} has no language_model.embed_tokens.weight tensor")
+        raise ValueError(f"{folder} has no language_model.{'model.' if text_only else ''}embed_tokens.weight tensor")
     if _LM_HEAD not in renamed.values() and not arch.tie_word_embeddings:
         arch = dataclasses.replace(arch, tie_word_embeddings=True)
+    # text_only: what maps to a causal LM's name (the image side's tensors keep their own prefixes)
     wanted = {name for name, ours in renamed.items()
-              if not (ours == _LM_HEAD and arch.tie_word_embeddings) and not ours.endswith("rotary_emb.inv_freq")}
-
-    def stream(keep_quantized: bool) -> Iterator[tuple[str, Any]]:
-        return ((renamed[name], tensor) for name, tensor in weights.iter_tensors(wanted))
-
-    tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
-    template = tokenizer.chat_template if tokenizer is not None else None
-    return ModelSource(path=folder, arch=arch, tokenizer=tokenizer,
-                       chat_template=template or (processor_chat_template(folder) if tokenizer is not None else None),
-                       num_tensors=len(wanted), weight_stream=stream)
-
-
-def _text_part_source(folder: str, arch: ArchConfig, weights: SafetensorsWeights, with_tokenizer: bool) -> ModelSource:
-    """A multimodal folder whose text model alone is served (hf_config.TEXT_PART_ARCHITECTURES, Llama 4): the
-    decoder's tensors (`language_model.model.…`, `language_model.lm_head.…`) under the names a causal LM gives
-    them; the image side's tensors are not read. Float weights only."""
-    if quantization_config(folder) is not None:
-        raise ValueError(f"{folder}: quantised multimodal checkpoints are not supported yet (float weights only)")
-    renamed = {name: vision_language_name(name) for name in weights.names}
-    if _EMBEDDING not in renamed.values():
-        raise ValueError(f"{folder} has no language_model.model.embed_tokens.weight tensor")
-    if _LM_HEAD not in renamed.values() and not arch.tie_word_embeddings:
-        arch = dataclasses.replace(arch, tie_word_embeddings=True)
-    # the decoder's tensors: what maps to a causal LM's name (the image side's keep their own prefixes)
-    wanted = {name for name, ours in renamed.items()
-              if (ours.startswith("model.") or ours == _LM_HEAD) and ours != name
+              if (not text_only or ((ours.startswith("model.") or ours == _LM_HEAD) and ours != name))
               and not (ours == _LM_HEAD and arch.tie_word_embeddings) and not ours.endswith("rotary_emb.inv_freq")}
 
     def stream(keep_quantized: bool) -> Iterator[tuple[str, Any]]:
         return ((renamed[name], tensor) for name, tensor in weights.iter_tensors(wanted))
 
     tokenizer = load_hf_tokenizer(folder) if with_tokenizer else None
-    template = tokenizer.chat_template if tokenizer is not None else None  # else the processor's, as a VLM's
+    template = tokenizer.chat_template if tokenizer is not None else None  # else the processor's
     return ModelSource(path=folder, arch=arch, tokenizer=tokenizer,
                        chat_template=template or (processor_chat_template(folder) if tokenizer is not None else None),
                        num_tensors=len(wanted), weight_stream=stream)
