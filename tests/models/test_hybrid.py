@@ -2,7 +2,8 @@
 attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1) gives HF float32's
 greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at every
 boundary and restart after a recompute preemption (the one pass's ids), its attention layer on every attention
-backend; a request's output in the default dtype does not depend on its batch; the dense, NoPE variant matches HF; a state kept in the attention
+backend; a request's output in the default dtype does not depend on its batch; two pipeline stages give the one
+rank's ids; the dense, NoPE variant matches HF; a state kept in the attention
 cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
 
 Cost: check_family on 4 prompts x 16 tokens (HF's generate is the oracle), small engines of 6 tokens a request
@@ -77,6 +78,19 @@ def test_granite_hybrid_output_does_not_depend_on_its_batch_in_the_default_dtype
     busy = LLM(str(folder), num_kv_blocks=24, max_num_batched_tokens=5)
     batched = greedy_runs(busy, [OTHERS[0], PROMPT, *OTHERS[1:]], preempt_at_step=4)
     assert batched[1] == alone  # the same bits
+
+
+def test_granite_hybrid_over_two_pipeline_stages_gives_the_one_rank_ids(folder):
+    """Stage 0 holds a Mamba2 layer and the attention layer, stage 1 the other Mamba2 layer, each rank in a worker
+    process with its own states and K/V; a batch of four gives the one-rank ids (2 ranks: about 3 s)."""
+    from tokenmill import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in [PROMPT, *OTHERS]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = LLM(str(folder), dtype="float32").generate(prompts, params, use_tqdm=False)
+    two = LLM(str(folder), dtype="float32", pipeline_parallel_size=2,
+              distributed_executor_backend="mp").generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
 
 
 def test_a_dense_granite_hybrid_without_rope_matches_hf(tmp_path):
