@@ -536,7 +536,7 @@ class ServerConfig:
         "and its distills), qwen3 (Qwen3, SmolLM3), glm45 (GLM-4.5/4.6), or openai_gptoss (GPT-OSS: "
         "its analysis channel, read by harmony, as it is with this unset); chat answers carry it as "
         "reasoning_content, Responses as reasoning items, Messages as thinking blocks, and output constraints "
-        "apply after it", choices=["deepseek_r1", "qwen3", "glm45", "openai_gptoss"])
+        "apply after it (on GPT-OSS they are refused for now)", choices=["deepseek_r1", "qwen3", "glm45", "openai_gptoss"])
     tool_call_parser: str = _opt(
         "auto", "the syntax tool calls are read in when tool_choice is auto: hermes (<tool_call>{...}</tool_call>; "
         "Qwen), llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(x=1)]), glm45 (<tool_call>f<arg_key>...; "

@@ -45,8 +45,8 @@ def mtp_layer_index(folder: str | Path, arch: ArchConfig) -> int:
     path = Path(folder) / "config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     if not config.get("num_nextn_predict_layers"):
-        raise ValueError(f"speculative_method 'mtp': the model's config has no num_nextn_predict_layers (it has no "
-                         f"multi-token prediction layer)")
+        raise ValueError("speculative_method 'mtp': the model's config has no num_nextn_predict_layers (it has no "
+                         "multi-token prediction layer)")
     return arch.num_hidden_layers
 
 
