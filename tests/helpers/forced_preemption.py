@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from tokenmill import LLM, SamplingParams
 
+# the prompts the recurrent-state tests run: one of 23 tokens (three scan chunks of 8 in the tiny models) and others
+# of other lengths to batch it with
+PROMPT = list(range(300, 100, -9))
+OTHERS = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3]]
+
 
 def greedy_runs(llm: LLM, prompts: list[list[int]], preempt_at_step: int = 0, max_tokens: int = 12) -> list[tuple]:
     """Each prompt's (greedy ids, top-1 logprobs) run together; with `preempt_at_step`, the last-admitted running

@@ -19,16 +19,13 @@ from transformers import AutoModelForCausalLM
 
 from helpers.engine_probe import EIGHT_PROMPTS, hf_greedy_logprobs
 from helpers.family_check import check_family
-from helpers.forced_preemption import greedy_runs
+from helpers.forced_preemption import OTHERS, PROMPT, greedy_runs
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM
 from tokenmill.core.kv_spec import StateCacheSpec
 from tokenmill.layers.mamba2_mixer import StateChunk
 from tokenmill.layers.paged_state import PagedState
 from tokenmill.models.loader.hf_granite_hybrid import granite_hybrid_arch_config
-
-PROMPT = list(range(300, 100, -9))  # 23 tokens: three scan chunks of 8
-OTHERS = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3]]
 
 
 @pytest.fixture(scope="module")

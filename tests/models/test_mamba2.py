@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.family_check import check_family
+from helpers.forced_preemption import OTHERS, PROMPT
 from helpers.forced_preemption import greedy_runs as _run
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM
@@ -23,9 +24,6 @@ from tokenmill.core.kv_spec import StateCacheSpec
 from tokenmill.layers.mamba2_mixer import Mamba2Mixer, RecurrentState, StateChunk
 from tokenmill.models.loader.hf_config import arch_config_from_hf
 from tokenmill.models.loader.hf_mamba2 import mamba2_arch_config
-
-PROMPT = list(range(300, 100, -9))  # 23 tokens: three scan chunks of 8
-OTHERS = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3]]
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,21 @@ class DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
 
 
+# checkpoint projections that the model stacks into one parameter: (checkpoint name, parameter, shard)
+STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+           ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+
+
+def stacked_target(name: str, fuse_q: bool = True) -> tuple[str, Any]:
+    """(parameter name, shard) a checkpoint tensor loads into: a q/k/v or gate/up projection into its shard of the
+    stacked parameter (STACKED), any other tensor into the parameter of its own name (shard None). `fuse_q` False:
+    q_proj is a parameter of its own."""
+    for ckpt, fused, shard in STACKED:
+        if (fuse_q or ckpt != "q_proj") and f".{ckpt}." in name:
+            return name.replace(ckpt, fused), shard
+    return name, None
+
+
 class DecoderForCausalLM(nn.Module):
     """Decoder-only LM over a flattened token batch; `compute_logits` runs the head on chosen rows only.
 
@@ -131,10 +146,6 @@ class DecoderForCausalLM(nn.Module):
     and passes its own on; only the last stage returns hidden states. Every stage keeps the embedding
     and head (small next to the layers for the models run here).
     """
-
-    # checkpoint name fragment -> (fused parameter fragment, shard id)
-    STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
-               ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, max_positions: int,
                  tp: TPGroup = TPGroup.single(), stage: PipelineStage = PipelineStage()) -> None:
@@ -375,13 +386,8 @@ class DecoderForCausalLM(nn.Module):
                 # a layer of another pipeline stage, or past the model's last one: the multi-token
                 # prediction layers of DeepSeek-V3 / GLM-4.5 (num_nextn_predict_layers), not run here
                 continue
-            target, shard = name, None
-            for ckpt, fused, shard_id in self.STACKED:
-                if ckpt == "q_proj" and self.arch.mla is not None:
-                    continue  # MLA's q_proj is a projection of its own (models/mla_attention.py)
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(ckpt, fused), shard_id
-                    break
+            # MLA's q_proj is a projection of its own (models/mla_attention.py), not a shard of qkv_proj
+            target, shard = stacked_target(name, fuse_q=self.arch.mla is None)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")

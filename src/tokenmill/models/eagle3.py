@@ -24,15 +24,12 @@ from tokenmill.layers.linear import ColumnParallelLinear, QKVParallelLinear, def
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.attention_block import RopeInputs, RotaryTables
-from tokenmill.models.decoder import DecoderLayer
+from tokenmill.models.decoder import DecoderLayer, stacked_target
 from tokenmill.models.kernel_choice import KernelChoice
 from tokenmill.models.loader.hf_config import arch_config_from_hf_dict
 from tokenmill.parallel.group import PipelineStage, TPGroup
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-# checkpoint name fragment -> (fused parameter fragment, shard id)
-_STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
-            ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
 
 def read_eagle3_config(folder: str | Path) -> tuple[dict[str, Any], ArchConfig]:
@@ -147,11 +144,7 @@ class Eagle3Head(nn.Module):
             if name == "embed_tokens.weight":
                 self.embed_tokens = nn.Embedding(*tensor.shape, _weight=tensor.to(self.norm.weight), _freeze=True)
                 continue
-            target, shard = name, None
-            for ckpt, fused, shard_id in _STACKED:
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(ckpt, fused), shard_id
-                    break
+            target, shard = stacked_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"EAGLE-3 checkpoint tensor {name!r} has no place in the head")
