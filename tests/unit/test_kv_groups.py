@@ -75,10 +75,13 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_still_sees():
     assert first_outputs["a"]
 
 
-def test_hits_forks_and_preemption_under_windows_read_only_what_was_written():
-    """The fake runner checks every read of every group against what was written there."""
-    scheduler, runner = make_scheduler(num_blocks=48, block_size=4, budget=12, max_model_len=128,
-                                       prefix_caching=True, windows=(None, 6, 6))
+@pytest.mark.parametrize("groups", [dict(num_blocks=48, windows=(None, 6, 6)),
+                                    dict(num_blocks=40, windows=(None, None), chunks=(None, 8))],
+                         ids=["windows", "chunks"])
+def test_hits_forks_and_preemption_read_only_what_was_written(groups):
+    """Under sliding windows and under attention chunks, the fake runner checks every read of every group against
+    what was written there."""
+    scheduler, runner = make_scheduler(block_size=4, budget=12, max_model_len=128, prefix_caching=True, **groups)
     prompt = [(i * 11) % 300 + 3 for i in range(30)]
     scheduler.add_request(make_request("a", 0, prompt=prompt, max_tokens=12))
     run_to_completion(scheduler, runner)
@@ -86,6 +89,7 @@ def test_hits_forks_and_preemption_under_windows_read_only_what_was_written():
         scheduler.add_request(make_request(f"b{index}", 0, prompt=prompt + [index] * 5, max_tokens=10, n=2))
     outputs = run_to_completion(scheduler, runner)
     assert scheduler.num_preemptions_total > 0, "the pool is small enough that someone is preempted"
+    assert scheduler.kv_cache.prefix_hits > 0
     assert len(outputs) == 8 and all(outputs.values())
     assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.num_blocks
 
@@ -116,19 +120,3 @@ def test_a_chunked_group_gives_back_the_blocks_before_its_current_chunk():
             assert kv.released["long"][0] == 0, "the full group gives nothing back"
     assert most_held <= kv.blocks_for(7 + 6) + 1 < kv.blocks_for(100) and released >= 20
     assert kv.pool.num_free_blocks == kv.num_blocks
-
-
-def test_hits_forks_and_preemption_under_chunks_read_only_what_was_written():
-    """The fake runner checks every read of every group against what was written there."""
-    scheduler, runner = make_scheduler(num_blocks=40, block_size=4, budget=12, max_model_len=128,
-                                       prefix_caching=True, windows=(None, None), chunks=(None, 8))
-    prompt = [(i * 11) % 300 + 3 for i in range(30)]
-    scheduler.add_request(make_request("a", 0, prompt=prompt, max_tokens=12))
-    run_to_completion(scheduler, runner)
-    for index in range(4):
-        scheduler.add_request(make_request(f"b{index}", 0, prompt=prompt + [index] * 5, max_tokens=10, n=2))
-    outputs = run_to_completion(scheduler, runner)
-    assert scheduler.num_preemptions_total > 0, "the pool is small enough that someone is preempted"
-    assert scheduler.kv_cache.prefix_hits > 0
-    assert len(outputs) == 8 and all(outputs.values())
-    assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.num_blocks
