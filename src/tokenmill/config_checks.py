@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from tokenmill.config import EngineConfig, ParallelConfig
 
 if TYPE_CHECKING:
+    from tokenmill.core.kv_spec import KVCacheLayout
     from tokenmill.models.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
@@ -33,17 +34,21 @@ def check_lora(config: EngineConfig) -> None:
         raise ValueError("enable_lora: LoRA adapters run at tensor and pipeline parallel size 1")
 
 
-def swaps_preempted(config: EngineConfig, num_kv_groups: int, architecture: str) -> bool:
-    """Whether preempted requests swap their blocks out (else they are recomputed). Swapping moves one
-    block table a request; a model with several KV cache groups (sliding-window layers) recomputes under
-    `auto` and is refused under `swap`."""
+def swaps_preempted(config: EngineConfig, layout: KVCacheLayout, architecture: str) -> bool:
+    """Whether preempted requests swap their blocks out (else they are recomputed). Swapping moves a request's whole
+    block tables: full attention's K/V and recurrent states (core/swap_space.py). A model with sliding-window or
+    chunked local layers, whose groups give blocks back before a request ends, recomputes under `auto` and is
+    refused under `swap`."""
     mode = config.scheduler.preemption_mode
     if mode == "recompute" or config.cache.swap_space_gb <= 0:
         return False
-    if num_kv_groups > 1:
+    windowed = [group for group in layout.groups if group.sliding_window is not None
+                or group.attention_chunk is not None]
+    if windowed:
         if mode == "swap":
-            raise ValueError(f"preemption_mode swap: {architecture} has sliding-window layers "
-                             "(several KV cache groups), whose blocks are not swapped; use recompute")
+            kind = "sliding-window" if windowed[0].sliding_window is not None else "chunked local attention"
+            raise ValueError(f"preemption_mode swap: {architecture} has {kind} layers (KV cache groups that give "
+                             "blocks back before a request ends), whose blocks are not swapped; use recompute")
         return False
     return True
 
@@ -81,28 +86,25 @@ def async_scheduling_applies(config: EngineConfig, device_type: str) -> bool:
 
 
 def for_recurrent_states(config: EngineConfig, architecture: str) -> EngineConfig:
-    """`config` for a model whose layers keep a recurrent state per request (Mamba2): prefix caching is turned off
-    with a log line (a state page holds the state after a request's latest token, not at block boundaries, so
-    there is nothing to reuse), and preemption recomputes (the `auto` default; `swap` is refused: state pages are
-    not swapped). Speculative decoding is refused: a rejected proposal's tokens are already folded into the state."""
+    """`config` for a model whose layers keep a recurrent state per request (Mamba2, hybrids): prefix caching is
+    turned off with a log line (a state page holds the state after a request's latest token, not at block
+    boundaries, so there is nothing to reuse). Preemption recomputes or swaps the state pages out and back as any
+    block (core/swap_space.py). Speculative decoding is refused: a rejected proposal's tokens are already folded into
+    the state."""
     if config.speculative.enabled:
         raise ValueError(f"speculative decoding: {architecture} keeps a recurrent state per request, which cannot "
                          "be rolled back past rejected proposals; turn speculative decoding off")
-    if config.scheduler.preemption_mode == "swap":
-        raise ValueError(f"preemption_mode swap: {architecture} keeps a recurrent state per request, whose page is "
-                         "not swapped; use recompute (or auto)")
-    cache, scheduler = config.cache, replace(config.scheduler, preemption_mode="recompute")
-    if cache.prefix_caching:
-        logger.info("prefix caching is off: %s keeps a recurrent state per request, which is not cached at block "
-                    "boundaries", architecture)
-        cache = replace(cache, prefix_caching=False)
-    return replace(config, cache=cache, scheduler=scheduler)
+    if not config.cache.prefix_caching:
+        return config
+    logger.info("prefix caching is off: %s keeps a recurrent state per request, which is not cached at block "
+                "boundaries", architecture)
+    return replace(config, cache=replace(config.cache, prefix_caching=False))
 
 
 def for_model(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
     """`config` as the model `arch` allows it (for_recurrent_states where its layers keep a recurrent state, then
     for_hidden_state_drafts); ValueError for what it refuses. README's support table asks this too."""
-    if arch.mamba is not None:  # recurrent states: no prefix caching, recompute on preemption
+    if arch.mamba is not None:  # recurrent states: no prefix caching
         config = for_recurrent_states(config, arch.architecture)
     return for_hidden_state_drafts(config)  # EAGLE-3 / MTP: no prefix caching
 

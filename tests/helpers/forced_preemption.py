@@ -1,6 +1,7 @@
-"""Greedy runs of several requests together on one engine, with a recompute preemption forced at a chosen step
-(the models with a recurrent state: their requests never grow once admitted, so a small pool makes them wait
-rather than be preempted; this preempts one as the scheduler does when short of blocks)."""
+"""Greedy runs of several requests together on one engine, with a preemption forced at a chosen step (the models with
+a recurrent state: their requests never grow once admitted, so a small pool makes them wait rather than be
+preempted; this preempts one as the scheduler does when short of blocks, by recompute or swap as its
+preemption_mode and swap space decide)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ OTHERS = [list(range(1000, 1030)), [7, 8, 9] * 9, [2, 3]]
 
 def greedy_runs(llm: LLM, prompts: list[list[int]], preempt_at_step: int = 0, max_tokens: int = 12) -> list[tuple]:
     """Each prompt's (greedy ids, top-1 logprobs) run together; with `preempt_at_step`, the last-admitted running
-    request is preempted (recompute: its blocks and state freed) after that many steps."""
+    request is preempted (recompute: its blocks and state freed; swap: copied out to be copied back) after that many
+    steps."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     for index, ids in enumerate(prompts):

@@ -1,8 +1,9 @@
 """Granite 4.0-H (GraniteMoeHybridForCausalLM), the first hybrid: a tiny random checkpoint (3 layers, Mamba2 -
 attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1) gives HF float32's
-greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at every
-boundary and restart after a recompute preemption (the one pass's ids), its attention layer on every attention
-backend; a request's output in the default dtype does not depend on its batch; two pipeline stages give the one
+greedy ids and logprobs plain, chunked, swap-preempted and batched; its states carry across chunks split at every
+boundary, restart after a recompute preemption and go on, with its K/V, from where they were after a swap preemption
+mid-prefill or in decode (the one pass's ids; a swap space too small for a request recomputes it), its attention
+layer on every attention backend; a request's output in the default dtype does not depend on its batch; two pipeline stages give the one
 rank's ids; the dense, NoPE variant matches HF; a state kept in the attention
 cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
 
@@ -38,11 +39,26 @@ def hf(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def one_pass(folder):
+    """The float32 ids and logprobs of PROMPT and OTHERS[0] run together (6 tokens each), nothing preempted."""
+    return greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32), [PROMPT, OTHERS[0]], max_tokens=6)
+
+
+def _assert_same_run(run, want):
+    """The same ids as `want`, logprobs within float32 noise (the runs split their chunks differently)."""
+    for (ids, logprobs), (want_ids, want_logprobs) in zip(run, want):
+        assert ids == want_ids
+        worst = max(abs(a[1] - b[1]) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y))
+        assert worst < 1e-4
+
+
 def test_granite_hybrid_matches_hf_plain_chunked_preempted_and_batched(folder, hf, caplog):
     with caplog.at_level(logging.INFO):
         # 4 of the 8 prompts (the two longest among them) x 16 tokens: HF's reference Mamba2 kernels make its
-        # generate the slow half of the check (10 s for 8 x 32)
-        counts = check_family(folder, hf, count=16, prompts=EIGHT_PROMPTS[:4], prefix_caching=False)
+        # generate the slow half of the check (10 s for 8 x 32); the preempted requests swap (states and K/V)
+        counts = check_family(folder, hf, count=16, prompts=EIGHT_PROMPTS[:4], prefix_caching=False,
+                              preemption_mode="swap")
     assert counts["preemptions"] > 0  # the attention group's growth preempts (check_family asserts it too)
     assert "prefix caching is off: GraniteMoeHybridForCausalLM keeps a recurrent state" in caplog.text
     # the state's memory per request and the pool blocks it takes beside the attention's per token, at start
@@ -50,23 +66,44 @@ def test_granite_hybrid_matches_hf_plain_chunked_preempted_and_batched(folder, h
     assert "full attention: 1 group(s), 1 layers, 0.2 KiB per token" in caplog.text
 
 
-def test_granite_hybrid_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):
+def test_granite_hybrid_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder, one_pass):
     """One-token chunks split the prompt at every boundary; a preemption mid-prefill drops the request's blocks
     (states and K/V) and it recomputes from zero. Float32: the one pass's ids, logprobs within float32 noise.
     The two runs use the backends check_family's CPU default does not (the reference, and Triton in its
     interpreter): the attention layer runs on them as any family's, beside states kept in their cache tensors."""
     prompts = [PROMPT, OTHERS[0]]
-    one_pass = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32), prompts, max_tokens=6)
     every_boundary = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=1,
                                      attention_backend="torch_ref"), prompts, max_tokens=6)
     preempted = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=7,
-                                attention_backend="triton_paged", linear_kernel="dense"), prompts,
-                            preempt_at_step=3, max_tokens=6)
+                                attention_backend="triton_paged", linear_kernel="dense", preemption_mode="recompute"),
+                            prompts, preempt_at_step=3, max_tokens=6)
     for run in (every_boundary, preempted):
-        for (ids, logprobs), (want_ids, want_logprobs) in zip(run, one_pass):
-            assert ids == want_ids
-            worst = max(abs(a[1] - b[1]) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y))
-            assert worst < 1e-4
+        _assert_same_run(run, one_pass)
+
+
+# 16-token steps: after 3 steps the victim (OTHERS[0], admitted second) is 24 tokens into its 30-token prompt, beside
+# PROMPT's decode; 64-token steps: both prompts in the first step, the victim preempted after 3 decode steps (33)
+@pytest.mark.parametrize("budget,computed", [(16, 24), (64, 33)], ids=["mid_prefill", "in_decode"])
+def test_a_swapped_granite_hybrid_request_goes_on_from_its_exact_state(folder, one_pass, budget, computed):
+    """Swap preemption copies the request's state blocks and K/V blocks to the swap space and back into new blocks:
+    it recomputes nothing and gives the one pass's ids (a lost or stale state or K/V changes them)."""
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=budget, preemption_mode="swap")
+    swapped = greedy_runs(llm, [PROMPT, OTHERS[0]], preempt_at_step=3 if budget == 16 else 4, max_tokens=6)
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.swap.num_swapped_out == 1 and scheduler.swap.num_swapped_in_tokens == computed
+    assert scheduler.num_recomputed_tokens == 0 and scheduler.swap.num_free_slots == scheduler.swap.num_slots
+    _assert_same_run(swapped, one_pass)
+
+
+def test_a_granite_hybrid_swap_space_too_small_recomputes(folder, one_pass):
+    # one slot: a request's 2 x 6 state blocks and its K/V blocks do not fit, so the preempted one is recomputed
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16, preemption_mode="swap",
+              swap_space_gb=1e-9)
+    recomputed = greedy_runs(llm, [PROMPT, OTHERS[0]], preempt_at_step=3, max_tokens=6)
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.swap.num_slots == 1 and scheduler.swap.num_swapped_out == 0
+    assert scheduler.num_recomputed_tokens == 24
+    _assert_same_run(recomputed, one_pass)
 
 
 def test_granite_hybrid_output_does_not_depend_on_its_batch_in_the_default_dtype(folder):
@@ -134,8 +171,6 @@ def test_unsupported_granite_hybrid_settings_are_refused(setting, named):
         granite_hybrid_arch_config(setting, {}, lambda: "float32")
 
 
-def test_granite_hybrid_swap_preemption_and_a_quantised_cache_are_refused(folder):
-    with pytest.raises(ValueError, match="preemption_mode swap: GraniteMoeHybridForCausalLM keeps a recurrent"):
-        LLM(str(folder), preemption_mode="swap", swap_space_gb=0.01)
+def test_granite_hybrid_quantised_cache_is_refused(folder):
     with pytest.raises(ValueError, match="kv_cache_dtype int8: GraniteMoeHybridForCausalLM's recurrent states"):
         LLM(str(folder), kv_cache_dtype="int8")

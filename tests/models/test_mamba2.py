@@ -1,8 +1,8 @@
 """Mamba2 (Mamba2ForCausalLM): a tiny random checkpoint (2 layers, hidden 64, 8 heads of 16, 2 groups of state 16,
 scan chunks of 8) gives HF float32's greedy ids and logprobs plain, chunked and batched; its recurrent state
-carries across chunks split at every boundary and restarts cleanly after a recompute preemption (the same ids as
-one pass); a request's output in the default dtype does not depend on its batch; prefix caching is turned off
-and swap preemption refused, each saying why.
+carries across chunks split at every boundary, restarts cleanly after a recompute preemption and goes on from its
+exact state after a swap preemption, mid-prefill or in decode (the same ids as one pass); a request's output in the
+default dtype does not depend on its batch; prefix caching is turned off, saying why.
 
 Cost: check_family about 4 s (HF's generate is the oracle: its forward alone does not step the state), the
 engine runs below 2 prompts x 12 tokens each; the checkpoint and the HF model are built once per module."""
@@ -36,6 +36,20 @@ def hf(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def one_pass(folder):
+    """The float32 ids and logprobs of PROMPT and OTHERS[0] run together, nothing preempted."""
+    return _run(LLM(str(folder), dtype="float32", num_kv_blocks=8), [PROMPT, OTHERS[0]])
+
+
+def _assert_same_run(run, want):
+    """The same ids as `want`, logprobs within float32 noise (the runs split their chunks differently)."""
+    for (ids, logprobs), (want_ids, want_logprobs) in zip(run, want):
+        assert ids == want_ids
+        worst = max(abs(a[1] - b[1]) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y))
+        assert worst < 1e-4
+
+
 def test_mamba2_matches_hf_plain_chunked_and_batched(folder, hf, caplog):
     with caplog.at_level(logging.INFO):
         check_family(folder, hf, prefix_caching=False, preempts=False)
@@ -43,19 +57,29 @@ def test_mamba2_matches_hf_plain_chunked_and_batched(folder, hf, caplog):
     assert "KiB per request whatever its length" in caplog.text  # the state's memory, logged at start
 
 
-def test_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):
+def test_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder, one_pass):
     """One-token chunks split the prompt at every boundary; a preemption mid-prefill drops the request's state and it
     recomputes from zero. Float32: the ids are the one pass's, the logprobs within float32 noise."""
     prompts = [PROMPT, OTHERS[0]]
-    one_pass = _run(LLM(str(folder), dtype="float32", num_kv_blocks=8), prompts)
     every_boundary = _run(LLM(str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=1), prompts)
-    preempted = _run(LLM(str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=7), prompts,
-                     preempt_at_step=3)
+    preempted = _run(LLM(str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=7,
+                         preemption_mode="recompute"), prompts, preempt_at_step=3)
     for run in (every_boundary, preempted):
-        for (ids, logprobs), (want_ids, want_logprobs) in zip(run, one_pass):
-            assert ids == want_ids
-            worst = max(abs(a[1] - b[1]) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y))
-            assert worst < 1e-4
+        _assert_same_run(run, one_pass)
+
+
+# 16-token steps: after 3 steps the victim (OTHERS[0], admitted second) is 24 tokens into its 30-token prompt, beside
+# PROMPT's decode; 64-token steps: both prompts in the first step, the victim preempted after 3 decode steps (33)
+@pytest.mark.parametrize("budget,computed", [(16, 24), (64, 33)], ids=["mid_prefill", "in_decode"])
+def test_a_swapped_request_goes_on_from_its_exact_state(folder, one_pass, budget, computed):
+    """Swap preemption copies the request's state page to the swap space and back into a new page: it recomputes
+    nothing and gives the one pass's ids (a lost or stale state changes them)."""
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=budget, preemption_mode="swap")
+    swapped = _run(llm, [PROMPT, OTHERS[0]], preempt_at_step=3 if budget == 16 else 4)
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.swap.num_swapped_out == 1 and scheduler.swap.num_swapped_in_tokens == computed
+    assert scheduler.num_recomputed_tokens == 0 and scheduler.swap.num_free_slots == scheduler.swap.num_slots
+    _assert_same_run(swapped, one_pass)
 
 
 def test_a_request_output_does_not_depend_on_its_batch_in_the_default_dtype(folder):
@@ -92,11 +116,9 @@ def test_mixer_state_split_at_every_boundary_equals_one_chunk():
             torch.testing.assert_close(state.conv[1], whole_state.conv[1])
 
 
-def test_unsupported_settings_and_swap_preemption_are_refused(folder):
+def test_unsupported_settings_are_refused(folder):
     with pytest.raises(ValueError, match="time_step_limit"):
         mamba2_arch_config({"time_step_limit": [0.0, 1.0]}, {}, lambda: "float32")
     with pytest.raises(ValueError, match="hidden_act"):
         mamba2_arch_config({"hidden_act": "gelu"}, {}, lambda: "float32")
-    with pytest.raises(ValueError, match="preemption_mode swap: Mamba2ForCausalLM keeps a recurrent state"):
-        LLM(str(folder), preemption_mode="swap", swap_space_gb=0.01)
     assert arch_config_from_hf(folder).mamba.conv_dim == 128 + 2 * 2 * 16

@@ -1,9 +1,12 @@
 """The rules between settings and the model (config_checks.py), as the engine applies them before any
 worker starts."""
 
+from dataclasses import replace
+
 import pytest
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_spec import KVCacheSpec, StateCacheSpec, group_layers, single_group
 from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, check_kv_transfer, check_lora,
                                      check_node_rank, swaps_preempted)
 
@@ -12,15 +15,25 @@ def config(**options):
     return EngineConfig.from_kwargs(**options)
 
 
-def test_swapping_needs_swap_space_and_one_kv_group():
-    assert swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), 1, "llama")
-    assert swaps_preempted(config(preemption_mode="auto", swap_space_gb=1), 1, "llama")
-    assert not swaps_preempted(config(preemption_mode="recompute", swap_space_gb=1), 1, "llama")
-    assert not swaps_preempted(config(preemption_mode="swap", swap_space_gb=0), 1, "llama")
-    # sliding-window layers: auto recomputes, swap is refused by name
-    assert not swaps_preempted(config(preemption_mode="auto", swap_space_gb=1), 6, "gemma3")
+def test_swapping_needs_swap_space_and_groups_that_keep_every_block():
+    attention = KVCacheSpec(num_kv_heads=2, head_dim=8, dtype_bytes=2)
+    llama = single_group(2, attention)
+    assert swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), llama, "llama")
+    assert swaps_preempted(config(preemption_mode="auto", swap_space_gb=1), llama, "llama")
+    assert not swaps_preempted(config(preemption_mode="recompute", swap_space_gb=1), llama, "llama")
+    assert not swaps_preempted(config(preemption_mode="swap", swap_space_gb=0), llama, "llama")
+    # recurrent states beside full attention (a hybrid): every group keeps its blocks to the end, so they swap
+    state = StateCacheSpec(conv_kernel=4, conv_dim=24, num_heads=2, head_dim=4, state_size=8, dtype_bytes=2)
+    hybrid = group_layers([state, attention, state])
+    assert swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), hybrid, "granite")
+    # sliding-window or chunked local layers: auto recomputes, swap is refused by name
+    gemma = group_layers([replace(attention, sliding_window=4)] * 5 + [attention])
+    assert not swaps_preempted(config(preemption_mode="auto", swap_space_gb=1), gemma, "gemma3")
     with pytest.raises(ValueError, match="preemption_mode swap: gemma3 has sliding-window layers"):
-        swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), 6, "gemma3")
+        swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), gemma, "gemma3")
+    llama4 = group_layers([replace(attention, attention_chunk=8)] * 3 + [attention])
+    with pytest.raises(ValueError, match="preemption_mode swap: llama4 has chunked local attention layers"):
+        swaps_preempted(config(preemption_mode="swap", swap_space_gb=1), llama4, "llama4")
 
 
 def test_transfers_need_the_prefix_cache_one_group_and_one_rank():

@@ -24,6 +24,9 @@ class GroupSpec:
     needs_whole_prefix: bool = True
     # whether the group keeps one state page per request instead of a block per block_size tokens
     recurrent: bool = False
+    # whether a request holds every block of its table until it ends (none given back early), so that its table
+    # copied out and back in is all it had: what swap preemption needs (core/swap_space.py)
+    keeps_every_block: bool = False
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -49,6 +52,8 @@ class GroupSpec:
 
 class FullAttentionSpec(GroupSpec):
     """Every query sees every earlier key: a request keeps all its blocks, and a hit needs them all."""
+
+    keeps_every_block = True
 
     def first_needed(self, num_tokens: int) -> int:
         return 0
@@ -79,10 +84,12 @@ class RecurrentStateSpec(GroupSpec):
     """A recurrent state (Mamba2's conv and SSM states, as vLLM's `MambaSpec`): a request holds exactly one
     block, its state page, from its first token to its end, whatever its length; every step reads and
     overwrites it in place. So a page is never shared (no prefix hit, no fork), and a request that loses it
-    (preempted by recompute) starts again from a zero state at position 0. In a hybrid the page is `pages`
+    (preempted by recompute) starts again from a zero state at position 0; one preempted by swapping gets its
+    page's bytes back in a new page (core/swap_space.py) and goes on from its state. In a hybrid the page is `pages`
     pool blocks (core/kv_spec.py's `state_blocks`: a state larger than an attention block), held alike."""
 
     recurrent = True
+    keeps_every_block = True  # its pages, for its whole life
 
     def __init__(self, block_size: int, pages: int = 1) -> None:
         super().__init__(block_size)

@@ -105,8 +105,9 @@ class Scheduler:
         self.limits = limits
         self.attachments = tuple(attachments)  # they complete every step `schedule` returns, in this order
         self.kv_cache = kv_cache
-        # swap slots come only with one KV cache group (config_checks.swaps_preempted)
-        assert not (swap_slots and kv_cache.num_groups > 1), "swapping moves one KV cache group's blocks"
+        # swap slots come only with groups that keep every block (config_checks.swaps_preempted)
+        assert not swap_slots or all(spec.keeps_every_block for spec in kv_cache.specs), \
+            "swapping moves whole tables: no windowed KV cache group"
         # preempted requests' blocks, while they wait (None: every preemption recomputes)
         self.swap = SwapSpace(swap_slots) if swap_slots and limits.preemption_mode != "recompute" else None
         # every way KV moves in or out of the pool, in the order the runner does each phase's copies

@@ -6,6 +6,11 @@ out and in again, or recomputing its tokens. Copies are queued here while schedu
 the runner around the step's forward pass, as the second tier's are: swap-outs (block -> slot) before
 anything writes the freed blocks, swap-ins (slot -> block) before the forward pass reads them.
 
+A request's blocks are those of every KV cache group's table: full attention's K/V, and a recurrent layer's state
+pages (Mamba2's, or a hybrid's states kept in attention blocks), copied alike, so a swapped request goes on from its
+exact state. Groups that give blocks back before a request ends (sliding windows, chunked local attention) are not
+swapped (config_checks.swaps_preempted).
+
 Invariant: a slot freed by a swap-in is reused only after `end_step` (the runner has read it), so no
 swap-out of a later scheduling pass can overwrite it first.
 """
@@ -29,28 +34,31 @@ _RATES = {"cpu": (5e9, 5e10), "cuda": (1.6e10, 5e13)}
 @dataclass(frozen=True)
 class PreemptionCosts:
     """What bringing back a preempted request of n computed tokens costs, estimated: swapping copies its
-    KV out and in (2 n `kv_bytes_per_token`); recomputing runs its n tokens again (2 x `active_params`
-    FLOPs per token, and attention's 2 x `attention_width` x n per token)."""
+    KV out and in (2 (n `kv_bytes_per_token` + `state_bytes`): a recurrent layer's state is one size whatever n);
+    recomputing runs its n tokens again (2 x `active_params` FLOPs per token, and attention's 2 x
+    `attention_width` x n per token)."""
 
     kv_bytes_per_token: float
     active_params: float
     attention_width: float  # layers x heads x head dim (one query-key product and one value sum per key)
     copy_bytes_per_second: float
     flops_per_second: float
+    state_bytes: float = 0.0  # a request's recurrent states, in pool blocks (0: attention only)
 
     @classmethod
-    def for_model(cls, arch: Any, kv_bytes_per_token: float, device_type: str) -> "PreemptionCosts":
+    def for_model(cls, arch: Any, kv_bytes_per_token: float, device_type: str,
+                  state_bytes: float = 0.0) -> "PreemptionCosts":
         """The estimate for a model's ArchConfig on `device_type` (cpu or cuda)."""
         hidden, layers = arch.hidden_size, arch.num_hidden_layers
         attention = (2 * arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim * hidden
         width = arch.intermediate_size if arch.moe is None else arch.moe.top_k * arch.moe.intermediate_size
         copy_rate, flop_rate = _RATES.get(device_type, _RATES["cpu"])
         return cls(kv_bytes_per_token, layers * (attention + 3 * hidden * width),
-                   layers * arch.num_attention_heads * arch.head_dim, copy_rate, flop_rate)
+                   layers * arch.num_attention_heads * arch.head_dim, copy_rate, flop_rate, state_bytes)
 
     def swap_is_cheaper(self, num_tokens: int) -> bool:
         """Whether copying `num_tokens` tokens' KV out and back costs less time than recomputing them."""
-        copy_seconds = 2 * num_tokens * self.kv_bytes_per_token / self.copy_bytes_per_second
+        copy_seconds = 2 * (num_tokens * self.kv_bytes_per_token + self.state_bytes) / self.copy_bytes_per_second
         flops = num_tokens * 2 * self.active_params + 2 * self.attention_width * num_tokens * num_tokens
         return copy_seconds < flops / self.flops_per_second
 
@@ -68,7 +76,7 @@ class SwapSpace(KVConnectorScheduler):
         # out. A list of every slot would cost a tiny model's engine a million entries (4 GiB of 4 KiB slots).
         self._returned: list[int] = []
         self._unused_from = 0
-        self._held: dict[str, list[int]] = {}  # request id -> its blocks' slots, in table order
+        self._held: dict[str, list[list[int]]] = {}  # request id -> each group's blocks' slots, in table order
         self._freed_this_step: list[int] = []
         self.num_swapped_out = 0  # requests swapped out since start
         self.num_swapped_in_tokens = 0  # tokens that came back by copy instead of recompute
@@ -83,31 +91,40 @@ class SwapSpace(KVConnectorScheduler):
         return request_id in self._held
 
     def swap_out(self, kv: "KVCacheManager", request_id: str) -> bool:
-        """Queue the copy of the request's blocks (one KV cache group) to free slots and free its pool blocks;
-        False (and nothing done) when the space lacks the slots or the request has no blocks."""
-        assert kv.num_groups == 1, "swapping is refused for models with several KV cache groups"
-        table = kv.block_tables(request_id)[0]
-        if not table or len(table) > self.num_free_slots:
+        """Queue the copy of the request's blocks (every group's table) to free slots and free its pool blocks;
+        False (and nothing done) when the space lacks the slots or the request has no blocks.
+
+        Invariant (the KV manager's, kv_group_specs.RecurrentStateSpec): a state page is held by exactly one
+        request, so the bytes copied out are this request's state alone; the copy runs in phase `out`, before the
+        forward pass of the step that may hand the freed page to another request (whose first chunk starts from a
+        zero state and then overwrites it)."""
+        assert all(spec.keeps_every_block for spec in kv.specs), "swapping is refused for windowed KV cache groups"
+        tables = kv.block_tables(request_id)
+        num_blocks = sum(len(table) for table in tables)
+        if not num_blocks or num_blocks > self.num_free_slots:
             return False
-        slots = [self._take_slot() for _ in table]
-        self.pending.out.extend(zip(table, slots))
-        self._held[request_id] = slots
+        held = []
+        for table in tables:
+            slots = [self._take_slot() for _ in table]
+            self.pending.out.extend(zip(table, slots))
+            held.append(slots)
+        self._held[request_id] = held
         kv.free(request_id)
         self.num_swapped_out += 1
         return True
 
     def swap_in(self, kv: "KVCacheManager", request_id: str, num_tokens: int) -> None:
-        """Queue the copy of the request's slots into the first blocks of its table, which
-        `kv.allocate_slots` has just made for its `num_tokens` tokens."""
-        slots = self._held.pop(request_id)
-        table = kv.block_tables(request_id)[0]
-        self.pending.into.extend(zip(slots, table))
-        self._freed_this_step.extend(slots)
+        """Queue the copy of the request's slots into the first blocks of each group's table, which
+        `kv.allocate_slots` has just made for its `num_tokens` tokens (a state group's: its new state page)."""
+        for slots, table in zip(self._held.pop(request_id), kv.block_tables(request_id)):
+            self.pending.into.extend(zip(slots, table))
+            self._freed_this_step.extend(slots)
         self.num_swapped_in_tokens += num_tokens
 
     def drop(self, request_id: str) -> None:
         """A swapped request ended while waiting: its slots are free (after this step)."""
-        self._freed_this_step.extend(self._held.pop(request_id, ()))
+        for slots in self._held.pop(request_id, ()):
+            self._freed_this_step.extend(slots)
 
     def end_step(self) -> None:
         """The runner has done the step's copies: the slots swapped in or dropped may be reused."""

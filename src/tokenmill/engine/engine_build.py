@@ -98,7 +98,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelFacts) -> KVPlan:
     tier_slots = max(1, int(cache.secondary_kv_gb * _GIB) // block_bytes) \
         if cache.prefix_caching and cache.secondary_kv_gb > 0 else 0
     swap_slots = max(1, int(cache.swap_space_gb * _GIB) // block_bytes) \
-        if swaps_preempted(config, len(layout.groups), model.arch.architecture) else 0
+        if swaps_preempted(config, layout, model.arch.architecture) else 0
     return KVPlan(layout, cache.block_size, block_bytes, _num_kv_blocks(config, model, block_bytes), tier_slots,
                   swap_slots, quantized_kv)
 
@@ -150,15 +150,27 @@ def build_scheduler(config: EngineConfig, model: ModelFacts, plan: KVPlan, kv_ca
     """The scheduler over `kv_cache`, with `config`'s limits, completing each step it builds with the
     `attachments` (core/scheduler.py's `StepAttachment`)."""
     scheduler = config.scheduler
+    kv_bytes_per_token, state_bytes = _swapped_bytes(plan)
     limits = SchedulingLimits(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, model.max_model_len,
                               scheduler.schedule_policy, max_steps_in_flight,
                               config.model.max_loras if config.model.enable_lora else 0,
                               scheduler.preemption_mode,
-                              PreemptionCosts.for_model(model.arch, plan.block_bytes / plan.block_size,
-                                                        model.device.type),
+                              PreemptionCosts.for_model(model.arch, kv_bytes_per_token, model.device.type, state_bytes),
                               scheduler.encoder_budget if model.arch.vision is not None else 0,
                               async_scheduling, config.speculative.enabled)
     return Scheduler(limits, kv_cache, plan.swap_slots, attachments)
+
+
+def _swapped_bytes(plan: KVPlan) -> tuple[float, float]:
+    """What swapping a request out copies: (bytes per token of its attention groups' blocks, bytes of its recurrent
+    states' pages, whatever its length)."""
+    layout = plan.layout
+    state_groups = len(layout.state_groups)
+    if layout.attention_spec is None:  # all recurrent: a pool block is a request's state page
+        return 0.0, float(state_groups * plan.block_bytes)
+    attention_groups = len(layout.groups) - state_groups
+    return (attention_groups * plan.block_bytes / plan.block_size,
+            float(state_groups * layout.state_blocks(plan.block_size) * plan.block_bytes))
 
 
 def _num_kv_blocks(config: EngineConfig, model: ModelFacts, block_bytes: int) -> int:

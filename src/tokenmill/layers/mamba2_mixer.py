@@ -37,11 +37,24 @@ class StateChunk:
 
 class RecurrentState:
     """One Mamba2 layer's states of every pool block: conv [blocks, conv_kernel - 1, conv_dim] in the compute dtype
-    and ssm [blocks, heads, head_dim, state_size] in float32 (core/kv_spec.py's StateCacheSpec counts these bytes)."""
+    and ssm [blocks, heads, head_dim, state_size] in float32 (core/kv_spec.py's StateCacheSpec counts these bytes).
+
+    Both are views of one byte tensor `page` [1, blocks, row bytes] (the SSM state, then the conv window, a row per
+    block), laid out as an attention cache tensor is, block on dim 1: what swap preemption copies to its host slots
+    and back (worker/kv_tier_store.py) is a block's whole state, the same way as an attention block's K/V. The row
+    is rounded up to a multiple of 4 bytes (at most 3 bytes a page beyond the budget) so that every row's float32
+    SSM state is aligned."""
 
     def __init__(self, num_blocks: int, spec, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv = zeroed((num_blocks, spec.conv_kernel - 1, spec.conv_dim), dtype, device)
-        self.ssm = zeroed((num_blocks, spec.num_heads, spec.head_dim, spec.state_size), torch.float32, device)
+        ssm_shape = (spec.num_heads, spec.head_dim, spec.state_size)
+        conv_shape = (spec.conv_kernel - 1, spec.conv_dim)
+        ssm_bytes = spec.num_heads * spec.head_dim * spec.state_size * 4
+        conv_bytes = conv_shape[0] * conv_shape[1] * dtype.itemsize
+        row = -(-(ssm_bytes + conv_bytes) // 4) * 4
+        self.page = zeroed((1, num_blocks, row), torch.uint8, device)
+        rows = self.page[0]
+        self.ssm = rows[:, :ssm_bytes].view(torch.float32).view(num_blocks, *ssm_shape)
+        self.conv = rows[:, ssm_bytes:ssm_bytes + conv_bytes].view(dtype).view(num_blocks, *conv_shape)
 
     def load(self, chunk: StateChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv window, SSM state) of `chunk`'s request: zeros for a chunk that starts its sequence, else its page's."""

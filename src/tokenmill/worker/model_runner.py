@@ -62,8 +62,9 @@ class ModelRunner:
             pages = {position: zeroed(backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, width,
                                                              spec.planes), cache_dtype, device)
                      for position in positions}
-        # the pages the connectors copy (none for states: neither prefix-cached nor swapped)
-        self.kv_pages = [] if states_only else [pages[position] for position in positions]
+        # the pages the connectors copy, block on dim 1: the K/V tensors (a hybrid's states live in their blocks), or
+        # the state pages' bytes (swap preemption copies a Mamba2 request's states as it copies K/V)
+        self.kv_pages = [pages[position].page if states_only else pages[position] for position in positions]
         # one per layer (layers share pages); a hybrid's recurrent layer keeps its states in the blocks of its
         # position's K/V tensor (layers/paged_state.py, core/kv_spec.py's budget rule)
         self.kv_caches = [PagedState(pages[position], layout.state_spec)
@@ -77,9 +78,9 @@ class ModelRunner:
                                     len(self.kv_pages), cache_dtype, device, tier_folder)
         self.swap = None  # preempted requests' blocks (core/swap_space.py): the same store, in its own slots
         if swap_slots:
-            self.swap = KVTierStore(backend.kv_cache_shape(swap_slots, block_size, spec.num_kv_heads, width,
-                                                           spec.planes),
-                                    len(self.kv_pages), cache_dtype, device, tier_folder)
+            slot_shape = ((1, swap_slots, self.kv_pages[0].shape[2]) if states_only else
+                          backend.kv_cache_shape(swap_slots, block_size, spec.num_kv_heads, width, spec.planes))
+            self.swap = KVTierStore(slot_shape, len(self.kv_pages), self.kv_pages[0].dtype, device, tier_folder)
         self.kv_connectors = worker_connectors(self.tier, self.swap)
         self.graphs = None  # DecodeGraphs, once use_decode_graphs is called
         self.mixed_graphs = None  # MixedGraphs, when use_decode_graphs is given a token budget
