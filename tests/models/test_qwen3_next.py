@@ -147,7 +147,7 @@ def test_unsupported_qwen3_next_settings_are_refused(setting, named):
         qwen3_next_arch_config(setting, {}, lambda: "float32")
 
 
-def test_qwen3_next_tensor_parallelism_swap_preemption_and_a_quantised_cache_are_refused(folder):
+def test_qwen3_next_tensor_parallelism_swap_preemption_a_quantised_cache_and_lora_are_refused(folder):
     arch = qwen3_next_arch_config({"num_hidden_layers": 4}, {}, lambda: "float32")
     assert arch.gated_deltanet_layers == {0, 1, 2}  # (every 4th layer full attention by default)
     with pytest.raises(ValueError, match="tensor_parallel_size 1 .* Gated DeltaNet mixers are not sharded"):
@@ -156,3 +156,5 @@ def test_qwen3_next_tensor_parallelism_swap_preemption_and_a_quantised_cache_are
         LLM(str(folder), preemption_mode="swap", swap_space_gb=0.01)
     with pytest.raises(ValueError, match="kv_cache_dtype int8: Qwen3NextForCausalLM's recurrent states"):
         LLM(str(folder), kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="enable_lora: .* Qwen3NextForCausalLM has .* recurrent mixers"):
+        LLM(str(folder), enable_lora=True)
