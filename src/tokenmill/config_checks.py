@@ -104,7 +104,7 @@ def for_recurrent_states(config: EngineConfig, architecture: str) -> EngineConfi
 def for_model(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
     """`config` as the model `arch` allows it (for_recurrent_states where its layers keep a recurrent state, then
     for_hidden_state_drafts); ValueError for what it refuses. README's support table asks this too."""
-    if arch.mamba is not None:  # recurrent states: no prefix caching
+    if arch.keeps_recurrent_state:  # (Mamba2, Qwen3-Next's Gated DeltaNet): no prefix caching
         config = for_recurrent_states(config, arch.architecture)
     return for_hidden_state_drafts(config)  # EAGLE-3 / MTP: no prefix caching
 

@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Gemma 2, SmolLM3, OLMo 2/3, Phi-3,
-DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, Llama 4 text, Mamba2, Granite 4.0-H, LLaVA) with the
+DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, Llama 4 text, Mamba2, Granite 4.0-H, Qwen3-Next, LLaVA) with the
 SmolLM2 tokenizer."""
 
 from __future__ import annotations
@@ -126,6 +126,14 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "llama4_text": {"head_dim": 64, "no_rope_layers": [1, 0], "attention_chunk_size": 8, "floor_scale": 4,
                     "attn_scale": 0.5, "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
                     "intermediate_size": 32, "intermediate_size_mlp": 128, "initializer_range": 0.1},
+    # Qwen3-Next: Gated DeltaNet layers around a gated attention layer (one attention group beside two state
+    # groups); the DeltaNet's 2 key heads of 16 serve 4 value heads of 16 (each key head two); attention heads of 32
+    # with partial RoPE (a quarter: 8 dims); 4 experts of width 32 (top 2) plus the gated shared expert of 48 on
+    # layers 0 and 1, layer 2 dense (mlp_only_layers). Its zero-centred norms get random weights (make_tiny_hf_model)
+    "qwen3_next": {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                   "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [2], "initializer_range": 0.1},
     "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
                  "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
@@ -148,7 +156,7 @@ def make_tiny_hf_model(
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
     olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss, llama4_text,
-    mamba2, granitemoehybrid) and its tokenizer
+    mamba2, granitemoehybrid, qwen3_next) and its tokenizer
     in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,
@@ -175,6 +183,10 @@ def make_tiny_hf_model(
                 param.copy_(torch.randn(param.shape))
             elif arch == "gpt_oss" and "bias" in name and not param.any():
                 param.copy_(torch.randn(param.shape) * 0.1)
+            # Qwen3-Next: its norms scale by 1 + weight, which transformers initialises to 0 (a dropped weight, or a
+            # dropped 1, would go unnoticed or be all that shows); the gated norm's weight (plain) away from 1 too
+            elif arch == "qwen3_next" and name.endswith("norm.weight"):
+                param.copy_(param + torch.randn(param.shape) * 0.2)
     model.save_pretrained(path, max_shard_size="1MB" if sharded else "10GB")
     if getattr(config, "num_nextn_predict_layers", 0) and not sharded:
         _add_mtp_layer(path / "model.safetensors", config.num_hidden_layers)

@@ -18,9 +18,9 @@ class LoRARegistry:
     change from the server's thread while the engine thread steps (one lock)."""
 
     def __init__(self, arch: Any, max_rank: int, max_loaded: int) -> None:
-        if arch.mla is not None or arch.moe is not None:
+        if arch.mla is not None or arch.moe is not None or arch.keeps_recurrent_state:
             raise ValueError(f"enable_lora: LoRA adapters run on dense attention and MLP layers; "
-                             f"{arch.architecture} has latent attention or mixtures of experts")
+                             f"{arch.architecture} has latent attention, mixtures of experts or recurrent mixers")
         self.arch, self.max_rank, self.max_loaded = arch, max_rank, max_loaded
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)

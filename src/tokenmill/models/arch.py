@@ -100,6 +100,39 @@ class MambaConfig:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Qwen3-Next's Gated DeltaNet linear attention (layers/gated_deltanet.py), as transformers'
+    Qwen3NextGatedDeltaNet computes it: q and k of `num_key_heads` x `key_head_dim`, v and the output gate z of
+    `num_value_heads` x `value_head_dim` (each key head serves num_value_heads / num_key_heads value heads); a
+    causal depthwise conv of `conv_kernel` taps (no bias) and SiLU over q, k and v; q and k L2-normed; decay
+    g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b) per value head; a per-head
+    gated RMSNorm (eps `norm_eps`) of the output times silu(z). Its recurrent state per request: the conv window
+    and a [num_value_heads, key_head_dim, value_head_dim] float32 matrix per value head."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    norm_eps: float
+
+    @property
+    def key_dim(self) -> int:
+        """Width of q (and of k)."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of v (and of z and the output)."""
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """What differs from one decoder layer to the next: its attention kind, window and RoPE base, whether
     its MLP is sparse and whether it rotates q and k at all."""
@@ -110,6 +143,7 @@ class LayerSpec:
     moe: bool
     rope: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
     mixer: str = "attention"  # "mamba": a Mamba2 mixer and no MLP (models/mamba2.py)
+    # ("gated_deltanet": Qwen3-Next's linear attention, models/qwen3_next.py)
     # Llama 4's chunked local attention: a query at position p sees keys [(p // chunk) * chunk, p] (None: no chunks)
     attention_chunk: Optional[int] = None
 
@@ -175,6 +209,12 @@ class ArchConfig:
     # Granite: each block's output joins the residual stream times this (stream + m * block(norm(stream)))
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0  # Granite: the logits divided by this
+    # Qwen3-Next (models/qwen3_next.py): the layers whose mixer is a Gated DeltaNet (`gated_deltanet`), keeping a
+    # recurrent state per request; the others attention
+    gated_deltanet: Optional[GatedDeltaNetConfig] = None
+    gated_deltanet_layers: frozenset[int] = frozenset()
+    # Qwen3-Next's gated attention: q_proj also gives a gate per head, the attention output times sigmoid(gate)
+    attention_output_gate: bool = False
     # Llama 4: the chunk of its chunked_attention layers (layer_types), in positions
     attention_chunk_size: Optional[int] = None
     # Llama 4's use_qk_norm: each head of q and k scaled to unit RMS (no weight, eps rms_norm_eps) AFTER RoPE, on
@@ -226,8 +266,14 @@ class ArchConfig:
         moe = self.moe is not None and index not in self.moe.dense_layers
         mamba = self.mamba is not None and (self.mamba_layers is None or index in self.mamba_layers)
         chunk = self.attention_chunk_size if kind == CHUNKED_ATTENTION else None
+        mixer = "mamba" if mamba else "gated_deltanet" if index in self.gated_deltanet_layers else "attention"
         return LayerSpec(kind, self.sliding_window if sliding else None, theta, moe, index not in self.no_rope_layers,
-                         mixer="mamba" if mamba else "attention", attention_chunk=chunk)
+                         mixer=mixer, attention_chunk=chunk)
+
+    @property
+    def keeps_recurrent_state(self) -> bool:
+        """Whether any layer keeps a recurrent state per request (Mamba2 mixers, Gated DeltaNet)."""
+        return self.mamba is not None or self.gated_deltanet is not None
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -277,6 +323,24 @@ def kv_cache_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int = 1, quanti
         return group_layers([state if spec.mixer == "mamba" else
                              kv_cache_spec(arch, dtype_bytes, tp_size, spec.sliding_window, None, spec.attention_chunk)
                              for spec in (arch.layer_spec(i) for i in range(arch.num_hidden_layers))])
+    if arch.gated_deltanet is not None:
+        return _gated_deltanet_layout(arch, dtype_bytes, tp_size, quantized)
     specs = (arch.layer_spec(i) for i in range(arch.num_hidden_layers))
     return group_layers([kv_cache_spec(arch, dtype_bytes, tp_size, spec.sliding_window, quantized, spec.attention_chunk)
                          for spec in specs])
+
+
+def _gated_deltanet_layout(arch: ArchConfig, dtype_bytes: int, tp_size: int, quantized: Optional[str]
+                           ) -> KVCacheLayout:
+    """Qwen3-Next's groups: its Gated DeltaNet layers' states (the conv window of q, k and v, and one
+    key_head_dim x value_head_dim matrix per value head, StateCacheSpec's SSM state) beside its attention layers'
+    K/V, in attention-sized blocks as a Mamba2 hybrid's (core/kv_spec.py)."""
+    if quantized:
+        raise ValueError(f"kv_cache_dtype {quantized}: {arch.architecture}'s recurrent states are not quantised; "
+                         "use auto")
+    d = arch.gated_deltanet
+    state = StateCacheSpec(d.conv_kernel, d.conv_dim, d.num_value_heads, d.key_head_dim, d.value_head_dim,
+                           dtype_bytes)
+    return group_layers([state if spec.mixer == "gated_deltanet" else
+                         kv_cache_spec(arch, dtype_bytes, tp_size, spec.sliding_window, None, spec.attention_chunk)
+                         for spec in (arch.layer_spec(i) for i in range(arch.num_hidden_layers))])

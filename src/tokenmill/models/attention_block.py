@@ -1,5 +1,6 @@
 """Self-attention over the paged KV cache (GQA, optional q/k norm, per-layer RoPE base, scale, window and attention
-chunk, Llama 4's q/k L2 norm and NoPE query temperature), and the step's rotary embeddings shared by the layers."""
+chunk, Llama 4's q/k L2 norm and NoPE query temperature, Qwen3-Next's output gate), and the step's rotary embeddings
+shared by the layers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer
-from tokenmill.layers.linear import QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm, unit_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding, StepRotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig, LayerSpec, RopeScaling
@@ -28,6 +29,11 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size,
                                         bias=arch.attention_out_bias, tp=tp)
+        # Qwen3-Next: a gate per query head's output, sigmoid(gate(x)) (its checkpoint's q_proj holds these rows
+        # too, split off as it loads: models/qwen3_next.py); this rank's heads, as qkv_proj's
+        self.output_gate = (ColumnParallelLinear(arch.hidden_size, arch.num_attention_heads * arch.head_dim,
+                                                 bias=arch.attention_bias, tp=tp)
+                            if arch.attention_output_gate else None)
         offset = arch.norm_weight_offset
         self.qk_norm_per_head = arch.qk_norm_per_head
         q_width, k_width = arch.head_dim, arch.head_dim
@@ -77,7 +83,10 @@ class SelfAttention(nn.Module):
         if self.query_temperature is not None:
             q = self.tempered(q, rope.positions)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        out = out.reshape(out.shape[0], -1)
+        if self.output_gate is not None:  # in the compute dtype, as transformers gates it
+            out = out * torch.sigmoid(self.output_gate(hidden))
+        return self.o_proj(out)
 
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:

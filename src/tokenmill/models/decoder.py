@@ -6,8 +6,9 @@ experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (layers/moe.py; OLMoE's q/k norm
 projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py), GLM-4.5 (partial RoPE),
 GPT-OSS (attention sinks, biased experts with a clamped SwiGLU, layers/gpt_oss_experts.py), Llama 4's text
 model (chunked local attention, NoPE layers with a query temperature, a q/k L2 norm, experts whose routing weight
-scales their input, loader/llama4_tensors.py), Mamba2 (models/mamba2.py) and the hybrid Granite 4.0-H (Mamba2 and
-attention layers, models/granite_hybrid.py).
+scales their input, loader/llama4_tensors.py), Mamba2 (models/mamba2.py), the hybrid Granite 4.0-H (Mamba2 and
+attention layers, models/granite_hybrid.py) and Qwen3-Next (Gated DeltaNet and gated attention layers,
+models/qwen3_next.py).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -35,6 +36,7 @@ from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAtten
 from tokenmill.models.kernel_choice import KernelChoice
 from tokenmill.models.granite_hybrid import GraniteHybridLayer, granite_hybrid_checkpoint_names
 from tokenmill.models.mamba2 import Mamba2Layer, mamba2_checkpoint_names
+from tokenmill.models.qwen3_next import GatedDeltaNetLayer, qwen3_next_checkpoint_tensors
 from tokenmill.models.loader.fused_tensors import split_fused_projections
 from tokenmill.models.loader.llama4_tensors import llama4_checkpoint_tensors
 from tokenmill.models.mla_attention import MLAAttention
@@ -170,6 +172,8 @@ class DecoderForCausalLM(nn.Module):
         def layer(index: int) -> nn.Module:
             if arch.mamba_layers is not None:
                 return GraniteHybridLayer(arch, index, backend, tp, make_mlp)
+            if arch.layer_spec(index).mixer == "gated_deltanet":  # Qwen3-Next's linear attention layers
+                return GatedDeltaNetLayer(arch, index, tp, make_mlp)
             return (Mamba2Layer if arch.layer_spec(index).mixer == "mamba" else DecoderLayer)(arch, index, backend, tp)
 
         self.layers = nn.ModuleList(layer(index) for index in range(self.first_layer, end_layer))
@@ -358,6 +362,8 @@ class DecoderForCausalLM(nn.Module):
             weights = llama4_checkpoint_tensors(weights, self.arch)  # its experts then pass the checks below)
         if self.arch.mamba_layers is not None:  # Granite 4.0-H's fused expert and shared MLP tensors
             weights = granite_hybrid_checkpoint_names(weights, self.arch)
+        if self.arch.gated_deltanet is not None:  # Qwen3-Next's per-head-grouped projections, its mtp.* left out
+            weights = qwen3_next_checkpoint_tensors(weights, self.arch)
         if self.arch.moe is not None:  # experts' tensors under the names of the experts' GatedMLPs
             local = local_experts(self.arch.moe.num_experts, self.tp) if self.tp.expert_parallel else None
             weights = expert_checkpoint_names(weights, self.arch.moe, self.arch.hidden_size, local)

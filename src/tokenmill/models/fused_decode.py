@@ -61,7 +61,8 @@ def _llama_shaped(arch: Any) -> bool:
             and not arch.post_norms and not arch.has_chunked_layers and not arch.qk_l2_norm
             and not arch.qk_norm and not arch.has_sliding_layers and not arch.sandwich_norms
             and arch.hidden_act == "silu" and arch.attention_scale is None and arch.moe is None
-            and arch.mla is None and not arch.attention_out_bias and arch.rotary_dim is None and arch.mamba is None)
+            and arch.mla is None and not arch.attention_out_bias and arch.rotary_dim is None and arch.mamba is None
+            and arch.gated_deltanet is None and not arch.attention_output_gate)
 
 
 def _native_product(linear: Any) -> Union[QLinearOp, AmxPackedKernel, None]:

@@ -36,6 +36,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": DecoderForCausalLM,
     # chunked local attention (AttentionLayer.attention_chunk), experts scaling their inputs (loader/llama4_tensors.py)
     "Llama4ForCausalLM": DecoderForCausalLM,
+    # Gated DeltaNet (linear attention over recurrent states) and gated attention layers (models/qwen3_next.py)
+    "Qwen3NextForCausalLM": DecoderForCausalLM,
 }
 
 

@@ -159,10 +159,11 @@ def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size:
     if expert_parallel and arch.moe is None:
         raise ValueError(f"enable_expert_parallel: {arch.architecture} has no mixture-of-experts layers to shard")
     kv_cache_geometry(arch, tp_size)  # MLA refuses tensor parallelism
-    if tp_size > 1 and any(arch.layer_spec(i).mixer == "mamba" for i in range(arch.num_hidden_layers)):
-        # (the layers refuse too, models/mamba2.py: here it is said before any worker starts)
+    mixers = {arch.layer_spec(i).mixer for i in range(arch.num_hidden_layers)} - {"attention"}
+    if tp_size > 1 and mixers:
+        # (the layers refuse too, models/mamba2.py, models/qwen3_next.py: here it is said before any worker starts)
         raise ValueError(f"{arch.architecture} runs at tensor_parallel_size 1 (asked for {tp_size}): "
-                         "Mamba2 mixers are not sharded")
+                         + ("Mamba2" if "mamba" in mixers else "Gated DeltaNet") + " mixers are not sharded")
     split_experts = []  # without expert parallelism each expert's intermediate is split like a dense MLP's
     if tp_size > 1 and arch.moe is not None:
         if expert_parallel:

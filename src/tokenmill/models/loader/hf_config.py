@@ -16,6 +16,7 @@ from tokenmill.models.arch import ArchConfig, MLAConfig, MoEConfig, RopeScaling
 from tokenmill.models.vision.config import VISION_ARCHITECTURES, vision_config_from_hf
 from tokenmill.models.loader.hf_granite_hybrid import granite_hybrid_arch_config
 from tokenmill.models.loader.hf_mamba2 import mamba2_arch_config
+from tokenmill.models.loader.hf_qwen3_next import qwen3_next_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ SUPPORTED_ARCHITECTURES = (
     "Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM",
     "Llama4ForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 
 # multimodal checkpoints whose text model alone is served: architecture -> what of theirs is not loaded
@@ -72,6 +74,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "mamba2": "Mamba2ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -779,6 +782,8 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         return mamba2_arch_config(config, generation, stored_dtype)
     if architecture == "GraniteMoeHybridForCausalLM":  # Mamba2 and attention layers (loader/hf_granite_hybrid.py)
         return granite_hybrid_arch_config(config, generation, stored_dtype)
+    if architecture == "Qwen3NextForCausalLM":  # Gated DeltaNet and gated attention layers (loader/hf_qwen3_next.py)
+        return qwen3_next_arch_config(config, generation, stored_dtype)
     setting = {**_COMMON_DEFAULTS, **_DEFAULTS[architecture], **config}
     # MLA: HF's head_dim is the RoPE part; ours, the q/k head width
     if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):

@@ -1,0 +1,160 @@
+"""Qwen3-Next (Qwen3NextForCausalLM): a tiny random checkpoint (3 layers, Gated DeltaNet - gated attention - Gated
+DeltaNet, hidden 64, 4 experts plus the gated shared expert, a dense last layer, random zero-centred norm weights,
+and a multi-token prediction layer's tensors as the real checkpoints carry them) gives HF float32's greedy ids and
+logprobs plain, chunked, preempted and batched (8 prompts x 32 tokens, one of 90 tokens whose prefill crosses the
+rule's 64-token chunks); its states carry across chunks split at every boundary and restart after a recompute
+preemption (the one pass's ids) with its attention layer on the reference and Triton backends; a request's output
+in the default dtype does not depend on its batch; the chunked gated delta rule equals the token-by-token one from a
+carried state; unsupported settings are refused.
+
+HF's oracle runs its own torch kernels: transformers picks flash-linear-attention's Triton kernels when fla is
+installed, which do not run on a CPU, and importing fla costs 5-10 s (the fixtures keep it out). No test runs
+tokenmill's fla path (CUDA only): its recurrent kernel matches the torch rule in Triton's interpreter, but importing
+fla alone would cost this file as much again, and its chunked kernel does not run in the interpreter.
+Cost: the checkpoint and HF model are built once per module; check_family about 5 s, the rest small engines of 6-12
+tokens a request."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers.family_check import check_family
+from helpers.forced_preemption import OTHERS, PROMPT, greedy_runs
+from helpers.tiny_models import make_tiny_hf_model
+from tokenmill import LLM
+from tokenmill.layers.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tokenmill.models.loader.hf_qwen3_next import qwen3_next_arch_config
+from tokenmill.worker.worker import check_divisible
+
+
+def _add_mtp_tensors(file) -> None:
+    """A multi-token prediction layer's tensors as Qwen3-Next's checkpoints store them (mtp.*), which are not run."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    hidden = tensors["model.norm.weight"].shape[0]
+    extra = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.zeros(hidden),
+             "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
+             "mtp.layers.0.input_layernorm.weight": torch.zeros(hidden)}
+    save_file({**tensors, **extra}, file, metadata={"format": "pt"})
+
+
+def _import_transformers_qwen3_next_without_fla() -> None:
+    """transformers looks for fla as its Qwen3-Next module is first imported (by the first model it builds): make
+    that look fail, so it keeps its torch kernels and the 5-10 s import of fla is not paid."""
+    import sys
+
+    blocked = {name: sys.modules.get(name) for name in ("fla", "causal_conv1d")}
+    sys.modules.update(dict.fromkeys(blocked))
+    try:
+        import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401
+    finally:
+        for name, module in blocked.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    _import_transformers_qwen3_next_without_fla()
+    path = make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_next"), arch="qwen3_next")
+    _add_mtp_tensors(path / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    from transformers.models.qwen3_next import modeling_qwen3_next as modeling
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):  # its own torch kernels (had fla been imported before, it would be fla's)
+        setattr(modeling, name, getattr(modeling, name).__wrapped__)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_qwen3_next_matches_hf_plain_chunked_preempted_and_batched(folder, hf, caplog):
+    with caplog.at_level(logging.INFO):
+        counts = check_family(folder, hf, prefix_caching=False)
+    assert counts["preemptions"] > 0  # the attention group's growth preempts (check_family asserts it too)
+    assert "prefix caching is off: Qwen3NextForCausalLM keeps a recurrent state" in caplog.text
+    assert "its multi-token prediction layer (4 mtp.* tensors) is not loaded" in caplog.text
+
+
+def test_qwen3_next_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):
+    """One-token chunks split the prompt at every boundary (the rule's one-token form throughout); a preemption
+    mid-prefill drops the request's blocks (states and K/V) and it recomputes from zero, here with the attention
+    layer on the reference backend; and Triton's (in its interpreter, whole prompts: 2 s of its kernels) runs it
+    beside states kept in its cache tensors. Float32: the one pass's ids, logprobs within float32 noise."""
+    prompts = [PROMPT, OTHERS[0]]
+    one_pass = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32), prompts, max_tokens=6)
+    every_boundary = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=1),
+                                 prompts, max_tokens=6)
+    preempted = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=7,
+                                attention_backend="torch_ref"), prompts, preempt_at_step=3, max_tokens=6)
+    triton = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, attention_backend="triton_paged",
+                             linear_kernel="dense"), prompts, max_tokens=6)
+    for run in (every_boundary, preempted, triton):
+        for (ids, logprobs), (want_ids, want_logprobs) in zip(run, one_pass):
+            assert ids == want_ids
+            worst = max(abs(a[1] - b[1]) for x, y in zip(logprobs, want_logprobs) for a, b in zip(x, y))
+            assert worst < 1e-4
+
+
+def test_qwen3_next_output_does_not_depend_on_its_batch_in_the_default_dtype(folder):
+    alone = greedy_runs(LLM(str(folder), num_kv_blocks=32), [PROMPT])[0]
+    busy = LLM(str(folder), num_kv_blocks=24, max_num_batched_tokens=5)  # 5-token chunks, a preemption forced
+    batched = greedy_runs(busy, [OTHERS[0], PROMPT, *OTHERS[1:]], preempt_at_step=4)
+    assert batched[1] == alone  # the same bits
+
+
+def _rule_inputs(T: int, heads: int = 3, dk: int = 8, dv: int = 5):
+    torch.manual_seed(1)
+    q = torch.nn.functional.normalize(torch.randn(T, heads, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(T, heads, dk), dim=-1)
+    return (q, k, torch.randn(T, heads, dv), -torch.rand(T, heads), torch.rand(T, heads),
+            torch.randn(heads, dk, dv))
+
+
+def test_the_chunked_rule_equals_the_recurrence_from_a_carried_state():
+    q, k, v, g, beta, state = _rule_inputs(37)
+    want, want_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    # chunks of 8: four whole ones and a padded fifth, the state carried between them; and in two calls of 20 + 17
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=8)
+    first, middle = chunk_gated_delta_rule(q[:20], k[:20], v[:20], g[:20], beta[:20], state, chunk_size=8)
+    second, split_final = chunk_gated_delta_rule(q[20:], k[20:], v[20:], g[20:], beta[20:], middle, chunk_size=8)
+    for got, expected in ((out, want), (final, want_state), (torch.cat([first, second]), want),
+                          (split_final, want_state)):
+        assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("setting,named", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_hidden_layers": 2, "layer_types": ["linear_attention", "sliding_attention"]}, "layer types"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "RoPE scaling"),
+    ({"linear_num_key_heads": 3, "linear_num_value_heads": 4}, "linear_num_value_heads"),
+    ({"head_dim": 32, "partial_rotary_factor": 0.1}, "partial_rotary_factor"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+])
+def test_unsupported_qwen3_next_settings_are_refused(setting, named):
+    with pytest.raises(ValueError, match=named):
+        qwen3_next_arch_config(setting, {}, lambda: "float32")
+
+
+def test_qwen3_next_tensor_parallelism_swap_preemption_a_quantised_cache_and_lora_are_refused(folder):
+    arch = qwen3_next_arch_config({"num_hidden_layers": 4}, {}, lambda: "float32")
+    assert arch.gated_deltanet_layers == {0, 1, 2}  # (every 4th layer full attention by default)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 .* Gated DeltaNet mixers are not sharded"):
+        check_divisible(arch, 2)
+    with pytest.raises(ValueError, match="preemption_mode swap: Qwen3NextForCausalLM keeps a recurrent"):
+        LLM(str(folder), preemption_mode="swap", swap_space_gb=0.01)
+    with pytest.raises(ValueError, match="kv_cache_dtype int8: Qwen3NextForCausalLM's recurrent states"):
+        LLM(str(folder), kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="enable_lora: .* Qwen3NextForCausalLM has .* recurrent mixers"):
+        LLM(str(folder), enable_lora=True)
