@@ -1,8 +1,8 @@
 """Qwen3-Next (Qwen3NextForCausalLM): a tiny random checkpoint (3 layers, Gated DeltaNet - gated attention - Gated
 DeltaNet, hidden 64, 4 experts plus the gated shared expert, a dense last layer, random zero-centred norm weights,
 and a multi-token prediction layer's tensors as the real checkpoints carry them) gives HF float32's greedy ids and
-logprobs plain, chunked, preempted and batched (8 prompts x 32 tokens, one of 90 tokens whose prefill crosses the
-rule's 64-token chunks); its states carry across chunks split at every boundary and restart after a recompute
+logprobs plain, chunked, preempted (swapped out and back) and batched (8 prompts x 32 tokens, one of 90 tokens
+whose prefill crosses the rule's 64-token chunks); its states carry across chunks split at every boundary and restart after a recompute
 preemption (the one pass's ids) with its attention layer on the reference and Triton backends; a request's output
 in the default dtype does not depend on its batch; the chunked gated delta rule equals the token-by-token one from a
 carried state; unsupported settings are refused.
@@ -80,7 +80,8 @@ def hf(folder):
 
 def test_qwen3_next_matches_hf_plain_chunked_preempted_and_batched(folder, hf, caplog):
     with caplog.at_level(logging.INFO):
-        counts = check_family(folder, hf, prefix_caching=False)
+        # the preempted requests swap their state pages and K/V out and back (core/swap_space.py)
+        counts = check_family(folder, hf, prefix_caching=False, preemption_mode="swap")
     assert counts["preemptions"] > 0  # the attention group's growth preempts (check_family asserts it too)
     assert "prefix caching is off: Qwen3NextForCausalLM keeps a recurrent state" in caplog.text
     assert "its multi-token prediction layer (4 mtp.* tensors) is not loaded" in caplog.text
@@ -96,7 +97,8 @@ def test_qwen3_next_chunks_at_every_boundary_and_a_preempted_request_give_one_pa
     every_boundary = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=1),
                                  prompts, max_tokens=6)
     preempted = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=7,
-                                attention_backend="torch_ref"), prompts, preempt_at_step=3, max_tokens=6)
+                                attention_backend="torch_ref", preemption_mode="recompute"),
+                            prompts, preempt_at_step=3, max_tokens=6)
     triton = greedy_runs(LLM(str(folder), dtype="float32", num_kv_blocks=32, attention_backend="triton_paged",
                              linear_kernel="dense"), prompts, max_tokens=6)
     for run in (every_boundary, preempted, triton):
@@ -147,13 +149,11 @@ def test_unsupported_qwen3_next_settings_are_refused(setting, named):
         qwen3_next_arch_config(setting, {}, lambda: "float32")
 
 
-def test_qwen3_next_tensor_parallelism_swap_preemption_a_quantised_cache_and_lora_are_refused(folder):
+def test_qwen3_next_tensor_parallelism_a_quantised_cache_and_lora_are_refused(folder):
     arch = qwen3_next_arch_config({"num_hidden_layers": 4}, {}, lambda: "float32")
     assert arch.gated_deltanet_layers == {0, 1, 2}  # (every 4th layer full attention by default)
     with pytest.raises(ValueError, match="tensor_parallel_size 1 .* Gated DeltaNet mixers are not sharded"):
         check_divisible(arch, 2)
-    with pytest.raises(ValueError, match="preemption_mode swap: Qwen3NextForCausalLM keeps a recurrent"):
-        LLM(str(folder), preemption_mode="swap", swap_space_gb=0.01)
     with pytest.raises(ValueError, match="kv_cache_dtype int8: Qwen3NextForCausalLM's recurrent states"):
         LLM(str(folder), kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="enable_lora: .* Qwen3NextForCausalLM has .* recurrent mixers"):
