@@ -76,7 +76,9 @@ class MambaConfig:
     head; a causal depthwise conv of `conv_kernel` taps (+ bias when `conv_bias`) and SiLU over xBC; the
     selective scan with dt = softplus(dt + dt_bias), A = -exp(A_log) and the D skip; a gated RMSNorm (one per
     group of the n_groups) and out_proj (both projections biased when `bias`). `chunk_size`: the prefill
-    scan's chunk length."""
+    scan's chunk length. `gate_norm` (layers/mamba2_mixer.py): "after_gate" RMSNorm(y * silu(z)) (Mamba2,
+    Granite 4.0-H, Nemotron-H), "before_gate" RMSNorm(y) * silu(z), "none" y * silu(z) without a norm (Falcon-H1's
+    two settings). `dt_min` > 0: dt clamped from below at it (Nemotron-H's time_step_min), in every step."""
 
     num_heads: int
     head_dim: int
@@ -87,6 +89,8 @@ class MambaConfig:
     norm_eps: float
     conv_bias: bool = True
     bias: bool = False
+    gate_norm: str = "after_gate"  # after_gate | before_gate | none
+    dt_min: float = 0.0
 
     @property
     def intermediate_size(self) -> int:
@@ -97,6 +101,23 @@ class MambaConfig:
     def conv_dim(self) -> int:
         """Channels of the conv: x, B and C."""
         return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclass(frozen=True)
+class FalconH1Multipliers:
+    """Falcon-H1's muP multipliers (models/falcon_h1.py folds them into the projections' weights at load): the
+    attention's input (`attention_in`), keys (`key`) and output (`attention_out`); the Mamba2 mixer's input
+    (`ssm_in`), its in_proj's five parts z, x, B, C, dt (`ssm_projections`) and its output (`ssm_out`); the MLP's
+    gate (`mlp_gate`) and down projection (`mlp_down`)."""
+
+    attention_in: float
+    key: float
+    attention_out: float
+    ssm_in: float
+    ssm_projections: tuple[float, float, float, float, float]
+    ssm_out: float
+    mlp_gate: float
+    mlp_down: float
 
 
 @dataclass(frozen=True)
@@ -172,6 +193,12 @@ class ArchConfig:
     # a hybrid (Granite 4.0-H, models/granite_hybrid.py): the layers whose mixer is a Mamba2 mixer (`mamba`), the
     # others attention, every layer with its MLP; None (with `mamba`): every layer a Mamba2 mixer and no MLP
     mamba_layers: Optional[frozenset[int]] = None
+    # Nemotron-H (models/nemotron_h.py): each layer's blocks in hybrid_override_pattern's letters, its mixer first
+    # (M: Mamba2, *: attention) then the MLP blocks that follow it (-); empty: not Nemotron-H
+    layer_blocks: tuple[str, ...] = ()
+    # Falcon-H1 (models/falcon_h1.py): its layer i runs as layers 2i (the Mamba2 mixer) and 2i + 1 (attention, in
+    # parallel on the same input, then the MLP); its multipliers; None: not Falcon-H1
+    falcon_h1: Optional[FalconH1Multipliers] = None
     # Granite: each block's output joins the residual stream times this (stream + m * block(norm(stream)))
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0  # Granite: the logits divided by this

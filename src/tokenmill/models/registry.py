@@ -36,6 +36,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": DecoderForCausalLM,
     # chunked local attention (AttentionLayer.attention_chunk), experts scaling their inputs (loader/llama4_tensors.py)
     "Llama4ForCausalLM": DecoderForCausalLM,
+    # Nemotron-H: Mamba2, NoPE attention and relu² MLP blocks, grouped into layers (models/nemotron_h.py)
+    "NemotronHForCausalLM": DecoderForCausalLM,
+    # Falcon-H1: a Mamba2 mixer and attention side by side in every layer, run as two layers (models/falcon_h1.py)
+    "FalconH1ForCausalLM": DecoderForCausalLM,
 }
 
 

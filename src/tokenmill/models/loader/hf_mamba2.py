@@ -39,6 +39,17 @@ def check_mixer_settings(name: str, setting: dict[str, Any]) -> None:
                          "supported: (0.0, inf)")
 
 
+def eos_token_ids(setting: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    """The EOS ids of config.json's `eos_token_id` then generation_config.json's (an id or a list each), in order,
+    once each."""
+    ids: list[int] = []
+    for value in (setting.get("eos_token_id"), generation.get("eos_token_id")):
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
 def mamba2_arch_config(config: dict[str, Any], generation: dict[str, Any],
                        stored_dtype: Callable[[], str]) -> ArchConfig:
     """The ArchConfig of a Mamba2ForCausalLM config.json. ValueError for a setting not implemented: hidden_act
