@@ -1,13 +1,15 @@
-"""Granite 4.0-H (GraniteMoeHybridForCausalLM), the first hybrid: a tiny random checkpoint (3 layers, Mamba2 -
-attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1) gives HF float32's
-greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at every
-boundary and restart after a recompute preemption (the one pass's ids), its attention layer on every attention
-backend; a request's output in the default dtype does not depend on its batch; two pipeline stages give the one
-rank's ids; the dense, NoPE variant matches HF; a state kept in the attention
-cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
+"""The hybrids of Mamba2 mixers and attention: Granite 4.0-H (GraniteMoeHybridForCausalLM: 3 layers, Mamba2 -
+attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1), Nemotron-H
+(NemotronHForCausalLM: blocks M - * - M, NoPE attention, relu² MLPs) and Falcon-H1 (FalconH1ForCausalLM: 2 layers
+of a Mamba2 mixer beside attention, every muP multiplier away from 1). Each tiny random checkpoint gives HF
+float32's greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at
+every boundary and restart after a recompute preemption (the one pass's ids), its attention layers on every
+attention backend; a request's output in the default dtype does not depend on its batch; two pipeline stages give
+the one rank's ids. Granite's dense, NoPE variant and Falcon-H1's other two gate/norm placements match HF; a state
+kept in the attention cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
 
 Cost: check_family on 4 prompts x 16 tokens (HF's generate is the oracle), small engines of 6 tokens a request
-below; the checkpoint and the HF model are built once per module."""
+below; each checkpoint and its HF model are built once per module (about 10 s an architecture in all)."""
 
 from __future__ import annotations
 
@@ -25,12 +27,37 @@ from tokenmill import LLM
 from tokenmill.core.kv_spec import StateCacheSpec
 from tokenmill.layers.mamba2_mixer import StateChunk
 from tokenmill.layers.paged_state import PagedState
+from tokenmill.models.loader.hf_falcon_h1 import falcon_h1_arch_config
 from tokenmill.models.loader.hf_granite_hybrid import granite_hybrid_arch_config
+from tokenmill.models.loader.hf_nemotron_h import nemotron_h_arch_config
+
+# model_type -> (architecture, what the engine logs at start: the states' memory per request and the pool blocks
+# they take in their groups, the attention's per token; the 4 of the 8 prompts whose requests outgrow
+# check_family's small pool together, so that some are preempted)
+HYBRIDS = {
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM",
+                         "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 2 group(s))",
+                         "full attention: 1 group(s), 1 layers, 0.2 KiB per token", EIGHT_PROMPTS[:4]),
+    # (layers "M-", "*-", "M": the two mixers' states in two groups of one layer, beside one attention layer)
+    "nemotron_h": ("NemotronHForCausalLM",
+                   "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 2 group(s))",
+                   "full attention: 1 group(s), 1 layers, 0.2 KiB per token", EIGHT_PROMPTS[:4]),
+    # (each layer's mixer and attention as two decoder layers: one state group of 2 layers, one attention group)
+    "falcon_h1": ("FalconH1ForCausalLM",
+                  "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 1 group(s))",
+                  # (its one state group's smaller share of the pool: the 90- and 60-token prompts together)
+                  "full attention: 1 group(s), 2 layers, 0.5 KiB per token", EIGHT_PROMPTS[2:6]),
+}
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def model_type(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_tiny_hf_model(tmp_path_factory.mktemp("granite_hybrid"), arch="granitemoehybrid")
+def folder(tmp_path_factory, model_type):
+    return make_tiny_hf_model(tmp_path_factory.mktemp(model_type), arch=model_type)
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +65,20 @@ def hf(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def test_granite_hybrid_matches_hf_plain_chunked_preempted_and_batched(folder, hf, caplog):
+def test_hybrid_matches_hf_plain_chunked_preempted_and_batched(model_type, folder, hf, caplog):
+    architecture, state_memory, attention_memory, prompts = HYBRIDS[model_type]
     with caplog.at_level(logging.INFO):
-        # 4 of the 8 prompts (the two longest among them) x 16 tokens: HF's reference Mamba2 kernels make its
-        # generate the slow half of the check (10 s for 8 x 32)
-        counts = check_family(folder, hf, count=16, prompts=EIGHT_PROMPTS[:4], prefix_caching=False)
+        # 4 of the 8 prompts x 16 tokens: HF's reference Mamba2 kernels make its generate the slow half of the
+        # check (10 s for 8 x 32)
+        counts = check_family(folder, hf, count=16, prompts=prompts, prefix_caching=False)
     assert counts["preemptions"] > 0  # the attention group's growth preempts (check_family asserts it too)
-    assert "prefix caching is off: GraniteMoeHybridForCausalLM keeps a recurrent state" in caplog.text
+    assert f"prefix caching is off: {architecture} keeps a recurrent state" in caplog.text
     # the state's memory per request and the pool blocks it takes beside the attention's per token, at start
-    assert "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 2 group(s))" in caplog.text
-    assert "full attention: 1 group(s), 1 layers, 0.2 KiB per token" in caplog.text
+    assert state_memory in caplog.text
+    assert attention_memory in caplog.text
 
 
-def test_granite_hybrid_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):
+def test_hybrid_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):
     """One-token chunks split the prompt at every boundary; a preemption mid-prefill drops the request's blocks
     (states and K/V) and it recomputes from zero. Float32: the one pass's ids, logprobs within float32 noise.
     The two runs use the backends check_family's CPU default does not (the reference, and Triton in its
@@ -69,7 +97,7 @@ def test_granite_hybrid_chunks_at_every_boundary_and_a_preempted_request_give_on
             assert worst < 1e-4
 
 
-def test_granite_hybrid_output_does_not_depend_on_its_batch_in_the_default_dtype(folder):
+def test_hybrid_output_does_not_depend_on_its_batch_in_the_default_dtype(folder):
     alone = greedy_runs(LLM(str(folder), num_kv_blocks=32), [PROMPT])[0]
     # 5-token chunks; a pool of 24 blocks (a request's states take 8 of them in bfloat16 at 16 tokens a block)
     busy = LLM(str(folder), num_kv_blocks=24, max_num_batched_tokens=5)
@@ -77,9 +105,10 @@ def test_granite_hybrid_output_does_not_depend_on_its_batch_in_the_default_dtype
     assert batched[1] == alone  # the same bits
 
 
-def test_granite_hybrid_over_two_pipeline_stages_gives_the_one_rank_ids(folder):
-    """Stage 0 holds a Mamba2 layer and the attention layer, stage 1 the other Mamba2 layer, each rank in a worker
-    process with its own states and K/V; a batch of four gives the one-rank ids (2 ranks: about 3 s)."""
+def test_hybrid_over_two_pipeline_stages_gives_the_one_rank_ids(folder):
+    """Stage 0 holds a Mamba2 layer and the attention layer, stage 1 the other Mamba2 layer (Falcon-H1: one
+    layer's two halves each), each rank in a worker process with its own states and K/V; a batch of four gives the
+    one-rank ids (2 ranks: about 3 s)."""
     from tokenmill import SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in [PROMPT, *OTHERS]]
@@ -95,6 +124,21 @@ def test_a_dense_granite_hybrid_without_rope_matches_hf(tmp_path):
     # embedding (NoPE), here with the attention layer first; 2 layers, 2 prompts x 8 tokens
     path = make_tiny_hf_model(tmp_path, arch="granitemoehybrid", num_hidden_layers=2,
                               layer_types=["attention", "mamba"], num_local_experts=0, position_embedding_type=None)
+    arch = _matches_hf_on_two_prompts(path)
+    assert arch.moe is None and arch.no_rope_layers == {0, 1} and arch.mamba_layers == {1}
+
+
+@pytest.mark.parametrize("settings,gate_norm", [({"mamba_rms_norm": False}, "none"),
+                                                ({"mamba_norm_before_gate": False}, "after_gate")])
+def test_falcon_h1_with_its_other_gate_and_norm_placements_matches_hf(tmp_path, settings, gate_norm):
+    # the module's Falcon-H1 norms the mixer's output before its gate; transformers' default has no norm
+    # (y * silu(z) alone), and the norm may follow the gate; 2 layers, 2 prompts x 8 tokens
+    arch = _matches_hf_on_two_prompts(make_tiny_hf_model(tmp_path, arch="falcon_h1", **settings))
+    assert arch.mamba.gate_norm == gate_norm
+
+
+def _matches_hf_on_two_prompts(path):
+    """Assert the engine gives HF float32's greedy ids and logprobs for 2 prompts x 8 tokens; the engine's arch."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [PROMPT, OTHERS[1]]
     llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=64)
@@ -102,8 +146,7 @@ def test_a_dense_granite_hybrid_without_rope_matches_hf(tmp_path):
         want_tokens, want_logprobs = hf_greedy_logprobs(hf, ids, 8)
         assert list(tokens) == want_tokens
         assert max(abs(step[0][1] - want) for step, want in zip(logprobs, want_logprobs)) < 1e-4
-    arch = llm.llm_engine.arch
-    assert arch.moe is None and arch.no_rope_layers == {0, 1} and arch.mamba_layers == {1}
+    return llm.llm_engine.arch
 
 
 def test_a_state_in_attention_blocks_round_trips_and_touches_no_other_block():
@@ -122,20 +165,37 @@ def test_a_state_in_attention_blocks_round_trips_and_touches_no_other_block():
     assert not fresh_conv.any() and not fresh_ssm.any()
 
 
-@pytest.mark.parametrize("setting,named", [
-    ({"time_step_limit": [0.0, 1.0]}, "time_step_limit"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"position_embedding_type": "alibi"}, "position_embedding_type"),
-    ({"num_hidden_layers": 2, "layer_types": ["mamba", "sliding_attention"]}, "layer types"),
-    ({"position_embedding_type": "rope", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling"),
+@pytest.mark.parametrize("arch_config,setting,named", [
+    (granite_hybrid_arch_config, {"time_step_limit": [0.0, 1.0]}, "time_step_limit"),
+    (granite_hybrid_arch_config, {"hidden_act": "gelu"}, "hidden_act"),
+    (granite_hybrid_arch_config, {"position_embedding_type": "alibi"}, "position_embedding_type"),
+    (granite_hybrid_arch_config, {"num_hidden_layers": 2, "layer_types": ["mamba", "sliding_attention"]},
+     "layer types"),
+    (granite_hybrid_arch_config, {"position_embedding_type": "rope",
+                                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling"),
+    (nemotron_h_arch_config, {"layers_block_type": ["linear_attention", "moe"]}, "E: mixture-of-experts"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "-M*"}, "must start with a mixer block"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "M*", "mlp_hidden_act": "silu"}, "mlp_hidden_act"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "M*", "mlp_bias": True}, "mlp_bias"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "M*", "mamba_hidden_act": "gelu"}, "hidden_act"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "M*", "mamba_dt_limit": [0.0, 1.0]}, "time_step_limit"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "M*", "sliding_window": 64}, "sliding_window"),
+    (falcon_h1_arch_config, {"hidden_act": "gelu"}, "hidden_act"),
+    (falcon_h1_arch_config, {"time_step_limit": [0.0, 1.0]}, "time_step_limit"),
+    (falcon_h1_arch_config, {"projectors_bias": True}, "projectors_bias"),
+    (falcon_h1_arch_config, {"mlp_bias": True}, "mlp_bias"),
+    (falcon_h1_arch_config, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling"),
+    (falcon_h1_arch_config, {"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers"),
+    (falcon_h1_arch_config, {"mlp_multipliers": [1.0]}, "mlp_multipliers"),
 ])
-def test_unsupported_granite_hybrid_settings_are_refused(setting, named):
+def test_unsupported_hybrid_settings_are_refused(arch_config, setting, named):
     with pytest.raises(ValueError, match=named):
-        granite_hybrid_arch_config(setting, {}, lambda: "float32")
+        arch_config(setting, {}, lambda: "float32")
 
 
-def test_granite_hybrid_swap_preemption_and_a_quantised_cache_are_refused(folder):
-    with pytest.raises(ValueError, match="preemption_mode swap: GraniteMoeHybridForCausalLM keeps a recurrent"):
+def test_hybrid_swap_preemption_and_a_quantised_cache_are_refused(model_type, folder):
+    architecture = HYBRIDS[model_type][0]
+    with pytest.raises(ValueError, match=f"preemption_mode swap: {architecture} keeps a recurrent"):
         LLM(str(folder), preemption_mode="swap", swap_space_gb=0.01)
-    with pytest.raises(ValueError, match="kv_cache_dtype int8: GraniteMoeHybridForCausalLM's recurrent states"):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype int8: {architecture}'s recurrent states"):
         LLM(str(folder), kv_cache_dtype="int8")
