@@ -126,11 +126,15 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "llama4_text": {"head_dim": 64, "no_rope_layers": [1, 0], "attention_chunk_size": 8, "floor_scale": 4,
                     "attn_scale": 0.5, "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
                     "intermediate_size": 32, "intermediate_size_mlp": 128, "initializer_range": 0.1},
-    # Nemotron-H: blocks M - * - M (layers "M-", "*-", "M": two state groups beside a NoPE attention group, a layer
-    # with no MLP block), the mixers as tiny Mamba2's (8 heads of 16, 2 groups of state 16, scan chunks of 8)
-    "nemotron_h": {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention"],
+    # Nemotron-H: blocks M - * E M (layers "M-", "*E", "M": two state groups beside a NoPE attention group, a layer
+    # with no MLP block), the mixers as tiny Mamba2's (8 heads of 16, 2 groups of state 16, scan chunks of 8); the
+    # experts block 8 relu² experts of width 32 in 2 groups (the best 1 kept), 2 per token, scaled by 2.5, plus a
+    # shared one of 48
+    "nemotron_h": {"layers_block_type": ["linear_attention", "mlp", "full_attention", "moe", "linear_attention"],
                    "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16,
-                   "chunk_size": 8, "initializer_range": 0.1},
+                   "chunk_size": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
+                   "routed_scaling_factor": 2.5, "initializer_range": 0.1},
     # Falcon-H1: 2 layers, each a Mamba2 mixer (8 heads of 16, 2 groups of state 16, scan chunks of 8, the grouped
     # RMSNorm before the gate) beside attention; every multiplier away from 1 and each of the five in_proj parts'
     # its own, so a dropped or misplaced one changes the logits

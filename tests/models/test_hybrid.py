@@ -1,6 +1,6 @@
 """The hybrids of Mamba2 mixers and attention: Granite 4.0-H (GraniteMoeHybridForCausalLM: 3 layers, Mamba2 -
 attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1), Nemotron-H
-(NemotronHForCausalLM: blocks M - * - M, NoPE attention, relu² MLPs) and Falcon-H1 (FalconH1ForCausalLM: 2 layers
+(NemotronHForCausalLM: blocks M - * E M, NoPE attention, relu² MLP and experts) and Falcon-H1 (FalconH1ForCausalLM: 2 layers
 of a Mamba2 mixer beside attention, every muP multiplier away from 1). Each tiny random checkpoint gives HF
 float32's greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at
 every boundary and restart after a recompute preemption (the one pass's ids), its attention layers on every
@@ -38,7 +38,7 @@ HYBRIDS = {
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM",
                          "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 2 group(s))",
                          "full attention: 1 group(s), 1 layers, 0.2 KiB per token", EIGHT_PROMPTS[:4]),
-    # (layers "M-", "*-", "M": the two mixers' states in two groups of one layer, beside one attention layer)
+    # (layers "M-", "*E", "M": the two mixers' states in two groups of one layer, beside one attention layer)
     "nemotron_h": ("NemotronHForCausalLM",
                    "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 2 group(s))",
                    "full attention: 1 group(s), 1 layers, 0.2 KiB per token", EIGHT_PROMPTS[:4]),
@@ -173,7 +173,10 @@ def test_a_state_in_attention_blocks_round_trips_and_touches_no_other_block():
      "layer types"),
     (granite_hybrid_arch_config, {"position_embedding_type": "rope",
                                   "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling"),
-    (nemotron_h_arch_config, {"layers_block_type": ["linear_attention", "moe"]}, "E: mixture-of-experts"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "M*X"}, "letters"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "ME", "moe_latent_size": 32}, "moe_latent_size"),
+    (nemotron_h_arch_config, {"hybrid_override_pattern": "ME", "n_routed_experts": 8, "n_group": 4,
+                              "topk_group": 1, "num_experts_per_tok": 4}, "num_experts_per_tok"),
     (nemotron_h_arch_config, {"hybrid_override_pattern": "-M*"}, "must start with a mixer block"),
     (nemotron_h_arch_config, {"hybrid_override_pattern": "M*", "mlp_hidden_act": "silu"}, "mlp_hidden_act"),
     (nemotron_h_arch_config, {"hybrid_override_pattern": "M*", "mlp_bias": True}, "mlp_bias"),

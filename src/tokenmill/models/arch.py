@@ -34,6 +34,7 @@ class MoEConfig:
     `router_bias`: the router adds a per-expert bias to its logits (GPT-OSS). `swiglu_limit` (GPT-OSS's experts,
     layers/gpt_oss_experts.py): every projection of an expert has a bias, and the activation is the clamped
     SwiGLU (up + 1) * gate * sigmoid(`swiglu_alpha` * gate), gate clamped above at the limit and up to +-limit.
+    `expert_activation` "relu2" (Nemotron-H): experts without a gate, down(relu(up(x))²) (models/nemotron_h.py).
     `shared_intermediate_size` > 0 adds an always-on SwiGLU expert of that width (DeepSeek's shared experts,
     fused into one); with `shared_expert_gate` (Qwen2-MoE) its output is scaled per token by
     sigmoid(x . w), w a [1, hidden] gate. `dense_layers` run a plain MLP of the model's `intermediate_size`
@@ -54,6 +55,8 @@ class MoEConfig:
     router_bias: bool = False
     swiglu_limit: Optional[float] = None  # GPT-OSS's biased experts with the clamped SwiGLU; None: plain SwiGLU
     swiglu_alpha: float = 1.702
+    # "relu2" (Nemotron-H): each expert (and the shared one) is down(relu(up(x))²), no gate; "swiglu": gated
+    expert_activation: str = "swiglu"
 
 
 @dataclass(frozen=True)

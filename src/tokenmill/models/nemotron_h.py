@@ -1,10 +1,10 @@
 """Nemotron-H's layers (NemotronHForCausalLM) in the one decoder (models/decoder.py).
 
 Nemotron-H is a stack of single-block layers, each stream += block(norm(stream)), the block a Mamba2 mixer (M),
-attention without any position embedding (*) or a relu² MLP (-), as hybrid_override_pattern lists them. Only
-mixers keep a cache, so the decoder's layer j is one mixer block and the MLP blocks that follow it
-(`ArchConfig.layer_blocks[j]`, e.g. "M-"): a layer's cache is its mixer's (a Mamba2 state or K/V, core/kv_spec.py)
-and no layer is left without one. The checkpoint's block k is renamed to its place in that grouping
+attention without any position embedding (*), a relu² MLP (-) or a mixture of relu² experts plus a shared one (E),
+as hybrid_override_pattern lists them. Only mixers keep a cache, so the decoder's layer j is one mixer block and
+the MLP blocks that follow it (`ArchConfig.layer_blocks[j]`, e.g. "M-" or "*E"): a layer's cache is its mixer's (a
+Mamba2 state or K/V, core/kv_spec.py) and no layer is left without one. The checkpoint's block k is renamed to its place in that grouping
 (`nemotron_h_checkpoint_names`).
 """
 
@@ -18,32 +18,38 @@ from torch import nn
 
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenmill.layers.mamba2_mixer import Mamba2Mixer
+from tokenmill.layers.moe import MoEBlock
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.attention_block import SelfAttention
 from tokenmill.parallel.group import TPGroup
 
-MAMBA, ATTENTION, MLP = "M", "*", "-"
+MAMBA, ATTENTION, MLP, EXPERTS = "M", "*", "-", "E"
 
 
 class ReluSquaredMLP(nn.Module):
-    """down(relu(up(x))²): Nemotron-H's MLP, no gate (its projections under the names `up` and `down_proj`: the
-    decoder's loader reads a `.up_proj.` as half of a fused gate/up projection)."""
+    """down(relu(up(x))²): Nemotron-H's MLP and each of its experts, no gate (its projections under the names `up`
+    and `down_proj`: the decoder's loader reads a `.up_proj.` as half of a fused gate/up projection)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.up = ColumnParallelLinear(hidden_size, intermediate_size, tp=tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
 
+    def intermediate(self, x: torch.Tensor) -> torch.Tensor:
+        """relu(up(x))², what the down projection takes (MoEBlock runs an expert in these two steps)."""
+        return torch.square(torch.relu(self.up(x)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        return self.down_proj(torch.square(torch.relu(self.up(x))))
+        return self.down_proj(self.intermediate(x))
 
 
 class NemotronHLayer(nn.Module):
     """A mixer block then its MLP blocks, each stream += block(norm(stream)), carried as DecoderLayer carries the
     stream: (block output, residual stream), the next norm adding them. `norm`/`mixer` are the mixer block's
-    (a Mamba2 mixer or attention), `mlp_norms[i]`/`mlps[i]` the i-th MLP block's."""
+    (a Mamba2 mixer or attention), `mlp_norms[i]`/`mlps[i]` the i-th MLP block's (a relu² MLP, or a MoEBlock of
+    relu² experts)."""
 
     def __init__(self, arch: ArchConfig, index: int, backend: Any, tp: TPGroup) -> None:
         super().__init__()
@@ -55,8 +61,9 @@ class NemotronHLayer(nn.Module):
         self.mixer = (Mamba2Mixer(arch.hidden_size, arch.mamba) if spec.mixer == "mamba"
                       else SelfAttention(arch, spec, backend, tp))
         self.mlp_norms = nn.ModuleList(RMSNorm(arch.hidden_size, arch.rms_norm_eps) for _ in blocks[1:])
-        self.mlps = nn.ModuleList(ReluSquaredMLP(arch.hidden_size, arch.intermediate_size, tp)
-                                  for _ in blocks[1:])
+        expert = lambda width: ReluSquaredMLP(arch.hidden_size, width, tp)  # noqa: E731
+        self.mlps = nn.ModuleList(MoEBlock(arch.moe, arch.hidden_size, expert, tp) if block == EXPERTS
+                                  else expert(arch.intermediate_size) for block in blocks[1:])
 
     def forward(self, rope: Any, hidden: torch.Tensor, residual: Optional[torch.Tensor], kv_cache: Any,
                 attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,18 +84,17 @@ class NemotronHLayer(nn.Module):
 
 
 def layer_blocks(pattern: str) -> tuple[str, ...]:
-    """hybrid_override_pattern -> each layer's blocks: a mixer letter (M or *) and the MLP letters (-) after it,
-    e.g. "M-M*-" -> ("M-", "M", "*-"). ValueError for a pattern that does not start with a mixer (an MLP block
-    would have no layer to join) or has a letter other than M, * and -."""
-    unknown = sorted(set(pattern) - {MAMBA, ATTENTION, MLP})
+    """hybrid_override_pattern -> each layer's blocks: a mixer letter (M or *) and the MLP letters (- or E) after
+    it, e.g. "M-ME*-" -> ("M-", "ME", "*-"). ValueError for a pattern that does not start with a mixer (an MLP
+    block would have no layer to join) or has a letter other than M, *, - and E."""
+    unknown = sorted(set(pattern) - {MAMBA, ATTENTION, MLP, EXPERTS})
     if unknown:
-        raise ValueError(f"NemotronHForCausalLM with hybrid_override_pattern letters {unknown} is not supported "
-                         "(E: mixture-of-experts blocks, not implemented yet); supported: M (Mamba2), * (attention), "
-                         "- (MLP)")
-    if not pattern or pattern[0] == MLP:
+        raise ValueError(f"NemotronHForCausalLM with hybrid_override_pattern letters {unknown} is not supported; "
+                         "supported: M (Mamba2), * (attention), - (MLP), E (experts)")
+    if not pattern or pattern[0] in (MLP, EXPERTS):
         raise ValueError(f"NemotronHForCausalLM with hybrid_override_pattern {pattern!r} is not supported: it must "
                          "start with a mixer block (M or *), which the MLP blocks after it join")
-    return tuple(re.findall(r"[M*]-*", pattern))
+    return tuple(re.findall(r"[M*][-E]*", pattern))
 
 
 _BLOCK = re.compile(r"^(?:model\.|backbone\.)?layers\.(\d+)\.(norm|mixer)\.(.*)$")
@@ -97,7 +103,8 @@ _BLOCK = re.compile(r"^(?:model\.|backbone\.)?layers\.(\d+)\.(norm|mixer)\.(.*)$
 def nemotron_h_checkpoint_names(weights: Iterable[tuple[str, Any]], arch: ArchConfig
                                 ) -> Iterator[tuple[str, Any]]:
     """Nemotron-H's tensor names as the decoder's: block k's `norm` and `mixer.*` under its layer j's `norm` and
-    `mixer.*` (a mixer block) or `mlp_norms.i` and `mlps.i.*` (the layer's i-th MLP block; up_proj as `up`);
+    `mixer.*` (a mixer block) or `mlp_norms.i` and `mlps.i.*` (the layer's i-th MLP or experts block, whose
+    `gate`, `experts.e.*` and `shared_experts.*` keep their names; every up_proj as `up`);
     `embeddings` -> embed_tokens, `norm_f` -> norm (with or without the `backbone.`/`model.` prefix). The
     multi-token prediction layers (`mtp.*`) are not run here and are skipped, as transformers skips them."""
     place: list[tuple[int, int]] = []  # block k -> (layer, position in the layer)

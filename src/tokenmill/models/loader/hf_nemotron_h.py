@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from tokenmill.models.arch import ArchConfig, MambaConfig
+from tokenmill.models.arch import ArchConfig, MambaConfig, MoEConfig
 from tokenmill.models.loader.hf_mamba2 import check_mixer_settings, eos_token_ids
-from tokenmill.models.nemotron_h import ATTENTION, MAMBA, MLP, layer_blocks
+from tokenmill.models.nemotron_h import ATTENTION, EXPERTS, MAMBA, MLP, layer_blocks
 
 ARCHITECTURE = "NemotronHForCausalLM"
 
@@ -19,6 +19,9 @@ _DEFAULTS: dict[str, Any] = {
     "ssm_state_size": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8,
     "conv_kernel": 4, "time_step_min": 0.001, "time_step_limit": (0.0, math.inf), "use_conv_bias": True,
     "chunk_size": 128, "use_bias": False, "layer_norm_epsilon": 1e-5, "num_nextn_predict_layers": 0,
+    "n_routed_experts": 8, "moe_intermediate_size": 7688, "moe_shared_expert_intermediate_size": 7688,
+    "moe_latent_size": None, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True,
 }
 
 # the legacy config.json names NemotronHConfig still reads, as its own
@@ -28,7 +31,7 @@ _LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "m
 
 # layers_block_type's names (and the legacy ones transformers maps to them) as hybrid_override_pattern's letters
 _LETTERS = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
-            "mlp": MLP, "moe": "E"}
+            "mlp": MLP, "moe": EXPERTS}
 
 
 def _pattern(setting: dict[str, Any]) -> str:
@@ -39,8 +42,26 @@ def _pattern(setting: dict[str, Any]) -> str:
     unknown = sorted(set(kinds) - set(_LETTERS))
     if unknown:
         raise ValueError(f"{ARCHITECTURE} with layers_block_type {unknown} is not supported; supported: "
-                         "linear_attention, full_attention, mlp")
+                         "linear_attention, full_attention, mlp, moe")
     return "".join(_LETTERS[kind] for kind in kinds)
+
+
+def _experts(setting: dict[str, Any]) -> MoEConfig:
+    """The experts blocks' MoEConfig; ValueError for moe_latent_size or a top-k the kept groups cannot fill."""
+    name = ARCHITECTURE
+    if setting["moe_latent_size"] is not None:
+        raise ValueError(f"{name} with moe_latent_size={setting['moe_latent_size']} is not supported; supported: "
+                         "None (experts on the hidden state)")
+    experts, top_k = int(setting["n_routed_experts"]), int(setting["num_experts_per_tok"])
+    groups, kept = int(setting["n_group"]), int(setting["topk_group"])
+    if experts % groups or top_k > kept * (experts // groups):
+        raise ValueError(f"{name}: n_routed_experts ({experts}) must split into n_group ({groups}) groups whose "
+                         f"topk_group ({kept}) best hold num_experts_per_tok ({top_k}) experts")
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=int(setting["moe_intermediate_size"]),
+                     norm_topk_prob=bool(setting["norm_topk_prob"]),
+                     routed_scaling_factor=float(setting["routed_scaling_factor"]),
+                     shared_intermediate_size=int(setting["moe_shared_expert_intermediate_size"]),
+                     scoring="sigmoid", num_groups=groups, topk_groups=kept, expert_activation="relu2")
 
 
 def nemotron_h_arch_config(config: dict[str, Any], generation: dict[str, Any],
@@ -49,10 +70,13 @@ def nemotron_h_arch_config(config: dict[str, Any], generation: dict[str, Any],
     MLP blocks after it (models/nemotron_h.py). As transformers runs it: attention without position embedding nor
     biases (attention_bias is not read), the Mamba2 mixers' width mamba_num_heads x mamba_head_dim (expand is not
     read), dt clamped from below at time_step_min (transformers clamps its prefill scan there; here every step is),
-    the multi-token prediction layers not run. ValueError for a setting not implemented: mixture-of-experts blocks
-    (E / moe), a pattern starting with an MLP block, mlp_hidden_act other than relu2, mlp_bias, mamba_hidden_act
-    other than silu, a time_step_limit other than (0, inf), a sliding_window, mamba_num_heads not a multiple of
-    n_groups."""
+    the multi-token prediction layers not run. Experts blocks (E / moe): n_routed_experts relu² experts of
+    moe_intermediate_size, num_experts_per_tok per token by DeepSeek-V3's sigmoid grouped routing with a correction
+    bias (n_group, topk_group, norm_topk_prob, routed_scaling_factor), plus one shared relu² MLP of
+    moe_shared_expert_intermediate_size. ValueError for a setting not implemented: a pattern starting with an MLP
+    block, mlp_hidden_act other than relu2, mlp_bias, mamba_hidden_act other than silu, a time_step_limit other
+    than (0, inf), a sliding_window, mamba_num_heads not a multiple of n_groups, moe_latent_size (experts in a
+    latent space), num_experts_per_tok more than the topk_group groups' experts."""
     setting = {**_DEFAULTS, **{_LEGACY_NAMES.get(key, key): value for key, value in config.items()}}
     name = ARCHITECTURE
     blocks = layer_blocks(_pattern(setting))
@@ -75,6 +99,7 @@ def nemotron_h_arch_config(config: dict[str, Any], generation: dict[str, Any],
                         norm_eps=float(setting["layer_norm_epsilon"]), conv_bias=bool(setting["use_conv_bias"]),
                         bias=bool(setting["use_bias"]), dt_min=float(setting["time_step_min"]))
     layers = len(blocks)
+    moe = _experts(setting) if any(EXPERTS in layer for layer in blocks) else None
     num_heads = int(setting["num_attention_heads"])
     return ArchConfig(
         architecture=name, vocab_size=int(setting["vocab_size"]), hidden_size=int(setting["hidden_size"]),
@@ -85,5 +110,5 @@ def nemotron_h_arch_config(config: dict[str, Any], generation: dict[str, Any],
         tie_word_embeddings=bool(setting["tie_word_embeddings"]), bos_token_id=setting["bos_token_id"],
         eos_token_ids=eos_token_ids(setting, generation),
         checkpoint_dtype=str(config.get("dtype") or config.get("torch_dtype") or stored_dtype()),
-        no_rope_layers=frozenset(range(layers)), mamba=mamba,
+        no_rope_layers=frozenset(range(layers)), mamba=mamba, moe=moe,
         mamba_layers=frozenset(j for j, layer in enumerate(blocks) if layer[0] == MAMBA), layer_blocks=blocks)
