@@ -135,10 +135,11 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                    "chunk_size": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
                    "routed_scaling_factor": 2.5, "initializer_range": 0.1},
-    # Falcon-H1: 2 layers, each a Mamba2 mixer (8 heads of 16, 2 groups of state 16, scan chunks of 8, the grouped
-    # RMSNorm before the gate) beside attention; every multiplier away from 1 and each of the five in_proj parts'
-    # its own, so a dropped or misplaced one changes the logits
-    "falcon_h1": {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+    # Falcon-H1: 1 layer (2 decoder layers: two pipeline stages split it between its halves; the Triton
+    # interpreter's attention costs per layer), a Mamba2 mixer (8 heads of 16, 2 groups of state 16, scan chunks of
+    # 8, the grouped RMSNorm before the gate) beside attention; every multiplier away from 1 and each of the five
+    # in_proj parts its own, so a dropped or misplaced one changes the logits
+    "falcon_h1": {"num_hidden_layers": 1, "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
                   "mamba_d_state": 16, "mamba_chunk_size": 8, "mamba_rms_norm": True, "mamba_norm_before_gate": True,
                   "embedding_multiplier": 3.0, "lm_head_multiplier": 0.6, "key_multiplier": 0.7,
                   "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.2,

@@ -1,7 +1,7 @@
 """The hybrids of Mamba2 mixers and attention: Granite 4.0-H (GraniteMoeHybridForCausalLM: 3 layers, Mamba2 -
 attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1), Nemotron-H
 (NemotronHForCausalLM: blocks M - * E M, NoPE attention, relu² MLP and experts) and Falcon-H1 (FalconH1ForCausalLM: 2 layers
-of a Mamba2 mixer beside attention, every muP multiplier away from 1). Each tiny random checkpoint gives HF
+of a Mamba2 mixer beside attention (1 layer here, 2 in its variants' tests), every muP multiplier away from 1). Each tiny random checkpoint gives HF
 float32's greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at
 every boundary and restart after a recompute preemption (the one pass's ids), its attention layers on every
 attention backend; a request's output in the default dtype does not depend on its batch; two pipeline stages give
@@ -42,11 +42,11 @@ HYBRIDS = {
     "nemotron_h": ("NemotronHForCausalLM",
                    "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 2 group(s))",
                    "full attention: 1 group(s), 1 layers, 0.2 KiB per token", EIGHT_PROMPTS[:4]),
-    # (each layer's mixer and attention as two decoder layers: one state group of 2 layers, one attention group)
+    # (its one layer's mixer and attention as two decoder layers: a state group and an attention group)
     "falcon_h1": ("FalconH1ForCausalLM",
                   "KiB per request whatever its length, 0 per token (6 pool block(s) in each of its 1 group(s))",
                   # (its one state group's smaller share of the pool: the 90- and 60-token prompts together)
-                  "full attention: 1 group(s), 2 layers, 0.5 KiB per token", EIGHT_PROMPTS[2:6]),
+                  "full attention: 1 group(s), 1 layers, 0.2 KiB per token", EIGHT_PROMPTS[2:6]),
 }
 
 
@@ -106,9 +106,9 @@ def test_hybrid_output_does_not_depend_on_its_batch_in_the_default_dtype(folder)
 
 
 def test_hybrid_over_two_pipeline_stages_gives_the_one_rank_ids(folder):
-    """Stage 0 holds a Mamba2 layer and the attention layer, stage 1 the other Mamba2 layer (Falcon-H1: one
-    layer's two halves each), each rank in a worker process with its own states and K/V; a batch of four gives the
-    one-rank ids (2 ranks: about 3 s)."""
+    """Stage 0 holds a Mamba2 layer and the attention layer, stage 1 the other Mamba2 layer (Falcon-H1: its layer's
+    mixer half on stage 0, its attention half on stage 1, which gets the stream both read from stage 0), each rank
+    in a worker process with its own states and K/V; a batch of four gives the one-rank ids (2 ranks: about 3 s)."""
     from tokenmill import SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in [PROMPT, *OTHERS]]
@@ -132,8 +132,10 @@ def test_a_dense_granite_hybrid_without_rope_matches_hf(tmp_path):
                                                 ({"mamba_norm_before_gate": False}, "after_gate")])
 def test_falcon_h1_with_its_other_gate_and_norm_placements_matches_hf(tmp_path, settings, gate_norm):
     # the module's Falcon-H1 norms the mixer's output before its gate; transformers' default has no norm
-    # (y * silu(z) alone), and the norm may follow the gate; 2 layers, 2 prompts x 8 tokens
-    arch = _matches_hf_on_two_prompts(make_tiny_hf_model(tmp_path, arch="falcon_h1", **settings))
+    # (y * silu(z) alone), and the norm may follow the gate; 2 layers (one layer's output feeding the next's two
+    # halves), 2 prompts x 8 tokens
+    arch = _matches_hf_on_two_prompts(make_tiny_hf_model(tmp_path, arch="falcon_h1", num_hidden_layers=2,
+                                                         **settings))
     assert arch.mamba.gate_norm == gate_norm
 
 
