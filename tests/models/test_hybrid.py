@@ -23,7 +23,7 @@ from helpers.engine_probe import EIGHT_PROMPTS, hf_greedy_logprobs
 from helpers.family_check import check_family
 from helpers.forced_preemption import OTHERS, PROMPT, greedy_runs
 from helpers.tiny_models import make_tiny_hf_model
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv_spec import StateCacheSpec
 from tokenmill.layers.mamba2_mixer import StateChunk
 from tokenmill.layers.paged_state import PagedState
@@ -109,8 +109,6 @@ def test_hybrid_over_two_pipeline_stages_gives_the_one_rank_ids(folder):
     """Stage 0 holds a Mamba2 layer and the attention layer, stage 1 the other Mamba2 layer (Falcon-H1: its layer's
     mixer half on stage 0, its attention half on stage 1, which gets the stream both read from stage 0), each rank
     in a worker process with its own states and K/V; a batch of four gives the one-rank ids (2 ranks: about 3 s)."""
-    from tokenmill import SamplingParams
-
     prompts = [{"prompt_token_ids": p} for p in [PROMPT, *OTHERS]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     one = LLM(str(folder), dtype="float32").generate(prompts, params, use_tqdm=False)
@@ -137,6 +135,23 @@ def test_falcon_h1_with_its_other_gate_and_norm_placements_matches_hf(tmp_path, 
     arch = _matches_hf_on_two_prompts(make_tiny_hf_model(tmp_path, arch="falcon_h1", num_hidden_layers=2,
                                                          **settings))
     assert arch.mamba.gate_norm == gate_norm
+
+
+def test_nemotron_h_floors_dt_at_time_step_min_as_hf_prefills_across_chunks(tmp_path):
+    # time_step_min 0.05 with the mixers' initial dt (softplus(dt_bias)) drawn from [0.05, 0.1]: the floor clamps
+    # many heads' dt. HF clamps it when it prefills (its forward over the whole prompt), the engine in every chunk
+    # alike: its prompt logprobs are HF's, the prompt prefilled in chunks of 3 tokens. Float32, 1 prompt
+    path = make_tiny_hf_model(tmp_path, arch="nemotron_h", time_step_min=0.05, time_step_max=0.1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    want = [float(rows[i, token]) for i, token in enumerate(PROMPT[1:])]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=3)
+    out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+    got = [position[token].logprob for position, token in zip(out.prompt_logprobs[1:], PROMPT[1:])]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert llm.llm_engine.arch.mamba.dt_min == 0.05
 
 
 def _matches_hf_on_two_prompts(path):
