@@ -1,12 +1,13 @@
 """The hybrids of Mamba2 mixers and attention: Granite 4.0-H (GraniteMoeHybridForCausalLM: 3 layers, Mamba2 -
 attention - Mamba2, hidden 64, 4 experts plus a shared one, every Granite multiplier away from 1), Nemotron-H
-(NemotronHForCausalLM: blocks M - * E M, NoPE attention, relu² MLP and experts) and Falcon-H1 (FalconH1ForCausalLM: 2 layers
-of a Mamba2 mixer beside attention (1 layer here, 2 in its variants' tests), every muP multiplier away from 1). Each tiny random checkpoint gives HF
-float32's greedy ids and logprobs plain, chunked, preempted and batched; its states carry across chunks split at
-every boundary and restart after a recompute preemption (the one pass's ids), its attention layers on every
-attention backend; a request's output in the default dtype does not depend on its batch; two pipeline stages give
-the one rank's ids. Granite's dense, NoPE variant and Falcon-H1's other two gate/norm placements match HF; a state
-kept in the attention cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
+(NemotronHForCausalLM: blocks M - * E M, NoPE attention, relu² MLP and experts) and Falcon-H1
+(FalconH1ForCausalLM: a Mamba2 mixer beside attention, 1 layer here, 2 in its variants' tests, every muP multiplier
+away from 1). Each tiny random checkpoint gives HF float32's greedy ids and logprobs plain, chunked, preempted and
+batched; its states carry across chunks split at every boundary and restart after a recompute preemption (the one
+pass's ids), its attention layers on every attention backend; a request's output in the default dtype does not
+depend on its batch; two pipeline stages give the one rank's ids. Granite's dense, NoPE variant and Falcon-H1's
+other two gate/norm placements match HF, as does Nemotron-H's dt floor across chunks; a state kept in the attention
+cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
 
 Cost: check_family on 4 prompts x 16 tokens (HF's generate is the oracle), small engines of 6 tokens a request
 below; each checkpoint and its HF model are built once per module (about 10 s an architecture in all)."""

@@ -233,7 +233,8 @@ class MoEBlock(nn.Module):
     sigmoid(`shared_expert_gate`(x)) where the config has that gate (Qwen2-MoE's shared_expert_gate: a one-output
     Router, so never quantised and multiplied through the model's kernels like the router).
 
-    `make_expert(width)` builds one gated MLP (the decoder's dense MLP class: whole under expert
+    `make_expert(width)` builds one expert MLP (the decoder's dense gated MLP class, or Nemotron-H's relu² MLP
+    without a gate, whose `intermediate` step `expert_intermediate` runs: whole under expert
     parallelism, else split over the tensor-parallel ranks like a dense MLP), so experts hold their weights
     in the ordinary linear layers: they load, quantise (`quantize_to`, quantised checkpoints) and pick
     kernels exactly like the dense projections. On the fused path (`use_kernel`) their weights move into

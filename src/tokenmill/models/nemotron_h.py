@@ -4,8 +4,8 @@ Nemotron-H is a stack of single-block layers, each stream += block(norm(stream))
 attention without any position embedding (*), a relu² MLP (-) or a mixture of relu² experts plus a shared one (E),
 as hybrid_override_pattern lists them. Only mixers keep a cache, so the decoder's layer j is one mixer block and
 the MLP blocks that follow it (`ArchConfig.layer_blocks[j]`, e.g. "M-" or "*E"): a layer's cache is its mixer's (a
-Mamba2 state or K/V, core/kv_spec.py) and no layer is left without one. The checkpoint's block k is renamed to its place in that grouping
-(`nemotron_h_checkpoint_names`).
+Mamba2 state or K/V, core/kv_spec.py) and no layer is left without one. The checkpoint's block k is renamed to its
+place in that grouping (`nemotron_h_checkpoint_names`).
 """
 
 from __future__ import annotations
