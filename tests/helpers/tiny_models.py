@@ -1,6 +1,6 @@
 """Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Gemma 2, SmolLM3, OLMo 2/3, Phi-3,
-DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, Llama 4 text, Mamba2, Granite 4.0-H, Qwen3-Next, LLaVA) with the
-SmolLM2 tokenizer."""
+DeepSeek-V2, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS, Llama 4 text, Mamba2, Granite 4.0-H,
+Nemotron-H, Falcon-H1, Qwen3-Next, LLaVA) with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -134,6 +134,25 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
                    "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                    "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 48, "mlp_only_layers": [2], "initializer_range": 0.1},
+    # Nemotron-H: blocks M - * E M (layers "M-", "*E", "M": two state groups beside a NoPE attention group, a layer
+    # with no MLP block), the mixers as tiny Mamba2's (8 heads of 16, 2 groups of state 16, scan chunks of 8); the
+    # experts block 8 relu² experts of width 32 in 2 groups (the best 1 kept), 2 per token, scaled by 2.5, plus a
+    # shared one of 48
+    "nemotron_h": {"layers_block_type": ["linear_attention", "mlp", "full_attention", "moe", "linear_attention"],
+                   "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16,
+                   "chunk_size": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
+                   "routed_scaling_factor": 2.5, "initializer_range": 0.1},
+    # Falcon-H1: 1 layer (2 decoder layers: two pipeline stages split it between its halves; the Triton
+    # interpreter's attention costs per layer), a Mamba2 mixer (8 heads of 16, 2 groups of state 16, scan chunks of
+    # 8, the grouped RMSNorm before the gate) beside attention; every multiplier away from 1 and each of the five
+    # in_proj parts its own, so a dropped or misplaced one changes the logits
+    "falcon_h1": {"num_hidden_layers": 1, "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+                  "mamba_d_state": 16, "mamba_chunk_size": 8, "mamba_rms_norm": True, "mamba_norm_before_gate": True,
+                  "embedding_multiplier": 3.0, "lm_head_multiplier": 0.6, "key_multiplier": 0.7,
+                  "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.2,
+                  "ssm_out_multiplier": 0.9, "ssm_multipliers": [0.9, 1.1, 0.8, 1.25, 1.5],
+                  "mlp_multipliers": [1.3, 0.7], "initializer_range": 0.1},
     "glm4_moe": {"head_dim": 32, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1,
                  "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
@@ -156,7 +175,7 @@ def make_tiny_hf_model(
 ) -> Path:
     """Save a tiny random model of `arch` (llama, mistral, qwen2, qwen3, gemma3_text, gemma2, smollm3, olmo2,
     olmo3, phi3, deepseek_v2, mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3, glm4_moe, gpt_oss, llama4_text,
-    mamba2, granitemoehybrid, qwen3_next) and its tokenizer
+    mamba2, granitemoehybrid, nemotron_h, falcon_h1, qwen3_next) and its tokenizer
     in `dir`.
 
     `config_overrides` go to the transformers config class (e.g. `tie_word_embeddings=True`,

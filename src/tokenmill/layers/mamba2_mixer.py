@@ -6,7 +6,8 @@ scan from its SSM state, and both are written back for the request's next chunk.
 (`fresh`: a new request, or one preempted and recomputed) starts from zeros, whatever the page held before.
 Prefill chunks run the chunked SSD scan (transformers' `mamba2_chunk_scan`, the reference semantics, with an
 initial state); a one-token chunk runs the single-step recurrence. No CUDA/Triton kernel (the mamba_ssm or
-flash-linear-attention kernels) is used.
+flash-linear-attention kernels) is used. The families' variants are MambaConfig options: where the gate meets the
+output norm (`gate_norm`) and a lower bound on dt (`dt_min`).
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(heads), requires_grad=False)
-        self.norm = nn.Module()  # the gated RMSNorm's weight, under the checkpoint's name
-        self.norm.weight = nn.Parameter(torch.empty(inner), requires_grad=False)
+        self.norm = nn.Module()  # the gated RMSNorm's weight, under the checkpoint's name (none without a norm)
+        if config.gate_norm != "none":
+            self.norm.weight = nn.Parameter(torch.empty(inner), requires_grad=False)
         self.out_proj = RowParallelLinear(inner, hidden_size, bias=config.bias)
 
     def forward(self, hidden: torch.Tensor, state: RecurrentState, chunks: Sequence[StateChunk]) -> torch.Tensor:
@@ -155,6 +157,8 @@ class Mamba2Mixer(nn.Module):
         B = B.reshape(T, c.n_groups, c.state_size).repeat_interleave(per_group, dim=1)  # [T, H, N]
         C = C.reshape(T, c.n_groups, c.state_size).repeat_interleave(per_group, dim=1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
+        if c.dt_min > 0.0:  # (Nemotron-H) in every chunk alike, so a prompt's split does not change its states
+            dt = dt.clamp(min=c.dt_min)
         A = -torch.exp(self.A_log.float())
         if T == 1:  # the recurrence: h = exp(dt A) h + dt B x; y = C . h
             step = dt[0][:, None, None]
@@ -167,9 +171,16 @@ class Mamba2Mixer(nn.Module):
         return y.reshape(T, c.intermediate_size)
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of y * silu(gate) over each of the n_groups groups (transformers' MambaRMSNormGated), float32."""
+        """The gate and the output norm, float32, by `gate_norm`: "after_gate" RMSNorm of y * silu(gate) over each
+        of the n_groups groups (transformers' MambaRMSNormGated); "before_gate" the groups' RMSNorm of y, times
+        silu(gate) (Falcon-H1's norm_before_gate); "none" y * silu(gate) (Falcon-H1 without mamba_rms_norm)."""
         c = self.config
-        y = y * F.silu(gate.float())
+        gate = F.silu(gate.float())
+        if c.gate_norm == "none":
+            return y * gate
+        if c.gate_norm == "after_gate":
+            y = y * gate
         grouped = y.reshape(y.shape[0], c.n_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + c.norm_eps)
-        return self.norm.weight.float() * grouped.reshape(y.shape)
+        normed = self.norm.weight.float() * grouped.reshape(y.shape)
+        return normed * gate if c.gate_norm == "before_gate" else normed

@@ -34,6 +34,7 @@ class MoEConfig:
     `router_bias`: the router adds a per-expert bias to its logits (GPT-OSS). `swiglu_limit` (GPT-OSS's experts,
     layers/gpt_oss_experts.py): every projection of an expert has a bias, and the activation is the clamped
     SwiGLU (up + 1) * gate * sigmoid(`swiglu_alpha` * gate), gate clamped above at the limit and up to +-limit.
+    `expert_activation` "relu2" (Nemotron-H): experts without a gate, down(relu(up(x))²) (models/nemotron_h.py).
     `shared_intermediate_size` > 0 adds an always-on SwiGLU expert of that width (DeepSeek's shared experts,
     fused into one); with `shared_expert_gate` (Qwen2-MoE) its output is scaled per token by
     sigmoid(x . w), w a [1, hidden] gate. `dense_layers` run a plain MLP of the model's `intermediate_size`
@@ -54,6 +55,8 @@ class MoEConfig:
     router_bias: bool = False
     swiglu_limit: Optional[float] = None  # GPT-OSS's biased experts with the clamped SwiGLU; None: plain SwiGLU
     swiglu_alpha: float = 1.702
+    # "relu2" (Nemotron-H): each expert (and the shared one) is down(relu(up(x))²), no gate; "swiglu": gated
+    expert_activation: str = "swiglu"
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ class MambaConfig:
     head; a causal depthwise conv of `conv_kernel` taps (+ bias when `conv_bias`) and SiLU over xBC; the
     selective scan with dt = softplus(dt + dt_bias), A = -exp(A_log) and the D skip; a gated RMSNorm (one per
     group of the n_groups) and out_proj (both projections biased when `bias`). `chunk_size`: the prefill
-    scan's chunk length."""
+    scan's chunk length. `gate_norm` (layers/mamba2_mixer.py): "after_gate" RMSNorm(y * silu(z)) (Mamba2,
+    Granite 4.0-H, Nemotron-H), "before_gate" RMSNorm(y) * silu(z), "none" y * silu(z) without a norm (Falcon-H1's
+    two settings). `dt_min` > 0: dt clamped from below at it (Nemotron-H's time_step_min), in every step."""
 
     num_heads: int
     head_dim: int
@@ -87,6 +92,8 @@ class MambaConfig:
     norm_eps: float
     conv_bias: bool = True
     bias: bool = False
+    gate_norm: str = "after_gate"  # after_gate | before_gate | none
+    dt_min: float = 0.0
 
     @property
     def intermediate_size(self) -> int:
@@ -130,6 +137,23 @@ class GatedDeltaNetConfig:
     def conv_dim(self) -> int:
         """Channels of the conv: q, k and v."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class FalconH1Multipliers:
+    """Falcon-H1's muP multipliers (models/falcon_h1.py folds them into the projections' weights at load): the
+    attention's input (`attention_in`), keys (`key`) and output (`attention_out`); the Mamba2 mixer's input
+    (`ssm_in`), its in_proj's five parts z, x, B, C, dt (`ssm_projections`) and its output (`ssm_out`); the MLP's
+    gate (`mlp_gate`) and down projection (`mlp_down`)."""
+
+    attention_in: float
+    key: float
+    attention_out: float
+    ssm_in: float
+    ssm_projections: tuple[float, float, float, float, float]
+    ssm_out: float
+    mlp_gate: float
+    mlp_down: float
 
 
 @dataclass(frozen=True)
@@ -206,6 +230,12 @@ class ArchConfig:
     # a hybrid (Granite 4.0-H, models/granite_hybrid.py): the layers whose mixer is a Mamba2 mixer (`mamba`), the
     # others attention, every layer with its MLP; None (with `mamba`): every layer a Mamba2 mixer and no MLP
     mamba_layers: Optional[frozenset[int]] = None
+    # Nemotron-H (models/nemotron_h.py): each layer's blocks in hybrid_override_pattern's letters, its mixer first
+    # (M: Mamba2, *: attention) then the MLP blocks that follow it (-); empty: not Nemotron-H
+    layer_blocks: tuple[str, ...] = ()
+    # Falcon-H1 (models/falcon_h1.py): its layer i runs as layers 2i (the Mamba2 mixer) and 2i + 1 (attention, in
+    # parallel on the same input, then the MLP); its multipliers; None: not Falcon-H1
+    falcon_h1: Optional[FalconH1Multipliers] = None
     # Granite: each block's output joins the residual stream times this (stream + m * block(norm(stream)))
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0  # Granite: the logits divided by this

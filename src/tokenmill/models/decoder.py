@@ -6,9 +6,10 @@ experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (layers/moe.py; OLMoE's q/k norm
 projection), DeepSeek-V2/V3 (multi-head latent attention, models/mla_attention.py), GLM-4.5 (partial RoPE),
 GPT-OSS (attention sinks, biased experts with a clamped SwiGLU, layers/gpt_oss_experts.py), Llama 4's text
 model (chunked local attention, NoPE layers with a query temperature, a q/k L2 norm, experts whose routing weight
-scales their input, loader/llama4_tensors.py), Mamba2 (models/mamba2.py), the hybrid Granite 4.0-H (Mamba2 and
-attention layers, models/granite_hybrid.py) and Qwen3-Next (Gated DeltaNet and gated attention layers,
-models/qwen3_next.py).
+scales their input, loader/llama4_tensors.py), Mamba2 (models/mamba2.py) and the hybrids Granite 4.0-H (Mamba2 and
+attention layers, models/granite_hybrid.py), Nemotron-H (Mamba2, NoPE attention and relu² MLP blocks,
+models/nemotron_h.py), Falcon-H1 (a Mamba2 mixer beside attention in every layer, models/falcon_h1.py) and
+Qwen3-Next (Gated DeltaNet and gated attention layers, models/qwen3_next.py).
 
 GQA, RMSNorm, RoPE (optionally scaled), gated MLPs, tied or untied embeddings: one implementation whose
 differences come from `ArchConfig` (model-wide fields and `layer_spec(i)` per layer), running on a
@@ -34,7 +35,9 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig, LayerSpec
 from tokenmill.models.attention_block import RopeInputs, RotaryTables, SelfAttention
 from tokenmill.models.kernel_choice import KernelChoice
+from tokenmill.models.falcon_h1 import falcon_h1_checkpoint_tensors, falcon_h1_layer
 from tokenmill.models.granite_hybrid import GraniteHybridLayer, granite_hybrid_checkpoint_names
+from tokenmill.models.nemotron_h import NemotronHLayer, nemotron_h_checkpoint_names
 from tokenmill.models.mamba2 import Mamba2Layer, mamba2_checkpoint_names
 from tokenmill.models.qwen3_next import GatedDeltaNetLayer, qwen3_next_checkpoint_tensors
 from tokenmill.models.loader.fused_tensors import split_fused_projections
@@ -168,8 +171,13 @@ class DecoderForCausalLM(nn.Module):
                                          _weight=torch.empty(self.local_vocab, arch.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         # a Mamba2 layer (models/mamba2.py) where the layer's spec says so; a hybrid's layers (Granite 4.0-H,
-        # models/granite_hybrid.py) a Mamba2 mixer or attention, each with its MLP
+        # models/granite_hybrid.py) a Mamba2 mixer or attention, each with its MLP; Nemotron-H's and Falcon-H1's
+        # their own (models/nemotron_h.py, models/falcon_h1.py)
         def layer(index: int) -> nn.Module:
+            if arch.layer_blocks:
+                return NemotronHLayer(arch, index, backend, tp)
+            if arch.falcon_h1 is not None:
+                return falcon_h1_layer(arch, index, backend, tp, make_mlp)
             if arch.mamba_layers is not None:
                 return GraniteHybridLayer(arch, index, backend, tp, make_mlp)
             if arch.layer_spec(index).mixer == "gated_deltanet":  # Qwen3-Next's linear attention layers
@@ -360,7 +368,11 @@ class DecoderForCausalLM(nn.Module):
         loaded: set[str] = set()
         if self.arch.architecture == "Llama4ForCausalLM":  # its names, stacked experts and RoPE pairs (first:
             weights = llama4_checkpoint_tensors(weights, self.arch)  # its experts then pass the checks below)
-        if self.arch.mamba_layers is not None:  # Granite 4.0-H's fused expert and shared MLP tensors
+        if self.arch.layer_blocks:  # Nemotron-H's blocks under their layers' names
+            weights = nemotron_h_checkpoint_names(weights, self.arch)
+        elif self.arch.falcon_h1 is not None:  # Falcon-H1's halves' names, its multipliers folded in
+            weights = falcon_h1_checkpoint_tensors(weights, self.arch)
+        elif self.arch.mamba_layers is not None:  # Granite 4.0-H's fused expert and shared MLP tensors
             weights = granite_hybrid_checkpoint_names(weights, self.arch)
         if self.arch.gated_deltanet is not None:  # Qwen3-Next's per-head-grouped projections, its mtp.* left out
             weights = qwen3_next_checkpoint_tensors(weights, self.arch)

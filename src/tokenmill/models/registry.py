@@ -38,6 +38,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Llama4ForCausalLM": DecoderForCausalLM,
     # Gated DeltaNet (linear attention over recurrent states) and gated attention layers (models/qwen3_next.py)
     "Qwen3NextForCausalLM": DecoderForCausalLM,
+    # Nemotron-H: Mamba2, NoPE attention and relu² MLP blocks, grouped into layers (models/nemotron_h.py)
+    "NemotronHForCausalLM": DecoderForCausalLM,
+    # Falcon-H1: a Mamba2 mixer and attention side by side in every layer, run as two layers (models/falcon_h1.py)
+    "FalconH1ForCausalLM": DecoderForCausalLM,
 }
 
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 from tokenmill.models.arch import ArchConfig, MLAConfig, MoEConfig, RopeScaling
 from tokenmill.models.vision.config import VISION_ARCHITECTURES, vision_config_from_hf
 from tokenmill.models.loader.hf_granite_hybrid import granite_hybrid_arch_config
+from tokenmill.models.loader.hf_nemotron_h import nemotron_h_arch_config
+from tokenmill.models.loader.hf_falcon_h1 import falcon_h1_arch_config
 from tokenmill.models.loader.hf_mamba2 import mamba2_arch_config
 from tokenmill.models.loader.hf_qwen3_next import qwen3_next_arch_config
 
@@ -43,6 +45,8 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteMoeHybridForCausalLM",
     "Llama4ForCausalLM",
     "Qwen3NextForCausalLM",
+    "NemotronHForCausalLM",
+    "FalconH1ForCausalLM",
 )
 
 # multimodal checkpoints whose text model alone is served: architecture -> what of theirs is not loaded
@@ -75,6 +79,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
 }
 
 # Defaults of transformers' LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config (v5).
@@ -784,6 +790,10 @@ def arch_config_from_hf_dict(config: dict[str, Any], folder: Path,
         return granite_hybrid_arch_config(config, generation, stored_dtype)
     if architecture == "Qwen3NextForCausalLM":  # Gated DeltaNet and gated attention layers (loader/hf_qwen3_next.py)
         return qwen3_next_arch_config(config, generation, stored_dtype)
+    if architecture == "NemotronHForCausalLM":  # Mamba2, attention and MLP blocks (loader/hf_nemotron_h.py)
+        return nemotron_h_arch_config(config, generation, stored_dtype)
+    if architecture == "FalconH1ForCausalLM":  # Mamba2 beside attention in every layer (loader/hf_falcon_h1.py)
+        return falcon_h1_arch_config(config, generation, stored_dtype)
     setting = {**_COMMON_DEFAULTS, **_DEFAULTS[architecture], **config}
     # MLA: HF's head_dim is the RoPE part; ours, the q/k head width
     if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):

@@ -7,7 +7,7 @@ import math
 from typing import Any, Callable
 
 from tokenmill.models.arch import ArchConfig, MambaConfig, MoEConfig
-from tokenmill.models.loader.hf_mamba2 import check_mixer_settings
+from tokenmill.models.loader.hf_mamba2 import check_mixer_settings, eos_token_ids
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 
@@ -77,11 +77,6 @@ def granite_hybrid_arch_config(config: dict[str, Any], generation: dict[str, Any
     if position == "rope" and scaling != "default":  # (Granite 4.0's checkpoints: unscaled RoPE, or none)
         raise ValueError(f"{name} with RoPE scaling {scaling!r} is not supported; supported: default")
     max_positions = int(setting["max_position_embeddings"])
-    eos_ids: list[int] = []
-    for value in (setting["eos_token_id"], generation.get("eos_token_id")):
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and int(token) not in eos_ids:
-                eos_ids.append(int(token))
     return ArchConfig(
         architecture=name, vocab_size=int(setting["vocab_size"]), hidden_size=hidden,
         # a dense model's one MLP is the shared MLP
@@ -92,7 +87,7 @@ def granite_hybrid_arch_config(config: dict[str, Any], generation: dict[str, Any
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(setting["tie_word_embeddings"]),
         attention_bias=bool(setting["attention_bias"]), attention_out_bias=bool(setting["attention_bias"]),
-        bos_token_id=setting["bos_token_id"], eos_token_ids=tuple(eos_ids),
+        bos_token_id=setting["bos_token_id"], eos_token_ids=eos_token_ids(setting, generation),
         checkpoint_dtype=str(config.get("dtype") or config.get("torch_dtype") or stored_dtype()),
         embedding_scale=float(setting["embedding_multiplier"]), attention_scale=float(setting["attention_multiplier"]),
         residual_multiplier=float(setting["residual_multiplier"]), logits_scaling=float(setting["logits_scaling"]),

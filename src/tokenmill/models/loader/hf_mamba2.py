@@ -39,6 +39,17 @@ def check_mixer_settings(name: str, setting: dict[str, Any]) -> None:
                          "supported: (0.0, inf)")
 
 
+def eos_token_ids(setting: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    """The EOS ids of config.json's `eos_token_id` then generation_config.json's (an id or a list each), in order,
+    once each."""
+    ids: list[int] = []
+    for value in (setting.get("eos_token_id"), generation.get("eos_token_id")):
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
 def mamba2_arch_config(config: dict[str, Any], generation: dict[str, Any],
                        stored_dtype: Callable[[], str]) -> ArchConfig:
     """The ArchConfig of a Mamba2ForCausalLM config.json. ValueError for a setting not implemented: hidden_act
@@ -59,18 +70,12 @@ def mamba2_arch_config(config: dict[str, Any], generation: dict[str, Any],
                         n_groups=int(setting["n_groups"]), conv_kernel=int(setting["conv_kernel"]),
                         chunk_size=int(setting["chunk_size"]), norm_eps=float(setting["layer_norm_epsilon"]),
                         conv_bias=bool(setting["use_conv_bias"]), bias=bool(setting["use_bias"]))
-    eos = [setting["eos_token_id"], generation.get("eos_token_id")]
-    eos_ids: list[int] = []
-    for value in eos:
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and int(token) not in eos_ids:
-                eos_ids.append(int(token))
     # the attention fields say "no attention": one head of the hidden width, never built
     return ArchConfig(architecture=name, vocab_size=int(setting["vocab_size"]), hidden_size=hidden,
                       intermediate_size=mamba.intermediate_size, num_hidden_layers=int(setting["num_hidden_layers"]),
                       num_attention_heads=1, num_key_value_heads=1, head_dim=hidden,
                       rms_norm_eps=float(setting["layer_norm_epsilon"]), rope_theta=10000.0,
                       max_position_embeddings=int(setting.get("max_position_embeddings") or MAX_CONTEXT), tie_word_embeddings=bool(setting["tie_word_embeddings"]),
-                      bos_token_id=setting["bos_token_id"], eos_token_ids=tuple(eos_ids),
+                      bos_token_id=setting["bos_token_id"], eos_token_ids=eos_token_ids(setting, generation),
                       checkpoint_dtype=str(config.get("dtype") or config.get("torch_dtype") or stored_dtype()),
                       mamba=mamba)
