@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 # vLLM's method names -> speculative_method
-METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle3": "eagle3", "mtp": "mtp", "deepseek_mtp": "mtp"}
+METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle3": "eagle3", "mtp": "mtp", "deepseek_mtp": "mtp",
+           "glm4_moe_mtp": "mtp"}
 # JSON keys -> the SpeculativeConfig field each sets
 KEYS = {"method": "speculative_method", "model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
         "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",

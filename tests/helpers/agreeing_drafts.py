@@ -1,7 +1,7 @@
 """Tiny checkpoints whose hidden-state drafts agree with their targets often but not always: targets whose layers
 add little to the residual stream (their o_proj and down_proj scaled down), so the next token is mostly a bigram
-function of the current one (argmax of lm_head(norm(embedding))), and an EAGLE-3 head / a DeepSeek-V3 MTP layer
-wired by hand to compute that same bigram from the token it reads, plus terms that read the hidden states and the
+function of the current one (argmax of lm_head(norm(embedding))), and an EAGLE-3 head / a DeepSeek-V3 or GLM-4.5
+MTP layer wired by hand to compute that same bigram from the token it reads, plus terms that read the hidden states and the
 draft's KV cache (so a wrong hidden row or a stale draft KV entry changes the draft's states).
 
 Written without transformers (config.json and safetensors by hand): building a transformers model costs ~2 s of
@@ -25,6 +25,7 @@ DRAFT_VOCAB_SIZE = SMOLLM2_VOCAB_SIZE * 7 // 8
 # attention adds less to the residual stream than Llama's at the same scale)
 LLAMA_LAYER_SCALE = 0.85
 DEEPSEEK_LAYER_SCALE = 2.0
+GLM4_MOE_LAYER_SCALE = 1.0
 _COMMON = {"vocab_size": SMOLLM2_VOCAB_SIZE, "hidden_size": HIDDEN, "max_position_embeddings": 1024,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
@@ -150,13 +151,61 @@ def write_bigram_deepseek_v3(folder: Path) -> Path:
         if layer == 0:
             tensors.update(_mlp(w, p + "mlp", 128, DEEPSEEK_LAYER_SCALE))
             continue
-        tensors.update({p + "mlp.gate.weight": w(experts, HIDDEN, std=0.1),
-                        p + "mlp.gate.e_score_correction_bias": w(experts, std=0.1),
-                        **_mlp(w, p + "mlp.shared_experts", expert_width, DEEPSEEK_LAYER_SCALE)})
-        for expert in range(experts):
-            tensors.update(_mlp(w, f"{p}mlp.experts.{expert}", expert_width, DEEPSEEK_LAYER_SCALE))
-    mtp = "model.layers.2."
-    tensors.update({mtp + "enorm.weight": torch.ones(HIDDEN), mtp + "hnorm.weight": torch.ones(HIDDEN),
-                    mtp + "shared_head.norm.weight": torch.ones(HIDDEN),
-                    mtp + "eh_proj.weight": torch.cat([torch.eye(HIDDEN), w(HIDDEN, HIDDEN, std=0.03)], dim=1)})
+        tensors.update(_noaux_tc_experts(w, p, experts, expert_width, DEEPSEEK_LAYER_SCALE))
+    tensors.update(_agreeing_mtp_projection(w, "model.layers.2."))
+    return _save(folder, config, tensors)
+
+
+def _noaux_tc_experts(w: _Weights, prefix: str, experts: int, width: int, scale: float) -> dict[str, torch.Tensor]:
+    """A sigmoid-routed MoE layer's tensors (DeepSeek-V3 / GLM-4.5): router, correction bias, one shared expert."""
+    tensors = {prefix + "mlp.gate.weight": w(experts, HIDDEN, std=0.1),
+               prefix + "mlp.gate.e_score_correction_bias": w(experts, std=0.1),
+               **_mlp(w, prefix + "mlp.shared_experts", width, scale)}
+    for expert in range(experts):
+        tensors.update(_mlp(w, f"{prefix}mlp.experts.{expert}", width, scale))
+    return tensors
+
+
+def _agreeing_mtp_projection(w: _Weights, prefix: str) -> dict[str, torch.Tensor]:
+    """An MTP layer's tensors outside its decoder block: eh_proj passes enorm(embedding) through and adds a small
+    random map of hnorm(hidden); unit norms; shared_head.head absent (the model's lm_head serves)."""
+    return {prefix + "enorm.weight": torch.ones(HIDDEN), prefix + "hnorm.weight": torch.ones(HIDDEN),
+            prefix + "shared_head.norm.weight": torch.ones(HIDDEN),
+            prefix + "eh_proj.weight": torch.cat([torch.eye(HIDDEN), w(HIDDEN, HIDDEN, std=0.03)], dim=1)}
+
+
+def write_bigram_glm4_moe(folder: Path) -> Path:
+    """A 2-layer GLM-4.5 (GQA with q/k/v bias, q/k norm and RoPE on half of each head; layer 0 dense, layer 1 eight
+    experts in one group) whose layers add little, with an MTP layer (model.layers.2.*, of layer 1's MoE kind, as
+    vLLM's Glm4MoeMTP builds it) that mostly proposes its bigram, wired as `write_bigram_deepseek_v3`'s; its
+    shared_head.head a copy of lm_head, as GLM-4.5's checkpoints store one."""
+    w = _Weights(8)  # (a seed under which every request of the test proposes, some after a preemption)
+    heads, kv_heads, head_dim, experts, expert_width = 4, 2, 32, 8, 32
+    config = {**_COMMON, "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "partial_rotary_factor": 0.5,
+              "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1, "n_routed_experts": experts,
+              "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "moe_intermediate_size": expert_width,
+              "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+              "num_nextn_predict_layers": 1}
+    tensors = {**_bigram_embeddings(w), "model.norm.weight": torch.ones(HIDDEN)}
+    for layer in range(3):  # layer 2: the MTP layer's decoder block
+        p = f"model.layers.{layer}."
+        tensors.update({p + "input_layernorm.weight": torch.ones(HIDDEN),
+                        p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+                        p + "self_attn.q_proj.weight": w(heads * head_dim, HIDDEN),
+                        p + "self_attn.q_proj.bias": w(heads * head_dim),
+                        p + "self_attn.k_proj.weight": w(kv_heads * head_dim, HIDDEN),
+                        p + "self_attn.k_proj.bias": w(kv_heads * head_dim),
+                        p + "self_attn.v_proj.weight": w(kv_heads * head_dim, HIDDEN),
+                        p + "self_attn.v_proj.bias": w(kv_heads * head_dim),
+                        p + "self_attn.q_norm.weight": torch.ones(head_dim),
+                        p + "self_attn.k_norm.weight": torch.ones(head_dim),
+                        p + "self_attn.o_proj.weight": w(HIDDEN, heads * head_dim) * GLM4_MOE_LAYER_SCALE})
+        if layer == 0:
+            tensors.update(_mlp(w, p + "mlp", 128, GLM4_MOE_LAYER_SCALE))
+        else:
+            tensors.update(_noaux_tc_experts(w, p, experts, expert_width, GLM4_MOE_LAYER_SCALE))
+    tensors.update(_agreeing_mtp_projection(w, "model.layers.2."))
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     return _save(folder, config, tensors)

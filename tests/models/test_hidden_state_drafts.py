@@ -1,11 +1,14 @@
-"""EAGLE-3 heads and DeepSeek-V3's multi-token prediction layer as speculative drafts: greedy output identical to no
-speculation while many proposals are accepted, the incremental draft's proposals equal to a draft computed from
-scratch over the accepted sequence (batched, chunked, preempted), and the refusals of drafts that do not fit the
-target.
+"""EAGLE-3 heads and DeepSeek-V3's and GLM-4.5's multi-token prediction layers as speculative drafts: greedy output
+identical to no speculation while many proposals are accepted, the incremental draft's proposals equal to a draft
+computed from scratch over the accepted sequence (batched, chunked, preempted), the refusals of drafts that do not
+fit the target; for GLM-4.5 (the same MTP code as DeepSeek-V3's over another decoder layer), its MTP states against
+a reference of vLLM's Glm4MoeMTP on transformers' layer, and its output with the MTP layer drafting in the default
+dtype the same bits batched as alone.
 
 Cost: one target per family (tests/helpers/agreeing_drafts.py, written without transformers), one engine with
-speculation and one without per family, shared by the tests through the module fixture `run`; the from-scratch
-reference runs a tiny one-layer draft over at most 48 positions per proposal."""
+speculation and one without per family, shared by the tests through the module fixtures `run` / `glm4_moe_run`;
+the from-scratch reference runs a tiny one-layer draft over at most 48 positions per proposal; GLM-4.5's batch
+invariance two default-dtype engines, its refusals two target loads (~1 s each)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from helpers.agreeing_drafts import write_agreeing_eagle3_head, write_bigram_deepseek_v3, write_bigram_llama
+from helpers.agreeing_drafts import (write_agreeing_eagle3_head, write_bigram_deepseek_v3, write_bigram_glm4_moe,
+                                     write_bigram_llama)
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = ["Hello there, how", "one two three four five", "The capital of France is", "def f(x):\n    return",
@@ -122,13 +126,26 @@ def eagle3_head(tmp_path_factory, llama_target) -> Path:
     return write_agreeing_eagle3_head(tmp_path_factory.mktemp("eagle3"), llama_target)
 
 
-@pytest.fixture(scope="module", params=["eagle3", "mtp"])
+@pytest.fixture(scope="module")
+def glm4_moe_target(tmp_path_factory) -> Path:
+    return write_bigram_glm4_moe(tmp_path_factory.mktemp("glm4_moe"))
+
+
+@pytest.fixture(scope="module")
+def glm4_moe_run(glm4_moe_target) -> SpeculativeRun:
+    """GLM-4.5's run (also read by the reference test below), asking for vLLM's method name (the same as "mtp")."""
+    return _run(glm4_moe_target, {"method": "glm4_moe_mtp"}, lambda model, draft, hidden: hidden)
+
+
+@pytest.fixture(scope="module", params=["eagle3", "deepseek_v3_mtp", "glm4_moe_mtp"])
 def run(request, tmp_path_factory) -> SpeculativeRun:
     if request.param == "eagle3":
         target, head = request.getfixturevalue("llama_target"), request.getfixturevalue("eagle3_head")
         # the head's rows: fc of the target's three taps
         return _run(target, {"method": "eagle3", "model": str(head)},
                     lambda model, draft, hidden: draft.combine(model.aux_hidden))
+    if request.param == "glm4_moe_mtp":
+        return request.getfixturevalue("glm4_moe_run")
     target = write_bigram_deepseek_v3(tmp_path_factory.mktemp("dsv3"))
     return _run(target, {"method": "mtp"}, lambda model, draft, hidden: hidden)  # the target's final states
 
@@ -195,7 +212,8 @@ def test_incremental_draft_proposes_what_a_draft_computed_from_scratch_does(run)
 
 def test_drafts_that_do_not_fit_the_target_are_refused(llama_target, eagle3_head, tmp_path):
     engine = dict(dtype="float32", quantization="none")
-    with pytest.raises(ValueError, match="'mtp' runs the multi-token prediction layers of DeepseekV3ForCausalLM"):
+    with pytest.raises(ValueError, match="'mtp' runs the multi-token prediction layers of DeepseekV3ForCausalLM, "
+                                         "Glm4MoeForCausalLM; LlamaForCausalLM is not supported"):
         LLM(str(llama_target), **engine, speculative_config={"method": "mtp"})
     config = json.loads((eagle3_head / "config.json").read_text())
 
@@ -213,3 +231,97 @@ def test_drafts_that_do_not_fit_the_target_are_refused(llama_target, eagle3_head
             "default", eagle_aux_hidden_state_layer_ids=None)})
     with pytest.raises(ValueError, match="architectures"):
         LLM(str(llama_target), **engine, speculative_config={"method": "eagle3", "model": str(llama_target)})
+
+
+def test_glm4_moe_mtp_refuses_a_checkpoint_without_a_complete_mtp_layer(glm4_moe_target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    def variant(name: str) -> Path:  # the target's files, linked, but for those the test writes
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in glm4_moe_target.iterdir():
+            if file.name not in ("config.json", "model.safetensors"):
+                (folder / file.name).symlink_to(file)
+        return folder
+
+    engine = dict(dtype="float32", quantization="none", speculative_config={"method": "mtp"})
+    without = variant("without")
+    config = json.loads((glm4_moe_target / "config.json").read_text())
+    (without / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    (without / "model.safetensors").symlink_to(glm4_moe_target / "model.safetensors")
+    with pytest.raises(ValueError, match="config has no num_nextn_predict_layers"):
+        LLM(str(without), **engine)
+    incomplete = variant("incomplete")
+    (incomplete / "config.json").symlink_to(glm4_moe_target / "config.json")
+    tensors = load_file(str(glm4_moe_target / "model.safetensors"))
+    save_file({name: t for name, t in tensors.items() if name != "model.layers.2.eh_proj.weight"},
+              str(incomplete / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no complete multi-token prediction layer model\.layers\.2\.\* \(missing "
+                                         r"\['eh_proj\.weight'\]\)"):
+        LLM(str(incomplete), **engine)
+
+
+def test_glm4_moe_output_with_mtp_in_the_default_dtype_is_the_same_batched_as_alone(glm4_moe_target):
+    """Batch invariance with the MTP layer drafting, in this CPU's default dtype and kernels: each prompt's greedy ids
+    and top-2 logprobs, run alone without speculation, equal its result among the 8 batched with speculation,
+    chunked and preempted. (Costs two more engines on the shared tiny target, ~2 s.)"""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    alone = LLM(str(glm4_moe_target), prefix_caching=False)
+    expected = [_ids_and_logprobs(alone.generate([prompt], params, use_tqdm=False)[0]) for prompt in PROMPTS]
+    alone.shutdown()
+    stressed = {key: value for key, value in STRESSED.items() if key not in ("dtype", "quantization")}
+    busy = LLM(str(glm4_moe_target), **stressed, speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    outputs = busy.generate(PROMPTS, params, use_tqdm=False)
+    stats = busy.llm_engine.stats()
+    assert stats.num_preemptions > 0 and 0 < stats.spec.accepted_tokens < stats.spec.draft_tokens
+    assert [_ids_and_logprobs(output) for output in outputs] == expected
+
+
+def _ids_and_logprobs(output) -> tuple:
+    completion = output.outputs[0]
+    return tuple(completion.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
+                                              for step in completion.logprobs)
+
+
+@torch.inference_mode()
+def test_glm4_moe_mtp_layer_computes_what_vllms_glm4_moe_mtp_does(glm4_moe_target, glm4_moe_run):
+    """The draft's states equal a float32 reference of vLLM's Glm4MoeMultiTokenPredictorLayer built on transformers'
+    GLM-4.5: the target's final (normed) hidden states h, the embedding of the next token zeroed at position 0,
+    eh_proj(concat(enorm(embedding), hnorm(h))) through transformers' decoder layer 2 (a MoE layer: 2 >=
+    first_k_dense_replace), its output (residual included) the chained state; shared_head's norm and head give the
+    logits. Proves partial RoPE, q/k norm, the biases and the experts of the MTP block, which the tests above do not
+    tell apart from a draft that merely agrees with itself. (A tiny transformers model, ~1 s: transformers is
+    imported by most of the suite's test files already.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tokens = [5, 900, 17, 4242, 33, 1000, 77, 12, 600, 41, 8, 3000]  # past a 16-dim rotary's first turns
+    n = len(tokens)
+    engine = glm4_moe_run.llm.llm_engine  # (float32)
+    hidden = _from_scratch(engine.runner)(tokens)
+    states = _from_scratch(engine.speculation.proposer.runner)(tokens[1:], hidden[:n - 1])
+    logits = engine.speculation.proposer.runner.model.compute_logits(states)
+
+    hf = AutoModelForCausalLM.from_pretrained(glm4_moe_target, dtype=torch.float32, attn_implementation="sdpa",
+                                              num_hidden_layers=3)  # layer 2: the MTP layer's decoder block
+    x = hf.model.embed_tokens(torch.tensor([tokens]))
+    rope = hf.model.rotary_emb(x, torch.arange(n)[None])
+    for layer in hf.model.layers[:2]:  # (attention_mask None: sdpa's causal mask)
+        x = layer(x, position_embeddings=rope)
+    hf_hidden = hf.model.norm(x)[0]
+    torch.testing.assert_close(hidden, hf_hidden, rtol=1e-4, atol=1e-4)
+    mtp = {name[len("model.layers.2."):]: t for name, t in load_file(str(glm4_moe_target / "model.safetensors")).items()
+           if name.startswith("model.layers.2.")}
+    eps = hf.config.rms_norm_eps
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    embeds = hf.model.embed_tokens(torch.tensor(tokens[1:]))
+    embeds[0] = 0  # position 0: nothing precedes it
+    x = torch.cat([rms(embeds, mtp["enorm.weight"]), rms(hf_hidden[:n - 1], mtp["hnorm.weight"])], -1)
+    x = (x @ mtp["eh_proj.weight"].T)[None]
+    expected = hf.model.layers[2](x, position_embeddings=hf.model.rotary_emb(x, torch.arange(n - 1)[None]))[0]
+    torch.testing.assert_close(states, expected, rtol=1e-4, atol=1e-4)
+    expected_logits = rms(expected, mtp["shared_head.norm.weight"]) @ mtp["shared_head.head.weight"].T
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)

@@ -18,6 +18,7 @@ def flags(config: EngineConfig) -> tuple:
      dict(speculative_method="eagle3", draft_model="/heads/e3", num_speculative_tokens=3)),
     ({"method": "mtp", "num_speculative_tokens": 1}, dict(speculative_method="mtp", num_speculative_tokens=1)),
     ({"method": "deepseek_mtp"}, dict(speculative_method="mtp")),
+    ({"method": "glm4_moe_mtp"}, dict(speculative_method="mtp")),
     ({"method": "draft_model", "model": "/m/draft"}, dict(speculative_method="draft", draft_model="/m/draft")),
     ({"method": "ngram", "prompt_lookup_max": 3}, dict(speculative_method="ngram", prompt_lookup_max=3)),
 ])

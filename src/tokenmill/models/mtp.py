@@ -1,11 +1,13 @@
-"""A model's own multi-token prediction layer as a draft (DeepSeek-V3's num_nextn_predict_layers; vLLM's
-DeepSeekMTP): layer N = num_hidden_layers of the checkpoint, stored beside the decoder's as model.layers.N.*.
+"""A model's own multi-token prediction layer as a draft (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers;
+vLLM's DeepSeekMTP and Glm4MoeMTP): layer N = num_hidden_layers of the checkpoint, stored beside the decoder's as
+model.layers.N.*.
 
 At position i it reads the embedding of token i+1 and a hidden state h_i: the target's final (normed) hidden state
 at a position the target computed, the layer's own output at a chained one. eh_proj(concat(enorm(embedding),
 hnorm(h))) goes through one decoder layer of the target's kind (DeepSeek-V3: MLA attention and the routed
-experts), whose output (residual stream) chains; shared_head's norm and head give the logits. As in vLLM, the
-embedding at position 0 is zeroed (nothing precedes it).
+experts; GLM-4.5: its GQA attention with partial RoPE, q/k norm and biases, and its routed experts), whose output
+(residual stream) chains; shared_head's norm and head give the logits. As in vLLM, the embedding at position 0
+is zeroed (nothing precedes it).
 """
 
 from __future__ import annotations
@@ -56,14 +58,15 @@ class MultiTokenPredictor(nn.Module):
 
     `block` is a DecoderForCausalLM holding layer N alone (a pipeline stage of one layer), whose embedding, final
     norm and head are the MTP layer's embed_tokens and shared_head (norm, head): its loader places every tensor
-    of the decoder block (MLA, experts) as the target's does.
+    of the decoder block (attention, experts) as the target's does.
 
     Invariant: `step_hidden` holds the input hidden state of each of the step's rows, in the batch's order, when
     `forward` runs (spec_decode/draft.py sets it before every pass)."""
 
     def __init__(self, arch: ArchConfig, index: int, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
-        # layer N's spec as the target's layers': past the last, so MoE as DeepSeek-V3's later layers
+        # layer N's spec as the target's layers': past the last, so MoE as DeepSeek-V3's and GLM-4.5's later
+        # layers (N >= first_k_dense_replace: vLLM builds it MoE too)
         block_arch = dataclasses.replace(arch, num_hidden_layers=index + 1, layer_types=(
             tuple(arch.layer_types) + (arch.layer_types[-1],) * (index + 1 - len(arch.layer_types))
             if arch.layer_types else arch.layer_types))

@@ -49,7 +49,7 @@ ARCHITECTURE_SUPPORT: dict[str, ArchitectureSupport] = {
     "Qwen2MoeForCausalLM": ArchitectureSupport("Qwen2-MoE", "Qwen/Qwen1.5-MoE-A2.7B-Chat"),
     "DeepseekV3ForCausalLM": ArchitectureSupport("DeepSeek-V3", "deepseek-ai/DeepSeek-V3",
                                                  {"first_k_dense_replace": 1}, mtp=True),
-    "Glm4MoeForCausalLM": ArchitectureSupport("GLM-4.5", "zai-org/GLM-4.5-Air"),
+    "Glm4MoeForCausalLM": ArchitectureSupport("GLM-4.5", "zai-org/GLM-4.5-Air", mtp=True),
     "SmolLM3ForCausalLM": ArchitectureSupport("SmolLM3", "HuggingFaceTB/SmolLM3-3B"),
     "Phi3ForCausalLM": ArchitectureSupport("Phi-3, Phi-4-mini", "microsoft/Phi-4-mini-instruct"),
     "Olmo2ForCausalLM": ArchitectureSupport("OLMo 2", "allenai/OLMo-2-1124-7B-Instruct"),

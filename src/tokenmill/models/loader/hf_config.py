@@ -647,8 +647,8 @@ def _log_dropped_mtp_layers(name: str, setting: dict[str, Any]) -> None:
     num_hidden_layers and on) are not loaded: the decoder skips tensors of layers it does not have."""
     count = setting.get("num_nextn_predict_layers", setting.get("num_mtp_layers")) or 0
     if count:
-        logger.info("%s: its %d multi-token prediction layer(s) (num_nextn_predict_layers) are not loaded", name,
-                    count)
+        logger.info("%s: its %d multi-token prediction layer(s) (num_nextn_predict_layers) are not loaded as "
+                    "decoder layers (speculative_method 'mtp' drafts with the first)", name, count)
 
 
 def _moe_fields(architecture: str, setting: dict[str, Any]) -> dict[str, Any]:
