@@ -4,7 +4,7 @@ Each Falcon-H1 layer runs a Mamba2 mixer and attention in parallel on the same n
 to it, then a pre-norm SwiGLU MLP:
     stream += mamba(norm(stream)) + attention(norm(stream));  stream += mlp(norm2(stream)).
 A decoder layer keeps one cache, and this layer needs two (a Mamba2 state and K/V), so Falcon-H1's layer i runs as
-decoder layers 2i (`FalconH1MixerHalf`: the mixer, its state in its own KV group) and 2i + 1
+decoder layers 2i (models/mamba2.py's `Mamba2Layer`: the mixer, its state in its own KV group) and 2i + 1
 (`FalconH1AttentionHalf`: attention, the sum, the MLP), each holding a copy of the shared input norm's weight so a
 pipeline stage may end between them (`falcon_h1_checkpoint_tensors` gives both halves their tensors). Layer
 2i + 1 recomputes the norm from the stream that 2i passes on as its residual, so both read the same input.
@@ -22,33 +22,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from tokenmill.layers.mamba2_mixer import Mamba2Mixer
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.attention_block import SelfAttention
+from tokenmill.models.mamba2 import Mamba2Layer
 from tokenmill.parallel.group import TPGroup
-
-
-class FalconH1MixerHalf(nn.Module):
-    """Decoder layer 2i: (mamba(norm(stream)), stream), the stream passed on as the residual for layer 2i + 1."""
-
-    def __init__(self, arch: ArchConfig, index: int, backend: Any, tp: TPGroup,
-                 make_mlp: Callable[[ArchConfig, Any, TPGroup], nn.Module]) -> None:
-        super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"{arch.architecture} runs at tensor_parallel_size 1 (asked for {tp.size}): "
-                             "Mamba2 mixers are not sharded")
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mamba = Mamba2Mixer(arch.hidden_size, arch.mamba)
-
-    def forward(self, rope: Any, hidden: torch.Tensor, residual: Optional[torch.Tensor], kv_cache: Any,
-                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the mixer's output, the stream); `kv_cache` and `attn_metadata` are its states and the step's chunks."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
-        return self.mamba(normed, kv_cache, attn_metadata), residual
 
 
 class FalconH1AttentionHalf(nn.Module):
@@ -78,13 +56,14 @@ class FalconH1AttentionHalf(nn.Module):
 def falcon_h1_layer(arch: ArchConfig, index: int, backend: Any, tp: TPGroup,
                     make_mlp: Callable[[ArchConfig, Any, TPGroup], nn.Module]) -> nn.Module:
     """Decoder layer `index`: the mixer half of Falcon-H1's layer index // 2 (even), or its attention half (odd)."""
-    half = FalconH1MixerHalf if index % 2 == 0 else FalconH1AttentionHalf
-    return half(arch, index, backend, tp, make_mlp)
+    if index % 2 == 0:  # (mixer(norm(stream)), stream): Mamba2's own layer, the stream passed on as the residual
+        return Mamba2Layer(arch, index, backend, tp)
+    return FalconH1AttentionHalf(arch, index, backend, tp, make_mlp)
 
 
 _LAYER_TENSOR = re.compile(r"^(?:model\.)?layers\.(\d+)\.([a-z_]+)\.(.*)$")
 # a Falcon-H1 layer's part -> (decoder layer offset 0 / 1, its name there)
-_PARTS = {"mamba": (0, "mamba"), "self_attn": (1, "self_attn"), "feed_forward": (1, "mlp"),
+_PARTS = {"mamba": (0, "mixer"), "self_attn": (1, "self_attn"), "feed_forward": (1, "mlp"),
           "pre_ff_layernorm": (1, "post_attention_layernorm")}
 
 
