@@ -86,7 +86,10 @@ def kernels_in_subprocess(env_overrides: dict, code: str = "") -> subprocess.Com
     script = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
               "from tokenmill.kernels.cpu_kernels import cpu_kernels\n"
               "k = cpu_kernels()\n"
-              "print('LEVEL', None if k is None else k.level.name)\n" + code)
+              "print('LEVEL', None if k is None else k.level.name)\n" + code +
+              # as the tokenmill command does at exit (cli/main.py): the final collections over torch's
+              # objects would cost most of a second of each of these processes' exits
+              "\nimport gc; gc.freeze()\n")
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
 
 
