@@ -12,7 +12,7 @@ transformers version, the folder's file names and its config and tokenizer files
 same files imports that class from its own module and calls its `from_pretrained`, as AutoTokenizer does
 once it has picked. For the common class (TokenizersBackend) that never imports `transformers.models`,
 whose package scans every model's source files when imported (about a second of CPU per process: every
-server and rank that loads a tokenizer paid it).
+server and other process that loads a tokenizer paid it).
 
 Within a process, the second load of the same folder's files (engines built one after another, as tests and
 benchmarks do) keeps an untouched copy of the tokenizer it built, and later loads get deep copies of it: 0.2 s
