@@ -806,7 +806,7 @@ def first_difference(a: tuple, b: tuple) -> Optional[int]:
 def served_path(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, Any]:
     """`tokenmill serve` on the device (its KV pool sized from GPU memory), a streamed chat through the
     OpenAI route, then `tokenmill bench serve` against it; its table is kept."""
-    with tokenmill_server(path, device, dry, out_dir / "serve.log") as base:
+    with step_server(path, device, dry, out_dir / "serve.log") as base:
         pieces = streamed_chat(base, 4 if dry else 16)
         _, table = bench_serve(base, *((4, 2, 8, 4) if dry else (256, 64, 512, 128)))
     return {"chat_stream_chunks": len(pieces), "chat_text": "".join(pieces)[:200], "bench_serve_table": table[-4000:]}
@@ -848,6 +848,36 @@ def tokenmill_server(path: Path, device: str, dry: bool, log_path: Path, extra: 
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
+
+
+# a dry run's one server of each (path, device), shared by its served steps (see step_server); closed by
+# stop_shared_servers at the end of the run, or at exit where the run ends otherwise
+_SHARED_SERVERS: dict[tuple[str, str], str] = {}
+_SHARED_SERVER_STACK = contextlib.ExitStack()
+atexit.register(_SHARED_SERVER_STACK.close)
+
+
+@contextlib.contextmanager
+def step_server(path: Path, device: str, dry: bool, log_path: Path) -> Iterator[str]:
+    """The base URL of the server a served step talks to. On a GPU, a server of its own (its KV pool sized from
+    GPU memory: two models' servers cannot be held at once), stopped when the step ends. In a dry run, where the
+    135M- and 1B-shaped models are one tiny model, the served and serve_1b steps share one server: a second
+    start in the interpreter proves nothing the first did not (the later step's log is then the first's), and
+    each step reads only its own requests (serve_1b counts engine steps between two readings)."""
+    if not dry:
+        with tokenmill_server(path, device, dry, log_path) as base:
+            yield base
+        return
+    key = (str(path), device)
+    if key not in _SHARED_SERVERS:
+        _SHARED_SERVERS[key] = _SHARED_SERVER_STACK.enter_context(tokenmill_server(path, device, dry, log_path))
+    yield _SHARED_SERVERS[key]
+
+
+def stop_shared_servers() -> None:
+    """Stop the dry run's shared servers (step_server)."""
+    _SHARED_SERVER_STACK.close()
+    _SHARED_SERVERS.clear()
 
 
 def wait_healthy(server: subprocess.Popen, base: str, poll_s: float, limit_s: float = 180) -> None:
@@ -945,7 +975,7 @@ def served_1b(path: Path, device: str, dry: bool, out_dir: Path) -> dict[str, An
     engine steps from /metrics (eager_step_share). Small counts in a dry run, and no warm-up."""
     warm, burst, single = ((None, (4, 2, 8, 4), (2, 1, 8, 4)) if dry else
                            ((64, 64, 512, 16), (256, 64, 512, 128), (8, 1, 128, 128)))
-    with tokenmill_server(path, device, dry, out_dir / "serve-1b.log") as base:
+    with step_server(path, device, dry, out_dir / "serve-1b.log") as base:
         if warm:  # a dry run's timings mean nothing, and its burst runs the same bench_serve
             bench_serve(base, *warm)
         before = steps_by_kind(base)
@@ -1126,6 +1156,7 @@ def main() -> None:
         r["profile"] = check.step("profile", lambda: profile_steps(big, device, args.dry_run, out_dir))
     issue58_steps(check, args.skip, (small, big), bandwidth, device, out_dir)
     formats_steps(check, args.skip, (small, big, trained), bandwidth, device, work, tokenizer_dir)
+    stop_shared_servers()
     check.save()
     keys = ["device", "copy_bandwidth_gbs", "hf_fp32_identical", "quantized_checkpoints", "trained_135m",
             "bf16_top1_agreement", "bf16_agreement_trained", "bf16_agreement_random_weights",

@@ -13,6 +13,7 @@ from helpers.cli_runs import tokenmill, tokenmill_here
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SECTIONS
+from tokenmill.models.loader.tokenizer import load_hf_tokenizer
 
 
 def test_help_explains_every_engine_flag(capsys):
@@ -54,17 +55,20 @@ def test_serve_takes_the_model_as_vllm_does_positional_or_flag(tmp_path, capsys)
     assert result.returncode == 2 and "nope" in result.stderr  # the flag reaches the loader
 
 
-def test_a_cpu_run_never_imports_triton_or_initialises_cuda(tmp_path):
-    # the GPU path imports lazily: a CPU-only install starts and generates without Triton or CUDA
+def test_a_cpu_run_never_imports_triton_or_initialises_cuda_or_imports_transformers_models(tmp_path):
+    # the GPU path imports lazily: a CPU-only install starts and generates without Triton or CUDA. And once a
+    # folder's tokenizer class is remembered (this process's load records it), a process loads that tokenizer
+    # without importing transformers.models, whose package scans every model's sources (a second of CPU)
     path = str(make_tiny_hf_model(tmp_path, arch="llama"))
+    load_hf_tokenizer(path)
     probe = ("import sys, torch; from tokenmill import LLM, SamplingParams; "
              f"llm = LLM({path!r}, num_kv_blocks=64, device='cpu'); "
-             "llm.generate('Hi', SamplingParams(max_tokens=4), use_tqdm=False); "
+             "llm.chat([{'role': 'user', 'content': 'Hi'}], SamplingParams(max_tokens=4), use_tqdm=False); "
              "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')), "
-             "torch.cuda.is_initialized())")
+             "torch.cuda.is_initialized(), 'transformers.models' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[] False"
+    assert result.stdout.strip() == "[] False False"
 
 
 def test_batch_invariant_flag_is_unset_on_or_off():

@@ -40,6 +40,10 @@ for kind, name, options in json.loads(sys.argv[1]):
     except ValueError as exc:
         answer = {"error": str(exc)}
     print(json.dumps(answer), flush=True)
+# as the tokenmill command does at exit (cli/main.py): the interpreter's final collections over torch's objects
+# would cost most of a second of this process's exit, and the answers are already out
+import gc
+gc.freeze()
 """ % (PROMPT, GREEDY)
 
 

@@ -444,8 +444,9 @@ def test_an_hf_folders_tokenizer_class_is_remembered_and_loads_the_same_tokenize
 
     folder = make_tiny_hf_model(tmp_path / "model")
     first = load_hf_tokenizer(folder)
-    records = list((isolated_cache / "tokenizer-classes").iterdir())
-    assert [record.read_text() for record in records] == [type(first).__name__]
+    records = [json.loads(record.read_text()) for record in (isolated_cache / "tokenizer-classes").iterdir()]
+    assert [(record["module"], record["class"]) for record in records] == [(type(first).__module__,
+                                                                            type(first).__name__)]
 
     def asked_again(*args, **kwargs):
         raise AssertionError("AutoTokenizer asked again")

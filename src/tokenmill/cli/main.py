@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import logging
 import sys
 from typing import Optional
@@ -139,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `tokenmill` command."""
+    if argv is None:  # the process's own command line, not a call from inside another program
+        _freeze_the_heap_at_exit()
     args = build_parser().parse_args(argv)
     level = args.log_level or getattr(args, "log_level_default", "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -147,6 +151,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _freeze_the_heap_at_exit() -> None:
+    """At interpreter exit, move every object into the collector's permanent generation (gc.freeze) first,
+    unless Triton is loaded (see _freeze_heap).
+
+    Why: after the atexit handlers, the interpreter's finalisation runs full collections over everything
+    still alive; with torch, transformers and fastapi loaded that is most of a second of CPU (measured 0.8 s
+    against 0.2 s frozen) in every `tokenmill serve` and other command as it exits, while the OS reclaims the
+    memory anyway. Only those final collections skip what is frozen: the atexit handlers (log flushes,
+    weakref finalizers such as temporary folders' cleanup) all still run before it (registered here, first,
+    it runs last), and reference counting still frees objects as modules are cleared. Registered at exit
+    rather than done here, and only for the process's own command line, so that `main([...])` called inside
+    a longer-lived program (the tests call it) never freezes that program's heap."""
+    global _FREEZE_REGISTERED
+    if not _FREEZE_REGISTERED:
+        atexit.register(_freeze_heap)
+        _FREEZE_REGISTERED = True
+
+
+_FREEZE_REGISTERED = False
+
+
+def _freeze_heap() -> None:
+    # Triton's nanobind extension lists at exit every instance of its types still alive; frozen, the
+    # objects its compiler caches in reference cycles would be listed as leaks on every exit of a GPU server
+    if "triton" not in sys.modules:
+        gc.freeze()
 
 
 if __name__ == "__main__":

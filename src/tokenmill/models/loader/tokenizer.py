@@ -9,7 +9,10 @@ config imports transformers' model code for the architecture: about a second per
 small tokenizer takes to load. The class it picked is remembered under
 `$TOKENMILL_CACHE_DIR/tokenizer-classes/<key>`, the key a hash of everything the choice reads (the
 transformers version, the folder's file names and its config and tokenizer files); a later load of the
-same files calls that class's `from_pretrained`, as AutoTokenizer does once it has picked.
+same files imports that class from its own module and calls its `from_pretrained`, as AutoTokenizer does
+once it has picked. For the common class (TokenizersBackend) that never imports `transformers.models`,
+whose package scans every model's source files when imported (about a second of CPU per process: every
+server and other process that loads a tokenizer paid it).
 
 Within a process, the second load of the same folder's files (engines built one after another, as tests and
 benchmarks do) keeps an untouched copy of the tokenizer it built, and later loads get deep copies of it: 0.2 s
@@ -21,6 +24,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import hashlib
+import importlib
+import json
 import os
 import shutil
 import tempfile
@@ -88,30 +93,28 @@ def _files_identity(folder: Path) -> Optional[tuple]:
 
 
 def _load_hf_tokenizer(folder: str | Path) -> "PreTrainedTokenizerBase":
-    from transformers import AutoTokenizer
-    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
-
     record = _class_record(Path(folder))
-    if record is not None and record.is_file():
-        chosen = tokenizer_class_from_name(record.read_text().strip())
-        if chosen is not None:
-            return chosen.from_pretrained(str(folder))
+    remembered = _remembered_class(record, Path(folder)) if record is not None else None
+    if remembered is not None:
+        return remembered.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import MODEL_IDS_TO_TOKENIZERS_BACKEND, tokenizer_class_from_name
+
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    name = type(tokenizer).__name__
-    if record is not None and tokenizer_class_from_name(name) is type(tokenizer):  # not remote code
-        _write_text_atomically(record, name)
+    chosen = type(tokenizer)
+    overrides = list(MODEL_IDS_TO_TOKENIZERS_BACKEND)
+    if (record is not None and not _named_by_an_override(Path(folder), overrides)
+            and tokenizer_class_from_name(chosen.__name__) is chosen):  # not remote code
+        _write_text_atomically(record, json.dumps({"module": chosen.__module__, "class": chosen.__name__,
+                                                   "hub_id_overrides": overrides}))
     return tokenizer
 
 
 def _class_record(folder: Path) -> Optional[Path]:
-    """Where the class AutoTokenizer picks for `folder` is remembered; None where the choice also depends
-    on the path itself (transformers overrides a few Hub ids by name)."""
+    """Where the class AutoTokenizer picks for `folder`'s files is remembered (see _remembered_class)."""
     import transformers
-    from transformers.models.auto.tokenization_auto import MODEL_IDS_TO_TOKENIZERS_BACKEND
 
-    if any(fnmatch.fnmatch(str(folder).lower(), pattern) for pattern in MODEL_IDS_TO_TOKENIZERS_BACKEND):
-        return None
-    digest = hashlib.sha256(transformers.__version__.encode())
+    digest = hashlib.sha256(transformers.__version__.encode() + _RECORD_FORMAT)
     try:
         digest.update("\0".join(sorted(os.listdir(folder))).encode())
         for name in _CLASS_CHOICE_FILES:
@@ -120,6 +123,35 @@ def _class_record(folder: Path) -> Optional[Path]:
     except OSError:
         return None
     return envs.cache_root() / "tokenizer-classes" / digest.hexdigest()[:32]
+
+
+# in the record's key: a record of another format (an older tokenmill's) is another file, never misread
+_RECORD_FORMAT = b"\0module-class-overrides"
+
+
+def _remembered_class(record: Path, folder: Path) -> Optional[type]:
+    """The class the record names, imported from its module; None where there is no readable record, the
+    class is not transformers' own, or the folder's path is one of the Hub ids that transformers overrides
+    by name (the record keeps that list as the transformers version of its key had it, so checking it needs no
+    import of transformers.models)."""
+    try:
+        remembered = json.loads(record.read_text())
+        module_name, class_name = remembered["module"], remembered["class"]
+        overrides = list(remembered["hub_id_overrides"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not module_name.startswith("transformers.") or _named_by_an_override(folder, overrides):
+        return None
+    try:
+        chosen = getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError:
+        return None
+    return chosen if isinstance(chosen, type) else None
+
+
+def _named_by_an_override(folder: Path, patterns: list[str]) -> bool:
+    """Whether transformers picks the class by the path itself (a few Hub ids) rather than by the files."""
+    return any(fnmatch.fnmatch(str(folder).lower(), pattern) for pattern in patterns)
 
 
 def _write_text_atomically(target: Path, text: str) -> None:
@@ -149,11 +181,11 @@ def _save_atomically(tokenizer: "PreTrainedTokenizerBase", target: Path) -> None
 
 def load_gguf_tokenizer(gguf_path: str | Path) -> "PreTrainedTokenizerBase":
     """The tokenizer described by a GGUF file's metadata, converted once and then cached."""
-    from transformers import AutoTokenizer
-
     cached = gguf_tokenizer_cache_dir(gguf_path)
     if cached.is_dir():
         return load_hf_tokenizer(cached)
+    from transformers import AutoTokenizer  # imports transformers.models: only to convert
+
     path = Path(gguf_path).resolve()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
