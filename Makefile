@@ -71,7 +71,7 @@ cross-compiler:
 
 # The kernel tests (tests/kernels) with the kernels cross-compiled for aarch64 and run under qemu-user
 # (tests/helpers/aarch64_kernels.py: the portable `generic` build an ARM machine compiles, behind the same
-# Python wrappers; PyTorch and the references stay on the host). Not part of `make test`: about 1:50 on the
+# Python wrappers; PyTorch and the references stay on the host). Not part of `make test`: about 3 minutes on the
 # project machine. One kernel thread by default: qemu runs a library's threads slowly on 2 shared cores (a third
 # of the tests took 4:11 with 2 threads, 1:00 with one); `make test-arm ARM_THREADS=2` runs the threaded paths.
 ARM_THREADS ?= 1

@@ -3,7 +3,10 @@
  * Built with aarch64-linux-gnu-gcc and run under qemu-aarch64, it loads the library named on its command line
  * and answers calls on stdin/stdout until stdin closes. A call, every number little-endian:
  *   u32 name length, the name;
- *   u32 region count, then per region u64 size and its bytes (the tensors' storages the call reads or writes);
+ *   u32 region count, then per region u64 size and its bytes (the tensors' storages the call reads or writes, and
+ *     the structures it reads);
+ *   u32 fix-up count, then per fix-up u32 region, u64 offset, u32 target region, u64 target offset: a pointer
+ *     field of a structure in a region, set here to that place in the target region;
  *   u32 argument count, then per argument a kind byte and its value:
  *     'p' u32 region, u64 byte offset (a pointer into a region)   'n' (NULL)
  *     'i' i64   'w' i32   'f' f32
@@ -68,6 +71,21 @@ static void serve_one_call(void *library) {
         regions[r] = aligned_alloc(64, (sizes[r] + 63) / 64 * 64 + 64);
         if (!regions[r]) fail("out of memory in ", name);
         read_exactly(regions[r], sizes[r]);
+    }
+
+    uint32_t fixup_count;
+    read_exactly(&fixup_count, 4);
+    for (uint32_t f = 0; f < fixup_count; f++) {
+        uint32_t region, target;
+        uint64_t offset, target_offset;
+        read_exactly(&region, 4);
+        read_exactly(&offset, 8);
+        read_exactly(&target, 4);
+        read_exactly(&target_offset, 8);
+        if (region >= region_count || target >= region_count || offset + sizeof(void *) > sizes[region])
+            fail("a fix-up outside the regions in ", name);
+        uint8_t *pointer = regions[target] + target_offset;
+        memcpy(regions[region] + offset, &pointer, sizeof pointer);
     }
 
     int64_t ints[MAX_INT_ARGS] = {0};
