@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 UV := $(VENV)/bin/uv pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test coverage install clean cross-compiler browser asan reliability soak readme-plots
+.PHONY: serve test coverage install clean cross-compiler browser asan reliability soak readme-plots test-arm qemu-user
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,22 @@ cross-compiler:
 	  echo "installing gcc-aarch64-linux-gnu (the aarch64 cross-compiler the build test uses)"; \
 	  (apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu >/dev/null) || \
 	  echo "could not install gcc-aarch64-linux-gnu: install it as root, or the cross-compile test fails"; }
+
+# The kernel tests (tests/kernels) with the kernels cross-compiled for aarch64 and run under qemu-user
+# (tests/helpers/aarch64_kernels.py: the portable `generic` build an ARM machine compiles, behind the same
+# Python wrappers; PyTorch and the references stay on the host). Not part of `make test`: about 3 minutes on the
+# project machine. One kernel thread by default: qemu runs a library's threads slowly on 2 shared cores (a third
+# of the tests took 4:11 with 2 threads, 1:00 with one); `make test-arm ARM_THREADS=2` runs the threaded paths.
+ARM_THREADS ?= 1
+test-arm: $(STAMP) cross-compiler qemu-user
+	TOKENMILL_TEST_AARCH64=1 OMP_NUM_THREADS=$(ARM_THREADS) $(PY) -m pytest -q tests/kernels
+
+# qemu-aarch64 runs the aarch64 kernels on this machine for `make test-arm`.
+qemu-user:
+	@command -v qemu-aarch64 >/dev/null || { \
+	  echo "installing qemu-user (qemu-aarch64 runs the aarch64 kernels for make test-arm)"; \
+	  (apt-get update -qq && apt-get install -y -qq qemu-user >/dev/null) || \
+	  echo "could not install qemu-user: install it as root, or make test-arm fails"; }
 
 # tests/e2e/test_web_ui.py drives the playground and dashboard in Debian's Chromium (through Playwright).
 browser:

@@ -19,7 +19,6 @@ from helpers.attention_steps import assert_split_kv_decode_matches_reference, mi
 from tokenmill.attention.base import AttentionLayer
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.torch_ref import TorchReferenceBackend
-from tokenmill.kernels.cpu_kernels import cpu_kernels
 
 CPU = torch.device("cpu")
 BLOCK = 8
@@ -56,10 +55,9 @@ def hf_attention(q, cache, chunks, slots, k, v, sinks, scale, window):
     return out
 
 
-def backends():
-    """(name, backend) of every backend this machine runs."""
+def backends(kernels):
+    """(name, backend) of every backend this machine runs, the native one on `kernels` (None: without it)."""
     found = [("torch_ref", TorchReferenceBackend())]
-    kernels = cpu_kernels()
     if kernels is not None:
         found += [("cpu_paged", CpuPagedBackend(kernels)), ("cpu_paged, not invariant",
                                                             CpuPagedBackend(kernels, batch_invariant=False))]
@@ -72,14 +70,15 @@ def backends():
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32)])  # the tiles; the portable loop
 @pytest.mark.parametrize("window", [None, 9])
-def test_sinks_join_the_softmax_as_transformers_gpt_oss_does_on_every_backend(heads, kv_heads, head_dim, window):
+def test_sinks_join_the_softmax_as_transformers_gpt_oss_does_on_every_backend(process_kernels, heads, kv_heads,
+                                                                              head_dim, window):
     cache, chunks, slots, q, k, v, sinks = sink_step(heads, kv_heads, head_dim)
     scale = head_dim ** -0.5
     expected = hf_attention(q, cache, chunks, slots, k, v, sinks, scale, window)
     sinkless = hf_attention(q, cache, chunks, slots, k, v, torch.full_like(sinks, -1e9), scale, window)
     assert not torch.allclose(expected, sinkless, atol=1e-2)
     layer = AttentionLayer(scale, window, sinks=sinks)
-    for name, backend in backends():
+    for name, backend in backends(process_kernels):
         c = cache.clone()
         got = backend.forward(q, k, v, c, backend.build_metadata(chunks, slots, BLOCK, CPU), layer)
         assert torch.allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE), name

@@ -46,7 +46,7 @@ def chunked_attention(q, cache, chunks, slots, k, v, scale, chunk):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (4, 4, 32)])  # the tiles; the portable loop
 @pytest.mark.parametrize("chunk", [4, 8])
-def test_chunked_attention_sees_only_its_own_chunk_on_every_backend(heads, kv_heads, head_dim, chunk):
+def test_chunked_attention_sees_only_its_own_chunk_on_every_backend(process_kernels, heads, kv_heads, head_dim, chunk):
     cache, chunks, slots, q, k, v, _ = mixed_attention_step(heads, kv_heads, head_dim, seed=7, block_size=BLOCK)
     scale = head_dim ** -0.5
     expected = chunked_attention(q, cache, chunks, slots, k, v, scale, chunk)
@@ -54,14 +54,14 @@ def test_chunked_attention_sees_only_its_own_chunk_on_every_backend(heads, kv_he
     assert not torch.allclose(expected[0], whole[0], atol=1e-2)  # every kind of query loses keys to its chunk
     assert not torch.allclose(expected[9:12], whole[9:12], atol=1e-2)
     layer = AttentionLayer(scale, attention_chunk=chunk)
-    for name, backend in backends():
+    for name, backend in backends(process_kernels):
         got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(chunks, slots, BLOCK, CPU), layer)
         assert torch.allclose(got, expected, atol=2e-5, rtol=2e-5), name
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels did not build")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
-def test_native_chunked_attention_equals_the_reference_in_bfloat16_and_over_an_int8_cache(cache_dtype):
+def test_native_chunked_attention_equals_the_reference_in_bfloat16_and_over_an_int8_cache(process_kernels, cache_dtype):
     # bfloat16: the layer the AMX tiles never take (they attend without chunks) goes to the decode kernels; int8:
     # decode_attention_q8.c's own walk over the keys
     from kernels.test_decode_q8 import _int8_cache
@@ -72,7 +72,7 @@ def test_native_chunked_attention_equals_the_reference_in_bfloat16_and_over_an_i
     else:
         cache, q, k, v = (t.to(torch.bfloat16) for t in (cache, q, k, v))
     layer = AttentionLayer(0.125, attention_chunk=8)
-    for backend in (CpuPagedBackend(cpu_kernels()), CpuPagedBackend(cpu_kernels(), batch_invariant=False)):
+    for backend in (CpuPagedBackend(process_kernels), CpuPagedBackend(process_kernels, batch_invariant=False)):
         expected, _, got, _ = reference_and_backend(backend, cache, chunks, slots, q, k, v, layer, BLOCK)
         tolerance = 2e-2 if cache_dtype == torch.bfloat16 else 2e-5
         assert torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

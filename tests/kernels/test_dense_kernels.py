@@ -7,8 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.isa import runnable_levels
-from tokenmill.kernels.cpu_kernels import load_kernels
 from tokenmill.layers.linear_kernels import InvariantDenseKernel, make_kernel
 
 
@@ -27,15 +25,17 @@ def test_rows_do_not_depend_on_the_rest_of_the_product(kernels, dtype):
     assert torch.equal(kernels.dense_linear(x[150:151], packed, 75, bias), together[150:151])
 
 
-def test_every_level_gives_the_same_numbers():
-    """One chain of fused multiply-adds per output in every build: the levels agree to the bit."""
-    levels = [level for level in runnable_levels() if level.name != "amx"]
-    if len(levels) < 2:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_level_gives_the_same_numbers(kernels_of_every_level, dtype):
+    """One chain of fused multiply-adds per output in every build: the levels (and, under `make test-arm`, the
+    aarch64 build) agree to the bit."""
+    if len(kernels_of_every_level) < 2:
         pytest.skip("this CPU runs only one instruction-set level")
     torch.manual_seed(1)
-    weight, x = torch.randn(40, 96), torch.randn(9, 96)
-    results = [load_kernels(level).dense_linear(x, load_kernels(level).dense_pack(weight), 40, None) for level in levels]
-    assert all(torch.equal(r, results[0]) for r in results)
+    weight, x = torch.randn(40, 96).to(dtype), torch.randn(9, 96).to(dtype)
+    results = {name: k.dense_linear(x, k.dense_pack(weight), 40, None) for name, k in kernels_of_every_level.items()}
+    first = next(iter(results.values()))
+    assert all(torch.equal(r, first) for r in results.values()), list(results)
 
 
 def test_batch_invariant_layers_take_it(kernels):
