@@ -86,3 +86,13 @@ def test_a_tokenizer_config_beside_the_file_is_left_to_auto_tokenizer(tmp_path, 
         load_gguf_tokenizer_directly(path)
     assert type(load_gguf_tokenizer(path)) is type(auto_tokenizer(path))
     assert type(auto_tokenizer(path)).__name__ == "GPT2Tokenizer"
+
+
+def test_another_transformers_release_is_left_to_auto_tokenizer(tmp_path, monkeypatch):
+    # the fast path follows the rules of the release it was compared with; another release's AutoTokenizer may
+    # pick otherwise, so its files are converted by AutoTokenizer
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    with pytest.raises(UnsupportedGGUFTokenizer, match="5.24"):
+        load_gguf_tokenizer_directly(tiny_gguf(tmp_path, "llama"))

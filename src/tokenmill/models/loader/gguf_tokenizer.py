@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# the transformers release whose AutoTokenizer the rules below follow (tests/models/test_gguf_tokenizer.py compares
+# them with it); another release's may differ, and goes through AutoTokenizer until they are checked against it
+VERIFIED_TRANSFORMERS = "5.24."
+
+
 class UnsupportedGGUFTokenizer(Exception):
     """The fast path cannot tell which class AutoTokenizer would pick for this file: ask AutoTokenizer."""
 
@@ -34,6 +39,10 @@ def load_gguf_tokenizer_directly(gguf_path: str | Path) -> "PreTrainedTokenizerB
     """The tokenizer `AutoTokenizer.from_pretrained(folder, gguf_file=name)` builds for `gguf_path`, or
     tokenmill's fallback for an architecture transformers has no GGUF config for (PreTrainedTokenizerFast); raises
     UnsupportedGGUFTokenizer where the choice of class needs AutoTokenizer itself."""
+    import transformers
+
+    if not transformers.__version__.startswith(VERIFIED_TRANSFORMERS):
+        raise UnsupportedGGUFTokenizer(f"AutoTokenizer's choice was read from transformers {VERIFIED_TRANSFORMERS}")
     from transformers.integrations.gguf import read_gguf_metadata
 
     path = Path(gguf_path).resolve()
