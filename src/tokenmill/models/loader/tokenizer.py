@@ -2,7 +2,9 @@
 
 transformers needs seconds to build a tokenizer from GGUF metadata, so the result is saved with
 `save_pretrained` under `$TOKENMILL_CACHE_DIR/tokenizers/<key>` (default `~/.cache/tokenmill`)
-and reloaded from there; the key changes whenever the GGUF file's path, size or mtime does.
+and reloaded from there; the key changes whenever the GGUF file's path, size or mtime does. The conversion
+itself is AutoTokenizer's without its full parse of the file (gguf_tokenizer.py), or AutoTokenizer's own where
+that cannot tell which class AutoTokenizer would pick.
 
 For an HF folder, AutoTokenizer picks the tokenizer's class from the folder's config, and reading the
 config imports transformers' model code for the architecture: about a second per process, more than a
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from tokenmill import envs
+from tokenmill.models.loader.gguf_tokenizer import UnsupportedGGUFTokenizer, load_gguf_tokenizer_directly
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -184,11 +187,20 @@ def load_gguf_tokenizer(gguf_path: str | Path) -> "PreTrainedTokenizerBase":
     cached = gguf_tokenizer_cache_dir(gguf_path)
     if cached.is_dir():
         return load_hf_tokenizer(cached)
+    try:
+        tokenizer = load_gguf_tokenizer_directly(gguf_path)
+    except UnsupportedGGUFTokenizer:
+        tokenizer = _auto_gguf_tokenizer(Path(gguf_path).resolve())
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def _auto_gguf_tokenizer(path: Path) -> "PreTrainedTokenizerBase":
+    """AutoTokenizer's tokenizer for the GGUF file at `path` (the slow way: see gguf_tokenizer.py)."""
     from transformers import AutoTokenizer  # imports transformers.models: only to convert
 
-    path = Path(gguf_path).resolve()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except ValueError as exc:
         if "is not supported" not in str(exc):
             raise
@@ -196,6 +208,4 @@ def load_gguf_tokenizer(gguf_path: str | Path) -> "PreTrainedTokenizerBase":
         # file's tokenizer metadata: build the tokenizer without the config
         from transformers import PreTrainedTokenizerFast
 
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    _save_atomically(tokenizer, cached)
-    return tokenizer
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
