@@ -8,17 +8,18 @@ Steps (each shows its progress):
      continues each greedily; every position's residual stream entering the three layers EAGLE-3 taps
      (tokenmill's default: 2, L/2, L-3), final hidden state and greedy next token are kept;
   3. the draft vocabulary: the --draft-vocab tokens the target predicts most often there (d2t/t2d maps);
-  4. the head (one Llama layer, the target's layer shape, reading the target's embedding table) is trained
-     in float32 against the target's next-token distributions, with SpecForge's training-time test: each
-     position is unrolled --ttt-steps times, each step fed the head's own previous output, as it proposes
-     when serving;
+  4. the head (one Llama layer, the target's layer shape, reading the target's embedding table, its lm_head
+     started from the target's rows) is trained (float32 weights, bfloat16 products) against the target's
+     next-token distributions and greedy tokens, with SpecForge's training-time test: each position is
+     unrolled --ttt-steps times, each step fed the head's own previous output, as it proposes when serving;
   5. the head is written to --out (default: tokenmill's cache folder, never the repository) in the layout
      vLLM and SpecForge use (config.json LlamaForCausalLMEagle3 + model.safetensors), with
      held_out_prompts.jsonl and training_report.json beside it;
   6. on held-out windows, tokenmill's engine runs greedy continuations with the head (eagle3) and without
-     speculation: whether they are identical, the mean acceptance length and the acceptance per position.
+     speculation: whether they are identical, the mean acceptance length and the acceptance per position,
+     beside the same figures predicted by replaying the rounds with the training-time head.
 
-    .venv/bin/python scripts/train_eagle3.py                 # the default model, a few minutes on 2 cores
+    .venv/bin/python scripts/train_eagle3.py     # the default model: minutes on 2 cores (19 under load)
     .venv/bin/tokenmill bench throughput --dataset jsonl --dataset-path HEAD/held_out_prompts.jsonl \\
         --num-prompts 8 --output-len 128 --max-num-seqs 1 \\
         --speculative-config '{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 3}'
@@ -76,8 +77,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ttt-steps", type=int, default=3,
                    help="training-time test: steps each position is unrolled, feeding the head its own outputs "
                         "(1: step-1 training only) (default: 3)")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the training sequences (default: 2)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per update (default: 8)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training sequences (default: 3)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per update (default: 4)")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam's peak learning rate (default: 0.002)")
     p.add_argument("--greedy-weight", type=float, default=1.0,
                    help="weight of the cross-entropy of the target's greedy token beside the soft cross-entropy "
@@ -95,6 +96,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def log(message: str) -> None:
+    """A progress line, shown at once."""
     print(message, flush=True)
 
 
@@ -118,14 +120,15 @@ def draft_vocabulary(states, vocab: int, size: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def target_tables(model: Any, vocab: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's embedding table [vocab, hidden] and LM-head rows [vocab, hidden] in float32, as the engine
-    computes them (a quantised table is read through its own kernels); ValueError for logits that are not a
-    linear function of the final state (a soft cap)."""
+def target_tables(model: Any, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding table [vocab, hidden] and LM-head rows [vocab, hidden] in float32 on the CPU, as the
+    engine computes them (a quantised table is read through its own kernels: the rows are the logits of the
+    identity's rows); ValueError for logits that are not a linear function of the final state (a soft cap)."""
     if model.arch.final_logit_softcap is not None:
         raise ValueError("targets whose logits are soft-capped are not supported by this script")
-    embedding = model.embed(torch.arange(vocab)).float()
-    rows = model.compute_logits(torch.eye(hidden, dtype=dtype)).T.float().contiguous()
+    embedding = model.embed(torch.arange(vocab, device=device)).float().cpu()
+    rows = model.compute_logits(torch.eye(hidden, dtype=dtype, device=device)).T.float().cpu().contiguous()
     return embedding, rows
 
 
@@ -157,7 +160,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     target_to_draft[draft_ids] = torch.arange(len(draft_ids))
     coverage = float((target_to_draft[torch.cat([s.greedy for s in states])] >= 0).float().mean())
     log(f"draft vocabulary: {len(draft_ids)} tokens, covering {coverage:.1%} of the target's training predictions")
-    embedding, rows = target_tables(engine.runner.model, arch.vocab_size, arch.hidden_size, engine.dtype)
+    embedding, rows = target_tables(engine.runner.model, arch.vocab_size, arch.hidden_size, engine.dtype,
+                                     engine.device)
     shape = HeadShape(arch.hidden_size, args.intermediate_size or arch.intermediate_size, arch.num_attention_heads,
                       arch.num_key_value_heads, arch.head_dim, arch.vocab_size, len(draft_ids), arch.hidden_size,
                       layers, arch.rope_theta, arch.rms_norm_eps, max(arch.max_position_embeddings, max_len))

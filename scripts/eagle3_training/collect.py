@@ -41,8 +41,9 @@ class _Recorder:
         greedy = self.model.compute_logits(hidden).argmax(-1)
         for item, chunk in zip(batch, chunks):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            self.blocks.setdefault(item.request_id, []).append(
-                (item.start, self.model.aux_hidden[rows].clone(), hidden[rows].clone(), greedy[rows].clone()))
+            self.blocks.setdefault(item.request_id, []).append(  # (held on the CPU, where the head trains)
+                (item.start, self.model.aux_hidden[rows].cpu().clone(), hidden[rows].cpu().clone(),
+                 greedy[rows].cpu().clone()))
 
     def drop(self, request_ids) -> None:  # the rows are kept until `assemble` reads them
         pass

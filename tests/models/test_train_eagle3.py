@@ -2,9 +2,10 @@
 text, writes it (outside the repository) in the layout tokenmill loads, and measures it on held-out text in
 tokenmill's engine: greedy output identical to no speculation, and an acceptance the head earned.
 
-Cost (~10 s): one tiny target (tests/helpers/agreeing_drafts.py's 4-layer Llama whose next token is mostly a
-bigram of the current one, written without transformers), two engines on it (the script's plain one and the one
-with the head), a few seconds of training on ~20 short sequences."""
+Cost (~15 s alone on the 2-core machine, ~8 of them the script): one tiny target (tests/helpers/agreeing_drafts.py's
+4-layer Llama whose next token is mostly a bigram of the current one, written without transformers), two engines on
+it (the script's plain one and the one with the head), ~3 s of training on 16 short sequences (fewer updates leave
+too few held-out proposals accepted for the engine-against-replay comparison to mean much)."""
 
 from __future__ import annotations
 
