@@ -9,7 +9,8 @@ TOKENMILL_CPU_CAPABILITY   cap the kernels' instruction-set level (kernels/isa.p
                            elsewhere: bfloat16 as the default dtype, oneDNN's packed bfloat16 weights,
                            and oneDNN's and MKL's own caps (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS,
                            each unless it is set). PyTorch's CPU flash attention keeps the host's speed.
-TOKENMILL_CACHE_DIR        where built kernels and converted tokenizers are kept (default ~/.cache/tokenmill).
+TOKENMILL_CACHE_DIR        where built kernels and converted tokenizers are kept (default ~/.cache/tokenmill);
+                           scripts/train_eagle3.py writes its EAGLE-3 heads under eagle3/ there.
 TOKENMILL_KERNEL_CFLAGS    extra compiler flags for the kernels (e.g. -fsanitize=address; they enter
                            the build's cache key).
 CC                         the C compiler (default: gcc, else cc, on PATH).

@@ -77,6 +77,12 @@ def test_outputs_equal_plain_decoding_and_rejected_slots_are_released():
     totals = scheduler.spec_totals
     assert 0 < totals.accepted_tokens < totals.draft_tokens
     assert totals.emitted_tokens == totals.accepted_tokens + totals.num_rounds
+    # per proposal position: the counts add up to the totals, and a later position is accepted only after the ones
+    # before it (the per-position acceptance `tokenmill bench throughput` reports)
+    drafted, accepted = totals.drafted_per_position, totals.accepted_per_position
+    assert (sum(drafted), sum(accepted), drafted[0]) == (totals.draft_tokens, totals.accepted_tokens, totals.num_rounds)
+    assert len(drafted) == len(accepted) == 4 and list(accepted) == sorted(accepted, reverse=True)
+    assert all(a <= d for a, d in zip(accepted, drafted)) and accepted[0] > accepted[-1]
     assert len(runner.steps) < sum(len(v) for v in plain.values())
     assert scheduler.kv_cache.pool.num_used_blocks == 0
 

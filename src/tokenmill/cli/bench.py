@@ -96,7 +96,10 @@ def describe_speculation(engine: Any) -> dict[str, Any]:
             "rounds": totals.num_rounds, "draft_tokens": totals.draft_tokens,
             "accepted_tokens": totals.accepted_tokens,
             "acceptance_rate": round(totals.accepted_tokens / max(1, totals.draft_tokens), 4),
-            "mean_acceptance_length": round(1 + totals.accepted_tokens / rounds, 3)}
+            "mean_acceptance_length": round(1 + totals.accepted_tokens / rounds, 3),
+            # of the rounds that proposed a j-th token, the share that accepted it
+            "acceptance_per_position": [round(accepted / drafted, 4) for accepted, drafted in
+                                        zip(totals.accepted_per_position, totals.drafted_per_position)]}
 
 
 def _adapters(modules: Optional[list[str]]) -> list[Any]:

@@ -45,9 +45,21 @@ class SpecTotals:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # accepted proposals plus the token sampled after them, in rounds with proposals
+    # per proposal position j (0-based): the rounds that proposed a j-th token, and those that accepted it (vLLM's
+    # num_accepted_tokens_per_pos); tuples, so that a copy (dataclasses.replace) shares nothing that changes
+    drafted_per_position: tuple[int, ...] = ()
+    accepted_per_position: tuple[int, ...] = ()
 
     def add(self, num_drafts: int, num_accepted: int) -> None:
         """Count one request's verification round."""
         self.num_rounds += 1
         self.draft_tokens += num_drafts
         self.accepted_tokens += num_accepted
+        self.drafted_per_position = _count_first(self.drafted_per_position, num_drafts, num_drafts)
+        self.accepted_per_position = _count_first(self.accepted_per_position, num_accepted, num_drafts)
+
+
+def _count_first(counts: tuple[int, ...], n: int, width: int) -> tuple[int, ...]:
+    """`counts` grown to `width` positions, with one more at each of the positions 0..n-1."""
+    grown = counts + (0,) * (width - len(counts))
+    return tuple(count + (index < n) for index, count in enumerate(grown))
