@@ -88,9 +88,10 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class StateCacheSpec:
-    """What one recurrent layer (Mamba2's mixer) keeps per request, whatever its length: the convolution's last
-    `conv_kernel - 1` inputs of `conv_dim` channels (compute dtype) and the SSM state of `num_heads` x
-    `head_dim` x `state_size` (float32, as the scan computes it). Its bytes live in the runner's state tensors
+    """What one recurrent layer (a Mamba2 mixer, or Qwen3-Next's Gated DeltaNet) keeps per request, whatever its
+    length: the convolution's last `conv_kernel - 1` inputs of `conv_dim` channels (compute dtype) and the state of
+    `num_heads` x `head_dim` x `state_size` (float32, as the scan or delta rule computes it; the DeltaNet's is a
+    key_head_dim x value_head_dim matrix per value head). Its bytes live in the runner's state tensors
     (worker/model_runner.py), row = the request's state page (its group's one pool block)."""
 
     conv_kernel: int
