@@ -47,9 +47,13 @@ class BiasedExpertMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=True, tp=tp)
         self.act = ClampedSwiGLU(limit, alpha)
 
+    def intermediate(self, x: torch.Tensor) -> torch.Tensor:
+        """clamped_swiglu(gate_up(x)), what the down projection takes (MoEBlock runs an expert in these two steps)."""
+        return self.act(self.gate_up_proj(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.intermediate(x))
 
 
 _STACKED_SUFFIXES = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")

@@ -233,9 +233,9 @@ class MoEBlock(nn.Module):
     sigmoid(`shared_expert_gate`(x)) where the config has that gate (Qwen2-MoE's shared_expert_gate: a one-output
     Router, so never quantised and multiplied through the model's kernels like the router).
 
-    `make_expert(width)` builds one expert MLP (the decoder's dense gated MLP class, or Nemotron-H's relu² MLP
-    without a gate, whose `intermediate` step `expert_intermediate` runs: whole under expert
-    parallelism, else split over the tensor-parallel ranks like a dense MLP), so experts hold their weights
+    `make_expert(width)` builds one expert MLP (the decoder's dense gated MLP class, GPT-OSS's biased one, or
+    Nemotron-H's relu² MLP without a gate; each has `intermediate`, the step before its down projection; whole
+    under expert parallelism, else split over the tensor-parallel ranks like a dense MLP), so experts hold their weights
     in the ordinary linear layers: they load, quantise (`quantize_to`, quantised checkpoints) and pick
     kernels exactly like the dense projections. On the fused path (`use_kernel`) their weights move into
     `fused` and `experts` is emptied.
@@ -363,7 +363,7 @@ class MoEBlock(nn.Module):
         start = 0
         for index, count in runs:
             expert = self.experts[index]
-            hidden.append(expert_intermediate(expert, rows[start:start + count]))
+            hidden.append(expert.intermediate(rows[start:start + count]))
             start += count
         if not runs:
             return rows.new_empty(0, self.experts[0].down_proj.out_features)
@@ -429,14 +429,6 @@ class MoEBlock(nn.Module):
         if not self.expert_parallel:
             return None
         return f"experts {self.local.start}-{self.local.stop - 1} of {self.moe.num_experts}"
-
-
-def expert_intermediate(expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    """An expert's activated intermediate for `rows`, what its down projection takes: act(gate_up(x)) of a gated
-    expert, or the expert's own `intermediate` where it has one (Nemotron-H's relu² experts, no gate)."""
-    if hasattr(expert, "intermediate"):
-        return expert.intermediate(rows)
-    return expert.act(expert.gate_up_proj(rows))
 
 
 def _loaded_weight(layer: nn.Module) -> Any:

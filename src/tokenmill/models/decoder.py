@@ -55,9 +55,13 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
         self.act = SiluAndMul() if hidden_act == "silu" else GeluTanhAndMul()
 
+    def intermediate(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x), what the down projection takes (MoEBlock runs an expert in these two steps)."""
+        return self.act(self.gate_up_proj(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.intermediate(x))
 
 
 def make_mlp(arch: ArchConfig, spec: LayerSpec, tp: TPGroup) -> nn.Module:
