@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
@@ -75,8 +76,8 @@ def test_fused_step_takes_prefill_chunks_in_bfloat16_and_gives_the_layer_by_laye
     class Recording:
         applies = fused.applies
 
-        def __call__(self, hidden, positions, kv_caches, metadata):
-            out = fused(hidden, positions, kv_caches, metadata)
+        def __call__(self, hidden, positions, kv_caches, metadata, tap_layers=()):
+            out = fused(hidden, positions, kv_caches, metadata, tap_layers)
             taken.append((bool(metadata.prefills), metadata.decode_token_index is not None, out is not None))
             return out
 
@@ -86,3 +87,47 @@ def test_fused_step_takes_prefill_chunks_in_bfloat16_and_gives_the_layer_by_laye
     assert (True, False, True) in taken and (True, True, True) in taken
     plain = LLM(path, dtype="bfloat16", fused_decode=False, **engine)
     assert outputs == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_fused_step_hands_eagle3_the_taps_of_the_layer_by_layer_path(tmp_path):
+    """EAGLE-3 reads the residual stream entering three of the target's layers. Its verification steps (several
+    tokens a request, beside prefill chunks) run as one native call that writes those taps; every step's taps and
+    the greedy output are the very bits of the layer-by-layer path."""
+    from helpers.agreeing_drafts import write_agreeing_eagle3_head, write_bigram_llama
+
+    target = write_bigram_llama(tmp_path / "target")
+    head = write_agreeing_eagle3_head(tmp_path / "head", target)
+    runs = {}
+    for fused in (True, False):
+        llm = LLM(str(target), dtype="bfloat16", quantization="int8", fused_decode=fused, **SMALL_ENGINE,
+                  speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+                  speculative_min_acceptance=0.0)
+        model, taps, native = llm.llm_engine.runner.model, [], []
+        assert (model.fused_decode is not None) == fused
+        forward = model.forward
+
+        def recording(*args, forward=forward, model=model, taps=taps, **kwargs):
+            hidden = forward(*args, **kwargs)
+            taps.append(model.aux_hidden.clone())
+            return hidden
+
+        model.forward = recording
+        if fused:
+            step = model.fused_decode
+
+            class Recording:
+                applies = step.applies
+
+                def __call__(self, hidden, positions, kv_caches, metadata, tap_layers=()):
+                    out = step(hidden, positions, kv_caches, metadata, tap_layers)
+                    native.append((hidden.shape[0], bool(tap_layers) and out is not None))
+                    return out
+
+            model.fused_decode = Recording()
+        outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        runs[fused] = outputs, taps, native
+    (outputs, taps, native), (plain_outputs, plain_taps, _) = runs[True], runs[False]
+    assert outputs == plain_outputs
+    # verification steps of several rows (4 a request) ran natively and kept the taps
+    assert any(rows > 4 and kept for rows, kept in native)
+    assert len(taps) == len(plain_taps) and all(torch.equal(a, b) for a, b in zip(taps, plain_taps))

@@ -83,6 +83,10 @@ typedef struct {
     const void *final_norm;
     int64_t amx_from_rows;  /* bfloat16 products of this many rows or more run on AMX; 0: none */
     int32_t kv_rows;  /* the cache's rows: 0 the compute dtype, 1 int8, 2 fp8 (attention/kv_quant.py) */
+    int64_t num_taps;  /* EAGLE-3's taps: the residual stream entering layers tap_layers[0 .. num_taps) (ascending),
+                          written to taps [num_tokens, num_taps x hidden]; 0: none */
+    const int64_t *tap_layers;
+    void *taps;
 } tm_step;
 
 /* The product QLinearOp would pick for m rows (below the dequantising threshold, which FusedDecode
@@ -115,6 +119,7 @@ int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, con
     const int64_t cache_half = s->num_blocks * s->num_kv_heads * s->block_size
                                * (s->kv_rows ? s->head_dim + 4 : s->head_dim * elem);
     int failed = 0;
+    int64_t next_tap = 0;
 
     for (int64_t l = 0; l < num_layers; l++) {
         const tm_layer *layer = &layers[l];
@@ -123,6 +128,13 @@ int tm_decode_step(void *hidden, const tm_layer *layers, int64_t num_layers, con
             memcpy(residual, hidden, (size_t)(t * s->hidden * elem));
         } else {       /* residual += the previous layer's output, then norm */
             tm_add_rms_norm(normed, x, residual, layer->input_norm, t, s->hidden, s->eps, s->bf16);
+        }
+        /* residual now holds the stream entering layer l, rounded as the module path's hidden + residual */
+        if (next_tap < s->num_taps && s->tap_layers[next_tap] == l) {
+            const int64_t row = s->hidden * elem;
+            for (int64_t r = 0; r < t; r++)
+                memcpy((char *)s->taps + (r * s->num_taps + next_tap) * row, residual + r * row, (size_t)row);
+            next_tap++;
         }
         project(qkv, normed, &layer->qkv, t, s);
         tm_rope(qkv, s->positions, s->cos, s->sin, t, s->num_heads + s->num_kv_heads, s->head_dim, qkv_width,

@@ -229,13 +229,14 @@ class DecoderForCausalLM(nn.Module):
                 hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
             # the fused step runs only models of one KV cache group (_llama_shaped): one metadata for all
             # the native step has no LoRA deltas: a step with adapted rows runs the module path
-            # (nor does it keep EAGLE-3's taps)
             if self.fused_decode is not None and not (self.lora is not None and self.lora.active) \
-                    and not self.aux_hidden_layers \
                     and positions.dim() == 1 and self.fused_decode.applies(attn_metadata[0], hidden.shape[0]):
-                fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata[0])
+                fused = self.fused_decode(hidden, positions, kv_caches, attn_metadata[0], self.aux_hidden_layers)
                 if fused is not None:
-                    return fused
+                    hidden, taps = fused
+                    if taps is not None:
+                        self.aux_hidden = taps
+                    return hidden
         else:
             hidden, residual = self.stage.recv(input_ids.shape[0], self.arch.hidden_size, self.norm.weight.dtype,
                                                input_ids.device)

@@ -46,7 +46,7 @@ class _Step(ctypes.Structure):
                 ("block_tables", c_void_p), ("context_lens", c_void_p), ("num_prefills", c_int64),
                 ("prefill_chunks", c_void_p), ("prefill_tables", c_void_p), ("prefill_max_blocks", c_int64),
                 ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p), ("amx_from_rows", c_int64),
-                ("kv_rows", c_int32)]
+                ("kv_rows", c_int32), ("num_taps", c_int64), ("tap_layers", c_void_p), ("taps", c_void_p)]
 
 # tm_step.kv_rows of each cache row format (attention/kv_quant.py; None: the compute dtype)
 _KV_ROWS = {None: 0, "int8": 1, "fp8": 2}
@@ -107,6 +107,8 @@ class FusedDecode:
         self.shape = dict(hidden=model.arch.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                           head_dim=attn.head_dim, intermediate=mlp.down_proj.in_features)
         self.cache_pointers: Optional[list[int]] = None
+        self.tap_layers: tuple[int, ...] = ()
+        self.tap_index: Optional[torch.Tensor] = None  # tap_layers as the native step reads them
         # the AMX prefill attention is bfloat16 only, caches included; the metadata has prefill chunks for it
         # only with AMX and a block size it takes
         self.prefills = (model.norm.weight.dtype == torch.bfloat16 and kv_rows is None
@@ -146,9 +148,12 @@ class FusedDecode:
         return metadata.decode_token_index is not None and metadata.decode_token_index.numel() == num_tokens
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 metadata: CpuPagedMetadata) -> Optional[torch.Tensor]:
-        """Embeddings [T, hidden] -> final-normed hidden states [T, hidden] (computed in place), or None
-        where the native step did not take the step's prefill chunks (the caller runs the module path)."""
+                 metadata: CpuPagedMetadata, tap_layers: tuple[int, ...] = ()
+                 ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Embeddings [T, hidden] -> (final-normed hidden states [T, hidden], computed in place; EAGLE-3's taps
+        [T, len(tap_layers) x hidden], the residual stream entering each of `tap_layers` (ascending), as the
+        module path concatenates them; None without tap_layers), or None where the native step did not take
+        the step's prefill chunks (the caller runs the module path)."""
         pointers = [cache.data_ptr() for cache in kv_caches]
         if pointers != self.cache_pointers:
             for struct, pointer in zip(self.layers, pointers):
@@ -170,7 +175,13 @@ class FusedDecode:
         if metadata.prefill_chunks is not None and (metadata.prefills or self.prefills):
             step.num_prefills, step.prefill_chunks = metadata.prefill_chunks.shape[1], metadata.prefill_chunks.data_ptr()
             step.prefill_tables, step.prefill_max_blocks = metadata.prefill_tables.data_ptr(), metadata.prefill_tables.shape[1]
+        taps = None
+        if tap_layers:
+            if tap_layers != self.tap_layers:
+                self.tap_layers, self.tap_index = tap_layers, torch.tensor(tap_layers, dtype=torch.int64)
+            taps = hidden.new_empty(hidden.shape[0], len(tap_layers) * hidden.shape[1])
+            step.num_taps, step.tap_layers, step.taps = len(tap_layers), self.tap_index.data_ptr(), taps.data_ptr()
         hidden = hidden.contiguous()
         if self.lib.tm_decode_step(hidden.data_ptr(), self.layers, len(self.layers), ctypes.byref(step)):
             return None
-        return hidden
+        return hidden, taps
