@@ -89,11 +89,13 @@ def for_recurrent_states(config: EngineConfig, architecture: str) -> EngineConfi
     """`config` for a model whose layers keep a recurrent state per request (Mamba2, hybrids): prefix caching is
     turned off with a log line (a state page holds the state after a request's latest token, not at block
     boundaries, so there is nothing to reuse). Preemption recomputes or swaps the state pages out and back as any
-    block (core/swap_space.py). Speculative decoding is refused: a rejected proposal's tokens are already folded into
-    the state."""
-    if config.speculative.enabled:
-        raise ValueError(f"speculative decoding: {architecture} keeps a recurrent state per request, which cannot "
-                         "be rolled back past rejected proposals; turn speculative decoding off")
+    block (core/swap_space.py). Speculative decoding keeps each verified proposal's state until the sampler has
+    accepted some (layers/mamba2_mixer.py's StateCandidates), in the sampling rank's process: it is refused on
+    several ranks."""
+    if config.speculative.enabled and config.parallel.world_size > 1:
+        raise ValueError(f"speculative decoding: {architecture} keeps a recurrent state per request, which the "
+                         "sampling rank rolls back past rejected proposals in its own process: it runs on one rank "
+                         f"(this engine has {config.parallel.world_size}); turn speculative decoding off or use one rank")
     if not config.cache.prefix_caching:
         return config
     logger.info("prefix caching is off: %s keeps a recurrent state per request, which is not cached at block "
@@ -106,6 +108,10 @@ def for_model(config: EngineConfig, arch: ArchConfig) -> EngineConfig:
     for_hidden_state_drafts); ValueError for what it refuses. README's support table asks this too."""
     if arch.keeps_recurrent_state:  # (Mamba2, Qwen3-Next's Gated DeltaNet): no prefix caching
         config = for_recurrent_states(config, arch.architecture)
+    if config.speculative.speculative_method == "eagle3" and (arch.layer_blocks or arch.falcon_h1 is not None):
+        raise ValueError(f"speculative_method eagle3: {arch.architecture} runs its checkpoint's layers as decoder "
+                         "layers of another count (blocks grouped, or each layer halved), so an EAGLE-3 head's layer "
+                         "ids would tap other places; use ngram or draft_model")
     return for_hidden_state_drafts(config)  # EAGLE-3 / MTP: no prefix caching
 
 

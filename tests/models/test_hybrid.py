@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from helpers.engine_probe import EIGHT_PROMPTS, hf_greedy_logprobs
 from helpers.family_check import check_family
 from helpers.forced_preemption import OTHERS, PROMPT, greedy_runs
+from helpers.scripted_proposals import assert_speculation_changes_no_bit
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.kv_spec import StateCacheSpec
@@ -254,3 +255,8 @@ def test_a_quantised_hybrid_cache_is_refused(model_type, folder):
     architecture = HYBRIDS[model_type][0]
     with pytest.raises(ValueError, match=f"kv_cache_dtype int8: {architecture}'s recurrent states"):
         LLM(str(folder), kv_cache_dtype="int8")
+
+
+def test_speculation_keeps_the_states_of_accepted_proposals_only(folder):
+    """Verified proposals run one at a time through the mixers; the states after the accepted ones are kept."""
+    assert_speculation_changes_no_bit(str(folder), dict(num_kv_blocks=32))

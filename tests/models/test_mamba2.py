@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from helpers.family_check import check_family
 from helpers.forced_preemption import OTHERS, PROMPT
 from helpers.forced_preemption import greedy_runs as _run
+from helpers.scripted_proposals import assert_speculation_changes_no_bit
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM
 from tokenmill.core.kv_spec import StateCacheSpec
@@ -122,3 +123,14 @@ def test_unsupported_settings_are_refused(folder):
     with pytest.raises(ValueError, match="hidden_act"):
         mamba2_arch_config({"hidden_act": "gelu"}, {}, lambda: "float32")
     assert arch_config_from_hf(folder).mamba.conv_dim == 128 + 2 * 2 * 16
+    # speculation rolls states back in the sampling rank's process; a draft's own states are never rolled back
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="keeps a recurrent state per request, .* it runs on one rank"):
+        LLM(str(folder), pipeline_parallel_size=2, speculative_config=ngram)
+    with pytest.raises(ValueError, match=r"the draft model .* \(Mamba2ForCausalLM\) keeps a recurrent state"):
+        LLM(str(folder), speculative_config={"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3})
+
+
+def test_speculation_keeps_the_states_of_accepted_proposals_only(folder):
+    """Verified proposals run one at a time through the mixer; the state after the accepted ones is kept."""
+    assert_speculation_changes_no_bit(str(folder), dict(num_kv_blocks=32))

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers.family_check import check_family
 from helpers.forced_preemption import OTHERS, PROMPT, greedy_runs
+from helpers.scripted_proposals import assert_speculation_changes_no_bit
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM
 from tokenmill.layers.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -158,3 +159,9 @@ def test_qwen3_next_tensor_parallelism_a_quantised_cache_and_lora_are_refused(fo
         LLM(str(folder), kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="enable_lora: .* Qwen3NextForCausalLM has .* recurrent mixers"):
         LLM(str(folder), enable_lora=True)
+
+
+def test_speculation_keeps_the_states_of_accepted_proposals_only(folder):
+    """Verified proposals run one at a time through the Gated DeltaNet rule; the state after the accepted ones is
+    kept."""
+    assert_speculation_changes_no_bit(str(folder), dict(num_kv_blocks=32))

@@ -3,6 +3,7 @@ the loader accepts has a record whose representative config the loader reads as 
 the table asks are the ones the engine applies at start. No model is built: the cost is the imports (~0.1 s past
 them)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -45,14 +46,19 @@ def test_mamba_layers_refuse_tensor_parallelism_at_start():
     check_divisible(representative_arch("LlamaForCausalLM"), 2)
 
 
-def test_recurrent_models_lose_prefix_caching_and_refuse_speculation():
+def test_recurrent_models_lose_prefix_caching_and_speculate_on_one_rank():
     mamba, llama = representative_arch("Mamba2ForCausalLM"), representative_arch("LlamaForCausalLM")
     assert not for_model(EngineConfig(), mamba).cache.prefix_caching
     assert for_model(EngineConfig(), llama).cache.prefix_caching
     ngram = EngineConfig(speculative=SpeculativeConfig(speculative_method="ngram"))
-    with pytest.raises(ValueError, match="speculative decoding: Mamba2ForCausalLM keeps a recurrent state"):
-        for_model(ngram, mamba)
-    assert for_model(ngram, llama).speculative.enabled
+    assert for_model(ngram, mamba).speculative.enabled and for_model(ngram, llama).speculative.enabled
+    two_stages = dataclasses.replace(ngram, parallel=dataclasses.replace(ngram.parallel, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="speculative decoding: Mamba2ForCausalLM keeps a recurrent state .* one rank"):
+        for_model(two_stages, mamba)
+    eagle3 = EngineConfig(speculative=SpeculativeConfig(speculative_method="eagle3", draft_model="head"))
+    for name in ("NemotronHForCausalLM", "FalconH1ForCausalLM"):  # decoder layers that are not the checkpoint's
+        with pytest.raises(ValueError, match=f"eagle3: {name} runs its checkpoint's layers as decoder layers"):
+            for_model(eagle3, representative_arch(name))
 
 
 def test_the_block_is_rewritten_between_the_markers_only():

@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.layers.gated_delta_rule import gated_delta_rule
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tokenmill.layers.mamba2_mixer import StateChunk
+from tokenmill.layers.mamba2_mixer import StateChunk, advance_request
 
 
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -79,15 +79,17 @@ class GatedDeltaNet(nn.Module):
                           device=hidden.device)
         for chunk in chunks:  # one request at a time: its arithmetic is its own (batch invariance)
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._request(qkv[rows], g[rows], beta[rows], state, chunk)
+            qkv_rows, g_rows, beta_rows = qkv[rows], g[rows], beta[rows]
+            out[rows] = advance_request(state, chunk, lambda start, stop, earlier, matrices: self._advance(
+                qkv_rows[start:stop], g_rows[start:stop], beta_rows[start:stop], earlier, matrices))
         return self.out_proj(self._gated_norm(out, z).reshape(hidden.shape[0], c.value_dim))
 
-    def _request(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: Any,
-                 chunk: StateChunk) -> torch.Tensor:
-        """One request's chunk: the conv from its window, then the rule from its state -> [T, value heads, Dv]."""
+    def _advance(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, earlier: torch.Tensor,
+                 matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of one request from its conv window `earlier` and delta-rule state: the conv, then the rule ->
+        (out [T, value heads, Dv], the new conv window, the new state)."""
         c = self.config
         weight = self.conv1d.weight
-        earlier, matrices = state.load(chunk)
         window = torch.cat([earlier, qkv.to(earlier.dtype)], dim=0)  # [K - 1 + T, conv_dim]
         conv = F.silu(F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight, None, groups=c.conv_dim)[0].t())
         q, k, v = conv.float().split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
@@ -97,8 +99,7 @@ class GatedDeltaNet(nn.Module):
         k = l2_normalized(k.reshape(T, c.num_key_heads, c.key_head_dim)).repeat_interleave(per, dim=1)
         out, matrices = gated_delta_rule(q * c.key_head_dim ** -0.5, k, v.reshape(T, c.num_value_heads, -1), g, beta,
                                          matrices.float())
-        state.store(chunk, window[-(c.conv_kernel - 1):], matrices)
-        return out
+        return out, window[-(c.conv_kernel - 1):], matrices
 
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Per value head: RMSNorm of the output (float32, then the compute dtype, times the weight) times

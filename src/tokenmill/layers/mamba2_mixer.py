@@ -13,7 +13,7 @@ output norm (`gate_norm`) and a lower bound on dt (`dt_min`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +27,64 @@ from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 class StateChunk:
     """One request's rows [query_start, query_start + query_len) of the step, its state page `slot`, and whether
     the chunk starts the sequence (`fresh`: the state is zero, not the page's); `pages`: all its state's pool
-    blocks (a hybrid's state spans several, layers/paged_state.py)."""
+    blocks (a hybrid's state spans several, layers/paged_state.py); `proposals`: how many of its last rows are
+    speculative proposals being verified (see `advance_request`)."""
 
     query_start: int
     query_len: int
     slot: int
     fresh: bool
     pages: tuple[int, ...] = ()
+    proposals: int = 0
+
+
+class StateCandidates:
+    """A verification step's states of one recurrent layer: for each request with proposals (by state page), its
+    state after its real rows and after each proposal, until the sampler says how many proposals were accepted.
+    The page holds the state after every proposal meanwhile (all accepted); `keep` writes the accepted one.
+    Bounded by the step: the runner clears what is held after every step."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[StateChunk, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def hold(self, chunk: StateChunk, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep `chunk`'s candidate states [(conv window, recurrent state)] until `keep` or `clear`."""
+        self.held[chunk.slot] = (chunk, states)
+
+    def keep(self, slot: int, accepted: int, store: Callable[[StateChunk, torch.Tensor, torch.Tensor], None]) -> None:
+        """Store, through `store`, the state of page `slot`'s request after `accepted` of its proposals."""
+        held = self.held.pop(slot, None)
+        if held is not None:
+            chunk, states = held
+            store(chunk, *states[accepted])
+
+    def clear(self) -> None:
+        """Forget every held state (the step is over)."""
+        self.held.clear()
+
+
+def advance_request(state: Any, chunk: StateChunk, advance: Callable[[int, int, torch.Tensor, torch.Tensor], tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One request's chunk through a recurrent mixer: `advance(start, stop, conv, recurrent)` computes the chunk's
+    rows [start, stop) from a (conv window, recurrent state) and returns (their output, the new window and state).
+    Without proposals the chunk runs at once. With them (a speculative verification) the real rows run at once and
+    then each proposal alone, as the one-token steps of plain decoding would run them (the same arithmetic: output
+    does not depend on speculation), and `state.candidates` holds the state after each (the sampler's accepted
+    count picks one). The state after the last row is stored either way -> the output rows (concatenated)."""
+    conv, recurrent = state.load(chunk)
+    if not chunk.proposals:
+        out, conv, recurrent = advance(0, chunk.query_len, conv, recurrent)
+        state.store(chunk, conv, recurrent)
+        return out
+    real = chunk.query_len - chunk.proposals
+    outs, candidates = [], []
+    for start, stop in [(0, real), *((row, row + 1) for row in range(real, chunk.query_len))]:
+        out, conv, recurrent = advance(start, stop, conv, recurrent)
+        outs.append(out)
+        candidates.append((conv, recurrent))
+    state.store(chunk, conv, recurrent)
+    state.candidates.hold(chunk, candidates)
+    return torch.cat(outs)
 
 
 class RecurrentState:
@@ -56,6 +107,7 @@ class RecurrentState:
         rows = self.page[0]
         self.ssm = rows[:, :ssm_bytes].view(torch.float32).view(num_blocks, *ssm_shape)
         self.conv = rows[:, ssm_bytes:ssm_bytes + conv_bytes].view(dtype).view(num_blocks, *conv_shape)
+        self.candidates = StateCandidates()  # a verification step's states per proposal
 
     def load(self, chunk: StateChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv window, SSM state) of `chunk`'s request: zeros for a chunk that starts its sequence, else its page's."""
@@ -139,14 +191,17 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(hidden.shape[0], c.intermediate_size, dtype=torch.float32, device=hidden.device)
         for chunk in chunks:  # one request at a time: its arithmetic is its own (batch invariance)
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            y[rows] = self._request(xbc[rows], dt[rows], state, chunk)
+            xbc_rows, dt_rows = xbc[rows], dt[rows]
+            y[rows] = advance_request(state, chunk, lambda start, stop, earlier, ssm: self._advance(
+                xbc_rows[start:stop], dt_rows[start:stop], earlier, ssm))
         return self.out_proj(self._gated_norm(y, gate).to(hidden.dtype))
 
-    def _request(self, xbc: torch.Tensor, dt: torch.Tensor, state: RecurrentState, chunk: StateChunk) -> torch.Tensor:
-        """One request's chunk: conv from its conv state, then the scan from its SSM state -> y [T, inner] (float32)."""
+    def _advance(self, xbc: torch.Tensor, dt: torch.Tensor, earlier: torch.Tensor, ssm: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of one request from its conv window `earlier` and SSM state: the conv, then the scan -> (y [T, inner]
+        float32, the new conv window, the new SSM state)."""
         c = self.config
         weight = self.conv1d.weight
-        earlier, ssm = state.load(chunk)  # (RecurrentState or a hybrid's PagedState)
         window = torch.cat([earlier, xbc.to(earlier.dtype)], dim=0)  # [K - 1 + T, conv_dim]
         conv = F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight, self.conv1d.bias, groups=c.conv_dim)
         conv = F.silu(conv[0].t())
@@ -166,9 +221,8 @@ class Mamba2Mixer(nn.Module):
             y = (ssm * C[0][:, None, :]).sum(-1)[None]
         else:
             y, ssm = ssd_chunk_scan(x, dt, A, B, C, ssm, c.chunk_size)
-        state.store(chunk, window[-(c.conv_kernel - 1):], ssm)
         y = y + self.D.float()[:, None] * x
-        return y.reshape(T, c.intermediate_size)
+        return y.reshape(T, c.intermediate_size), window[-(c.conv_kernel - 1):], ssm
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The gate and the output norm, float32, by `gate_norm`: "after_gate" RMSNorm of y * silu(gate) over each

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.layers.mamba2_mixer import StateCandidates
+
 
 class PagedState:
     """One recurrent layer's states, stored in the bytes of K/V cache tensor `cache` ([planes, blocks, ...]: dim 1
@@ -28,6 +30,7 @@ class PagedState:
         self.conv_bytes = (spec.conv_kernel - 1) * spec.conv_dim * cache.element_size()
         block_bytes = cache[:, 0].numel() * cache.element_size()
         self.pages = -(-(self.ssm_bytes + self.conv_bytes) // block_bytes)  # blocks per request (kv_spec's)
+        self.candidates = StateCandidates()  # a verification step's states per proposal
 
     def load(self, chunk) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv window, SSM state) of `chunk`'s request: zeros for a chunk that starts its sequence (its blocks

@@ -63,6 +63,10 @@ def _draft_proposer(config: EngineConfig, engine: SpeculationTarget):
         raise ValueError(f"the draft model {spec.draft_model!r} does not share the target's tokenizer "
                          f"(vocabulary of {source.arch.vocab_size} against {engine.arch.vocab_size} tokens, or "
                          f"different token strings)")
+    if source.arch.keeps_recurrent_state:
+        raise ValueError(f"the draft model {spec.draft_model!r} ({source.arch.architecture}) keeps a recurrent state "
+                         "per request, which a draft cannot roll back past its rejected proposals; draft with an "
+                         "attention-only model")
     if source.arch.max_position_embeddings < engine.max_model_len:
         raise ValueError(f"the draft model's context length ({source.arch.max_position_embeddings}) is shorter than "
                          f"max_model_len ({engine.max_model_len}); lower max_model_len")

@@ -143,6 +143,9 @@ class ModelRunner:
         finally:
             if self.model.lora is not None:
                 self.model.lora.set_step({}, 0, self.device)
+            for cache, group in zip(self.kv_caches, self.layer_groups):
+                if group in self.state_groups:
+                    cache.candidates.clear()  # a verification's states not kept are the page's already
         # their rows ran without the adapter, or without the image: drop them
         failures = [*adapter_failures.items(), *self.encoder_failures.items()]
         result.graphed = self.step_graphed
@@ -223,7 +226,7 @@ class ModelRunner:
             positions = mrope_positions(batch, positions)
         input_ids, positions = self._tensor(ids), self.uploads.upload(positions)
         self._fill_placeholders(input_ids, batch)
-        metadata = {group: state_metadata(chunks[group]) if group in self.state_groups else
+        metadata = {group: state_metadata(chunks[group], batch) if group in self.state_groups else
                     self.backend.build_metadata(chunks[group], slots[group], self.block_size, self.device,
                                                 tables=tables[group])
                     for group in chunks}
@@ -378,6 +381,15 @@ class ModelRunner:
                     [item.sampling_params.logprobs] * len(tokens), self.invariant_logprobs)
         for i, tokens in zip(speculative, verified):
             result.sampled_token_ids[batch[i].request_id] = tokens
+            if len(tokens) <= len(batch[i].spec_token_ids):  # a proposal was rejected
+                self._keep_states(batch[i], len(tokens) - 1)
+
+    def _keep_states(self, item: BatchItem, accepted: int) -> None:
+        """Leave `item`'s recurrent states (every state layer's) where they were after `accepted` of its proposals:
+        the layers stored the state after all of them (layers/mamba2_mixer.py's advance_request)."""
+        for cache, group in zip(self.kv_caches, self.layer_groups):
+            if group in self.state_groups:
+                cache.candidates.keep(int(item.block_ids[group][0]), accepted, cache.store)
 
     @staticmethod
     def _masked(logits: torch.Tensor, grammar: Optional[GrammarMasks],
@@ -423,11 +435,12 @@ def state_chunks(batch: list[BatchItem], group: int) -> list[SequenceChunk]:
     return chunks
 
 
-def state_metadata(chunks: list[SequenceChunk]) -> list[StateChunk]:
-    """What a Mamba2 mixer reads of the step (layers/mamba2_mixer.py): each request's rows, its state page, and
-    whether its chunk starts the sequence (then its state starts at zero: a new or recomputed request)."""
+def state_metadata(chunks: list[SequenceChunk], batch: list[BatchItem]) -> list[StateChunk]:
+    """What a Mamba2 mixer reads of the step (layers/mamba2_mixer.py): each request's rows, its state page,
+    whether its chunk starts the sequence (then its state starts at zero: a new or recomputed request), and how
+    many of its rows are proposals to verify (`chunks` are the batch's, in its order: state_chunks)."""
     return [StateChunk(c.query_start, c.query_len, int(c.block_ids[0]), c.context_len == c.query_len,
-                       tuple(int(b) for b in c.block_ids)) for c in chunks]
+                       tuple(int(b) for b in c.block_ids), len(item.spec_token_ids)) for c, item in zip(chunks, batch)]
 
 
 def kv_cache_storage(layout: KVCacheLayout, dtype: torch.dtype) -> tuple[torch.dtype, int]:
