@@ -22,6 +22,7 @@ import torch
 
 from helpers.agreeing_drafts import (write_agreeing_eagle3_head, write_bigram_deepseek_v3, write_bigram_glm4_moe,
                                      write_bigram_llama)
+from helpers.scratch_states import states_from_scratch
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = ["Hello there, how", "one two three four five", "The capital of France is", "def f(x):\n    return",
@@ -164,24 +165,8 @@ def test_greedy_output_is_identical_to_no_speculation_while_many_proposals_are_a
 
 
 def _from_scratch(runner) -> Callable[..., torch.Tensor]:
-    """f(tokens, step_hidden=None): the final states of `runner`'s model over `tokens` at positions 0.., every position
-    written again in a KV cache of its own (nothing of a previous call is read)."""
-    from tokenmill.core.kv_spec import single_group
-    from tokenmill.models.arch import kv_cache_spec
-    from tokenmill.worker.model_runner import ModelRunner
-    from tokenmill.worker.request_state import BatchItem
-
-    model, blocks = runner.model, -(-(STRESSED["max_model_len"] + K) // BLOCK)
-    layout = single_group(len(model.layers), kv_cache_spec(model.arch, 4))
-    fresh = ModelRunner(model, runner.backend, blocks, BLOCK, layout, torch.float32, torch.device("cpu"), (2,))
-
-    def states(tokens: list[int], step_hidden=None) -> torch.Tensor:
-        if step_hidden is not None:  # a draft's input hidden states (see Eagle3Head.step_hidden)
-            model.step_hidden = step_hidden
-        hidden, _ = fresh.forward([BatchItem("fresh", tokens, 0, [list(range(blocks))], True, GREEDY, tokens, [])])
-        return hidden
-
-    return states
+    """f(tokens, step_hidden=None): `runner`'s model's final states over `tokens`, from scratch."""
+    return states_from_scratch(runner, BLOCK, STRESSED["max_model_len"] + K)
 
 
 @torch.inference_mode()
@@ -213,7 +198,7 @@ def test_incremental_draft_proposes_what_a_draft_computed_from_scratch_does(run)
 def test_drafts_that_do_not_fit_the_target_are_refused(llama_target, eagle3_head, tmp_path):
     engine = dict(dtype="float32", quantization="none")
     with pytest.raises(ValueError, match="'mtp' runs the multi-token prediction layers of DeepseekV3ForCausalLM, "
-                                         "Glm4MoeForCausalLM; LlamaForCausalLM is not supported"):
+                                         "Glm4MoeForCausalLM, Qwen3NextForCausalLM; LlamaForCausalLM is not supported"):
         LLM(str(llama_target), **engine, speculative_config={"method": "mtp"})
     config = json.loads((eagle3_head / "config.json").read_text())
 

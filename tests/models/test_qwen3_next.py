@@ -32,16 +32,26 @@ from tokenmill.models.loader.hf_qwen3_next import qwen3_next_arch_config
 from tokenmill.worker.worker import check_divisible
 
 
-def _add_mtp_tensors(file) -> None:
-    """A multi-token prediction layer's tensors as Qwen3-Next's checkpoints store them (mtp.*), which are not run."""
+def _add_mtp_layer(folder) -> None:
+    """A multi-token prediction layer as Qwen3-Next's checkpoints store it (mtp.*, which transformers' classes drop):
+    its decoder block a copy of layer 1's tensors (gated full attention, the experts: the kind vLLM builds it of), its
+    two input norms, fc and final norm random; num_nextn_predict_layers 1 in config.json."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
+    file = folder / "model.safetensors"
     tensors = load_file(file)
     hidden = tensors["model.norm.weight"].shape[0]
-    extra = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.zeros(hidden),
-             "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
-             "mtp.layers.0.input_layernorm.weight": torch.zeros(hidden)}
+    generator = torch.Generator().manual_seed(3)
+    extra = {"mtp." + name: 0.1 * torch.randn(hidden, generator=generator)  # (1 + w norms)
+             for name in ("norm.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")}
+    extra["mtp.fc.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=generator)
+    extra.update({"mtp.layers.0." + name[len("model.layers.1."):]: tensor.clone()
+                  for name, tensor in tensors.items() if name.startswith("model.layers.1.")})
     save_file({**tensors, **extra}, file, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
 
 
 def _import_transformers_qwen3_next_without_fla() -> None:
@@ -65,7 +75,7 @@ def _import_transformers_qwen3_next_without_fla() -> None:
 def folder(tmp_path_factory):
     _import_transformers_qwen3_next_without_fla()
     path = make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_next"), arch="qwen3_next")
-    _add_mtp_tensors(path / "model.safetensors")
+    _add_mtp_layer(path)
     return path
 
 
@@ -85,7 +95,7 @@ def test_qwen3_next_matches_hf_plain_chunked_preempted_and_batched(folder, hf, c
         counts = check_family(folder, hf, prefix_caching=False, preemption_mode="swap")
     assert counts["preemptions"] > 0  # the attention group's growth preempts (check_family asserts it too)
     assert "prefix caching is off: Qwen3NextForCausalLM keeps a recurrent state" in caplog.text
-    assert "its multi-token prediction layer (4 mtp.* tensors) is not loaded" in caplog.text
+    assert "its multi-token prediction layer (29 mtp.* tensors) is not part of the target" in caplog.text
 
 
 def test_qwen3_next_chunks_at_every_boundary_and_a_preempted_request_give_one_pass_ids(folder):
@@ -165,3 +175,54 @@ def test_speculation_keeps_the_states_of_accepted_proposals_only(folder):
     """Verified proposals run one at a time through the Gated DeltaNet rule; the state after the accepted ones is
     kept."""
     assert_speculation_changes_no_bit(str(folder), dict(num_kv_blocks=32))
+
+
+@torch.inference_mode()
+def test_qwen3_next_mtp_drafts_what_vllms_qwen3_next_mtp_computes(folder, hf):
+    """speculative_method mtp drafts with the mtp.* layer: greedy output identical to no speculation (the target's
+    states rolled back past rejected proposals); and the draft's states and logits equal a float32 reference of
+    vLLM's Qwen3NextMultiTokenPredictor built on transformers' Qwen3-Next: the target's final (normed) hidden states
+    h, fc(concat(pre_fc_norm_embedding(embedding of the next token), pre_fc_norm_hidden(h))) (no position zeroed)
+    through the decoder block (transformers' layer 1: gated full attention and the experts, whose tensors the MTP
+    block copies), then its norm (1 + w) gives the chained state, the model's lm_head the logits."""
+    from helpers.scratch_states import states_from_scratch
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [PROMPT, OTHERS[0]]
+    plain = LLM(str(folder), dtype="float32", num_kv_blocks=32).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=32, speculative_min_acceptance=0.0,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    drafted = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert llm.llm_engine.stats().spec.draft_tokens > 0
+
+    tokens = [5, 900, 17, 4242, 33, 1000, 77, 12, 600, 41, 8, 3000]
+    n, draft = len(tokens), llm.llm_engine.speculation.proposer.runner
+    hf_hidden = hf.model(torch.tensor([tokens])).last_hidden_state[0]  # (the target's own are check_family's)
+    states = states_from_scratch(draft, 16, 64)(tokens[1:], hf_hidden[:n - 1])
+    logits = draft.model.compute_logits(states)
+
+    from safetensors.torch import load_file
+
+    mtp = {name[len("mtp."):]: t for name, t in load_file(str(folder / "model.safetensors")).items()
+           if name.startswith("mtp.")}
+    eps = hf.config.rms_norm_eps
+
+    def norm(weight):
+        module = Qwen3NextRMSNorm(weight.shape[0], eps=eps)
+        module.weight.data.copy_(weight)
+        return module
+
+    embeds = hf.model.embed_tokens(torch.tensor(tokens[1:]))
+    x = torch.cat([norm(mtp["pre_fc_norm_embedding.weight"])(embeds),
+                   norm(mtp["pre_fc_norm_hidden.weight"])(hf_hidden[:n - 1])], -1)
+    x = (x @ mtp["fc.weight"].T)[None]
+    block = hf.model.layers[1]  # (the MTP block's tensors are its copies)
+    out = block(x, position_embeddings=hf.model.rotary_emb(x, torch.arange(n - 1)[None]), attention_mask=None)
+    expected = norm(mtp["norm.weight"])(out[0] if isinstance(out, tuple) else out)[0]
+    torch.testing.assert_close(states, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, hf.lm_head(expected), rtol=1e-4, atol=1e-4)

@@ -1,15 +1,17 @@
-"""A model's own multi-token prediction layer as a draft (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers;
-vLLM's DeepSeekMTP and Glm4MoeMTP): layer N = num_hidden_layers of the checkpoint, stored beside the decoder's as
-model.layers.N.*.
+"""A model's own multi-token prediction layer as a draft (num_nextn_predict_layers: DeepSeek-V3's and GLM-4.5's,
+vLLM's DeepSeekMTP and Glm4MoeMTP, stored beside the decoder's layers as model.layers.N.*, N = num_hidden_layers;
+Qwen3-Next's, vLLM's Qwen3NextMTP, stored as mtp.*).
 
 At position i it reads the embedding of token i+1 and a hidden state h_i: the target's final (normed) hidden state
 at a position the target computed, the layer's own output at a chained one. eh_proj(concat(enorm(embedding),
 hnorm(h))) goes through one decoder layer of the target's kind (DeepSeek-V3: MLA attention and the routed
-experts; GLM-4.5: its GQA attention with partial RoPE, q/k norm and biases, and its routed experts), whose output
-(residual stream) chains; shared_head's norm and head give the logits. As in vLLM, the embedding at position 0
-is zeroed (nothing precedes it).
+experts; GLM-4.5: its GQA attention with partial RoPE, q/k norm and biases, and its routed experts; Qwen3-Next: its
+gated full attention, whatever the kind of the target's last layer, and the MLP kind of its layer 0, as vLLM builds
+it). DeepSeek-V3 and GLM-4.5: the output (residual stream) chains, shared_head's norm and head give the logits, and
+as in vLLM the embedding at position 0 is zeroed (nothing precedes it). Qwen3-Next: its names are
+pre_fc_norm_embedding, pre_fc_norm_hidden, fc and norm (1 + w norms, as all of the model's); the normed output chains
+and the model's head gives the logits; nothing is zeroed.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +25,7 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.layers.linear import ColumnParallelLinear, default_weight_loader
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.models.arch import ArchConfig
+from tokenmill.models.arch import FULL_ATTENTION, ArchConfig
 from tokenmill.models.attention_block import RopeInputs
 from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.models.kernel_choice import KernelChoice
@@ -65,41 +67,45 @@ class MultiTokenPredictor(nn.Module):
 
     def __init__(self, arch: ArchConfig, index: int, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
-        # layer N's spec as the target's layers': past the last, so MoE as DeepSeek-V3's and GLM-4.5's later
-        # layers (N >= first_k_dense_replace: vLLM builds it MoE too)
-        block_arch = dataclasses.replace(arch, num_hidden_layers=index + 1, layer_types=(
-            tuple(arch.layer_types) + (arch.layer_types[-1],) * (index + 1 - len(arch.layer_types))
-            if arch.layer_types else arch.layer_types))
-        self.block = DecoderForCausalLM(block_arch, backend, max_positions,
+        self.block = DecoderForCausalLM(_block_arch(arch, index), backend, max_positions,
                                         stage=PipelineStage(first_layer=index, end_layer=index + 1))
         self.index = index
         self.arch, self.stage, self.lora, self.vision = arch, PipelineStage(), None, None
+        # Qwen3-Next's layer (mtp.*): its output normed and chained, nothing zeroed (the module docstring)
+        self.normed_output = arch.gated_deltanet is not None
         self.layers = self.block.layers
         self.kernel_choice: Optional[KernelChoice] = None
         hidden = arch.hidden_size
-        self.enorm = RMSNorm(hidden, arch.rms_norm_eps)
-        self.hnorm = RMSNorm(hidden, arch.rms_norm_eps)
+        self.enorm = RMSNorm(hidden, arch.rms_norm_eps, arch.norm_weight_offset)
+        self.hnorm = RMSNorm(hidden, arch.rms_norm_eps, arch.norm_weight_offset)
         self.eh_proj = ColumnParallelLinear(2 * hidden, hidden)
         self.step_hidden: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[Any]) -> torch.Tensor:
-        """The layer's output (residual stream, before shared_head's norm) [T, hidden]."""
-        embeds = self.block.embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0)
+        """The states that chain [T, hidden]: the layer's output (residual stream, before shared_head's norm), or
+        Qwen3-Next's normed output."""
+        embeds = self.block.embed(input_ids)
+        if not self.normed_output:
+            embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(self.step_hidden.to(embeds.dtype))], dim=-1))
         rope = RopeInputs(self.block.rotary, positions, x.dtype, self.block.kernels)
         hidden, residual = self.layers[0](rope, x, None, kv_caches[0], attn_metadata[0])
+        if self.normed_output:
+            return self.block.norm(hidden, residual)[0]
         return hidden + residual
 
     def compute_logits(self, states: torch.Tensor) -> torch.Tensor:
-        """shared_head: norm, then the head -> float32 logits [N, vocab]."""
-        return self.block.compute_logits(self.block.norm(states))
+        """shared_head: norm (Qwen3-Next's states come normed), then the head -> float32 logits [N, vocab]."""
+        return self.block.compute_logits(states if self.normed_output else self.block.norm(states))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], quantize_to: Optional[str] = None) -> None:
         """Load layer N's tensors out of the whole checkpoint's (`weights`); its embed_tokens and shared_head.head
         default to the model's own embedding and head where the checkpoint stores no copy."""
         prefix = f"model.layers.{self.index}."
         own, block, shared = {}, [], {}
+        if self.normed_output:
+            weights = _qwen3_next_mtp_names(weights, prefix)
         for name, tensor in weights:
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
                 shared[name] = tensor
@@ -118,8 +124,11 @@ class MultiTokenPredictor(nn.Module):
                              f"{sorted(set(_OWN) - set(own)) or 'its decoder block'})")
         self.block.load_weights(self._block_tensors(block, shared), quantize_to)
         for name, tensor in own.items():
-            param = self.get_parameter(name)
-            default_weight_loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor)
+            param, module = self.get_parameter(name), self.get_submodule(name.split(".")[0])
+            if isinstance(module, RMSNorm):  # (its weight offset: Qwen3-Next's 1 + w)
+                module.weight_loader(param, tensor)
+            else:
+                default_weight_loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor)
 
     @staticmethod
     def _block_tensors(block: list, shared: dict) -> Iterator[tuple[str, Any]]:
@@ -140,3 +149,43 @@ class MultiTokenPredictor(nn.Module):
         if choice.elementwise is not None:
             self.enorm.kernels = self.hnorm.kernels = choice.elementwise
         self.kernel_choice = choice
+
+
+def _block_arch(arch: ArchConfig, index: int) -> ArchConfig:
+    """The ArchConfig of a decoder of index + 1 layers whose layer `index` is the MTP layer's decoder block: past the
+    target's last, so of its kind (DeepSeek-V3's and GLM-4.5's later layers are MoE, N >= first_k_dense_replace:
+    vLLM builds it MoE too); Qwen3-Next's is full attention, MoE or dense as its layer 0 (vLLM's
+    Qwen3NextDecoderLayer reads the layer index 0 from its mtp.layers.0 prefix)."""
+    extra = index + 1 - len(arch.layer_types)
+    if arch.gated_deltanet is None:
+        types = tuple(arch.layer_types) + (arch.layer_types[-1],) * extra if arch.layer_types else arch.layer_types
+        return dataclasses.replace(arch, num_hidden_layers=index + 1, layer_types=types)
+    moe = arch.moe
+    if moe is not None:
+        dense = moe.dense_layers | {index} if 0 in moe.dense_layers else moe.dense_layers - {index}
+        moe = dataclasses.replace(moe, dense_layers=frozenset(dense))
+    return dataclasses.replace(arch, num_hidden_layers=index + 1, moe=moe,
+                               layer_types=tuple(arch.layer_types) + (FULL_ATTENTION,) * extra)
+
+
+# Qwen3-Next's mtp.* names -> the DeepSeek-V3 layout's, under the layer's prefix
+_QWEN3_NEXT_MTP_NAMES = {"pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
+                         "fc.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
+
+
+def _qwen3_next_mtp_names(weights: Iterable[tuple[str, Any]], prefix: str) -> Iterator[tuple[str, Any]]:
+    """A Qwen3-Next checkpoint's tensors with its MTP layer's (mtp.*) renamed into DeepSeek-V3's layout under
+    `prefix` (model.layers.N.): mtp.layers.0.* as the decoder block's, its norms and fc as enorm, hnorm, eh_proj and
+    shared_head.norm (the head stays the model's lm_head); a later MTP layer's tensors are left out (the first
+    drafts, as DeepSeek-V3's); ValueError for another mtp.* name."""
+    for name, tensor in weights:
+        if not name.startswith("mtp."):
+            yield name, tensor
+            continue
+        rest = name[len("mtp."):]
+        if rest.startswith("layers.0."):
+            yield prefix + rest[len("layers.0."):], tensor
+        elif rest in _QWEN3_NEXT_MTP_NAMES:
+            yield prefix + _QWEN3_NEXT_MTP_NAMES[rest], tensor
+        elif not rest.startswith("layers."):
+            raise ValueError(f"checkpoint tensor {name!r}: not a tensor of Qwen3-Next's multi-token prediction layer")

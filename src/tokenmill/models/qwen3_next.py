@@ -53,7 +53,7 @@ def qwen3_next_checkpoint_tensors(weights: Iterable[tuple[str, Any]], arch: Arch
     """Qwen3-Next's tensors as the decoder's layers hold them: a Gated DeltaNet's in_proj_qkvz / in_proj_ba rows
     in blocks (`deltanet_projection_rows`); an attention q_proj (and bias), whose rows alternate per head between
     the head's query and its output gate, split into q_proj and self_attn.output_gate; the multi-token prediction
-    layer (`mtp.*`) left out, with a log line (speculation is refused for models with recurrent states)."""
+    layer (`mtp.*`) left out, with a log line (speculative_method mtp loads it as a draft: models/mtp.py)."""
     skipped = 0
     for name, tensor in weights:
         if name.startswith("mtp."):
@@ -66,8 +66,8 @@ def qwen3_next_checkpoint_tensors(weights: Iterable[tuple[str, Any]], arch: Arch
         else:
             yield name, tensor
     if skipped:
-        logger.info("%s: its multi-token prediction layer (%d mtp.* tensors) is not loaded", arch.architecture,
-                    skipped)
+        logger.info("%s: its multi-token prediction layer (%d mtp.* tensors) is not part of the target; "
+                    "speculative_method mtp drafts with it", arch.architecture, skipped)
 
 
 def _query_and_gate(name: str, tensor: Any, arch: ArchConfig) -> Iterator[tuple[str, Any]]:

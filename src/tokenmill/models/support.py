@@ -63,7 +63,7 @@ ARCHITECTURE_SUPPORT: dict[str, ArchitectureSupport] = {
                                                 {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                                                  "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                                                  "num_experts": 4, "num_experts_per_tok": 2,
-                                                 "layer_types": ["linear_attention", "full_attention"]}),
+                                                 "layer_types": ["linear_attention", "full_attention"]}, mtp=True),
     "NemotronHForCausalLM": ArchitectureSupport("Nemotron-H, Nemotron 3 Nano", "nvidia/Nemotron-H-8B-Base-8K",
                                                 {"hybrid_override_pattern": "M-*E", "mamba_num_heads": 8,
                                                  "mamba_head_dim": 16, "n_groups": 2, "head_dim": 16,
