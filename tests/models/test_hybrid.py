@@ -6,7 +6,8 @@ away from 1). Each tiny random checkpoint gives HF float32's greedy ids and logp
 and batched; its states carry across chunks split at every boundary, restart after a recompute preemption and go on,
 with its K/V, from where they were after a swap preemption mid-prefill or in decode (the one pass's ids; a swap space
 too small for a request recomputes it), its attention layers on every attention backend; a request's output in the default dtype does not
-depend on its batch; two pipeline stages give the one rank's ids. Granite's dense, NoPE variant and Falcon-H1's
+depend on its batch; two pipeline stages give the one rank's ids; with speculation (proposals of every accepted
+length, a swap preemption) the ids and logprobs are the same bits as without. Granite's dense, NoPE variant and Falcon-H1's
 other two gate/norm placements match HF, as does Nemotron-H's dt floor across chunks; a state kept in the attention
 cache's blocks round-trips through non-adjacent blocks; unsupported settings are refused.
 

@@ -2,7 +2,9 @@
 scan chunks of 8) gives HF float32's greedy ids and logprobs plain, chunked and batched; its recurrent state
 carries across chunks split at every boundary, restarts cleanly after a recompute preemption and goes on from its
 exact state after a swap preemption, mid-prefill or in decode (the same ids as one pass); a request's output in the
-default dtype does not depend on its batch; prefix caching is turned off, saying why.
+default dtype does not depend on its batch; with speculation (proposals of every accepted length, a swap preemption)
+the ids and logprobs are the same bits as without; prefix caching is turned off, saying why; speculation on two
+stages and a Mamba2 draft are refused.
 
 Cost: check_family about 4 s (HF's generate is the oracle: its forward alone does not step the state), the
 engine runs below 2 prompts x 12 tokens each; the checkpoint and the HF model are built once per module."""

@@ -5,7 +5,9 @@ logprobs plain, chunked, preempted (swapped out and back) and batched (8 prompts
 whose prefill crosses the rule's 64-token chunks); its states carry across chunks split at every boundary and restart after a recompute
 preemption (the one pass's ids) with its attention layer on the reference and Triton backends; a request's output
 in the default dtype does not depend on its batch; the chunked gated delta rule equals the token-by-token one from a
-carried state; unsupported settings are refused.
+carried state; speculation gives the same bits as none (proposals of every accepted length, the states rolled back);
+its MTP layer drafts (greedy output unchanged) and computes what vLLM's Qwen3NextMTP does; unsupported settings are
+refused.
 
 HF's oracle runs its own torch kernels: transformers picks flash-linear-attention's Triton kernels when fla is
 installed, which do not run on a CPU, and importing fla costs 5-10 s (the fixtures keep it out). No test runs
