@@ -400,6 +400,15 @@ class ParallelConfig:
                             "the steps to the other nodes' workers (with nnodes > 1)")
     distributed_timeout: float = _opt(120.0, "seconds a rank waits for the others (rendezvous, workers of "
                                       "other nodes connecting) before it fails saying which did not come")
+    threads: Optional[int] = _opt(None, "threads each rank's native kernels and PyTorch run (vLLM-CPU sizes them "
+                                  "from VLLM_CPU_OMP_THREADS_BIND, llama.cpp takes -t); default: the CPUs "
+                                  "--cpu-bind gives the rank, else PyTorch's default (this process's CPUs), shared "
+                                  "out between a node's ranks")
+    cpu_bind: str = _opt("none", "CPUs each rank's threads are pinned to, thread i on the i-th: none = the OS "
+                         "schedules them; auto = this process's CPUs split into equal contiguous parts, one per rank "
+                         "of the node; or CPU lists as vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND, '0-3,8', with several "
+                         "ranks on a node '0-3|4-7' (the node's i-th rank takes the i-th list). A rank pinned to "
+                         "one NUMA node's CPUs keeps its weights and KV pool in that node's memory")
     data_parallel_rank: int = _opt(0, "this engine's index among data-parallel replicas (`serve "
                                    "--data-parallel-size` sets it): its KV events say it, and their tcp ports "
                                    "are offset by it as vLLM does")
@@ -444,6 +453,11 @@ class ParallelConfig:
                                  f"got {self.master_port}")
         if self.data_parallel_rank < 0:
             raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        from tokenmill.cpu_threads import check_cpu_bind
+
+        check_cpu_bind(self.cpu_bind)
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
 

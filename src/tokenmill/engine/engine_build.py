@@ -111,8 +111,8 @@ def worker_spec(config: EngineConfig, model: ModelFacts, plan: KVPlan) -> Worker
                       config.cache.secondary_kv_folder, model.arch.eos_token_ids, swap_slots=plan.swap_slots,
                       quantized_kv=plan.quantized_kv, tp_size=parallel.tensor_parallel_size,
                       pp_size=parallel.pipeline_parallel_size, tp_exact=parallel.tensor_parallel_exact,
-                      expert_parallel=parallel.enable_expert_parallel,
-                      profile_tokens=config.scheduler.max_num_batched_tokens,
+                      expert_parallel=parallel.enable_expert_parallel, threads=parallel.threads,
+                      cpu_bind=parallel.cpu_bind, profile_tokens=config.scheduler.max_num_batched_tokens,
                       max_num_seqs=config.scheduler.max_num_seqs,
                       gpu_memory_utilization=config.cache.gpu_memory_utilization,
                       encoder_cache_tokens=max(ENCODER_CACHE_MIN, 4 * config.scheduler.encoder_budget))

@@ -8,7 +8,6 @@ pickled, never with bare tuples.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import threading
 import traceback
@@ -57,10 +56,6 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int,
         surroundings.enter()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
-    if spec.world_size > 1:  # the ranks share this host's cores
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
     logging.basicConfig(level=log_level, format=f"%(asctime)s [worker {spec.rank}] %(levelname)s %(name)s: %(message)s")
     from tokenmill.worker.worker import Worker
 

@@ -35,7 +35,7 @@ _HERE = Path(__file__).parent
 SOURCES = [_HERE / name for name in ("cpu_kernels.c", "decode_attention.c", "attention_tiles.c", "decode_attention_q8.c",
                                      "prefill_attention.c", "amx_int8.c",
                                      "quant_kernels.c", "amx_kernels.c", "decode_step.c",
-                                     "dense_kernels.c")]
+                                     "dense_kernels.c", "threads.c")]
 HEADERS = [_HERE / name for name in ("cpu_common.h", "cpu_avx2.h", "quant_cells.h", "amx_tiles.h", "paged_queries.h",
                                      "attention_tiles_avx512.h", "attention_tiles_avx2.h", "q8_rows.h")]
 # -ffp-contract=off: a * b + c rounds as PyTorch's separate element-wise ops do; explicit fmas stay.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -156,6 +156,22 @@ class CpuKernels:
         lib.tm_compiled_features.argtypes, lib.tm_compiled_features.restype = [], _INT
         bits = lib.tm_compiled_features()
         self.compiled_features = tuple(name for i, name in enumerate(COMPILED_FEATURES) if bits >> i & 1)
+        lib.tm_set_num_threads.argtypes, lib.tm_set_num_threads.restype = [_I64], None
+        lib.tm_max_threads.argtypes, lib.tm_max_threads.restype = [], _I64
+        lib.tm_bind_threads.argtypes, lib.tm_bind_threads.restype = [_P, _I64], _INT
+        lib.tm_thread_cpus.argtypes, lib.tm_thread_cpus.restype = [_P, _I64], _I64
+
+    def bind_threads(self, cpus: Sequence[int]) -> bool:
+        """Run len(cpus) threads from the calling thread's next parallel region on, thread i pinned to cpus[i];
+        False where the OS refused a CPU (kernels/threads.c)."""
+        order = torch.tensor(list(cpus), dtype=torch.int32)
+        return self.lib.tm_bind_threads(order.data_ptr(), len(order)) == 0
+
+    def thread_cpus(self) -> list[int]:
+        """The calling thread's OpenMP team: for each thread the one CPU it is pinned to, -1 where it floats."""
+        out = torch.empty(1024, dtype=torch.int32)
+        size = self.lib.tm_thread_cpus(out.data_ptr(), out.numel())
+        return out[:min(size, out.numel())].tolist()
 
     def decode_attention(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                          token_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.cpu_threads import apply_in_this_thread, thread_plan
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.moe import experts_per_rank
 from tokenmill.models.arch import ArchConfig, kv_cache_geometry, kv_cache_layout
@@ -54,6 +56,8 @@ class WorkerSpec:
     expert_parallel: bool = False  # see ParallelConfig.enable_expert_parallel
     nnodes: int = 1  # hosts the ranks are spread over (each runs world_size / nnodes of them)
     timeout: float = 120.0  # seconds the rendezvous waits for every rank
+    threads: Optional[int] = None  # see ParallelConfig.threads
+    cpu_bind: str = "none"  # see ParallelConfig.cpu_bind
 
     @property
     def world_size(self) -> int:
@@ -79,6 +83,11 @@ class Worker:
 
         self.spec = spec
         self.device = rank_device(spec.device, spec.rank, spec.ranks_per_node)
+        # this rank's threads (cpu_threads.py), applied in each thread that runs it: this one (the load) first
+        self.threads = thread_plan(spec.threads, spec.cpu_bind, spec.rank % spec.ranks_per_node, spec.ranks_per_node)
+        self._threads_in: set[int] = set()
+        self._apply_threads()
+        logger.info("rank %d threads: %s", spec.rank, self.threads.describe())
         dtype = DTYPES[spec.dtype]
         source = source or load_model_source(spec.model_path, with_tokenizer=False)
         arch = source.arch
@@ -142,11 +151,20 @@ class Worker:
 
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on this rank."""
+        self._apply_threads()
         return self.runner.execute(schedule)
 
     def execute_async(self, schedule: SchedulerOutput) -> PendingOutput:
         """Issue one step on this rank without waiting for the device (`ModelRunner.execute_async`)."""
+        self._apply_threads()
         return self.runner.execute_async(schedule)
+
+    def _apply_threads(self) -> None:
+        """Size and pin the calling thread's OpenMP team, once per thread (OpenMP keeps it per thread)."""
+        thread = threading.get_ident()
+        if thread not in self._threads_in:
+            apply_in_this_thread(self.threads)
+            self._threads_in.add(thread)
 
 
 def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size: int = 1,
