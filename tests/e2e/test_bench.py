@@ -87,16 +87,23 @@ def test_bench_throughput_runs_the_same_datasets_in_process(tiny_model, tmp_path
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me a story about the number {i}."})
                                  for i in range(5)) + "\n")
-    for dataset in (("--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "4"),
-                    ("--dataset", "jsonl", "--dataset-path", str(prompts))):
+    for dataset, roofline in ((("--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "4"), "--roofline"),
+                              (("--dataset", "jsonl", "--dataset-path", str(prompts)), "--no-roofline")):
         result = tokenmill_here(capsys, "bench", "throughput", "--model", tiny_model, "--num-kv-blocks", "256",
-                                "--num-prompts", "5", "--output-len", "3", *dataset)
+                                "--num-prompts", "5", "--output-len", "3", roofline, *dataset)
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout)
         assert (summary["completed"], summary["errors"]) == (5, 0)
         assert summary["output_tokens"] == 15
         assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
         assert summary["peak_rss_gib"] > 0.05
+        columns = ("peak_read_gbps", "achieved_read_gbps", "peak_gflops", "achieved_gflops")
+        if roofline == "--no-roofline":
+            assert not set(columns) & set(summary)
+            continue
+        # the machine's peaks measured, and the run's decode reads and prefill arithmetic set beside them
+        assert all(summary[column] > 0 for column in columns), summary
+        assert summary["weight_bytes_per_step"] > 10_000
 
 
 def test_bench_rejects_bad_flags_clearly(capsys):

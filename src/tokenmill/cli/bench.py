@@ -50,6 +50,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokenmill, or HF transformers generate() as a baseline (default: tokenmill)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf backend (default: 64)")
     p.add_argument("--output-json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure this machine's read bandwidth and arithmetic peak (about a second) and report "
+                        "how near the decode and prefill steps came to them: peak_read_gbps, achieved_read_gbps, "
+                        "peak_gflops, achieved_gflops (tokenmill/bench/roofline.py says how each is counted; CPU "
+                        "runs only) (default: on)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (with --enable-lora) the prompts take in turn, round robin; the cost of "
                         "serving them is this run against one without (scripts/random_loras.py writes some)")
@@ -72,12 +77,19 @@ def run_throughput(args: argparse.Namespace) -> int:
         results = [RequestResult(ok=True, prompt_tokens=len(p), output_tokens=args.output_len) for p in prompts]
     else:
         adapters = _adapters(args.lora_modules)
+        steps = None
+        if args.roofline:
+            from tokenmill.bench.roofline import StepLog
+            steps = StepLog.attach(engine)
         results, elapsed = _run_tokenmill(llm, prompts, args.output_len,
                                           [adapters[i % len(adapters)] for i in range(len(prompts))] if adapters else None)
     summary = {"backend": args.backend, **describe_dataset(args, len(prompts)),
                "dtype": str(engine.dtype).replace("torch.", ""),
                **({"lora_adapters": len(args.lora_modules)} if args.lora_modules else {}),
                **summarise(results, elapsed), "peak_rss_gib": round(own_peak_rss_gib(), 3)}
+    if args.backend == "tokenmill" and steps is not None:
+        from tokenmill.bench.roofline import roofline
+        summary.update(roofline(engine, steps))
     if engine.speculation is not None:
         summary["speculative"] = describe_speculation(engine)
     if args.backend == "hf":
