@@ -184,3 +184,25 @@ def test_evicted_prefix_comes_back_from_the_second_tier():
     item = first_chunk(scheduler, runner, make_request("b", 0, prompt=SHARED + [2], max_tokens=1))
     assert item.start == 16, "the shared prefix came back from the second tier instead of being recomputed"
     assert kv.tier.num_hits == 4 and len(runner.steps[-1].copies("tier").into) == 4
+
+
+def test_a_reset_forgets_every_cached_block_in_both_tiers_and_waits_for_holders():
+    """After new weights nothing cached may be found (vLLM's reset_prefix_cache): refused while a request holds
+    blocks, then every key of the pool and the second tier is forgotten and the events say all were cleared."""
+    scheduler, runner = make_scheduler(num_blocks=8, block_size=4, budget=64, prefix_caching=True,
+                                       secondary_slots=8)
+    kv = scheduler.kv_cache
+    first_chunk(scheduler, runner, make_request("a", 0, prompt=SHARED + [1], max_tokens=1))
+    run_to_completion(scheduler, runner)
+    first_chunk(scheduler, runner, make_request("flood", 0, prompt=[3] * 31, max_tokens=2))  # a's blocks to the tier
+    assert not kv.reset_prefix_cache()  # "flood" still runs and holds blocks: nothing changed
+    run_to_completion(scheduler, runner)
+    assert kv.tier.num_used and kv.pool.cached
+    assert kv.reset_prefix_cache()
+    assert not kv.pool.cached and kv.tier.num_used == 0
+    kv.pool.check_invariants()
+    kv.tier.check_invariants()
+    for prompt in (SHARED + [2], [3] * 31):  # from the tier and from the pool before: recomputed now
+        item = first_chunk(scheduler, runner, make_request(f"after {prompt[0]}", 0, prompt=prompt, max_tokens=1))
+        assert item.start == 0
+        run_to_completion(scheduler, runner)

@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import torch
 
+from tokenmill.models.weight_update import held_tensors
+
 _MIN_READ_BUFFER_BYTES = 512 << 20
 _PRODUCT_SIZE = 2048
 
@@ -123,14 +125,14 @@ def weight_bytes_per_step(model: Any) -> int:
         if _is_projection(module):
             read = _largest(getattr(module, "kernel", None)) or _largest(module)
         else:
-            read = sum(_bytes(t) for t in _tensors_of(module, depth=0))
+            read = sum(_bytes(t) for t in held_tensors(module, depth=0))
         total += read * (share if ".experts." in name else 1.0)
     return int(total)
 
 
 def _largest(owner: Any) -> int:
     """The bytes of the largest tensor `owner` holds (0: none)."""
-    return max((_bytes(t) for t in _tensors_of(owner)), default=0)
+    return max((_bytes(t) for t in held_tensors(owner)), default=0)
 
 
 def _is_projection(module: Any) -> bool:
@@ -142,25 +144,6 @@ def _bytes(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage().nbytes()
     except NotImplementedError:
         return tensor.numel() * tensor.element_size()
-
-
-def _tensors_of(owner: Any, depth: int = 2) -> list[torch.Tensor]:
-    """The non-empty tensors `owner` holds: a module's own parameters and buffers, tensor attributes, and those of
-    the plain objects it keeps (its products' kernels), `depth` levels down; not its submodules'."""
-    if owner is None:
-        return []
-    found = []
-    values = dict(vars(owner))
-    if isinstance(owner, torch.nn.Module):
-        values.update(owner._parameters)
-        values.update(owner._buffers)
-    for value in values.values():
-        if isinstance(value, torch.Tensor):
-            if value.numel():
-                found.append(value)
-        elif depth and hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
-            found.extend(_tensors_of(value, depth - 1))
-    return found
 
 
 def prefill_flops(arch: Any, model: Any, chunks: list[tuple[int, int, bool]]) -> Optional[float]:

@@ -109,6 +109,16 @@ class BlockPool:
         self.keys[block] = key
         return True
 
+    def forget_cached(self) -> int:
+        """Forget every content key (no block is findable any more); the blocks stay where they are. Only while
+        no block is held (a holder's block would be registered again as it finishes). Returns how many keys."""
+        assert self.num_used_blocks == 0, "the prefix cache is reset only while no request holds a block"
+        forgotten = len(self.cached)
+        for block in self.cached.values():
+            self.keys[block] = None
+        self.cached.clear()
+        return forgotten
+
     def free_list(self) -> list[int]:
         """The free blocks in LRU order: the next allocation takes from the front."""
         return [*range(self._fresh_from, self.num_blocks), *self._released]

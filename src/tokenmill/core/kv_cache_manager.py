@@ -83,6 +83,18 @@ class KVCacheManager(PrefixLookup):
         # running can grow a little before anyone has to be preempted.
         self.watermark_blocks = int(watermark * num_blocks)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, in the pool and the second tier (after a weight update their K/V are the old
+        weights'), as vLLM's reset_prefix_cache: False, and nothing changed, while a request holds blocks."""
+        if self.pool.num_used_blocks:
+            return False
+        self.pool.forget_cached()
+        if self.tier is not None:
+            self.tier.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
+
     @property
     def num_blocks(self) -> int:
         """Size of the pool."""

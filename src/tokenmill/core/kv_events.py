@@ -89,6 +89,10 @@ class KVEventLog(KVConnectorScheduler):
         else:
             self._events.append(BlocksRemoved(group, [digest]))
 
+    def cleared(self) -> None:
+        """Record that every cached block is gone (a prefix-cache reset)."""
+        self._events.append(AllBlocksCleared())
+
     def drain(self) -> list[KVEvent]:
         """The events since the last drain, oldest first."""
         events, self._events = self._events, []

@@ -62,6 +62,12 @@ class SecondaryTier:
         self._free.extend(self._released_after_step)
         self._released_after_step.clear()
 
+    def clear(self) -> None:
+        """Forget every block's content (a prefix-cache reset); the slots read this step stay busy until its
+        end."""
+        self._free.extend(self._slots.values())
+        self._slots.clear()
+
     def check_invariants(self) -> None:
         """Raise AssertionError if a slot is both used and free, or lost."""
         used = list(self._slots.values())

@@ -107,6 +107,16 @@ class LLM:
             raise ValueError(f"LLM.{method} needs an embedding model (runner 'pooling'); this model generates text")
         return self.embedder
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's LLM.reset_prefix_cache); False while requests hold blocks."""
+        return self._generating_model("reset_prefix_cache").reset_prefix_cache()
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """Generate from now on with the weights of the checkpoint at `model_path` (the same model, its shapes and
+        format checked; copied in place), the prefix cache forgotten; the bytes copied. See
+        LLMEngine.update_weights_from_disk."""
+        return self._generating_model("update_weights_from_disk").update_weights_from_disk(model_path)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,

@@ -222,6 +222,41 @@ class LLMEngine:
         """True while any request is waiting or running, or a step is still in flight."""
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (pool and second tier), as vLLM's reset_prefix_cache: False, nothing changed,
+        while requests hold blocks (finish, abort or pause them first)."""
+        if self._in_flight or not self.kv_cache.reset_prefix_cache():
+            return False
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        return True
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """Serve the weights of the checkpoint at `model_path` (a folder or Hub id of the same model: architecture,
+        config and weight format, checked tensor by tensor), copied in place, then forget the prefix cache, whose
+        blocks the old weights computed. Only while no request is unfinished (pause with abort or wait first: a
+        request kept would go on from K/V the old weights computed). ValueError naming the problem, the old weights
+        still serving. The staging copy costs a second copy of the weights in memory while it runs. Returns the
+        bytes copied."""
+        if self.has_unfinished_requests():
+            raise ValueError("update_weights_from_disk: requests are unfinished (their K/V is the old weights'); "
+                             "wait for them, abort them, or pause with mode abort or wait first")
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise ValueError("update_weights_from_disk updates the model in the engine's process: it runs with one "
+                             "rank (distributed_executor_backend uni)")
+        if self.loras is not None:
+            raise ValueError("update_weights_from_disk: LoRA adapters are served on the base weights; start without "
+                             "enable_lora to update them")
+        from tokenmill.models.loader.resolve import resolve_model_path
+
+        path = resolve_model_path(model_path)
+        copied = worker.load_weights_from(path)
+        if not self.reset_prefix_cache():  # (idle: no block is held)
+            raise RuntimeError("the prefix cache could not be reset after the weight update")
+        logger.info("weights updated in place from %s (%.1f MB copied); prefix cache reset", path, copied / 1e6)
+        return copied
+
     def stats(self) -> EngineStats:
         """Queue sizes, cache use and cumulative counters, for metrics."""
         kv, scheduler = self.kv_cache, self.scheduler

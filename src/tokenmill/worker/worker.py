@@ -159,6 +159,24 @@ class Worker:
         self._apply_threads()
         return self.runner.execute_async(schedule)
 
+    def load_weights_from(self, model_path: str) -> int:
+        """Serve the weights of the checkpoint at `model_path` (the same model: architecture, config and format),
+        copied in place into this rank's model once a second model loaded from it has checked out
+        (models/weight_update.py); ValueError, the old weights still serving, otherwise. Returns the bytes copied.
+        One rank only (the engine checks)."""
+        from tokenmill.models.weight_update import check_same_model, copy_weights_in_place
+        from tokenmill.worker.model_setup import load_model
+
+        try:
+            source = load_model_source(model_path, with_tokenizer=False)
+            check_same_model(self.model.arch, source.arch, model_path)
+            staged, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
+                                   self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
+            return copy_weights_in_place(self.model, staged)
+        except ValueError as exc:
+            raise ValueError(f"the weights at {model_path!r} were not loaded, the served ones are unchanged: {exc}"
+                             ) from exc
+
     def _apply_threads(self) -> None:
         """Size and pin the calling thread's OpenMP team, once per thread (OpenMP keeps it per thread)."""
         thread = threading.get_ident()

@@ -1,0 +1,90 @@
+"""Weight updates in place, as an RL trainer drives them (LLMEngine.update_weights_from_disk): generate, load a
+second checkpoint of the same model, generate again: the outputs are a fresh engine's on the new weights (ids and
+logprobs, bit for bit, in float32 and with int8-packed products), nothing the old weights cached is found again,
+and a checkpoint of another shape or format is refused before anything changes, the served weights untouched.
+
+Cost: tiny checkpoints written without transformers; six engines of ~0.3 s."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers.agreeing_drafts import write_bigram_llama
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [900, 901, 902, 903, 904, 905, 906, 907, 908, 909]]
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+ENGINE = dict(num_kv_blocks=32, block_size=4)
+
+
+def _variant(source, folder, change) -> str:
+    """A copy of checkpoint `source` in `folder` with its tensors passed through `change(name, tensor)`."""
+    shutil.copytree(source, folder)
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({name: change(name, tensor) for name, tensor in tensors.items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def _ids_and_logprobs(outputs) -> list:
+    return [(tuple(o.outputs[0].token_ids), [sorted((t, lp.logprob) for t, lp in step.items())
+                                             for step in o.outputs[0].logprobs]) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    old = write_bigram_llama(root / "old")
+    noise = torch.Generator().manual_seed(5)
+    new = _variant(old, root / "new", lambda name, t: t * (1 + 0.5 * torch.randn(t.shape, generator=noise)))
+    narrower = _variant(old, root / "narrower", lambda name, t: t[:-1] if name == "lm_head.weight" else t)
+    return str(old), new, narrower
+
+
+@pytest.mark.parametrize("options", [dict(dtype="float32", quantization="none"), dict(quantization="int8")],
+                         ids=["float32", "int8"])
+def test_generate_update_generate_gives_a_fresh_engines_output_on_the_new_weights(checkpoints, options):
+    old, new, narrower = checkpoints
+    llm = LLM(old, **ENGINE, **options)
+    before = _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+    assert llm.llm_engine.kv_cache.pool.cached  # the prompts' blocks are cached: the old weights' K/V
+    assert llm.update_weights_from_disk(new) > 0
+    hits = llm.llm_engine.stats().prefix_cache_hits
+    after = _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+    assert llm.llm_engine.stats().prefix_cache_hits == hits  # nothing the old weights computed was found
+    fresh = _ids_and_logprobs(LLM(new, **ENGINE, **options).generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                                     PARAMS, use_tqdm=False))
+    assert after == fresh and after != before
+    # a checkpoint of another shape: refused before anything is copied, the new weights go on serving
+    with pytest.raises(ValueError, match="served ones are unchanged: weight shape mismatch: checkpoint .49151, 64."):
+        llm.update_weights_from_disk(narrower)
+    again = _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+    assert again == fresh
+
+
+def test_a_checkpoint_of_another_config_is_refused_naming_the_setting(checkpoints, tmp_path):
+    import json
+
+    old, _, _ = checkpoints
+    other = tmp_path / "other"
+    shutil.copytree(old, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rope_theta": 5e5}))
+    llm = LLM(old, **ENGINE, dtype="float32", quantization="none")
+    with pytest.raises(ValueError, match=r"served ones are unchanged: .* not of the model being served: rope_theta"):
+        llm.update_weights_from_disk(str(other))
+
+
+def test_an_update_waits_for_no_request(checkpoints):
+    old, new, _ = checkpoints
+    llm = LLM(old, **ENGINE, dtype="float32", quantization="none")
+    llm.llm_engine.add_request("running", None, PARAMS, prompt_token_ids=PROMPTS[0])
+    llm.llm_engine.step()
+    with pytest.raises(ValueError, match="requests are unfinished"):
+        llm.update_weights_from_disk(new)
+    assert not llm.reset_prefix_cache()  # its blocks are held
+    llm.llm_engine.abort_request("running")
+    assert llm.reset_prefix_cache()
