@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence, TypeVar
 
 from tokenmill.engine.admission import AdmissionLimits, Ticket
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
@@ -36,6 +36,8 @@ from tokenmill.multimodal.processing import ImageLike
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.spec import StructuredOutput
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +228,33 @@ class AsyncEngine:
                 sampled.set_exception(exc)
         self._engine_loop.submit(take)
         return await asyncio.wrap_future(sampled)
+
+    async def call(self, command: Callable[[LLMEngine], T]) -> T:
+        """`command(engine)`'s result, run on the engine thread between steps (what it raises is raised here)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(command(self.engine))
+            except BaseException as exc:
+                done.set_exception(exc)
+        self._engine_loop.submit(run)
+        return await asyncio.wrap_future(done)
+
+    async def pause(self, mode: str) -> None:
+        """Stop stepping, as EngineLoop.pause says for `mode` (abort, wait or keep); returns once no step runs."""
+        paused = threading.Event()
+        self._engine_loop.submit(lambda: self._engine_loop.pause(mode, paused))
+        await asyncio.to_thread(paused.wait)
+
+    def resume(self) -> None:
+        """Step again; the requests that arrived while paused go in."""
+        self._engine_loop.submit(self._engine_loop.resume)
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether no step runs, by `pause` (a pause in mode wait counts once the engine has emptied)."""
+        return self._engine_loop.paused
 
     def watch(self, change: int) -> None:
         """One more (+1) or one fewer (-1) watcher of the live stream: while there are any, the engine

@@ -52,6 +52,13 @@ class EngineLoop:
         self.dead = False
         self._ready = threading.Event()
         self._startup_error: Optional[BaseException] = None
+        # pause and resume (RL trainers, around weight updates): while `_holding`, admissions wait in `_held` (by
+        # request id, bounded as the waiting queue is) instead of entering the engine; while `paused`, no step
+        # runs; `_pausing` is set when paused, once the engine is idle (mode wait)
+        self._holding = False
+        self.paused = False
+        self._held: dict[str, tuple] = {}
+        self._pausing: Optional[threading.Event] = None
         self.engine: LLMEngine  # this thread's alone (see the class's docstring)
         self.info: EngineInfo  # what other threads read of it
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="tokenmill-engine",
@@ -79,6 +86,7 @@ class EngineLoop:
             return
 
         def abort() -> None:
+            self._held.pop(request_id, None)
             if self._streams.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)
                 self._metrics.record_abort(request_id)
@@ -109,11 +117,50 @@ class EngineLoop:
               images: tuple[ImageFeature, ...]) -> None:
         """From a submitted command only: queue the request in the engine, its outputs bound for `stream`.
         Raises QueueFullError when the waiting queue is at a bound, and what `LLMEngine.add_request`
-        raises for a request that can never run."""
+        raises for a request that can never run. While the engine is paused the request waits outside it (in
+        `_held`, bounded alike) and enters on `resume`."""
         self._check_room(len(prompt_token_ids))
-        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                priority=priority, arrival_time=arrival_time, images=images)
+        if self._holding:
+            if len(self._held) >= self._limits.max_waiting_requests:
+                self._metrics.record_rejection()
+                raise QueueFullError(f"the engine is paused and {len(self._held)} requests wait for it; retry later")
+            self._held[request_id] = (prompt, params, prompt_token_ids, priority, arrival_time, images)
+        else:
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                                    priority=priority, arrival_time=arrival_time, images=images)
         self._streams[request_id] = stream
+
+    def pause(self, mode: str, paused: threading.Event) -> None:
+        """From a submitted command only: stop stepping (vLLM's /pause). New requests wait outside the engine from
+        now on. `mode` abort: the requests in the engine end now, failed; keep: they stay where they are and go on
+        at `resume`; wait: they run to the end first. `paused` is set once no step runs any more."""
+        self._holding = True
+        if mode == "abort":
+            for request_id in [rid for rid in self._streams if rid not in self._held]:  # those in the engine
+                stream = self._streams.pop(request_id)
+                self.engine.abort_request(request_id)
+                stream.loop.call_soon_threadsafe(stream.put, RequestFailedError(
+                    "the request was aborted: the server was paused (mode abort)"))
+        if mode == "wait" and self.engine.has_unfinished_requests():
+            self._pausing = paused  # set by `_serve` once the engine is idle
+            return
+        self.paused = True
+        paused.set()
+
+    def resume(self) -> None:
+        """From a submitted command only: step again (vLLM's /resume), and let the requests that waited in."""
+        self._holding = self.paused = False
+        if self._pausing is not None:  # a pause still waiting for the engine to empty: it is over
+            self._pausing.set()
+            self._pausing = None
+        held, self._held = self._held, {}
+        for request_id, (prompt, params, prompt_token_ids, priority, arrival_time, images) in held.items():
+            try:
+                self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                                        priority=priority, arrival_time=arrival_time, images=images)
+            except Exception as exc:  # that request's alone
+                stream = self._streams.pop(request_id)
+                stream.loop.call_soon_threadsafe(stream.put, RequestFailedError(str(exc)))
 
     def _check_room(self, prompt_len: int) -> None:
         scheduler = self.engine.scheduler
@@ -152,7 +199,12 @@ class EngineLoop:
             if gone is not None:  # a worker process died: no step can run again
                 self._die(gone)
                 return
-            if not self.engine.has_unfinished_requests():
+            idle = not self.engine.has_unfinished_requests()
+            if idle and self._pausing is not None:  # a pause in mode wait: the engine has emptied
+                self.paused = True
+                self._pausing.set()
+                self._pausing = None
+            if idle or self.paused:
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
@@ -205,6 +257,7 @@ class EngineLoop:
             self.engine.abort_request(request_id)
             stream.loop.call_soon_threadsafe(stream.put, error)
         self._streams.clear()
+        self._held.clear()
 
     def _recover(self, reason: str) -> None:
         """After a fault of the engine itself: fail the requests in flight, then run a one-token probe.

@@ -22,6 +22,7 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
 from tokenmill.server.lora_routes import ServedModels, add_lora_routes
+from tokenmill.server.rl_routes import add_rl_routes
 from tokenmill.server.pages import PAGES, STATIC_PREFIX, mount_pages
 from tokenmill.server.harmony import harmony_for
 from tokenmill.server.reasoning import reasoning_parser
@@ -268,6 +269,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         lambda: None if engine.is_alive else engine.fault or "the engine is not running",
         lambda created: served.cards(created, {"max_model_len": engine.info.max_model_len}), engine.metrics.render)
     add_lora_routes(app, served)
+    add_rl_routes(app, engine, api_key)
 
     def check_model(name: Optional[str]) -> None:
         served.adapter(name)  # 404 for a name this server does not serve

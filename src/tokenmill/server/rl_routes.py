@@ -1,0 +1,86 @@
+"""The routes an RL trainer drives between rollouts, under vLLM's and SGLang's names: `POST /pause?mode=abort|wait|
+keep&clear_cache=`, `POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache` and `POST
+/update_weights_from_disk` ({"model_path": ...}). They change what the server serves, so each needs the server's
+API key: a server started without `--api-key` answers them 403 (vLLM leaves them open).
+
+Pausing: new requests wait outside the engine until `/resume` (bounded as the waiting queue); mode abort ends the
+requests in the engine (failed, saying why), wait lets them finish first, keep leaves them where they are to go on
+after `/resume` (on the old K/V: a weight update refuses to run while they exist). A weight update runs on the
+engine thread between steps (engine/llm_engine.py's update_weights_from_disk).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fastapi import FastAPI
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.protocol import _Strict
+from tokenmill.server.serving_common import APIError
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class UpdateWeightsFromDiskRequest(_Strict):
+    """POST /update_weights_from_disk (SGLang's shape)."""
+
+    model_path: str
+    load_format: Optional[str] = None  # SGLang's; the checkpoint's own format is read ("auto")
+
+
+def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str]) -> None:
+    """The routes above on `app` (the API key middleware checks the key where one is set)."""
+
+    def guarded() -> None:
+        if not api_key:
+            raise APIError(403, "this route changes the weights or the state the server serves: it needs the "
+                                "server's API key (start the server with --api-key)", "permission_error")
+
+    async def reset() -> bool:
+        return await engine.call(lambda e: e.reset_prefix_cache())
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = False) -> dict[str, Any]:
+        guarded()
+        if mode not in PAUSE_MODES:
+            raise APIError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        await engine.pause(mode)
+        answer: dict[str, Any] = {"is_paused": True}
+        if clear_cache:
+            answer["prefix_cache_reset"] = await reset()  # (false in mode keep: the kept requests hold blocks)
+        return answer
+
+    @app.post("/resume")
+    async def resume() -> dict[str, bool]:
+        guarded()
+        engine.resume()
+        return {"is_paused": False}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        guarded()
+        return {"is_paused": engine.is_paused}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        guarded()
+        if not await reset():
+            raise APIError(409, "requests hold cached blocks: pause with mode abort or wait (or let them finish) "
+                                "before resetting the prefix cache", "conflict_error")
+        return {"success": True}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
+        guarded()
+        if body.load_format not in (None, "auto"):
+            raise APIError(400, f"load_format {body.load_format!r}: the checkpoint's own format is read (auto)",
+                           param="load_format")
+        try:
+            copied = await engine.call(lambda e: e.update_weights_from_disk(body.model_path))
+        except ValueError as exc:
+            unfinished = "requests are unfinished" in str(exc)
+            raise APIError(409 if unfinished else 400, str(exc), "conflict_error" if unfinished
+                           else "invalid_request_error", None if unfinished else "model_path") from None
+        return {"success": True, "message": f"weights updated from {body.model_path} ({copied} bytes copied in "
+                                            "place); prefix cache reset"}

@@ -1,0 +1,131 @@
+"""The routes an RL trainer drives (server/rl_routes.py), on the server's own app in-process over a tiny checkpoint
+(no subprocess: ~10 s of start-up for nothing this file checks): without an API key they are refused; with it, a
+pause holds new requests outside the engine, a weight update from a second folder runs while paused, and after
+/resume the held request is answered by the new weights exactly as a fresh engine on them answers; a checkpoint of
+another shape is a 400 and the weights serving stay; a pause in mode abort ends a running request with an error.
+Cost: three tiny engines (~1 s)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file, save_file
+
+from helpers.agreeing_drafts import write_bigram_llama
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.server.api_server import build_app
+
+KEY = {"Authorization": "Bearer trainer-key"}
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+ENGINE = dict(dtype="float32", quantization="none", num_kv_blocks=64, block_size=4)
+
+
+def _copy(source, folder, change) -> str:
+    shutil.copytree(source, folder)
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({name: change(name, t) for name, t in tensors.items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl_routes")
+    old = write_bigram_llama(root / "old")
+    noise = torch.Generator().manual_seed(9)
+    new = _copy(old, root / "new", lambda name, t: t * (1 + 0.5 * torch.randn(t.shape, generator=noise)))
+    narrower = _copy(old, root / "narrower", lambda name, t: t[:-1] if name == "lm_head.weight" else t)
+    return str(old), new, narrower
+
+
+def _server(path: str, api_key):
+    engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=path, **ENGINE)), "policy")
+    return engine, TestClient(build_app(engine, ServerConfig(), None, api_key=api_key))
+
+
+def _complete(client, max_tokens: int = 6) -> dict:
+    response = client.post("/v1/completions", headers=KEY, json={
+        "model": "policy", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+        "ignore_eos": True})
+    return response
+
+
+def test_the_routes_need_the_api_key(checkpoints):
+    engine, client = _server(checkpoints[0], None)
+    try:
+        for method, path in (("post", "/pause"), ("post", "/resume"), ("get", "/is_paused"),
+                             ("post", "/reset_prefix_cache")):
+            response = getattr(client, method)(path)
+            assert response.status_code == 403 and "--api-key" in response.json()["error"]["message"]
+        response = client.post("/update_weights_from_disk", json={"model_path": checkpoints[1]})
+        assert response.status_code == 403
+    finally:
+        engine.shutdown()
+
+
+def test_pause_update_resume_answers_the_held_request_with_the_new_weights(checkpoints):
+    old, new, narrower = checkpoints
+    engine, client = _server(old, "trainer-key")
+    loop = engine._engine_loop
+    try:
+        assert client.post("/pause", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/is_paused", headers=KEY).json() == {"is_paused": False}
+        before = _complete(client).json()["choices"][0]
+        assert client.post("/pause?mode=sideways", headers=KEY).status_code == 400
+        assert client.post("/pause?mode=wait&clear_cache=true", headers=KEY).json() == {
+            "is_paused": True, "prefix_cache_reset": True}
+        held: dict = {}
+        waiting = threading.Thread(target=lambda: held.update(response=_complete(client)))
+        waiting.start()
+        while not loop._held and waiting.is_alive():  # the request arrives, and waits outside the engine
+            waiting.join(0.01)
+        assert list(loop._held) and client.get("/is_paused", headers=KEY).json() == {"is_paused": True}
+        refused = client.post("/update_weights_from_disk", headers=KEY, json={"model_path": narrower})
+        assert refused.status_code == 400 and "served ones are unchanged" in refused.json()["error"]["message"]
+        updated = client.post("/update_weights_from_disk", headers=KEY, json={"model_path": new})
+        assert updated.status_code == 200 and updated.json()["success"] is True
+        assert client.post("/resume", headers=KEY).json() == {"is_paused": False}
+        waiting.join()
+        after = held["response"].json()["choices"][0]
+        fresh = LLM(new, **ENGINE).generate([{"prompt_token_ids": PROMPT}], SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, logprobs=1), use_tqdm=False)[0].outputs[0]
+        assert after["text"] == fresh.text != before["text"]
+        assert after["logprobs"]["token_logprobs"] == [step[t].logprob for step, t in zip(fresh.logprobs,
+                                                                                         fresh.token_ids)]
+        assert client.post("/reset_prefix_cache", headers=KEY).json() == {"success": True}
+    finally:
+        engine.shutdown()
+
+
+def test_a_pause_in_mode_abort_ends_the_running_request(checkpoints):
+    engine, client = _server(checkpoints[0], "trainer-key")
+    loop = engine._engine_loop
+    try:
+        # the engine thread held between commands, so the request enters the engine and is kept there (mode keep)
+        # before any step runs: it cannot finish before the pause that aborts it
+        gate, gated, kept = threading.Event(), threading.Event(), threading.Event()
+        loop.submit(lambda: (gated.set(), gate.wait()))
+        gated.wait()
+        running: dict = {}
+        thread = threading.Thread(target=lambda: running.update(response=_complete(client, max_tokens=100)))
+        thread.start()
+        while not loop._commands.qsize() and thread.is_alive():  # its admission is queued behind the gate
+            thread.join(0.01)
+        loop.submit(lambda: loop.pause("keep", kept))
+        gate.set()
+        kept.wait()
+        assert list(loop._streams) and not loop._held  # in the engine, unfinished, not stepped
+        assert client.post("/pause?mode=abort", headers=KEY).json() == {"is_paused": True}
+        thread.join()
+        response = running["response"]
+        assert response.status_code >= 400 and "paused (mode abort)" in response.json()["error"]["message"]
+        client.post("/resume", headers=KEY)
+        assert _complete(client).status_code == 200
+    finally:
+        engine.shutdown()
