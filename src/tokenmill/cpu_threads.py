@@ -2,7 +2,7 @@
 --cpu-bind): vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND, llama.cpp's -t and --cpu-range.
 
 OpenMP keeps the team's size per calling thread, so a plan is applied in every thread that runs a rank's steps
-(worker/worker.py does, once per thread): PyTorch's thread count, and with CPUs named, each thread of the team
+(worker/worker.py's apply_thread_plan, once per thread): PyTorch's thread count, and with CPUs named, each thread of the team
 pinned to one of them (kernels/threads.c), the calling thread being thread 0. The kernels share PyTorch's libgomp,
 so one team serves both. Without CPUs named the OS schedules the threads (the default); with several ranks on a
 node each gets an equal share of the node's CPUs by default. NUMA: a rank pinned to one node's CPUs allocates its
@@ -100,25 +100,3 @@ def thread_plan(threads: Optional[int], cpu_bind: str, local_rank: int = 0, rank
         raise ValueError(f"threads {threads} is more than the {len(part)} CPU(s) cpu_bind gives rank {local_rank} "
                          f"({format_cpu_list(part)}): one thread a CPU")
     return ThreadPlan(threads, part[:threads])
-
-
-def apply_in_this_thread(plan: ThreadPlan) -> None:
-    """Size (and pin) the OpenMP team of the calling thread as `plan` says: PyTorch's and the kernels' parallel
-    regions started from this thread run plan.threads threads, thread i on plan.cpus[i]. RuntimeError where the
-    CPUs cannot be taken (no native kernels to pin the team with, or the OS refused)."""
-    if plan.threads is None:
-        return
-    import torch
-
-    from tokenmill.kernels.cpu_kernels import cpu_kernels
-
-    torch.set_num_threads(plan.threads)
-    if plan.cpus is None:
-        return
-    kernels = cpu_kernels()
-    if kernels is None:
-        raise RuntimeError("cpu_bind pins the OpenMP threads through the native kernels, which are off or could "
-                           "not be built here; use cpu_bind none")
-    os.sched_setaffinity(0, plan.cpus)  # this thread, and any thread it starts
-    if not kernels.bind_threads(plan.cpus):
-        raise RuntimeError(f"cpu_bind: the OS refused to pin the threads to CPUs {format_cpu_list(plan.cpus)}")

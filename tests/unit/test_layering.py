@@ -21,7 +21,7 @@ LAYERS = [
     ["core", "sampling_params", "request", "outputs", "kv_events_config", "kv_transfer_config", "version",
      "lora.request", "lora.adapter_config", "structured.spec", "structured.json_text",
      "multimodal"],  # plain data, torch-free core, images read and checked (Pillow, no torch)
-    ["config", "config_checks", "speculative_json"],
+    ["config", "config_checks", "speculative_json", "cpu_threads"],
     ["kernels", "parallel"],
     ["attention", "layers", "sampling", "structured", "lora"],
     ["models", "multimodal.processing"],  # processing: prompts with images, as the model's image side lays them

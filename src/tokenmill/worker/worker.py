@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -10,7 +11,8 @@ from typing import Optional
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.cpu_threads import apply_in_this_thread, thread_plan
+from tokenmill.cpu_threads import ThreadPlan, format_cpu_list, thread_plan
+from tokenmill.kernels.cpu_kernels import cpu_kernels
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.moe import experts_per_rank
 from tokenmill.models.arch import ArchConfig, kv_cache_geometry, kv_cache_layout
@@ -181,7 +183,7 @@ class Worker:
         """Size and pin the calling thread's OpenMP team, once per thread (OpenMP keeps it per thread)."""
         thread = threading.get_ident()
         if thread not in self._threads_in:
-            apply_in_this_thread(self.threads)
+            apply_thread_plan(self.threads)
             self._threads_in.add(thread)
 
 
@@ -220,3 +222,21 @@ def check_divisible(arch: ArchConfig, tp_size: int, exact: bool = True, pp_size:
     for what, total in parts:
         if total % tp_size:
             raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {what} ({total})")
+
+
+def apply_thread_plan(plan: ThreadPlan) -> None:
+    """Size (and pin) the OpenMP team of the calling thread as `plan` says: PyTorch's and the kernels' parallel
+    regions started from this thread run plan.threads threads, thread i on plan.cpus[i]. RuntimeError where the
+    CPUs cannot be taken (no native kernels to pin the team with, or the OS refused)."""
+    if plan.threads is None:
+        return
+    torch.set_num_threads(plan.threads)
+    if plan.cpus is None:
+        return
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise RuntimeError("cpu_bind pins the OpenMP threads through the native kernels, which are off or could "
+                           "not be built here; use cpu_bind none")
+    os.sched_setaffinity(0, plan.cpus)  # this thread, and any thread it starts
+    if not kernels.bind_threads(plan.cpus):
+        raise RuntimeError(f"cpu_bind: the OS refused to pin the threads to CPUs {format_cpu_list(plan.cpus)}")
