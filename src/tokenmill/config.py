@@ -523,6 +523,10 @@ class ServerConfig:
     api_key_file: Optional[str] = _opt(None, "read the API key from this file (its first line)")
     metrics_require_key: bool = _opt(False, "put /metrics behind the API key too (by default Prometheus and "
                                      "routers scrape it without one)")
+    enable_sleep_mode: bool = _opt(False, "serve vLLM's sleep routes (POST /sleep?level=1|2, POST /wake_up?tags=, "
+                                   "GET /is_sleeping; CPU; they need the API key, as every route that changes what "
+                                   "the server serves): level 1 gives the KV pool's memory back, level 2 the weights' "
+                                   "too (docs/rl.md)")
     served_model_name: Optional[str] = _opt(None, "model name clients use (default: the model argument)")
     max_waiting_requests: int = _opt(256, "answer 429 (with Retry-After) when this many requests already wait; "
                                      "requests from arrival to end are bounded by max_num_seqs plus this")

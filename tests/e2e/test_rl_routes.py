@@ -44,9 +44,9 @@ def checkpoints(tmp_path_factory):
     return str(old), new, narrower
 
 
-def _server(path: str, api_key):
+def _server(path: str, api_key, **server):
     engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=path, **ENGINE)), "policy")
-    return engine, TestClient(build_app(engine, ServerConfig(), None, api_key=api_key))
+    return engine, TestClient(build_app(engine, ServerConfig(**server), None, api_key=api_key))
 
 
 def _complete(client, max_tokens: int = 6) -> dict:
@@ -127,5 +127,26 @@ def test_a_pause_in_mode_abort_ends_the_running_request(checkpoints):
         assert response.status_code >= 400 and "paused (mode abort)" in response.json()["error"]["message"]
         client.post("/resume", headers=KEY)
         assert _complete(client).status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def test_sleep_routes_with_enable_sleep_mode(checkpoints):
+    engine, client = _server(checkpoints[0], "trainer-key", enable_sleep_mode=True)
+    try:
+        before = _complete(client).json()["choices"][0]["text"]
+        assert client.get("/is_sleeping", headers=KEY).json() == {"is_sleeping": False}
+        assert client.post("/sleep?level=5", headers=KEY).status_code == 400
+        asleep = client.post("/sleep?level=1", headers=KEY).json()
+        assert asleep["is_sleeping"] is True and asleep["kv_pool_bytes_released"] > 0
+        refused = _complete(client)
+        assert refused.status_code == 400 and "asleep" in refused.json()["error"]["message"]
+        assert client.post("/wake_up?tags=kv_cache", headers=KEY).json() == {"is_sleeping": False}
+        assert _complete(client).json()["choices"][0]["text"] == before
+    finally:
+        engine.shutdown()
+    engine, client = _server(checkpoints[0], "trainer-key")  # without --enable-sleep-mode: no such routes
+    try:
+        assert client.post("/sleep", headers=KEY).status_code == 404
     finally:
         engine.shutdown()

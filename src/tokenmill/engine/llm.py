@@ -117,6 +117,15 @@ class LLM:
         LLMEngine.update_weights_from_disk."""
         return self._generating_model("update_weights_from_disk").update_weights_from_disk(model_path)
 
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """vLLM's LLM.sleep: level 1 gives the KV pool's memory back, level 2 the weights' too (reloaded by
+        `wake_up`); the resident memory before and after. See LLMEngine.sleep."""
+        return self._generating_model("sleep").sleep(level)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """vLLM's LLM.wake_up: `tags` "weights", "kv_cache" (None: both)."""
+        self._generating_model("wake_up").wake_up(tags)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,

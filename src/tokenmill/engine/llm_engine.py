@@ -22,6 +22,7 @@ from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.kv_event_publisher import to_wire
 from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.process_memory import resident_bytes
 from tokenmill.engine.step_attachments import DraftProbs, GrammarMasking, LoRAUnloads
 from tokenmill.engine.telemetry import DECODE, PREFILL, ChunkInfo, Telemetry
 from tokenmill.executor import Executor, make_executor
@@ -129,7 +130,8 @@ class LLMEngine:
                     self.kv_layout.describe(plan.block_size))
 
     def _init_step_state(self) -> None:
-        """What lives between steps: grammars, drafts, the steps in flight, telemetry."""
+        """What lives between steps: grammars, drafts, the steps in flight, telemetry, what sleeps."""
+        self.asleep: set[str] = set()  # "weights", "kv_cache": see `sleep`
         self.encoder_totals: tuple[int, float] = (0, 0.0)  # images the vision encoder encoded, and its seconds
         self._grammar = GrammarMasking(lambda: GrammarCache(self.tokenizer, self.arch.vocab_size, self.eos_token_ids))
         self._drafts = DraftProbs()
@@ -198,6 +200,8 @@ class LLMEngine:
         if it can never run (engine/input_processor.py)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.asleep:
+            raise ValueError(f"the engine is asleep ({', '.join(sorted(self.asleep))}): wake_up first")
         processed = self.inputs.process(request_id, prompt, params, prompt_token_ids, priority, arrival_time,
                                         lora_request, images)
         request = processed.request
@@ -256,6 +260,49 @@ class LLMEngine:
             raise RuntimeError("the prefix cache could not be reset after the weight update")
         logger.info("weights updated in place from %s (%.1f MB copied); prefix cache reset", path, copied / 1e6)
         return copied
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """vLLM's sleep mode, on CPU: level 1 gives the KV pool's memory back to the OS (its blocks and the prefix
+        cache are forgotten: they read as zeros after); level 2 also lets go of the weights, which `wake_up`
+        reloads from the checkpoint. Only while no request is unfinished; requests are refused until `wake_up`.
+        Returns the process's resident memory before and after and the KV pool's bytes released."""
+        worker = getattr(self.executor, "worker", None)
+        problem = (f"level must be 1 or 2, got {level!r}" if level not in (1, 2)
+                   else "requests are unfinished: wait for them, abort them or pause first" if self.has_unfinished_requests()
+                   else "it runs the model in the engine's process (distributed_executor_backend uni)" if worker is None
+                   else f"it runs on CPU for now (this engine runs on {self.device.type})" if self.device.type != "cpu"
+                   else None)
+        if problem is None and level == 2 and (self.loras is not None or self.image_processing is not None
+                                               or self.speculation is not None):
+            problem = "level 2 reloads the model alone: not with LoRA adapters, images or speculation (use level 1)"
+        if problem is not None:
+            raise ValueError(f"sleep: {problem}")
+        before = resident_bytes()
+        released = worker.runner.release_kv_pool()
+        self.reset_prefix_cache()  # (idle: nothing is held) the pool's blocks are zeros now
+        if level == 2:
+            worker.drop_weights()
+        self.asleep = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+        after = resident_bytes()
+        logger.info("asleep (level %d): resident memory %.1f -> %.1f MB, KV pool %.1f MB released", level,
+                    before / 1e6, after / 1e6, released / 1e6)
+        return {"resident_bytes_before": before, "resident_bytes_after": after, "kv_pool_bytes_released": released}
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """End sleep mode for `tags` ("weights", "kv_cache"; None: both): the weights reloaded (after level 2),
+        the KV pool usable again (its pages come back as they are written). Requests run once nothing sleeps."""
+        tags = set(tags) if tags is not None else {"weights", "kv_cache"}
+        unknown = tags - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; known: weights, kv_cache")
+        if "weights" in tags and "weights" in self.asleep:
+            self.executor.worker.restore_weights()
+        self.asleep -= tags
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether any part (weights, KV cache) sleeps."""
+        return bool(self.asleep)
 
     def stats(self) -> EngineStats:
         """Queue sizes, cache use and cumulative counters, for metrics."""

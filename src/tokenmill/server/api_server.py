@@ -269,7 +269,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         lambda: None if engine.is_alive else engine.fault or "the engine is not running",
         lambda created: served.cards(created, {"max_model_len": engine.info.max_model_len}), engine.metrics.render)
     add_lora_routes(app, served)
-    add_rl_routes(app, engine, api_key)
+    add_rl_routes(app, engine, api_key, config.enable_sleep_mode)
 
     def check_model(name: Optional[str]) -> None:
         served.adapter(name)  # 404 for a name this server does not serve

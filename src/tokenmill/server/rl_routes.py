@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.protocol import _Strict
@@ -29,8 +29,9 @@ class UpdateWeightsFromDiskRequest(_Strict):
     load_format: Optional[str] = None  # SGLang's; the checkpoint's own format is read ("auto")
 
 
-def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str]) -> None:
-    """The routes above on `app` (the API key middleware checks the key where one is set)."""
+def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str], sleep_mode: bool = False) -> None:
+    """The routes above on `app` (the API key middleware checks the key where one is set), and with `sleep_mode`
+    (--enable-sleep-mode) vLLM's sleep routes."""
 
     def guarded() -> None:
         if not api_key:
@@ -84,3 +85,31 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str]) -> 
                            else "invalid_request_error", None if unfinished else "model_path") from None
         return {"success": True, "message": f"weights updated from {body.model_path} ({copied} bytes copied in "
                                             "place); prefix cache reset"}
+
+    if not sleep_mode:
+        return
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> dict[str, Any]:
+        guarded()
+        try:
+            memory = await engine.call(lambda e: e.sleep(level))
+        except ValueError as exc:
+            unfinished = "unfinished" in str(exc)
+            raise APIError(409 if unfinished else 400, str(exc), "conflict_error" if unfinished
+                           else "invalid_request_error", None if unfinished else "level") from None
+        return {"is_sleeping": True, **memory}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Optional[list[str]] = Query(None)) -> dict[str, bool]:
+        guarded()
+        try:
+            await engine.call(lambda e: e.wake_up(tags))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tags") from None
+        return {"is_sleeping": await engine.call(lambda e: e.is_sleeping)}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        guarded()
+        return {"is_sleeping": await engine.call(lambda e: e.is_sleeping)}

@@ -110,6 +110,13 @@ class ModelRunner:
         # forward pass's final hidden states, and the ids of the requests that ended
         self.hidden_tap: Any = None
 
+    def release_kv_pool(self) -> int:
+        """Give the KV pool's memory back to the OS (sleep): every block reads as zeros again, and costs memory only
+        as it is written anew. Returns the bytes of the pool's tensors released (CPU pools; 0 elsewhere)."""
+        from tokenmill.kernels.zeroed_memory import release
+
+        return sum(page.untyped_storage().nbytes() for page in self.kv_pages if release(page))
+
     def execute(self, schedule: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and read its output on the host."""
         return self.execute_async(schedule).result()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -178,6 +179,20 @@ class Worker:
         except ValueError as exc:
             raise ValueError(f"the weights at {model_path!r} were not loaded, the served ones are unchanged: {exc}"
                              ) from exc
+
+    def drop_weights(self) -> None:
+        """Let go of the model and its weights (sleep level 2): nothing runs until `restore_weights`."""
+        self.model = self.runner.model = None
+        gc.collect()
+
+    def restore_weights(self) -> None:
+        """Load the model again from its checkpoint, as at start (wake_up after sleep level 2)."""
+        from tokenmill.worker.model_setup import load_model
+
+        source = load_model_source(self.spec.model_path, with_tokenizer=False)
+        self.model, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
+                                   self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
+        self.runner.model = self.model
 
     def _apply_threads(self) -> None:
         """Size and pin the calling thread's OpenMP team, once per thread (OpenMP keeps it per thread)."""
