@@ -125,6 +125,11 @@ class ModelConfig:
                              "after checking the checkpoint is of that method",
                              choices=QUANTIZATIONS)
 
+    logits_processors: Optional[list[str]] = _opt(
+        None, "third-party logits processors, applied to every step's logits after the built-in controls: "
+        "module:Class, or a name in the 'tokenmill.logits_processors' entry-point group; each request passes them "
+        "arguments in extra_args (the server's vllm_xargs). Not with speculative decoding "
+        "(sampling/logits_processors.py)", nargs="+")
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) next to the base model: requests pick "
                              "one by its name as `model` (server) or with lora_request (LLM.generate)")
     max_loras: int = _opt(1, "most LoRA adapters one step runs; requests of further adapters wait for a "
@@ -484,6 +489,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for section in (self.model, self.cache, self.scheduler, self.speculative, self.parallel):
             section.validate()
+        if self.model.logits_processors and self.speculative.enabled:
+            raise ValueError("logits_processors: third-party logits processors and speculative decoding do not "
+                             "combine (a verification scores every proposed position at once); use one of them")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -34,6 +34,11 @@ class SamplingParams:
     the same salt: one tenant cannot reuse, or time, another's cached prompts.
     `output_kind` (vLLM's RequestOutputKind): "cumulative" outputs hold everything so far, "delta" ones
     only what is new since the previous output (the server's streams: no output is copied twice).
+    `allowed_token_ids` (vLLM's): only these tokens may be sampled. `bad_words`: words never to be generated (each
+    tokenised with and without a leading space into `bad_words_token_ids` by the engine; a word's last token is
+    forbidden wherever the output ends with the tokens before it). `extra_args` (vLLM's; the server's
+    `vllm_xargs`): per-request arguments that third-party logits processors read
+    (sampling/logits_processors.py).
     """
 
     n: int = 1
@@ -64,6 +69,10 @@ class SamplingParams:
     # the LoRA adapter the request runs with (None: the base model); the engine sets it from the server's
     # `model` or `LLM.generate(lora_request=...)`, and it travels with the request to the runner
     lora_request: Optional[LoRARequest] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    bad_words_token_ids: Optional[list[list[int]]] = None  # set by the engine from `bad_words` and its tokenizer
+    extra_args: Optional[dict] = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,13 +133,23 @@ class SamplingParams:
         _require(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 256),
                  "cache_salt", "must be a non-empty string of at most 256 characters")
         _require(self.output_kind in OUTPUT_KINDS, "output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
+        _require(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                    and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+                 "allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        _require(self.bad_words is None or (isinstance(self.bad_words, list)
+                                            and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+                 "bad_words", "must be a list of non-empty strings")
+        _require(self.extra_args is None or (isinstance(self.extra_args, dict)
+                                             and all(isinstance(k, str) for k in self.extra_args)),
+                 "extra_args", "must be an object with string keys")
         _require(self.structured_output is None or self.min_tokens == 0, "min_tokens",
                  "cannot be combined with a structured output constraint (the grammar decides where the "
                  "output may end)")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raise ValueError naming the field when a token id it gives is outside the model's vocabulary."""
-        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if t >= vocab_size]
             _require(not bad, name, f"token ids must be < the vocabulary size {vocab_size}; got {bad[:5]}")
 

@@ -94,3 +94,18 @@ def test_the_device_path_marks_rows_with_no_allowed_token_from_the_same_reductio
     tokens, allowed = argmax_and_allowed(logits)
     assert tokens[[0, 2]].tolist() == [1, 2]  # the first of tied maxima, as argmax picks
     assert allowed.tolist() == [True, False, True, False]  # all -inf, or a NaN maximum: nothing to pick
+
+
+def test_a_bad_word_of_several_tokens_is_cut_only_after_its_first_tokens():
+    """vLLM's rule: the word's last token is forbidden where the output ends with the tokens before it; a
+    one-token word everywhere; other rows (and other positions) keep their logits."""
+    logits = torch.zeros(3, 10)
+    words = SamplingParams(temperature=0, bad_words=["unused"], bad_words_token_ids=[[4, 5, 6], [8]])
+    rows = [SamplingRow(words, None, [1], [2, 4, 5], (0,)),  # ends with [4, 5]: 6 is forbidden, and 8
+            SamplingRow(words, None, [1], [4, 2], (0,)),  # does not: only 8
+            SamplingRow(SamplingParams(temperature=0), None, [1], [4, 5], (0,))]  # no bad words
+    from tokenmill.sampling.sampler import adjust_logits
+
+    adjusted = adjust_logits(logits, rows)
+    forbidden = [set((adjusted[i] == float("-inf")).nonzero().flatten().tolist()) for i in range(3)]
+    assert forbidden == [{6, 8}, {8}, set()] and not logits.isinf().any()  # (adjusted on a copy)

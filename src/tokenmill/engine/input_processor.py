@@ -33,7 +33,7 @@ class InputProcessor:
     `add_request` trusts it): `Scheduler.check_admissible` runs once per request."""
 
     def __init__(self, scheduler: Scheduler, architecture: str, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], tokenize: Callable[[str], list[int]], compile_grammar: Callable,
+                 eos_token_ids: tuple[int, ...], tokenize: Callable[..., list[int]], compile_grammar: Callable,
                  schedule_policy: str, max_num_seqs: int, image_processing: Optional[ImageProcessing] = None,
                  loras: Optional[LoRARegistry] = None, kv_transfers: Optional[KVTransfers] = None) -> None:
         self.scheduler, self.architecture = scheduler, architecture
@@ -41,6 +41,21 @@ class InputProcessor:
         self.tokenize, self.compile_grammar = tokenize, compile_grammar
         self.schedule_policy, self.max_num_seqs = schedule_policy, max_num_seqs
         self.image_processing, self.loras, self.kv_transfers = image_processing, loras, kv_transfers
+
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids, as vLLM tokenises them: the word, and with a leading space where that makes
+        another first token of as many tokens (the word in the middle of a text). ValueError where they leave no
+        token that allowed_token_ids allows."""
+        words: list[list[int]] = []
+        for word in params.bad_words or ():
+            plain = self.tokenize(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenize(" " + word.lstrip(), add_special_tokens=False)
+            words.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= {w[0] for w in words if len(w) == 1}:
+            raise ValueError("bad_words forbid every token allowed_token_ids allows: nothing could be generated")
+        return words
 
     def process(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
                 prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
@@ -57,6 +72,8 @@ class InputProcessor:
             raise ValueError(f"priority {priority} is honoured only with schedule_policy 'priority' "
                              f"(this engine runs {self.schedule_policy!r})")
         params.check_vocabulary(self.vocab_size)
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=self._bad_word_ids(params))
         if params.n > self.max_num_seqs:
             raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.max_num_seqs}): the samples of one "
                              f"request run in one batch")

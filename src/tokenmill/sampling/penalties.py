@@ -1,4 +1,5 @@
-"""Repetition, presence and frequency penalties, and min_tokens masking, vectorised over the batch."""
+"""Repetition, presence and frequency penalties, and min_tokens masking, vectorised over the batch (the other
+built-in controls are in logits_processors.py)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,3 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 banned += list(r.eos_token_ids)
             if banned:
                 logits[i, banned] = float("-inf")
-
-
-def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Add each row's logit_bias, in place."""
-    for i, r in enumerate(rows):
-        if r.params.logit_bias:
-            ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long, device=logits.device)
-            bias = torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-            logits[i, ids] += bias

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from tokenmill.sampling.batch import SamplingRow
-from tokenmill.sampling.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from tokenmill.sampling.logits_processors import BUILT_IN, LogitsProcessor
+from tokenmill.sampling.penalties import apply_min_tokens, apply_penalties
 from tokenmill.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
+           default_generator: Optional[torch.Generator] = None,
+           processors: Sequence[LogitsProcessor] = ()) -> torch.Tensor:
     """Pick one token per row of float32 `logits` [B, V]; returns int64 [B].
 
-    Order: logit bias, penalties, min_tokens masking (`adjust_logits`), then greedy rows take the
+    Order: the logits processors (`adjust_logits`: the built-ins, then `processors`), then greedy rows take the
     argmax; the others divide by temperature, keep top-k, then top-p, then min-p (`filtered_probs`),
     and draw with the exponential-race trick argmax(p / E), E ~ Exp(1) — which lets seeded rows draw
     their noise from their own generator, so a seeded request samples the same tokens whatever else
     is in the batch.
     """
-    logits = adjust_logits(logits, rows)
+    logits = adjust_logits(logits, rows, processors)
     on_host = logits.device.type == "cpu"
     if on_host:
         check_some_allowed((logits > float("-inf")).any(dim=-1))
@@ -39,19 +41,27 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     return tokens if on_host else torch.where(allowed, tokens, NO_TOKEN)
 
 
-def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Logit bias, penalties and min_tokens masking applied (to a copy: the caller's logits stay as computed)."""
-    if any(r.params.logit_bias or r.params.uses_penalties or len(r.output_token_ids) < r.params.min_tokens
-           for r in rows):
+def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow],
+                  processors: Sequence[LogitsProcessor] = ()) -> torch.Tensor:
+    """The logits processors applied (sampling/logits_processors.py: logit bias, allowed_token_ids, bad words, then
+    penalties and min_tokens masking, then `processors`), to a copy: the caller's logits stay as computed."""
+    active = [p for p in BUILT_IN if any(p.applies(r.params) for r in rows)]
+    penalties = any(r.params.uses_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows)
+    extra = [p for p in processors if any(p.applies(r.params) for r in rows)]
+    if active or penalties or extra:
         logits = logits.clone()
-        apply_logit_bias(logits, rows)
+        for processor in active:
+            logits = processor.apply(logits, rows)
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
+        for processor in extra:
+            logits = processor.apply(logits, rows)
     return logits
 
 
 NO_TOKEN = -1  # sample's id for a row that allows no token, on a GPU (on CPU it raises)
-NOTHING_ALLOWED = "the output constraint, logit_bias and min_tokens together forbid every token"
+NOTHING_ALLOWED = ("the output constraint, logit_bias, allowed_token_ids, bad_words, min_tokens and the logits "
+                   "processors together forbid every token")
 
 
 def argmax_and_allowed(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

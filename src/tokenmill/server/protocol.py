@@ -95,6 +95,20 @@ class _SamplingFields(_Body):
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
     kv_transfer_params: Optional[dict[str, Any]] = None  # prefill/decode disaggregation (docs/scale-out.md)
+    # vLLM's request controls (sampling/logits_processors.py)
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: max_model_len)
+    vllm_xargs: Optional[dict[str, Any]] = None  # arguments for third-party logits processors (extra_args)
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids as truncate_prompt_tokens keeps them: the last k (vLLM's left truncation)."""
+        if self.truncate_prompt_tokens is None:
+            return token_ids
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if keep == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
+        return token_ids[-keep:]
 
     @model_validator(mode="after")
     def _router_fields_change_nothing(self) -> "_SamplingFields":
@@ -133,6 +147,8 @@ class _SamplingFields(_Body):
         """The engine's SamplingParams (raises ValueError naming a bad field)."""
         if not self.use_beam_search:
             self.check_no_beam_fields()
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's context length) or >= 1, got 0")
         bias = None
         if self.logit_bias:
             try:
@@ -150,7 +166,8 @@ class _SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
             structured_output=self.structured_output(), cache_salt=self.cache_salt, output_kind="delta",
-            kv_transfer_params=self.kv_transfer_params,
+            kv_transfer_params=self.kv_transfer_params, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, extra_args=self.vllm_xargs,
         )
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
@@ -159,7 +176,7 @@ class _SamplingFields(_Body):
         defaults = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "repetition_penalty": 1.0, "seed": None, "stop": None, "stop_token_ids": None, "min_tokens": 0,
                     "logit_bias": None, "stream": False, "logprobs": None, "echo": False, "top_logprobs": None,
-                    "kv_transfer_params": None}
+                    "kv_transfer_params": None, "allowed_token_ids": None, "bad_words": None, "vllm_xargs": None}
         refused = [name for name, default in defaults.items()
                    if hasattr(self, name) and getattr(self, name) not in (default, [], {})]
         if self.logprobs is False:  # chat's logprobs: false is the default

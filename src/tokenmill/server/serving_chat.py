@@ -193,9 +193,14 @@ class ChatHandler:
             ticket = self.engine.reserve(body.n)
         except ValueError as exc:
             raise bad_request(exc, _FIELDS) from None
+        if image_count and body.truncate_prompt_tokens is not None:
+            ticket.release()
+            raise APIError(400, "truncate_prompt_tokens cannot cut a prompt with images (their placeholders would "
+                                "be cut apart)", param="truncate_prompt_tokens")
         try:  # images are decoded under the ticket, so admission bounds how many requests decode at once
             prompt, token_ids, features = await self.expanded_prompt(
                 body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs, image_count)
+            token_ids = body.truncated(token_ids, self.engine.info.max_model_len)
         except BaseException:
             ticket.release()
             raise

@@ -109,6 +109,7 @@ class ModelRunner:
         # an EAGLE-3 / MTP draft's store of the target's hidden states (spec_decode/hidden_states.py): given every
         # forward pass's final hidden states, and the ids of the requests that ended
         self.hidden_tap: Any = None
+        self.logits_processors: list = []  # third-party ones (sampling/logits_processors.py), after the built-ins
 
     def release_kv_pool(self) -> int:
         """Give the KV pool's memory back to the OS (sleep): every block reads as zeros again, and costs memory only
@@ -354,7 +355,8 @@ class ModelRunner:
                       step: "_StepExtras", result: ModelRunnerOutput) -> None:
         sample_logits = self._rows(logits, [sample_rows[i] for i in plain])
         constrained = self._masked(sample_logits, step.grammar, [(k, batch[i]) for k, i in enumerate(plain)])
-        tokens = sample(constrained, [self.sampling_row(batch[i]) for i in plain], self.default_generator)
+        tokens = sample(constrained, [self.sampling_row(batch[i]) for i in plain], self.default_generator,
+                        self.logits_processors)
         request_ids = [batch[i].request_id for i in plain]
         self._sampled.update((request_id, (tokens, k)) for k, request_id in enumerate(request_ids))
         wanted = [k for k, i in enumerate(plain) if batch[i].sampling_params.logprobs is not None]

@@ -14,6 +14,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.cpu_threads import ThreadPlan, format_cpu_list, thread_plan
 from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.sampling.logits_processors import load_logits_processors
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.moe import experts_per_rank
 from tokenmill.models.arch import ArchConfig, kv_cache_geometry, kv_cache_layout
@@ -114,6 +115,7 @@ class Worker:
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
                                   swap_slots=spec.swap_slots, encoder_cache_tokens=spec.encoder_cache_tokens,
                                   max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
+        self.runner.logits_processors = load_logits_processors(spec.model.logits_processors or [])
         # (a recurrent state's per-request loop is not captured: those models run eagerly)
         graphs = self._decode_graphs_apply(backend, tp, stage) and not layout.state_groups
         if graphs:
