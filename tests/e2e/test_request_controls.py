@@ -1,4 +1,4 @@
-"""vLLM's request controls through the OpenAI routes (completions and chat): allowed_token_ids, bad_words,
+"""vLLM's request controls through the routes (completions, chat, Responses, Messages): allowed_token_ids, bad_words,
 truncate_prompt_tokens (the prompt's last k tokens: the usage says so) and vllm_xargs (a third-party logits
 processor's arguments), and the 400s that name a bad one. The server's own app in-process over a tiny checkpoint
 written without transformers, with a logits processor from the tests' helpers (~1 s)."""
@@ -37,7 +37,7 @@ def _complete(client, **fields):
                                                 "ignore_eos": True, "logprobs": 0, **fields})
 
 
-def test_the_controls_reach_the_sampler_from_both_routes(client):
+def test_the_controls_reach_the_sampler_from_every_route(client):
     allowed = _complete(client, allowed_token_ids=[7, 9]).json()["choices"][0]["logprobs"]["tokens"]
     tokenizer_text = {client.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in (7, 9)}
     assert set(allowed) <= tokenizer_text
@@ -51,8 +51,16 @@ def test_the_controls_reach_the_sampler_from_both_routes(client):
         "truncate_prompt_tokens": 2, "bad_words": ["x"], "vllm_xargs": {"only_token": 42}})
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == 2
-    assert chat.json()["choices"][0]["message"]["content"] == client.post(
-        "/detokenize", json={"tokens": [42] * 3}).json()["prompt"]
+    forced_text = client.post("/detokenize", json={"tokens": [42] * 3}).json()["prompt"]
+    assert chat.json()["choices"][0]["message"]["content"] == forced_text
+    responses = client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 3,
+                                                   "temperature": 0, "vllm_xargs": {"only_token": 42}})
+    assert responses.json()["output"][-1]["content"][0]["text"] == forced_text, responses.text
+    messages = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 3, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": "hi"}],
+                                                 "vllm_xargs": {"only_token": 42}, "truncate_prompt_tokens": 2})
+    assert messages.json()["content"][0]["text"] == forced_text, messages.text
+    assert messages.json()["usage"]["input_tokens"] == 2
 
 
 def test_bad_controls_are_400s_naming_them(client):

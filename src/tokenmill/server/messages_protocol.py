@@ -189,9 +189,13 @@ class MessagesRequest(_Body):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
 
     EXTENSIONS: ClassVar[tuple[str, ...]] = ("cache_salt", "seed", "priority", "logit_bias", "guided_json", "guided_regex", "guided_choice",
-                  "guided_grammar")
+                  "guided_grammar", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "vllm_xargs")
 
 
 class CountTokensRequest(_Body):

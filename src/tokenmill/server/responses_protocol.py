@@ -214,6 +214,10 @@ class ResponsesRequest(_Body):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
 
     @field_validator("input", mode="before")
     @classmethod

@@ -48,7 +48,8 @@ CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response
 SHARED_FIELDS = ("temperature", "top_p", "user", "parallel_tool_calls", "seed", "top_k", "min_p",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "ignore_eos",
                  "min_tokens", "cache_salt", "priority", "chat_template_kwargs", "guided_json", "guided_regex",
-                 "guided_choice", "guided_grammar")
+                 "guided_choice", "guided_grammar", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                 "vllm_xargs")
 
 
 def item_id(prefix: str) -> str:
