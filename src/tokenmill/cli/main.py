@@ -12,6 +12,7 @@ from typing import Optional
 from tokenmill.cli.bench import add_bench_parser
 from tokenmill.cli.chat import add_chat_parser
 from tokenmill.cli.engine_args import add_dataclass_args, add_engine_args, engine_kwargs
+from tokenmill.cli.run_batch import add_run_batch_parser
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _env_parser(sub)
     add_chat_parser(sub)
     add_bench_parser(sub)
+    add_run_batch_parser(sub)
     from tokenmill.balancer.disagg_proxy import add_disagg_proxy_parser
     add_disagg_proxy_parser(sub)
     return parser

@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tokenmill.config import EngineConfig, ServerConfig
 
@@ -24,18 +24,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     `shutdown_timeout` seconds, abort the rest, exit 0. If the engine dies, exit 3."""
     import uvicorn
 
-    from tokenmill.engine.admission import AdmissionLimits
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.pooling.pooler_config import runs_pooling
-    from tokenmill.server.api_server import build_app
-
     server_config.validate()
     api_key = server_config.resolved_api_key()
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
-    name = server_config.served_model_name or _default_name(engine_config.model.model)
-    limits = AdmissionLimits(server_config.max_waiting_requests, server_config.max_waiting_tokens,
-                             server_config.grammar_compile_timeout)
+    name = server_config.served_model_name or default_name(engine_config.model.model)
     died: list[str] = []
     servers: list[uvicorn.Server] = []
 
@@ -46,17 +38,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         for running in servers:
             running.should_exit = True
 
-    if runs_pooling(engine_config.model):
-        app, stop_accepting, shutdown = _pooling_app(engine_config, server_config, name, api_key)
-    else:
-        tracer = None
-        if server_config.otlp_traces_endpoint:
-            from tokenmill.engine.tracing import RequestTracer
-            tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
-        async_engine = AsyncEngine(lambda: _with_adapters(LLMEngine(engine_config), server_config.lora_modules),
-                                   name, limits, on_dead, tracer)
-        app = build_app(async_engine, server_config, async_engine.info.chat_template, api_key)
-        stop_accepting, shutdown = async_engine.stop_accepting, async_engine.shutdown
+    app, stop_accepting, shutdown = make_app(engine_config, server_config, name, api_key, on_dead)
 
     class _GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -79,6 +61,30 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         shutdown()
         signal.signal(signal.SIGTERM, previous)
     return _ENGINE_DEAD_EXIT if died else 0
+
+
+def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, api_key: Optional[str],
+             on_dead: Optional[Callable[[str], None]] = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+    """The server's app over a new engine (a generating model's, or an embedding model's), and the engine's
+    stop-admitting and shutdown calls: what `tokenmill serve` listens with and `tokenmill run-batch` posts to."""
+    from tokenmill.engine.admission import AdmissionLimits
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.pooling.pooler_config import runs_pooling
+    from tokenmill.server.api_server import build_app
+
+    if runs_pooling(engine_config.model):
+        return _pooling_app(engine_config, server_config, name, api_key)
+    limits = AdmissionLimits(server_config.max_waiting_requests, server_config.max_waiting_tokens,
+                             server_config.grammar_compile_timeout)
+    tracer = None
+    if server_config.otlp_traces_endpoint:
+        from tokenmill.engine.tracing import RequestTracer
+        tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
+    async_engine = AsyncEngine(lambda: _with_adapters(LLMEngine(engine_config), server_config.lora_modules),
+                               name, limits, on_dead, tracer)
+    app = build_app(async_engine, server_config, async_engine.info.chat_template, api_key)
+    return app, async_engine.stop_accepting, async_engine.shutdown
 
 
 def _with_adapters(engine: Any, modules: Optional[list[str]]) -> Any:
@@ -122,7 +128,8 @@ def _exit_cleanly(sig: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _default_name(model: Optional[str]) -> str:
+def default_name(model: Optional[str]) -> str:
+    """The name a server answers to when none is given: the model argument (a path without its trailing slash)."""
     from tokenmill.models.loader import DEFAULT_MODEL
     if model is None:
         return DEFAULT_MODEL
