@@ -535,6 +535,11 @@ class ServerConfig:
                                    "GET /is_sleeping; CPU; they need the API key, as every route that changes what "
                                    "the server serves): level 1 gives the KV pool's memory back, level 2 the weights' "
                                    "too (docs/rl.md)")
+    state_dir: Optional[str] = _opt(None, "where the server keeps what outlives a request: the Files API's files "
+                                    "(batch inputs and results). Default: a temporary folder, gone with the server")
+    files_max_mb: int = _opt(1024, "the most the Files API stores in all (MiB); an upload beyond it gets a 413")
+    batch_max_concurrency: int = _opt(4, "requests of Batch API batches in the engine at once: batches take this "
+                                      "much of the engine and interactive requests the rest")
     served_model_name: Optional[str] = _opt(None, "model name clients use (default: the model argument)")
     max_waiting_requests: int = _opt(256, "answer 429 (with Retry-After) when this many requests already wait; "
                                      "requests from arrival to end are bounded by max_num_seqs plus this")

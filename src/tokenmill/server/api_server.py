@@ -18,6 +18,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.tracing import TRACE_HEADERS, incoming_trace
 from tokenmill.multimodal.media import MediaPolicy
+from tokenmill.server.batch_api import add_batch_api
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.engine_stream import DEFAULT_INTERVAL_MS, EngineStream
@@ -270,6 +271,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         lambda created: served.cards(created, {"max_model_len": engine.info.max_model_len}), engine.metrics.render)
     add_lora_routes(app, served)
     add_rl_routes(app, engine, api_key, config.enable_sleep_mode)
+    add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency, api_key)
 
     def check_model(name: Optional[str]) -> None:
         served.adapter(name)  # 404 for a name this server does not serve

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.config import ServerConfig
 from tokenmill.pooling.engine import PoolingEngine
+from tokenmill.server.batch_api import add_batch_api
 from tokenmill.server.api_server import POOLING_PATHS, base_app, refuse
 from tokenmill.server.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from tokenmill.server.protocol import TokenizeRequest
@@ -64,6 +65,7 @@ def build_pooling_app(engine: PoolingEngine, config: ServerConfig, model_name: s
                                 lambda created: [{"id": model_name, "created": created, **card}], metrics.render)
     refuse(app, GENERATION_PATHS, f"the model '{model_name}' is an embedding model; it does not generate text "
                                   "(use /v1/embeddings, /v1/score or /v1/rerank)")
+    add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency, api_key)
 
     async def answer(body: Any, request: Request, work: Any) -> JSONResponse:
         check_model(body.model)

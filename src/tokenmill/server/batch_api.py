@@ -1,0 +1,245 @@
+"""OpenAI's Files and Batch API: `POST /v1/files` (multipart, purpose batch), `GET /v1/files[/{id}[/content]]`,
+`DELETE /v1/files/{id}`, `POST /v1/batches`, `GET /v1/batches[/{id}]`, `POST /v1/batches/{id}/cancel`.
+
+Files live under `--state-dir` (a temporary folder for the server's life when none is given), at most
+`--files-max-mb` in all (413 beyond). A batch reads its input file's lines (OpenAI's batch input format) and runs
+them through the server's own routes in-process (server/batch_lines.py), at most `--batch-max-concurrency` at once
+so that interactive requests keep most of the engine; its state follows OpenAI's statuses (validating,
+in_progress, finalizing, completed, failed, cancelling, cancelled; `expired` is never reached: a batch runs until
+done), with request counts, the answered lines in `output_file_id` and the failed ones in `error_file_id`. Batches
+are kept in memory: a restart forgets them (their files stay). One bad line never stops the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from fastapi import FastAPI, File, Form, UploadFile
+from fastapi.responses import Response
+
+from tokenmill.server.batch_lines import BATCH_URLS, BatchLine, parse_line, run_lines
+from tokenmill.server.protocol import _Strict
+from tokenmill.server.serving_common import APIError
+
+
+class CreateBatchRequest(_Strict):
+    """POST /v1/batches."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: Optional[dict[str, str]] = None
+
+
+class FileStore:
+    """Uploaded and produced files, each `<id>` (bytes) beside `<id>.json` (its OpenAI file object), in `folder`
+    (None: a temporary folder made on first use), at most `max_bytes` in all."""
+
+    def __init__(self, folder: Optional[Path], max_bytes: int) -> None:
+        self._folder, self.max_bytes = folder, max_bytes
+
+    @property
+    def folder(self) -> Path:
+        """The store's folder, made on first use."""
+        if self._folder is None:
+            import tempfile
+
+            self._folder = Path(tempfile.mkdtemp(prefix="tokenmill-files-"))
+        self._folder.mkdir(parents=True, exist_ok=True)
+        return self._folder
+
+    def used_bytes(self) -> int:
+        """The bytes the stored files hold."""
+        return sum(self.get(path.stem)["bytes"] for path in self.folder.glob("*.json"))
+
+    def add(self, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
+        """Store `data`; its file object. APIError 413 when the store would hold more than its bound."""
+        if self.used_bytes() + len(data) > self.max_bytes:
+            raise APIError(413, f"the file store holds at most {self.max_bytes >> 20} MiB (--files-max-mb); delete "
+                                "files first", param="file")
+        file_id = f"file-{uuid.uuid4().hex}"
+        (self.folder / file_id).write_bytes(data)
+        card = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+                "filename": filename, "purpose": purpose}
+        (self.folder / f"{file_id}.json").write_text(json.dumps(card))
+        return card
+
+    def get(self, file_id: str) -> dict[str, Any]:
+        """A file's object; APIError 404 for an unknown id."""
+        card = self.folder / f"{file_id}.json"
+        if not file_id.startswith("file-") or "/" in file_id or not card.is_file():
+            raise APIError(404, f"no file {file_id!r}", "not_found_error", "file_id")
+        return json.loads(card.read_text())
+
+    def content(self, file_id: str) -> bytes:
+        """A file's bytes."""
+        self.get(file_id)
+        return (self.folder / file_id).read_bytes()
+
+    def delete(self, file_id: str) -> None:
+        """Forget a file."""
+        self.get(file_id)
+        (self.folder / file_id).unlink()
+        (self.folder / f"{file_id}.json").unlink()
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every file's object, newest first."""
+        return sorted((json.loads(p.read_text()) for p in self.folder.glob("*.json")),
+                      key=lambda card: card["created_at"], reverse=True)
+
+
+class Batches:
+    """The batches of this server's life and the tasks running them over `app` (the server's own app)."""
+
+    def __init__(self, app: Any, files: FileStore, max_concurrency: int, headers: dict[str, str]) -> None:
+        self.app, self.files, self.max_concurrency, self.headers = app, files, max_concurrency, headers
+        self.batches: dict[str, dict[str, Any]] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def create(self, body: CreateBatchRequest) -> dict[str, Any]:
+        """A new batch, validating then running in the background."""
+        if body.endpoint not in BATCH_URLS:
+            raise APIError(400, f"endpoint must be one of {', '.join(BATCH_URLS)}, got {body.endpoint!r}",
+                           param="endpoint")
+        if body.completion_window != "24h":
+            raise APIError(400, f"completion_window must be 24h, got {body.completion_window!r}",
+                           param="completion_window")
+        self.files.get(body.input_file_id)
+        now = int(time.time())
+        batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body.endpoint, "errors": None,
+                 "input_file_id": body.input_file_id, "completion_window": "24h", "status": "validating",
+                 "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                 "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
+        self.batches[batch["id"]] = batch
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        task.add_done_callback(lambda _: _settle(batch))
+        self.tasks[batch["id"]] = task
+        return batch
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        """A batch's object; APIError 404 for an unknown id."""
+        if batch_id not in self.batches:
+            raise APIError(404, f"no batch {batch_id!r}", "not_found_error", "batch_id")
+        return self.batches[batch_id]
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """Stop a batch: the lines not finished are dropped (those in the engine aborted); what finished is kept."""
+        batch = self.get(batch_id)
+        if batch["status"] in ("validating", "in_progress"):
+            batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
+            self.tasks[batch_id].cancel()
+        return batch
+
+    async def _run(self, batch: dict[str, Any]) -> None:
+        answered, failed = [], []
+
+        def write(result: dict[str, Any]) -> None:
+            response = result["response"]
+            (answered if response is not None and response["status_code"] == 200 else failed).append(result)
+            batch["request_counts"] = {"total": batch["request_counts"]["total"], "completed": len(answered),
+                                       "failed": len(failed)}
+        try:
+            text = self.files.content(batch["input_file_id"]).decode("utf-8", errors="replace")
+            lines = [_for_endpoint(parse_line(n, t), batch["endpoint"]) for n, t in enumerate(text.splitlines(), 1)
+                     if t.strip()]
+            batch["request_counts"]["total"] = len(lines)
+            batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
+            await run_lines(self.app, lines, write, self.max_concurrency, self.headers)
+            batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # the batch's own failure (its file unreadable): no line ran
+            batch["status"], batch["failed_at"] = "failed", int(time.time())
+            batch["errors"] = {"object": "list", "data": [{"code": "batch_failed", "message": str(exc)}]}
+            return
+        for name, results in (("output_file_id", answered), ("error_file_id", failed)):
+            if results:
+                data = "".join(json.dumps(r) + "\n" for r in results).encode()
+                batch[name] = self.files.add(f"{batch['id']}_{name.split('_')[0]}.jsonl", "batch_output", data)["id"]
+        if batch["status"] == "cancelling":
+            batch["status"], batch["cancelled_at"] = "cancelled", int(time.time())
+        else:
+            batch["status"], batch["completed_at"] = "completed", int(time.time())
+
+
+def _settle(batch: dict[str, Any]) -> None:
+    """After a batch's task, whatever became of it: a batch cancelled before its task began is cancelled now, one
+    whose task broke off otherwise has failed (each status ends the batch)."""
+    if batch["status"] == "cancelling":
+        batch["status"], batch["cancelled_at"] = "cancelled", int(time.time())
+    elif batch["status"] not in ("completed", "failed", "cancelled"):
+        batch["status"], batch["failed_at"] = "failed", int(time.time())
+
+
+def _for_endpoint(line: BatchLine, endpoint: str) -> BatchLine:
+    """A line whose url is not its batch's endpoint is refused (OpenAI runs one endpoint a batch)."""
+    if line.problem is None and line.url != endpoint:
+        return BatchLine(line.number, line.custom_id, problem=f"line {line.number}: url {line.url!r} is not this "
+                                                              f"batch's endpoint {endpoint!r}")
+    return line
+
+
+def add_batch_routes(app: FastAPI, files: FileStore, batches: Batches) -> None:
+    """The Files and Batch routes on `app`."""
+
+    @app.post("/v1/files")
+    async def create_file(file: UploadFile = File(...), purpose: str = Form(...)) -> dict[str, Any]:
+        if purpose != "batch":
+            raise APIError(400, f"purpose must be batch (the files this server runs), got {purpose!r}",
+                           param="purpose")
+        data = await file.read(files.max_bytes + 1)
+        return files.add(file.filename or "upload.jsonl", purpose, data)
+
+    @app.get("/v1/files")
+    async def list_files() -> dict[str, Any]:
+        return {"object": "list", "data": files.listing()}
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str) -> dict[str, Any]:
+        return files.get(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> Response:
+        return Response(files.content(file_id), media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> dict[str, Any]:
+        files.delete(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @app.post("/v1/batches")
+    async def create_batch(body: CreateBatchRequest) -> dict[str, Any]:
+        return batches.create(body)
+
+    @app.get("/v1/batches")
+    async def list_batches() -> dict[str, Any]:
+        data = sorted(batches.batches.values(), key=lambda b: b["created_at"], reverse=True)
+        return {"object": "list", "data": data, "has_more": False,
+                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(batch_id: str) -> dict[str, Any]:
+        return batches.get(batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> dict[str, Any]:
+        return batches.cancel(batch_id)
+
+
+def add_batch_api(app: FastAPI, state_dir: Optional[str], files_max_mb: int, max_concurrency: int,
+                  api_key: Optional[str]) -> None:
+    """The Files and Batch API on `app`, its files under `state_dir` (a temporary folder when None), batches posting
+    to `app` itself (with the API key, where one is set)."""
+    if files_max_mb < 1 or max_concurrency < 1:
+        raise ValueError(f"files_max_mb and batch_max_concurrency must be >= 1, got {files_max_mb} and "
+                         f"{max_concurrency}")
+    files = FileStore(Path(state_dir) / "files" if state_dir is not None else None, files_max_mb << 20)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    add_batch_routes(app, files, Batches(app, files, max_concurrency, headers))
