@@ -125,6 +125,11 @@ class ModelConfig:
                              "after checking the checkpoint is of that method",
                              choices=QUANTIZATIONS)
 
+    worker_extension_cls: Optional[str] = _opt(
+        None, "module:Class whose methods join each worker's (vLLM's flag): LLM.collective_rpc and the server's POST "
+        "/collective_rpc call them by name, with the worker as self (its model, runner and device), as RL "
+        "frameworks do to load weights their own way; no other method is reachable. One rank in the engine's "
+        "process (distributed_executor_backend uni)")
     logits_processors: Optional[list[str]] = _opt(
         None, "third-party logits processors, applied to every step's logits after the built-in controls: "
         "module:Class, or a name in the 'tokenmill.logits_processors' entry-point group; each request passes them "

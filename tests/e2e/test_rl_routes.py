@@ -65,6 +65,7 @@ def test_the_routes_need_the_api_key(checkpoints):
             assert response.status_code == 403 and "--api-key" in response.json()["error"]["message"]
         response = client.post("/update_weights_from_disk", json={"model_path": checkpoints[1]})
         assert response.status_code == 403
+        assert client.post("/collective_rpc", json={"method": "num_layers"}).status_code == 403
     finally:
         engine.shutdown()
 
@@ -99,6 +100,8 @@ def test_pause_update_resume_answers_the_held_request_with_the_new_weights(check
         assert after["logprobs"]["token_logprobs"] == [step[t].logprob for step, t in zip(fresh.logprobs,
                                                                                          fresh.token_ids)]
         assert client.post("/reset_prefix_cache", headers=KEY).json() == {"success": True}
+        refused = client.post("/collective_rpc", headers=KEY, json={"method": "execute"})
+        assert refused.status_code == 400 and "not a method of the worker extension class" in refused.text
     finally:
         engine.shutdown()
 

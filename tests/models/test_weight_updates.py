@@ -88,3 +88,19 @@ def test_an_update_waits_for_no_request(checkpoints):
     assert not llm.reset_prefix_cache()  # its blocks are held
     llm.llm_engine.abort_request("running")
     assert llm.reset_prefix_cache()
+
+
+def test_collective_rpc_reaches_the_worker_extension_methods_and_nothing_else(checkpoints):
+    old, _, _ = checkpoints
+    llm = LLM(old, **ENGINE, dtype="float32", quantization="none",
+              worker_extension_cls="helpers.worker_extensions:Inspector")
+    before = _ids_and_logprobs(llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False))
+    assert llm.collective_rpc("num_layers") == [llm.llm_engine.arch.num_hidden_layers]
+    llm.collective_rpc("scale_final_norm", args=(2.0,))  # the worker's own model, changed in place
+    after = _ids_and_logprobs(llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False))
+    assert after != before
+    for method in ("_private", "execute", "load_weights_from"):
+        with pytest.raises(ValueError, match=f"{method!r} is not a method of the worker extension class"):
+            llm.collective_rpc(method)
+    with pytest.raises(ValueError, match="worker_extension_cls 'helpers.worker_extensions:Missing' not found"):
+        LLM(old, **ENGINE, worker_extension_cls="helpers.worker_extensions:Missing")

@@ -117,6 +117,10 @@ class LLM:
         LLMEngine.update_weights_from_disk."""
         return self._generating_model("update_weights_from_disk").update_weights_from_disk(model_path)
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """vLLM's LLM.collective_rpc: a method of the worker extension class on every worker; their results."""
+        return self._generating_model("collective_rpc").collective_rpc(method, args, kwargs)
+
     def sleep(self, level: int = 1) -> dict[str, int]:
         """vLLM's LLM.sleep: level 1 gives the KV pool's memory back, level 2 the weights' too (reloaded by
         `wake_up`); the resident memory before and after. See LLMEngine.sleep."""

@@ -261,6 +261,16 @@ class LLMEngine:
         logger.info("weights updated in place from %s (%.1f MB copied); prefix cache reset", path, copied / 1e6)
         return copied
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """vLLM's collective_rpc: `method` of the worker extension class (--worker-extension-cls) called on every
+        worker, each result in a list (one rank here: the model in the engine's process). ValueError for a method the
+        class does not define, or several ranks."""
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise ValueError("collective_rpc calls the worker in the engine's process: it runs with one rank "
+                             "(distributed_executor_backend uni)")
+        return [worker.call_extension(method, tuple(args), dict(kwargs or {}))]
+
     def sleep(self, level: int = 1) -> dict[str, int]:
         """vLLM's sleep mode, on CPU: level 1 gives the KV pool's memory back to the OS (its blocks and the prefix
         cache are forgotten: they read as zeros after); level 2 also lets go of the weights, which `wake_up`

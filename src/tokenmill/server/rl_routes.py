@@ -22,6 +22,14 @@ from tokenmill.server.serving_common import APIError
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+class CollectiveRpcRequest(_Strict):
+    """POST /collective_rpc (vLLM's): a method of the worker extension class and its JSON arguments."""
+
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
 class UpdateWeightsFromDiskRequest(_Strict):
     """POST /update_weights_from_disk (SGLang's shape)."""
 
@@ -85,6 +93,15 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str], sle
                            else "invalid_request_error", None if unfinished else "model_path") from None
         return {"success": True, "message": f"weights updated from {body.model_path} ({copied} bytes copied in "
                                             "place); prefix cache reset"}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRpcRequest) -> dict[str, Any]:
+        guarded()
+        try:
+            results = await engine.call(lambda e: e.collective_rpc(body.method, tuple(body.args), body.kwargs))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="method") from None
+        return {"results": results}
 
     if not sleep_mode:
         return

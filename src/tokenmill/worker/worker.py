@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -116,6 +116,7 @@ class Worker:
                                   swap_slots=spec.swap_slots, encoder_cache_tokens=spec.encoder_cache_tokens,
                                   max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         self.runner.logits_processors = load_logits_processors(spec.model.logits_processors or [])
+        self.extension_methods = _extension_methods(spec.model.worker_extension_cls)
         # (a recurrent state's per-request loop is not captured: those models run eagerly)
         graphs = self._decode_graphs_apply(backend, tp, stage) and not layout.state_groups
         if graphs:
@@ -181,6 +182,15 @@ class Worker:
         except ValueError as exc:
             raise ValueError(f"the weights at {model_path!r} were not loaded, the served ones are unchanged: {exc}"
                              ) from exc
+
+    def call_extension(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """`method` of the worker extension class (--worker-extension-cls) called with this worker as self;
+        ValueError for a name the class does not define (nothing else of the worker is reachable)."""
+        if method not in self.extension_methods:
+            known = ", ".join(sorted(self.extension_methods)) or "none: start with --worker-extension-cls"
+            raise ValueError(f"collective_rpc: {method!r} is not a method of the worker extension class (its "
+                             f"methods: {known})")
+        return self.extension_methods[method](self, *args, **kwargs)
 
     def drop_weights(self) -> None:
         """Let go of the model and its weights (sleep level 2): nothing runs until `restore_weights`."""
@@ -257,3 +267,18 @@ def apply_thread_plan(plan: ThreadPlan) -> None:
     os.sched_setaffinity(0, plan.cpus)  # this thread, and any thread it starts
     if not kernels.bind_threads(plan.cpus):
         raise RuntimeError(f"cpu_bind: the OS refused to pin the threads to CPUs {format_cpu_list(plan.cpus)}")
+
+
+def _extension_methods(name: Optional[str]) -> dict[str, Any]:
+    """The public functions of the worker extension class `name` (module:Class), by name; ValueError when it
+    cannot be found."""
+    if not name:
+        return {}
+    import importlib
+
+    module, _, attribute = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"worker_extension_cls {name!r} not found (give module:Class): {exc}") from None
+    return {key: value for key, value in vars(cls).items() if callable(value) and not key.startswith("_")}
