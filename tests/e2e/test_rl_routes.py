@@ -7,15 +7,12 @@ Cost: three tiny engines (~1 s)."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
-from safetensors.torch import load_file, save_file
 
-from helpers.agreeing_drafts import write_bigram_llama
+from helpers.rl_checkpoints import write_rl_checkpoints
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
@@ -27,21 +24,9 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 ENGINE = dict(dtype="float32", quantization="none", num_kv_blocks=64, block_size=4)
 
 
-def _copy(source, folder, change) -> str:
-    shutil.copytree(source, folder)
-    tensors = load_file(str(source / "model.safetensors"))
-    save_file({name: change(name, t) for name, t in tensors.items()}, str(folder / "model.safetensors"))
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl_routes")
-    old = write_bigram_llama(root / "old")
-    noise = torch.Generator().manual_seed(9)
-    new = _copy(old, root / "new", lambda name, t: t * (1 + 0.5 * torch.randn(t.shape, generator=noise)))
-    narrower = _copy(old, root / "narrower", lambda name, t: t[:-1] if name == "lm_head.weight" else t)
-    return str(old), new, narrower
+    return write_rl_checkpoints(tmp_path_factory.mktemp("rl_routes"), seed=9)
 
 
 def _server(path: str, api_key, **server):

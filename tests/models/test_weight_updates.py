@@ -10,23 +10,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from helpers.agreeing_drafts import write_bigram_llama
+from helpers.rl_checkpoints import write_rl_checkpoints
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [900, 901, 902, 903, 904, 905, 906, 907, 908, 909]]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 ENGINE = dict(num_kv_blocks=32, block_size=4)
-
-
-def _variant(source, folder, change) -> str:
-    """A copy of checkpoint `source` in `folder` with its tensors passed through `change(name, tensor)`."""
-    shutil.copytree(source, folder)
-    tensors = load_file(str(source / "model.safetensors"))
-    save_file({name: change(name, tensor) for name, tensor in tensors.items()}, str(folder / "model.safetensors"))
-    return str(folder)
 
 
 def _ids_and_logprobs(outputs) -> list:
@@ -36,12 +26,7 @@ def _ids_and_logprobs(outputs) -> list:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    old = write_bigram_llama(root / "old")
-    noise = torch.Generator().manual_seed(5)
-    new = _variant(old, root / "new", lambda name, t: t * (1 + 0.5 * torch.randn(t.shape, generator=noise)))
-    narrower = _variant(old, root / "narrower", lambda name, t: t[:-1] if name == "lm_head.weight" else t)
-    return str(old), new, narrower
+    return write_rl_checkpoints(tmp_path_factory.mktemp("rl"), seed=5)
 
 
 @pytest.mark.parametrize("options", [dict(dtype="float32", quantization="none"), dict(quantization="int8")],
