@@ -291,6 +291,9 @@ class EngineLoop:
     def _die(self, reason: str) -> None:
         with self._submit_lock:
             self.fault, self.dead = reason, True
+        if self._pausing is not None:  # no step will run again: a pause waiting for the engine to empty is over
+            self._pausing.set()
+            self._pausing = None
         try:
             self._fail_all(EngineDeadError(f"the engine has stopped: {reason}"))
         except Exception:
