@@ -200,7 +200,8 @@ class ChatHandler:
         try:  # images are decoded under the ticket, so admission bounds how many requests decode at once
             prompt, token_ids, features = await self.expanded_prompt(
                 body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs, image_count)
-            token_ids = body.truncated(token_ids, self.engine.info.max_model_len)
+            if body.truncate_prompt_tokens is not None:
+                token_ids = body.truncated(token_ids, self.engine.info.max_model_len)
         except BaseException:
             ticket.release()
             raise

@@ -85,8 +85,9 @@ class CompletionHandler:
             raise bad_request(exc, _FIELDS) from None
         try:
             prompts = await asyncio.to_thread(tokenize_prompts, items, self.engine.tokenizer)
-            prompts = [CompletionPrompt(p.text, body.truncated(p.token_ids, self.engine.info.max_model_len))
-                       for p in prompts]
+            if body.truncate_prompt_tokens is not None:
+                prompts = [CompletionPrompt(p.text, body.truncated(p.token_ids, self.engine.info.max_model_len))
+                           for p in prompts]
         except ValueError as exc:
             ticket.release()
             raise bad_request(exc, _FIELDS) from None
