@@ -22,8 +22,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    # private and anonymous: zero-filled by the OS, and given back to it by madvise (`release`)
-    mapping = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = mmap.mmap(-1, count * dtype.itemsize)  # anonymous (shared memory): zero-filled by the OS
     tensor = torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
     for address in [address for address, ref in _MAPPINGS.items() if ref() is None]:  # (unmapped since)
         del _MAPPINGS[address]
@@ -32,12 +31,13 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 
 def release(tensor: torch.Tensor) -> bool:
-    """Give the pages of a zeroed() CPU tensor back to the OS (madvise DONTNEED): it reads as zeros again and costs
-    memory only as it is written anew, the tensor and its address unchanged. False (nothing done) for a tensor of
-    another kind (another device, or memory zeroed() did not map)."""
+    """Give the pages of a zeroed() CPU tensor back to the OS (madvise REMOVE: the mapping's shared-memory pages
+    are freed, not only unmapped): it reads as zeros again and costs memory only as it is written anew, the tensor
+    and its address unchanged. False (nothing done) for a tensor of another kind (another device, or memory
+    zeroed() did not map)."""
     ref = _MAPPINGS.get(tensor.data_ptr()) if tensor.device.type == "cpu" else None
     mapping = ref() if ref is not None else None
     if mapping is None or len(mapping) != tensor.untyped_storage().nbytes():
         return False
-    mapping.madvise(mmap.MADV_DONTNEED)
+    mapping.madvise(mmap.MADV_REMOVE)
     return True
