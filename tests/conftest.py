@@ -29,23 +29,23 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 # The 30 files that take longest (test-artifacts/durations.tsv of a fresh clone's `make test` on the project machine,
-# 2026-11-28, evening), longest first, run before the others (which keep collection order). xdist hands a worker the next file whenever it
+# 2026-11-28), longest first, run before the others (which keep collection order). xdist hands a worker the next file whenever it
 # finishes one, so with the long files first the workers end within a short file of each other, where a long file
 # reached last had one worker run it while the other waited.
-LONGEST_FIRST = ["tests/models/test_triton_backend.py", "tests/models/test_batch_invariance.py",
-                 "tests/kernels/test_build.py", "tests/e2e/test_gpu_check_dry_run.py", "tests/e2e/test_web_ui.py",
-                 "tests/models/test_speculative.py", "tests/models/test_dense_families.py",
-                 "tests/models/test_hybrid.py", "tests/reliability/test_openapi_fuzz.py",
-                 "tests/models/test_smollm2_vs_hf.py", "tests/models/test_moe_vs_hf.py",
-                 "tests/models/test_quantized_checkpoints.py", "tests/models/test_gemma3_270m.py",
-                 "tests/models/test_mla_vs_hf.py", "tests/models/test_hub_models.py", "tests/e2e/test_server.py",
-                 "tests/models/test_vision_language.py", "tests/e2e/test_disaggregation.py",
-                 "tests/models/test_compressed_tensors.py", "tests/models/test_parallel.py",
-                 "tests/e2e/test_vision_language_server.py", "tests/e2e/test_data_parallel.py",
-                 "tests/kernels/test_triton_attention.py", "tests/models/test_kv_cache_quantized.py",
-                 "tests/models/test_multinode.py", "tests/e2e/test_server_parallel.py",
-                 "tests/models/test_precision.py", "tests/models/test_moe_families.py",
-                 "tests/e2e/test_server_structured.py", "tests/models/test_vision_language_kv.py"]
+LONGEST_FIRST = ["tests/models/test_batch_invariance.py", "tests/e2e/test_gpu_check_dry_run.py",
+                 "tests/kernels/test_build.py", "tests/models/test_triton_backend.py", "tests/e2e/test_web_ui.py",
+                 "tests/models/test_vision_language.py", "tests/models/test_mla_vs_hf.py",
+                 "tests/models/test_hybrid.py", "tests/models/test_smollm2_vs_hf.py", "tests/e2e/test_server.py",
+                 "tests/models/test_speculative.py", "tests/models/test_parallel.py",
+                 "tests/models/test_dense_families.py", "tests/models/test_precision.py",
+                 "tests/models/test_hub_models.py", "tests/models/test_moe_vs_hf.py",
+                 "tests/models/test_multinode.py", "tests/models/test_compressed_tensors.py",
+                 "tests/reliability/test_openapi_fuzz.py", "tests/models/test_moe_families.py",
+                 "tests/e2e/test_server_parallel.py", "tests/kernels/test_triton_attention.py",
+                 "tests/models/test_gemma3_270m.py", "tests/e2e/test_data_parallel.py",
+                 "tests/models/test_loaders.py", "tests/models/test_quantized_checkpoints.py",
+                 "tests/e2e/test_disaggregation.py", "tests/models/test_kv_cache_quantized.py",
+                 "tests/models/test_vision_language_kv.py", "tests/e2e/test_vision_language_server.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
