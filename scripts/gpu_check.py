@@ -744,8 +744,10 @@ def async_decode(path: Path, device: str, dry: bool, bandwidth_gbs: float) -> di
         log(f"async_decode run {len(runs)}: {json.dumps(runs[-1])}")
     sides = {label: medians([run for run in runs if run["async_scheduling"] == enabled])
              for label, enabled in (("async", True), ("sync", False))}
+    # (a dry run's tiny steps can round to 0.0 ms: no ratio then)
     speedup = {f"{label}_sync_over_async": round(sides["sync"][f"{label}_step_ms"]
-                                                 / sides["async"][f"{label}_step_ms"], 3) for label in ("bs64", "bs1")}
+                                                 / sides["async"][f"{label}_step_ms"], 3)
+               if sides["async"][f"{label}_step_ms"] else None for label in ("bs64", "bs1")}
     return {"sides": async_option_note(dry), **sides, **speedup, "runs": runs}
 
 
