@@ -151,9 +151,10 @@ class ModelRunner:
         finally:
             if self.model.lora is not None:
                 self.model.lora.set_step({}, 0, self.device)
-            for cache, group in zip(self.kv_caches, self.layer_groups):
-                if group in self.state_groups:
-                    cache.candidates.clear()  # a verification's states not kept are the page's already
+            if self.state_groups:  # a verification's states not kept are the page's already
+                for cache, group in zip(self.kv_caches, self.layer_groups):
+                    if group in self.state_groups:
+                        cache.candidates.clear()
         # their rows ran without the adapter, or without the image: drop them
         failures = [*adapter_failures.items(), *self.encoder_failures.items()]
         result.graphed = self.step_graphed
