@@ -17,7 +17,7 @@ PACKAGE = "tokenmill"
 
 # lowest first; a module's layer is that of the longest prefix listed
 LAYERS = [
-    ["envs", "cpu_features"],  # the environment and the CPU
+    ["envs", "cpu_features", "named_objects"],  # the environment, the CPU, objects named module:Attribute
     ["core", "sampling_params", "request", "outputs", "kv_events_config", "kv_transfer_config", "version",
      "lora.request", "lora.adapter_config", "structured.spec", "structured.json_text",
      "multimodal"],  # plain data, torch-free core, images read and checked (Pillow, no torch)

@@ -16,11 +16,11 @@ processor that keeps per-request state would see out of order.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Protocol, Sequence
 
 import torch
 
+from tokenmill.named_objects import import_named
 from tokenmill.sampling.batch import SamplingRow
 from tokenmill.sampling_params import SamplingParams
 
@@ -112,11 +112,7 @@ def load_logits_processors(names: Sequence[str]) -> list[LogitsProcessor]:
 
 def _find(name: str) -> Any:
     if ":" in name:
-        module, _, attribute = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attribute)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"logits processor {name!r} not found: {exc}") from None
+        return import_named(name, "logits processor")
     from importlib.metadata import entry_points
 
     found = [point for point in entry_points(group=ENTRY_POINT_GROUP) if point.name == name]

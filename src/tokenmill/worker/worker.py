@@ -14,6 +14,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.cpu_threads import ThreadPlan, format_cpu_list, thread_plan
 from tokenmill.kernels.cpu_kernels import cpu_kernels
+from tokenmill.named_objects import import_named
 from tokenmill.sampling.logits_processors import load_logits_processors
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.moe import experts_per_rank
@@ -274,11 +275,5 @@ def _extension_methods(name: Optional[str]) -> dict[str, Any]:
     cannot be found."""
     if not name:
         return {}
-    import importlib
-
-    module, _, attribute = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"worker_extension_cls {name!r} not found (give module:Class): {exc}") from None
+    cls = import_named(name, "worker_extension_cls")
     return {key: value for key, value in vars(cls).items() if callable(value) and not key.startswith("_")}
