@@ -135,6 +135,12 @@ class ModelConfig:
         "module:Class, or a name in the 'tokenmill.logits_processors' entry-point group; each request passes them "
         "arguments in extra_args (the server's vllm_xargs). Not with speculative decoding "
         "(sampling/logits_processors.py)", nargs="+")
+    enable_prompt_embeds: bool = _opt(False, "take prompts given as input embeddings (vLLM's flag): the server's "
+                                      "completions field prompt_embeds (base64 of a torch.save'd [tokens, hidden] "
+                                      "tensor, loaded with weights_only=True), LLM.generate's {'prompt_embeds': "
+                                      "tensor}; the rows the model's embedding layer would give, its scaling "
+                                      "included. Decoder models on one pipeline stage; not with speculative "
+                                      "decoding")
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT folders) next to the base model: requests pick "
                              "one by its name as `model` (server) or with lora_request (LLM.generate)")
     max_loras: int = _opt(1, "most LoRA adapters one step runs; requests of further adapters wait for a "
@@ -497,6 +503,11 @@ class EngineConfig:
         if self.model.logits_processors and self.speculative.enabled:
             raise ValueError("logits_processors: third-party logits processors and speculative decoding do not "
                              "combine (a verification scores every proposed position at once); use one of them")
+        if self.model.enable_prompt_embeds and self.speculative.enabled:
+            raise ValueError("enable_prompt_embeds: prompts given as embeddings and speculative decoding do not "
+                             "combine (a draft reads the prompt's token ids); use one of them")
+        if self.model.enable_prompt_embeds and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("enable_prompt_embeds: the first pipeline stage alone embeds; run one stage")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -64,6 +64,7 @@ class Request:
         arrival_time: Optional[float] = None,
         num_samples_to_fork: int = 0,
         images: tuple[ImageFeature, ...] = (),
+        background: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +74,7 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.priority = priority
+        self.background = background  # a batch job's line: queued below every interactive request
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_seq = next(_arrival_counter)
         self.num_computed_tokens = 0
@@ -115,9 +117,10 @@ class Request:
                 or len(self.output_token_ids) < params.min_tokens)
 
     @property
-    def priority_key(self) -> tuple[int, int]:
-        """Sort key: smaller is served first (vLLM's convention: lower priority value wins, then FCFS)."""
-        return (self.priority, self.arrival_seq)
+    def priority_key(self) -> tuple[bool, int, int]:
+        """Sort key: smaller is served first: interactive before background (batch) work whatever the policy, then
+        vLLM's convention (lower priority value wins, then FCFS)."""
+        return (self.background, self.priority, self.arrival_seq)
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) of prompt + output."""
@@ -145,7 +148,8 @@ class Request:
     def fork(self, child_id: str, sampling_params: SamplingParams, num_computed_tokens: int) -> "Request":
         """A new sample of the same prompt that starts with `num_computed_tokens` already cached."""
         child = Request(child_id, self.prompt_token_ids, sampling_params, self.max_tokens,
-                        self.eos_token_ids, self.priority, self.arrival_time, images=self.images)
+                        self.eos_token_ids, self.priority, self.arrival_time, images=self.images,
+                        background=self.background)
         child.arrival_seq = self.arrival_seq
         child.num_computed_tokens = num_computed_tokens
         child.status = RequestStatus.RUNNING

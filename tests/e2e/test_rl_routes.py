@@ -51,6 +51,11 @@ def test_the_routes_need_the_api_key(checkpoints):
         response = client.post("/update_weights_from_disk", json={"model_path": checkpoints[1]})
         assert response.status_code == 403
         assert client.post("/collective_rpc", json={"method": "num_layers"}).status_code == 403
+        for path, body in (("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                            "rank_offset": 1, "world_size": 2}),
+                           ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}),
+                           ("/destroy_weights_update_group", {})):
+            assert client.post(path, json=body).status_code == 403
     finally:
         engine.shutdown()
 
@@ -136,5 +141,21 @@ def test_sleep_routes_with_enable_sleep_mode(checkpoints):
     engine, client = _server(checkpoints[0], "trainer-key")  # without --enable-sleep-mode: no such routes
     try:
         assert client.post("/sleep", headers=KEY).status_code == 404
+    finally:
+        engine.shutdown()
+
+
+def test_weight_group_routes_answer_bad_input_in_the_api_shape(checkpoints):
+    """(The transfer itself, from a trainer process, is tests/models/test_weight_updates.py's.)"""
+    engine, client = _server(checkpoints[0], "trainer-key")
+    try:
+        response = client.post("/update_weights_from_distributed", headers=KEY,
+                               json={"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[4, 4]]})
+        assert response.status_code == 400 and "init_weights_update_group first" in response.json()["error"]["message"]
+        response = client.post("/init_weights_update_group", headers=KEY, json={
+            "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 2, "world_size": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "rank_offset"
+        assert client.post("/destroy_weights_update_group", headers=KEY, json={}).status_code == 400
+        assert _complete(client).status_code == 200  # and the server serves on
     finally:
         engine.shutdown()

@@ -151,9 +151,10 @@ def base(tmp_path_factory):
                               intermediate_size=384)
 
 
-# a value at an e4m3 rounding midpoint may round apart in HF's and the engine's summation orders, moving a
-# logprob by ~1e-4 (without activation quantisation the default 1e-4 holds)
-QUANTISED_TOLERANCE = 2e-3
+# a value at an e4m3 rounding midpoint may round apart in HF's and the engine's summation orders (which differ by
+# instruction set), moving a logprob by ~1e-4 to 2.2e-3 (an AVX2 machine, one prompt of ten; the others within
+# 1e-6); without activation quantisation the default 1e-4 holds
+QUANTISED_TOLERANCE = 5e-3
 PROMPTS = EIGHT_PROMPTS[:3]
 SHORT_PROMPTS = [EIGHT_PROMPTS[0], EIGHT_PROMPTS[3]]  # 4 and 2 tokens, for the interpreted runs
 

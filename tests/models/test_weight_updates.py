@@ -89,3 +89,69 @@ def test_collective_rpc_reaches_the_worker_extension_methods_and_nothing_else(ch
             llm.collective_rpc(method)
     with pytest.raises(ValueError, match="worker_extension_cls 'helpers.worker_extensions:Missing' not found"):
         LLM(old, **ENGINE, worker_extension_cls="helpers.worker_extensions:Missing")
+
+
+def _trainer(port: int, folder: str, names: list[str], die_after: int = -1):
+    import multiprocessing
+
+    from helpers.weight_trainer import broadcast_checkpoint
+
+    process = multiprocessing.get_context("spawn").Process(target=broadcast_checkpoint,
+                                                           args=(port, folder, names, die_after))
+    process.start()
+    return process
+
+
+def test_weights_streamed_by_a_trainer_process_serve_as_a_fresh_engine_and_a_dead_trainer_changes_nothing(
+        checkpoints):
+    """SGLang's update_weights_from_distributed over a gloo group whose rank 0 is another process (the trainer)."""
+    from safetensors import safe_open
+
+    from helpers.weight_trainer import free_port
+    from tokenmill.engine.engine_errors import WeightTransferError
+
+    old, new, _ = checkpoints
+    with safe_open(f"{new}/model.safetensors", "pt") as f:
+        shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    names = sorted(shapes)
+    llm = LLM(old, **ENGINE, dtype="float32", quantization="none")
+    before = _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+    for attempt, die_after in (("dies", 2), ("sends all", -1)):
+        port = free_port()
+        trainer = _trainer(port, new, names, die_after)
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, timeout_s=60)
+        if attempt == "dies":
+            with pytest.raises(WeightTransferError, match="served weights are unchanged"):
+                llm.update_weights_from_distributed(names, ["float32"] * len(names), [shapes[n] for n in names])
+            assert not llm.destroy_weights_update_group()  # the broken group was left
+            assert _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS,
+                                                  use_tqdm=False)) == before
+        else:
+            assert llm.update_weights_from_distributed(names, ["float32"] * len(names),
+                                                       [shapes[n] for n in names]) > 0
+            assert llm.destroy_weights_update_group()
+        trainer.join(60)
+    after = _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+    fresh = _ids_and_logprobs(LLM(new, **ENGINE, dtype="float32", quantization="none").generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+    assert after == fresh and after != before
+
+
+def test_tensors_sent_for_no_place_in_the_checkpoint_change_nothing(checkpoints):
+    import torch
+
+    from tokenmill.models.loader import load_model_source
+    from tokenmill.models.weight_update import overlaid_source
+
+    old, _, _ = checkpoints
+    source = load_model_source(old, with_tokenizer=False)
+    shape = dict(source.weight_stream(False))["lm_head.weight"].shape
+    for tensors, problem in (({"lm_head.weight": torch.zeros(shape[0] - 1, shape[1])}, "shape mismatch for 'lm_head"),
+                             ({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)}, "have no place")):
+        with pytest.raises(ValueError, match=problem):
+            list(overlaid_source(source, tensors).weight_stream(False))
+    llm = LLM(old, **ENGINE, dtype="float32", quantization="none")
+    with pytest.raises(ValueError, match="no weight-update group"):
+        llm.update_weights_from_distributed(["lm_head.weight"], ["float32"], [list(shape)])
+    with pytest.raises(ValueError, match="rank_offset 0 must lie in 1..world_size-1"):
+        llm.init_weights_update_group("127.0.0.1", 1, 0, 2)

@@ -89,6 +89,28 @@ def test_priority_orders_admission():
     assert [s.request_id for s in schedule.scheduled] == ["first"]
 
 
+def test_batch_lines_wait_behind_interactive_requests_and_are_preempted_first_whatever_their_priority():
+    def request(rid, background, priority=0):
+        made = make_request(rid, 7, max_tokens=9, priority=priority)
+        made.background = background
+        return made
+
+    scheduler, runner = make_scheduler(max_seqs=1)
+    scheduler.add_request(request("batch-line", True, priority=-5))
+    scheduler.add_request(request("interactive", False, priority=3))
+    assert [s.request_id for s in scheduler.schedule().scheduled] == ["interactive"]
+    scheduler, runner = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    for rid, background in (("batch-line", True), ("late", False), ("later", False)):
+        scheduler.add_request(request(rid, background))
+    preempted = []
+    while scheduler.has_unfinished_requests():
+        before = {r.request_id: r.num_preemptions for r in scheduler.requests.values()}
+        schedule = scheduler.schedule()
+        preempted += [rid for rid, r in scheduler.requests.items() if r.num_preemptions > before[rid]]
+        scheduler.update_from_output(schedule, runner.execute(schedule))
+    assert preempted and preempted[0] == "batch-line"
+
+
 def test_oversized_requests_are_rejected_with_both_numbers_and_never_stall_the_queue():
     scheduler, runner = make_scheduler(max_model_len=32, num_blocks=64)
     with pytest.raises(ValueError, match=r"40.*32"):

@@ -68,6 +68,8 @@ class PromptReader:
                 return chat_prompt(self.tokenizer, self.chat_template, chat.messages, chat.add_generation_prompt,
                                    tool_mode(chat))[1]
             completion = CompletionRequest.model_validate(body)
+            if completion.prompt_embeds is not None:  # (no token ids to route by)
+                return None
             return tokenize_prompts(prompt_items(completion)[:1], self.tokenizer)[0].token_ids
         except Exception:  # the replica answers the error; the balancer only loses the affinity
             return None

@@ -446,7 +446,7 @@ class Scheduler:
         head = candidates[0]
         if self.limits.policy != "lpm" or len(candidates) == 1:
             return head
-        peers = [r for r in candidates if r.priority == head.priority]
+        peers = [r for r in candidates if r.priority_key[:2] == head.priority_key[:2]]
         chosen = next((r for r in peers if r.num_times_passed_over >= MAX_TIMES_PASSED_OVER), None)
         if chosen is None:
             chosen = max(peers, key=lambda r: (self.kv_cache.num_cached_tokens(r, r.num_tokens), -r.arrival_seq))

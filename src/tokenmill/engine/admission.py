@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 from typing import Callable
+
+# set by the Batch API and run-batch around their lines' requests (server/batch_lines.py), which post them to the
+# server's routes in-process: the engine queues those requests below every interactive one, and preempts them first
+batch_work: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_work", default=False)
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable, Optional, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, TypeVar
 
-from tokenmill.engine.admission import AdmissionLimits, Ticket
+from tokenmill.engine.admission import AdmissionLimits, Ticket, batch_work
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.engine_loop import EngineLoop
@@ -150,10 +150,11 @@ class AsyncEngine:
         return self.engine.prepare_images(prompt_token_ids, images)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: Optional[str] = None, priority: int = 0, images: tuple[ImageFeature, ...] = ()
-                       ) -> AsyncIterator[RequestOutput]:
+                       prompt: Optional[str] = None, priority: int = 0, images: tuple[ImageFeature, ...] = (),
+                       prompt_embeds: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (as `params.output_kind` asks) until it finishes. `images`: the
-        prompt's images, as `prepare_images` made them with the prompt.
+        prompt's images, as `prepare_images` made them with the prompt. `prompt_embeds`: the prompt as a
+        [tokens, hidden] tensor of input embeddings instead (`prompt_token_ids` then []).
 
         Raises ValueError (bad request), QueueFullError or EngineDeadError before the first output, and
         RequestFailedError or EngineDeadError after it. Closing the generator early (client gone, task
@@ -165,6 +166,7 @@ class AsyncEngine:
         arrival = time.monotonic()
         submitted = finished = False
         trace_parent = incoming_trace.get()
+        background = batch_work.get()
         last: Optional[RequestOutput] = None
         completion_tokens = 0
         failure: Optional[str] = None
@@ -173,7 +175,7 @@ class AsyncEngine:
             try:
                 self._check_open()
                 self._engine_loop.admit(request_id, stream, prompt, params, prompt_token_ids, priority, arrival,
-                                        images)
+                                        images, prompt_embeds, background)
                 if params.structured_output is not None:
                     self.metrics.record_structured()
                 admitted.set_result(None)

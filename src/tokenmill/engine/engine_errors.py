@@ -13,3 +13,8 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request's own work failed inside an engine step; other requests were not affected."""
+
+
+class WeightTransferError(RuntimeError):
+    """A trainer's weight-update group could not be joined or its transfer broke; the served weights are unchanged
+    (HTTP 502: the failure is the trainer's side of the transfer)."""

@@ -8,11 +8,12 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.output_stream import deliver
+from tokenmill.engine.prompt_embeds import embeds_length
 from tokenmill.executor import ExecutorDiedError
 from tokenmill.sampling_params import SamplingParams
 
@@ -114,20 +115,22 @@ class EngineLoop:
     # ------------------------------------------------------------------ the engine thread
     def admit(self, request_id: str, stream: OutputStream, prompt: Optional[str], params: SamplingParams,
               prompt_token_ids: list[int], priority: int, arrival_time: float,
-              images: tuple[ImageFeature, ...]) -> None:
+              images: tuple[ImageFeature, ...], prompt_embeds: Any = None, background: bool = False) -> None:
         """From a submitted command only: queue the request in the engine, its outputs bound for `stream`.
         Raises QueueFullError when the waiting queue is at a bound, and what `LLMEngine.add_request`
         raises for a request that can never run. While the engine is paused the request waits outside it (in
         `_held`, bounded alike) and enters on `resume`."""
-        self._check_room(len(prompt_token_ids))
+        self._check_room(len(prompt_token_ids) if prompt_embeds is None else embeds_length(prompt_embeds))
         if self._holding:
             if len(self._held) >= self._limits.max_waiting_requests:
                 self._metrics.record_rejection()
                 raise QueueFullError(f"the engine is paused and {len(self._held)} requests wait for it; retry later")
-            self._held[request_id] = (prompt, params, prompt_token_ids, priority, arrival_time, images)
+            self._held[request_id] = (prompt, params, prompt_token_ids, priority, arrival_time, images, prompt_embeds,
+                                      background)
         else:
             self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                    priority=priority, arrival_time=arrival_time, images=images)
+                                    priority=priority, arrival_time=arrival_time, images=images,
+                                    prompt_embeds=prompt_embeds, background=background)
         self._streams[request_id] = stream
 
     def pause(self, mode: str, paused: threading.Event) -> None:
@@ -154,10 +157,12 @@ class EngineLoop:
             self._pausing.set()
             self._pausing = None
         held, self._held = self._held, {}
-        for request_id, (prompt, params, prompt_token_ids, priority, arrival_time, images) in held.items():
+        for request_id, (prompt, params, prompt_token_ids, priority, arrival_time, images, embeds,
+                         background) in held.items():
             try:
                 self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                        priority=priority, arrival_time=arrival_time, images=images)
+                                        priority=priority, arrival_time=arrival_time, images=images,
+                                        prompt_embeds=embeds, background=background)
             except Exception as exc:  # that request's alone
                 stream = self._streams.pop(request_id)
                 stream.loop.call_soon_threadsafe(stream.put, RequestFailedError(str(exc)))

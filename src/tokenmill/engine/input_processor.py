@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.kv_transfer import KVTransfers
@@ -35,12 +35,14 @@ class InputProcessor:
     def __init__(self, scheduler: Scheduler, architecture: str, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], tokenize: Callable[..., list[int]], compile_grammar: Callable,
                  schedule_policy: str, max_num_seqs: int, image_processing: Optional[ImageProcessing] = None,
-                 loras: Optional[LoRARegistry] = None, kv_transfers: Optional[KVTransfers] = None) -> None:
+                 loras: Optional[LoRARegistry] = None, kv_transfers: Optional[KVTransfers] = None,
+                 prompt_embeds_width: Optional[int] = None) -> None:
         self.scheduler, self.architecture = scheduler, architecture
         self.vocab_size, self.max_model_len, self.eos_token_ids = vocab_size, max_model_len, eos_token_ids
         self.tokenize, self.compile_grammar = tokenize, compile_grammar
         self.schedule_policy, self.max_num_seqs = schedule_policy, max_num_seqs
         self.image_processing, self.loras, self.kv_transfers = image_processing, loras, kv_transfers
+        self.prompt_embeds_width = prompt_embeds_width  # the model's hidden size with enable_prompt_embeds, else None
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as vLLM tokenises them: the word, and with a leading space where that makes
@@ -60,14 +62,21 @@ class InputProcessor:
     def process(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
                 prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
                 arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                images: Sequence[ImageLike] = ()) -> ProcessedRequest:
-        """The checked request (see the class); ValueError when it can never run."""
+                images: Sequence[ImageLike] = (), prompt_embeds: Any = None,
+                background: bool = False) -> ProcessedRequest:
+        """The checked request (see the class); ValueError when it can never run. `prompt_embeds`: the prompt
+        given as input embeddings instead (engine/prompt_embeds.py). `background`: a batch job's (Request)."""
         if lora_request is not None:
             if self.loras is None:
                 raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
             params = replace(params, lora_request=self.loras.resolve(lora_request))
-        text, prompt_token_ids = self._prompt(prompt, prompt_token_ids)
-        prompt_token_ids, image_features = self.with_images(self._check_prompt_ids(prompt_token_ids), images)
+        if prompt_embeds is not None:
+            text, (prompt_token_ids, embeds) = None, self._embeds_prompt(prompt, prompt_token_ids, images, params,
+                                                                        prompt_embeds)
+            image_features: tuple[ImageFeature, ...] = (embeds,)
+        else:
+            text, prompt_token_ids = self._prompt(prompt, prompt_token_ids)
+            prompt_token_ids, image_features = self.with_images(self._check_prompt_ids(prompt_token_ids), images)
         if priority != 0 and self.schedule_policy != "priority":
             raise ValueError(f"priority {priority} is honoured only with schedule_policy 'priority' "
                              f"(this engine runs {self.schedule_policy!r})")
@@ -89,7 +98,8 @@ class InputProcessor:
             self.compile_grammar(params.structured_output)  # raises ValueError naming what is invalid
         transfer = self._check_transfer(params)
         request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
-                          priority, arrival_time, num_samples_to_fork=params.n - 1, images=image_features)
+                          priority, arrival_time, num_samples_to_fork=params.n - 1, images=image_features,
+                          background=background)
         if transfer.get("do_remote_decode"):
             self.kv_transfers.plan_export(request)
         elif transfer.get("do_remote_prefill"):
@@ -98,6 +108,23 @@ class InputProcessor:
             if transfer.get("do_remote_prefill"):
                 self.kv_transfers.adopt(request, transfer)
         return ProcessedRequest(request, text)
+
+    def _embeds_prompt(self, prompt: Union[str, list[int], None], prompt_token_ids: Optional[list[int]],
+                       images: Sequence[ImageLike], params: SamplingParams, embeds: Any
+                       ) -> tuple[list[int], ImageFeature]:
+        """(placeholder token ids, the embeddings' feature) of a prompt given as embeddings; ValueError when the
+        engine does not take them, the request mixes them with a prompt or images, or they are malformed."""
+        if self.prompt_embeds_width is None:
+            raise ValueError("prompt_embeds: this engine takes prompts as text or token ids (start it with "
+                             "enable_prompt_embeds, the server with --enable-prompt-embeds)")
+        if prompt is not None or prompt_token_ids or images:
+            raise ValueError("prompt_embeds: give the prompt as embeddings alone, without a prompt, token ids or "
+                             "images")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: a prompt given as embeddings has no tokens to score")
+        from tokenmill.engine.prompt_embeds import embeds_prompt
+
+        return embeds_prompt(embeds, self.prompt_embeds_width, self.max_model_len)
 
     def _prompt(self, prompt: Union[str, list[int], None], prompt_token_ids: Optional[list[int]]
                 ) -> tuple[Optional[str], list[int]]:

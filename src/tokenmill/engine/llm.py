@@ -117,6 +117,25 @@ class LLM:
         LLMEngine.update_weights_from_disk."""
         return self._generating_model("update_weights_from_disk").update_weights_from_disk(model_path)
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: Optional[str] = None,
+                                  timeout_s: float = 120.0) -> None:
+        """Join the process group a trainer (rank 0) streams new weights over; see
+        LLMEngine.init_weights_update_group."""
+        self._generating_model("init_weights_update_group").init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: Optional[str] = None) -> int:
+        """Serve the tensors the trainer broadcasts (one per name, of the dtypes and shapes given) in place of the
+        checkpoint's, the prefix cache forgotten; the bytes copied. See LLMEngine.update_weights_from_distributed."""
+        return self._generating_model("update_weights_from_distributed").update_weights_from_distributed(
+            names, dtypes, shapes, group_name)
+
+    def destroy_weights_update_group(self, group_name: Optional[str] = None) -> bool:
+        """Leave the trainer's weight-update group; False when not in one."""
+        return self._generating_model("destroy_weights_update_group").destroy_weights_update_group(group_name)
+
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         """vLLM's LLM.collective_rpc: a method of the worker extension class on every worker; their results."""
         return self._generating_model("collective_rpc").collective_rpc(method, args, kwargs)
@@ -138,7 +157,9 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids" (and, for
         a vision-language model, "multi_modal_data": {"image": a PIL image or a list of them}, one per
-        image placeholder of the prompt, in order: vLLM's shape). A list of ints is one tokenised prompt; a list of strings or of lists is a batch.
+        image placeholder of the prompt, in order: vLLM's shape), or {"prompt_embeds": a [tokens, hidden] tensor}
+        under enable_prompt_embeds. A list of ints is one tokenised prompt; a list of strings or of lists is a
+        batch.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model); the
         engine needs enable_lora, and loads an adapter on its first use.
         """
@@ -160,7 +181,9 @@ class LLM:
                 if token_ids is None and isinstance(prompt, dict) and not prompt.get("add_special_tokens", True):
                     token_ids = self.llm_engine.tokenize(text, add_special_tokens=False)
                 self.llm_engine.add_request(request_id, text, p, prompt_token_ids=token_ids, priority=prio,
-                                            lora_request=adapter, images=_prompt_images(prompt))
+                                            lora_request=adapter, images=_prompt_images(prompt),
+                                            prompt_embeds=prompt.get("prompt_embeds") if isinstance(prompt, dict)
+                                            else None)
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)
@@ -264,7 +287,9 @@ def _split_prompt(prompt: PromptType) -> tuple[Optional[str], Optional[list[int]
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"], None
-        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if "prompt_embeds" in prompt:
+            return None, None
+        raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'")
     if isinstance(prompt, list):
         return None, prompt
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}")

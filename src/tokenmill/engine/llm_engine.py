@@ -7,7 +7,7 @@ import time
 from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from tokenmill.config import EngineConfig
 from tokenmill.config_checks import (async_scheduling_applies, check_kv_events, check_kv_transfer, check_lora,
@@ -18,6 +18,7 @@ from tokenmill.core.scheduler import StepAttachment
 from tokenmill.core.scheduling import SpecTotals
 from tokenmill.engine.engine_build import (build_kv_cache, build_scheduler, make_image_processing,
                                            make_lora_registry, plan_kv_cache, read_model, worker_spec)
+from tokenmill.engine.engine_errors import WeightTransferError
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.kv_event_publisher import to_wire
 from tokenmill.engine.lora_registry import LoRARegistry
@@ -117,7 +118,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.scheduler, self.arch.architecture, self.arch.vocab_size, self.max_model_len,
                                      self.eos_token_ids, self.tokenize, lambda spec: self.grammars.compile(spec),
                                      config.scheduler.schedule_policy, config.scheduler.max_num_seqs,
-                                     self.image_processing, self.loras, self.kv_transfers)
+                                     self.image_processing, self.loras, self.kv_transfers,
+                                     self.arch.hidden_size if config.model.enable_prompt_embeds else None)
         logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - started, self.arch.architecture, self.device, self.executor.description,
                     self.kv_cache.num_blocks, plan.block_size, self.max_model_len)
@@ -132,6 +134,7 @@ class LLMEngine:
     def _init_step_state(self) -> None:
         """What lives between steps: grammars, drafts, the steps in flight, telemetry, what sleeps."""
         self.asleep: set[str] = set()  # "weights", "kv_cache": see `sleep`
+        self.weight_group = None  # the trainer's weight-update group joined (parallel/weight_sync.py), if any
         self.encoder_totals: tuple[int, float] = (0, 0.0)  # images the vision encoder encoded, and its seconds
         self._grammar = GrammarMasking(lambda: GrammarCache(self.tokenizer, self.arch.vocab_size, self.eos_token_ids))
         self._drafts = DraftProbs()
@@ -166,7 +169,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op for the in-process executor), the KV event publisher and
-        the KV transfer listener."""
+        the KV transfer listener, and leave a trainer's weight-update group."""
+        self.destroy_weights_update_group()
         self.executor.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()
@@ -194,16 +198,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
                     prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                    images: Sequence[ImageLike] = ()) -> None:
+                    images: Sequence[ImageLike] = (), prompt_embeds: Any = None, background: bool = False) -> None:
         """Queue a request (with the LoRA adapter `lora_request`, registered on first use; for a vision-language
-        model, with `images`, one per image placeholder of the prompt). Raises ValueError (naming the problem)
-        if it can never run (engine/input_processor.py)."""
+        model, with `images`, one per image placeholder of the prompt; with `prompt_embeds`, a [tokens, hidden]
+        tensor, the prompt given as input embeddings under enable_prompt_embeds; `background`: a batch job's line,
+        queued below every interactive request). Raises ValueError (naming the problem) if it can never run
+        (engine/input_processor.py)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.asleep:
             raise ValueError(f"the engine is asleep ({', '.join(sorted(self.asleep))}): wake_up first")
         processed = self.inputs.process(request_id, prompt, params, prompt_token_ids, priority, arrival_time,
-                                        lora_request, images)
+                                        lora_request, images, prompt_embeds, background)
         request = processed.request
         self.scheduler.add_request(request)
         self.output_processor.add(request_id, processed.prompt_text, request.prompt_token_ids,
@@ -242,16 +248,8 @@ class LLMEngine:
         request kept would go on from K/V the old weights computed). ValueError naming the problem, the old weights
         still serving. The staging copy costs a second copy of the weights in memory while it runs. Returns the
         bytes copied."""
-        if self.has_unfinished_requests():
-            raise ValueError("update_weights_from_disk: requests are unfinished (their K/V is the old weights'); "
-                             "wait for them, abort them, or pause with mode abort or wait first")
-        worker = getattr(self.executor, "worker", None)
-        if worker is None:
-            raise ValueError("update_weights_from_disk updates the model in the engine's process: it runs with one "
-                             "rank (distributed_executor_backend uni)")
-        if self.loras is not None:
-            raise ValueError("update_weights_from_disk: LoRA adapters are served on the base weights; start without "
-                             "enable_lora to update them")
+        self._check_idle("update_weights_from_disk")
+        worker = self._single_worker("update_weights_from_disk")
         from tokenmill.models.loader.resolve import resolve_model_path
 
         path = resolve_model_path(model_path)
@@ -260,6 +258,82 @@ class LLMEngine:
             raise RuntimeError("the prefix cache could not be reset after the weight update")
         logger.info("weights updated in place from %s (%.1f MB copied); prefix cache reset", path, copied / 1e6)
         return copied
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: Optional[str] = None,
+                                  timeout_s: float = 120.0) -> None:
+        """Join the process group a trainer streams new weights over (SGLang's init_weights_update_group; the
+        trainer is rank 0 and serves the rendezvous at master_address:master_port; this engine is rank
+        `rank_offset`). Blocks until every rank has joined, at most `timeout_s`. One group at a time."""
+        worker = self._single_worker("init_weights_update_group")
+        if self.weight_group is not None:
+            raise ValueError(f"already in weight-update group {self.weight_group.name!r}: destroy it first")
+        from tokenmill.parallel.weight_sync import open_group
+
+        try:
+            self.weight_group = open_group(master_address, master_port, rank_offset, world_size, group_name,
+                                           backend, worker.device, timeout_s)
+        except (RuntimeError, OSError) as exc:  # (torch's DistStoreError is a RuntimeError)
+            raise WeightTransferError(f"could not join weight-update group {group_name!r} at "
+                                      f"{master_address}:{master_port}: {exc}") from exc
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: Optional[str] = None,
+                                        flush_cache: bool = True) -> int:
+        """Receive the tensors the trainer broadcasts over the weight-update group (SGLang's
+        update_weights_from_distributed: one per name, in order, of the dtypes and shapes given) and serve them in
+        place of the checkpoint's of those names (Worker.load_weights_from_tensors), then forget the prefix cache.
+        Only while no request is unfinished. Atomic: a name or shape the checkpoint lacks (ValueError) or a
+        transfer that breaks (WeightTransferError: the trainer died; the group is left, join a new one) leaves
+        the old weights serving. The staging copy costs the sent tensors plus a second copy of the weights while it
+        runs. Returns the bytes copied. (`flush_cache` is SGLang's; the prefix cache is always forgotten: the old
+        weights computed it.)"""
+        worker = self._single_worker("update_weights_from_distributed")
+        group = self.weight_group
+        if group is None or group_name not in (None, group.name):
+            raise ValueError(f"no weight-update group {group_name or ''!r} joined: call init_weights_update_group "
+                             "first".replace(" ''", ""))
+        self._check_idle("update_weights_from_distributed")
+        try:
+            tensors = group.receive(names, dtypes, shapes)
+        except RuntimeError as exc:
+            self.destroy_weights_update_group()
+            raise WeightTransferError(f"the weight transfer broke after the trainer's last tensor (the served "
+                                      f"weights are unchanged; the group is left: join a new one): {exc}") from exc
+        copied = worker.load_weights_from_tensors(tensors)
+        if not self.reset_prefix_cache():  # (idle: no block is held)
+            raise RuntimeError("the prefix cache could not be reset after the weight update")
+        logger.info("weights updated in place from %d tensors of group %r (%.1f MB copied); prefix cache reset",
+                    len(tensors), group.name, copied / 1e6)
+        return copied
+
+    def destroy_weights_update_group(self, group_name: Optional[str] = None) -> bool:
+        """Leave the weight-update group (SGLang's destroy_weights_update_group); False when not in one."""
+        group = self.weight_group
+        if group is None or group_name not in (None, group.name):
+            return False
+        self.weight_group = None
+        try:
+            group.close()
+        except RuntimeError as exc:  # (a broken group's connections are gone already)
+            logger.warning("leaving weight-update group %r: %s", group.name, exc)
+        return True
+
+    def _single_worker(self, method: str) -> Any:
+        """The worker in the engine's process, which weight updates change; ValueError with several ranks or LoRA."""
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise ValueError(f"{method} updates the model in the engine's process: it runs with one rank "
+                             "(distributed_executor_backend uni)")
+        if self.loras is not None:
+            raise ValueError(f"{method}: LoRA adapters are served on the base weights; start without enable_lora "
+                             "to update them")
+        return worker
+
+    def _check_idle(self, method: str) -> None:
+        if self.has_unfinished_requests():
+            raise ValueError(f"{method}: requests are unfinished (their K/V is the old weights'); wait for them, "
+                             "abort them, or pause with mode abort or wait first")
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         """vLLM's collective_rpc: `method` of the worker extension class (--worker-extension-cls) called on every

@@ -14,6 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_interpreter import make_dots_row_exact
+
+make_dots_row_exact()  # (under the interpreter: a row's dot the same wherever it sits in its tile)
+
 
 @triton.jit
 def route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, scale,

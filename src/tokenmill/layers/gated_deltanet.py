@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.gated_delta_rule import gated_delta_rule
+from tokenmill.layers.invariant_ops import elementwise
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenmill.layers.mamba2_mixer import StateChunk, advance_request
 
@@ -66,29 +67,37 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()  # the gated RMSNorm's weight (per value head's channels), under the checkpoint's name
         self.norm.weight = nn.Parameter(torch.empty(c.value_head_dim), requires_grad=False)
         self.out_proj = RowParallelLinear(c.value_dim, hidden_size)
+        self.by_token = False  # batch invariance: every token runs as a one-token step would (advance_request)
+
+    def use_kernel(self, packed: bool, native: bool, batch_invariant: bool) -> None:
+        """The model's kernel choice (models/decoder.py): under batch invariance a prompt runs token by token."""
+        self.by_token = batch_invariant
 
     def forward(self, hidden: torch.Tensor, state: Any, chunks: Sequence[StateChunk]) -> torch.Tensor:
         """hidden [T, hidden] (the step's chunks, in `chunks` order) -> [T, hidden]; each request's conv window and
         delta-rule state are read from and written back to `state` (RecurrentState or PagedState)."""
         c = self.config
         qkv, z = self.in_proj_qkvz(hidden).split([c.conv_dim, c.value_dim], dim=-1)
-        b, a = self.in_proj_ba(hidden).split([c.num_value_heads, c.num_value_heads], dim=-1)
-        beta = torch.sigmoid(b).float()  # (in the compute dtype, as transformers)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay, <= 0
+        ba = self.in_proj_ba(hidden)
         out = torch.empty(hidden.shape[0], c.num_value_heads, c.value_head_dim, dtype=torch.float32,
                           device=hidden.device)
         for chunk in chunks:  # one request at a time: its arithmetic is its own (batch invariance)
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            qkv_rows, g_rows, beta_rows = qkv[rows], g[rows], beta[rows]
+            qkv_rows, ba_rows = qkv[rows], ba[rows]
             out[rows] = advance_request(state, chunk, lambda start, stop, earlier, matrices: self._advance(
-                qkv_rows[start:stop], g_rows[start:stop], beta_rows[start:stop], earlier, matrices))
+                qkv_rows[start:stop], ba_rows[start:stop], earlier, matrices), self.by_token)
         return self.out_proj(self._gated_norm(out, z).reshape(hidden.shape[0], c.value_dim))
 
-    def _advance(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, earlier: torch.Tensor,
-                 matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows of one request from its conv window `earlier` and delta-rule state: the conv, then the rule ->
-        (out [T, value heads, Dv], the new conv window, the new state)."""
+    def _advance(self, qkv: torch.Tensor, ba: torch.Tensor, earlier: torch.Tensor, matrices: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of one request from its conv window `earlier` and delta-rule state: the gates, the conv, then the rule
+        -> (out [T, value heads, Dv], the new conv window, the new state). (The element-wise gates too are computed
+        on these rows alone: a vectorised loop's last elements may take another code path, so a row's bits must not
+        depend on where it sits in the step.)"""
         c = self.config
+        b, a = ba.split([c.num_value_heads, c.num_value_heads], dim=-1)
+        beta = torch.sigmoid(b).float()  # (in the compute dtype, as transformers)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay, <= 0
         weight = self.conv1d.weight
         window = torch.cat([earlier, qkv.to(earlier.dtype)], dim=0)  # [K - 1 + T, conv_dim]
         conv = F.silu(F.conv1d(window.t().unsqueeze(0).to(weight.dtype), weight, None, groups=c.conv_dim)[0].t())
@@ -108,5 +117,5 @@ class GatedDeltaNet(nn.Module):
         out = out.to(dtype).float()  # (transformers' rule returns the compute dtype)
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
         normed = self.norm.weight * normed.to(dtype)
-        gate = F.silu(z.float().reshape(normed.shape))
+        gate = elementwise(F.silu, z.float().reshape(normed.shape))
         return (normed * gate).to(dtype)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.zeroed_memory import zeroed
+from tokenmill.layers.invariant_ops import elementwise
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -64,27 +65,29 @@ class StateCandidates:
 
 
 def advance_request(state: Any, chunk: StateChunk, advance: Callable[[int, int, torch.Tensor, torch.Tensor], tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        torch.Tensor, torch.Tensor, torch.Tensor]], by_token: bool = False) -> torch.Tensor:
     """One request's chunk through a recurrent mixer: `advance(start, stop, conv, recurrent)` computes the chunk's
     rows [start, stop) from a (conv window, recurrent state) and returns (their output, the new window and state).
-    Without proposals the chunk runs at once. With them (a speculative verification) the real rows run at once and
-    then each proposal alone, as the one-token steps of plain decoding would run them (the same arithmetic: output
-    does not depend on speculation), and `state.candidates` holds the state after each (the sampler's accepted
-    count picks one). The state after the last row is stored either way -> the output rows (concatenated)."""
+    Without proposals the chunk runs at once, or with `by_token` (batch invariance) one row at a time: each token
+    then gets the arithmetic of a one-token decode step wherever the scheduler split the prompt (a chunked scan sums
+    in an order that depends on where the chunk starts and ends). With proposals (a speculative verification) the
+    real rows run as a chunk does and then each proposal alone, as the one-token steps of plain decoding would run
+    them (the same arithmetic: output does not depend on speculation), and `state.candidates` holds the state after
+    each (the sampler's accepted count picks one). The state after the last row is stored either way -> the output
+    rows (concatenated)."""
     conv, recurrent = state.load(chunk)
-    if not chunk.proposals:
-        out, conv, recurrent = advance(0, chunk.query_len, conv, recurrent)
-        state.store(chunk, conv, recurrent)
-        return out
     real = chunk.query_len - chunk.proposals
+    pieces = [(row, row + 1) for row in range(real)] if by_token else [(0, real)] if real else []
     outs, candidates = [], []
-    for start, stop in [(0, real), *((row, row + 1) for row in range(real, chunk.query_len))]:
+    for start, stop in [*pieces, *((row, row + 1) for row in range(real, chunk.query_len))]:
         out, conv, recurrent = advance(start, stop, conv, recurrent)
         outs.append(out)
-        candidates.append((conv, recurrent))
+        if stop >= real:  # (the state after the real rows: none accepted; then after each proposal)
+            candidates.append((conv, recurrent))
     state.store(chunk, conv, recurrent)
-    state.candidates.hold(chunk, candidates)
-    return torch.cat(outs)
+    if chunk.proposals:
+        state.candidates.hold(chunk, candidates)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class RecurrentState:
@@ -181,6 +184,11 @@ class Mamba2Mixer(nn.Module):
         if config.gate_norm != "none":
             self.norm.weight = nn.Parameter(torch.empty(inner), requires_grad=False)
         self.out_proj = RowParallelLinear(inner, hidden_size, bias=config.bias)
+        self.by_token = False  # batch invariance: every token runs as a one-token step would (advance_request)
+
+    def use_kernel(self, packed: bool, native: bool, batch_invariant: bool) -> None:
+        """The model's kernel choice (models/decoder.py): under batch invariance a prompt runs token by token."""
+        self.by_token = batch_invariant
 
     def forward(self, hidden: torch.Tensor, state: RecurrentState, chunks: Sequence[StateChunk]) -> torch.Tensor:
         """hidden [T, hidden] (the step's chunks, in `chunks` order) -> [T, hidden]; each request's conv and SSM
@@ -193,7 +201,7 @@ class Mamba2Mixer(nn.Module):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             xbc_rows, dt_rows = xbc[rows], dt[rows]
             y[rows] = advance_request(state, chunk, lambda start, stop, earlier, ssm: self._advance(
-                xbc_rows[start:stop], dt_rows[start:stop], earlier, ssm))
+                xbc_rows[start:stop], dt_rows[start:stop], earlier, ssm), self.by_token)
         return self.out_proj(self._gated_norm(y, gate).to(hidden.dtype))
 
     def _advance(self, xbc: torch.Tensor, dt: torch.Tensor, earlier: torch.Tensor, ssm: torch.Tensor
@@ -229,7 +237,7 @@ class Mamba2Mixer(nn.Module):
         of the n_groups groups (transformers' MambaRMSNormGated); "before_gate" the groups' RMSNorm of y, times
         silu(gate) (Falcon-H1's norm_before_gate); "none" y * silu(gate) (Falcon-H1 without mamba_rms_norm)."""
         c = self.config
-        gate = F.silu(gate.float())
+        gate = elementwise(F.silu, gate.float())
         if c.gate_norm == "none":
             return y * gate
         if c.gate_norm == "after_gate":

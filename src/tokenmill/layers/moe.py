@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.w8a8 import INT8, W8A8Weight
+from tokenmill.layers.invariant_ops import elementwise
 from tokenmill.layers.linear import default_weight_loader
 from tokenmill.layers.linear_kernels import LinearKernel, make_kernel
 from tokenmill.parallel.group import TPGroup
@@ -152,7 +153,7 @@ def route_sigmoid_input(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor,
     expert's weight sigmoid(logit) computed in float32 and rounded to the logits' dtype, as HF scales the expert's
     input by it. logits [T, E] -> (weights [T, top_k] in the logits' dtype, expert ids int64 [T, top_k]). Row-wise."""
     values, ids = torch.topk(logits, top_k, dim=-1)
-    return torch.sigmoid(values.float()).to(logits.dtype), ids
+    return elementwise(torch.sigmoid, values.float()).to(logits.dtype), ids
 
 
 def route_grouped_sigmoid(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
@@ -165,7 +166,7 @@ def route_grouped_sigmoid(logits: torch.Tensor, correction_bias: torch.Tensor, t
 
     logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]). Row-wise throughout.
     Invariant (the config's check): top_k <= topk_groups * E / num_groups, so no masked expert is chosen."""
-    scores = torch.sigmoid(logits.float())
+    scores = elementwise(torch.sigmoid, logits.float())
     choice = scores + correction_bias.float()
     num_tokens, num_experts = choice.shape
     per_group = num_experts // num_groups
@@ -316,7 +317,7 @@ class MoEBlock(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:  # in x's dtype, as HF scales it
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = elementwise(torch.sigmoid, self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
 

@@ -28,6 +28,9 @@ import triton
 import triton.language as tl
 
 from tokenmill import envs
+from tokenmill.kernels.triton_interpreter import make_dots_row_exact
+
+make_dots_row_exact()  # (under the interpreter: a row's dot the same wherever it sits in its tile)
 
 INTERPRETED = envs.triton_interpreted()
 # Triton's interpreter runs a program at a time, each launch of a program costing ~50 ms: two programs

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionLayer
+from tokenmill.layers.invariant_ops import elementwise
 from tokenmill.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm, unit_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding, StepRotaryEmbedding, apply_rotary
@@ -85,7 +86,7 @@ class SelfAttention(nn.Module):
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.attention)
         out = out.reshape(out.shape[0], -1)
         if self.output_gate is not None:  # in the compute dtype, as transformers gates it
-            out = out * torch.sigmoid(self.output_gate(hidden))
+            out = out * elementwise(torch.sigmoid, self.output_gate(hidden))
         return self.o_proj(out)
 
 

@@ -11,11 +11,12 @@ of the weights in memory until the copy is done.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from tokenmill.models.arch import ArchConfig
+from tokenmill.models.loader import ModelSource
 
 
 def held_tensors(owner: Any, depth: int = 2) -> list[torch.Tensor]:
@@ -64,3 +65,31 @@ def copy_weights_in_place(model: torch.nn.Module, staged: torch.nn.Module) -> in
         for old, new in pairs:
             old.copy_(new)
     return sum(old.numel() * old.element_size() for old, _ in pairs)
+
+
+def overlaid_source(source: ModelSource, tensors: dict[str, torch.Tensor]) -> ModelSource:
+    """`source` whose weight stream yields `tensors` in place of the checkpoint's tensors of the same names (a
+    trainer's update). ValueError, as the stream reaches them, for a name the checkpoint lacks, a shape it does not
+    have, or a tensor the checkpoint stores quantised (re-quantising a trainer's float tensor into a GGUF or packed
+    checkpoint's own encoding is not done: serve float weights, or quantise at load with --quantization)."""
+
+    def stream(keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+        unseen = set(tensors)
+        for name, stored in source.weight_stream(keep_quantized):
+            new = tensors.get(name)
+            if new is None:
+                yield name, stored
+                continue
+            if not isinstance(stored, torch.Tensor):
+                raise ValueError(f"{name!r} is stored quantised ({type(stored).__name__}) in the served checkpoint: "
+                                 "a float tensor cannot replace it (serve float weights, or quantise at load with "
+                                 "--quantization)")
+            if new.shape != stored.shape:
+                raise ValueError(f"weight shape mismatch for {name!r}: sent {tuple(new.shape)}, the checkpoint's is "
+                                 f"{tuple(stored.shape)}")
+            unseen.discard(name)
+            yield name, new
+        if unseen:
+            raise ValueError(f"{len(unseen)} tensors sent have no place in the checkpoint, e.g. {sorted(unseen)[:3]}")
+
+    return dataclasses.replace(source, weight_stream=stream)

@@ -1,6 +1,7 @@
 """Lines of OpenAI's batch input format run through the server's own routes, in-process: each line
 `{"custom_id", "method": "POST", "url", "body"}` is posted to the app (chat completions, completions, embeddings,
-Responses) exactly as a client's request would be, at most `max_concurrency` at once, and answered by one output
+Responses) exactly as a client's request would be, at most `max_concurrency` at once, queued in the engine below
+every interactive request (engine/admission.py's batch_work), and answered by one output
 line in OpenAI's shape: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`. A line
 that fails (bad JSON, an unknown url, a body the route refuses) gets its own output line, with the route's error
 body (status 400 and so on) or, for a line that is no request at all, `error`; the other lines go on.
@@ -15,6 +16,8 @@ import json
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
+
+from tokenmill.engine.admission import batch_work
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
@@ -71,6 +74,7 @@ async def run_lines(app: Any, lines: Iterable[BatchLine], write: Callable[[dict[
     transport = httpx.ASGITransport(app=app)
 
     async def one(client: httpx.AsyncClient, line: BatchLine) -> None:
+        batch_work.set(True)  # (this task's context: the routes run in it, in-process)
         async with slots:
             if line.problem is not None:
                 result = output_line(line.custom_id, error={"code": "invalid_request", "message": line.problem})

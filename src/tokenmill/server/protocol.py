@@ -209,7 +209,9 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
+    # vLLM's (--enable-prompt-embeds): base64 of a torch.save'd [tokens, hidden] tensor, or a list of them
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False

@@ -1,6 +1,7 @@
 """The routes an RL trainer drives between rollouts, under vLLM's and SGLang's names: `POST /pause?mode=abort|wait|
-keep&clear_cache=`, `POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache` and `POST
-/update_weights_from_disk` ({"model_path": ...}). They change what the server serves, so each needs the server's
+keep&clear_cache=`, `POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache`, `POST
+/update_weights_from_disk` ({"model_path": ...}), and the weight-update group a trainer streams tensors over
+(`POST /init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`). They change what the server serves, so each needs the server's
 API key: a server started without `--api-key` answers them 403 (vLLM leaves them open).
 
 Pausing: new requests wait outside the engine until `/resume` (bounded as the waiting queue); mode abort ends the
@@ -11,11 +12,12 @@ engine thread between steps (engine/llm_engine.py's update_weights_from_disk).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Query
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.engine_errors import WeightTransferError
 from tokenmill.server.protocol import _Strict
 from tokenmill.server.serving_common import APIError
 
@@ -28,6 +30,35 @@ class CollectiveRpcRequest(_Strict):
     method: str
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
+
+
+class InitWeightsUpdateGroupRequest(_Strict):
+    """POST /init_weights_update_group (SGLang's shape): the trainer is rank 0 and serves the rendezvous."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: Optional[str] = None  # gloo on CPU, nccl on CUDA
+    timeout_seconds: float = 120.0  # (tokenmill's) the longest the rendezvous may wait for the other ranks
+
+
+class UpdateWeightsFromDistributedRequest(_Strict):
+    """POST /update_weights_from_distributed (SGLang's shape): one broadcast tensor per name, in order."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True  # SGLang's; the prefix cache is always forgotten (the old weights computed it)
+    load_format: Optional[str] = None
+
+
+class DestroyWeightsUpdateGroupRequest(_Strict):
+    """POST /destroy_weights_update_group (SGLang's shape)."""
+
+    group_name: str = "weight_update_group"
 
 
 class UpdateWeightsFromDiskRequest(_Strict):
@@ -85,14 +116,35 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str], sle
         if body.load_format not in (None, "auto"):
             raise APIError(400, f"load_format {body.load_format!r}: the checkpoint's own format is read (auto)",
                            param="load_format")
-        try:
-            copied = await engine.call(lambda e: e.update_weights_from_disk(body.model_path))
-        except ValueError as exc:
-            unfinished = "requests are unfinished" in str(exc)
-            raise APIError(409 if unfinished else 400, str(exc), "conflict_error" if unfinished
-                           else "invalid_request_error", None if unfinished else "model_path") from None
+        copied = await _weight_call(engine, "model_path", lambda e: e.update_weights_from_disk(body.model_path))
         return {"success": True, "message": f"weights updated from {body.model_path} ({copied} bytes copied in "
                                             "place); prefix cache reset"}
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> dict[str, Any]:
+        guarded()
+        await _weight_call(engine, "rank_offset", lambda e: e.init_weights_update_group(
+            body.master_address, body.master_port, body.rank_offset, body.world_size, body.group_name, body.backend,
+            body.timeout_seconds))
+        return {"success": True, "message": f"joined weight-update group {body.group_name!r} as rank "
+                                            f"{body.rank_offset} of {body.world_size}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest) -> dict[str, Any]:
+        guarded()
+        if body.load_format not in (None, "auto"):
+            raise APIError(400, f"load_format {body.load_format!r}: tensors are received as sent", param="load_format")
+        copied = await _weight_call(engine, "names", lambda e: e.update_weights_from_distributed(
+            body.names, body.dtypes, body.shapes, body.group_name))
+        return {"success": True, "message": f"{len(body.names)} tensors received ({copied} bytes copied in place); "
+                                            "prefix cache reset"}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest) -> dict[str, Any]:
+        guarded()
+        if not await engine.call(lambda e: e.destroy_weights_update_group(body.group_name)):
+            raise APIError(400, f"no weight-update group {body.group_name!r} is joined", param="group_name")
+        return {"success": True, "message": f"left weight-update group {body.group_name!r}"}
 
     @app.post("/collective_rpc")
     async def collective_rpc(body: CollectiveRpcRequest) -> dict[str, Any]:
@@ -130,3 +182,16 @@ def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str], sle
     async def is_sleeping() -> dict[str, bool]:
         guarded()
         return {"is_sleeping": await engine.call(lambda e: e.is_sleeping)}
+
+
+async def _weight_call(engine: AsyncEngine, param: str, call: Callable[[Any], Any]) -> Any:
+    """`call` on the engine thread, its errors as the API's: 409 while requests are unfinished, 400 naming `param`
+    for bad input, 502 when a trainer's transfer broke (the served weights unchanged in every case)."""
+    try:
+        return await engine.call(call)
+    except ValueError as exc:
+        unfinished = "requests are unfinished" in str(exc)
+        raise APIError(409 if unfinished else 400, str(exc), "conflict_error" if unfinished
+                       else "invalid_request_error", None if unfinished else param) from None
+    except WeightTransferError as exc:
+        raise APIError(502, str(exc), "weight_transfer_error") from None

@@ -19,31 +19,55 @@ _FIELDS = set(CompletionRequest.model_fields)
 
 
 class CompletionPrompt:
-    """One prompt of a completions request, tokenised."""
+    """One prompt of a completions request, tokenised; or given as input embeddings (`embeds`, a tensor; its
+    `token_ids` then placeholders, one per row)."""
 
-    def __init__(self, text: Optional[str], token_ids: list[int]) -> None:
-        self.text, self.token_ids = text, token_ids
+    def __init__(self, text: Optional[str], token_ids: list[int], embeds: Any = None) -> None:
+        self.text, self.token_ids, self.embeds = text, token_ids, embeds
+
+
+class EmbedsItem:
+    """A prompt of the request's prompt_embeds, still base64."""
+
+    def __init__(self, encoded: str) -> None:
+        self.encoded = encoded
 
 
 def prompt_items(body: CompletionRequest) -> list[Any]:
-    """The request's prompts: a string, a list of strings, token ids, or a list of token-id lists."""
-    prompt = body.prompt
+    """The request's prompts: those of prompt_embeds first (vLLM's order), then prompt's: a string, a list of
+    strings, token ids, or a list of token-id lists."""
+    prompt, embeds = body.prompt, body.prompt_embeds
+    if prompt is None and embeds is None:
+        raise APIError(400, "prompt (or prompt_embeds) is required", param="prompt")
+    items: list[Any] = [EmbedsItem(e) for e in ([embeds] if isinstance(embeds, str) else embeds or [])]
+    if embeds is not None and not items:
+        raise APIError(400, "prompt_embeds must not be empty", param="prompt_embeds")
+    if items and body.echo:
+        raise APIError(400, "echo: a prompt given as embeddings has no text to echo", param="echo")
     if isinstance(prompt, str):
-        items: list[Any] = [prompt]
+        items.append(prompt)
     elif prompt and all(isinstance(x, int) for x in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise APIError(400, "prompt must not be empty", param="prompt")
+        items.append(prompt)
+    elif prompt is not None:
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        items.extend(prompt)
     return items
 
 
 def tokenize_prompts(items: list[Any], tokenizer: Any) -> list[CompletionPrompt]:
-    """Each prompt with its token ids (text prompts tokenised)."""
+    """Each prompt with its token ids (text prompts tokenised, prompt_embeds decoded)."""
     result = []
     for item in items:
-        if isinstance(item, str):
+        if isinstance(item, EmbedsItem):
+            from tokenmill.engine.prompt_embeds import decode_prompt_embeds, embeds_length
+
+            try:
+                embeds = decode_prompt_embeds(item.encoded)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="prompt_embeds") from None
+            result.append(CompletionPrompt(None, [0] * embeds_length(embeds), embeds))
+        elif isinstance(item, str):
             result.append(CompletionPrompt(item, tokenizer(item).input_ids))
         else:
             if not item:
@@ -86,6 +110,8 @@ class CompletionHandler:
         try:
             prompts = await asyncio.to_thread(tokenize_prompts, items, self.engine.tokenizer)
             if body.truncate_prompt_tokens is not None:
+                if any(p.embeds is not None for p in prompts):
+                    raise ValueError("truncate_prompt_tokens: not with prompt_embeds (truncate the tensor)")
                 prompts = [CompletionPrompt(p.text, body.truncated(p.token_ids, self.engine.info.max_model_len))
                            for p in prompts]
         except ValueError as exc:
@@ -95,7 +121,8 @@ class CompletionHandler:
             ticket.release()
             raise
         request_id = new_id("cmpl")
-        streams = [self.engine.generate(f"{request_id}-{i}", p.token_ids, params, p.text, body.priority)
+        streams = [self.engine.generate(f"{request_id}-{i}", p.token_ids if p.embeds is None else [], params,
+                                        p.text, body.priority, prompt_embeds=p.embeds)
                    for i, p in enumerate(prompts)]
         return request_id, prompts, streams, ticket
 
@@ -130,6 +157,8 @@ class CompletionHandler:
     async def _beam_search(self, body: CompletionRequest) -> dict[str, Any]:
         """A use_beam_search response: for each prompt, its n best hypotheses (engine/beam_search.py)."""
         self.limits.check(body)
+        if body.prompt_embeds is not None:
+            raise APIError(400, "use_beam_search: not with prompt_embeds", param="prompt_embeds")
         items = prompt_items(body)
         self.limits.check_prompts(len(items))
         try:

@@ -1,6 +1,6 @@
 """Images' embeddings in the runner: computed by the model's vision encoder when a chunk first needs them,
 kept by content hash so that the rest of a chunked image and the same image in other requests reuse them,
-and laid into the step's input rows."""
+and laid into the step's input rows; prompts given as embeddings are laid in the same way."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ class EncoderCache:
         self.encode_seconds = 0.0
 
     def embeddings(self, image: ImageFeature) -> torch.Tensor:
-        """The image's embeddings, encoded now unless cached."""
+        """The image's embeddings, encoded now unless cached; a prompt given as embeddings brings its own
+        (engine/prompt_embeds.py: its `inputs` are the tensor), not cached here."""
+        if isinstance(image.inputs, torch.Tensor):
+            return image.inputs.to(self.device)
         found = self._entries.get(image.content_hash)
         if found is not None:
             self._entries.move_to_end(image.content_hash)

@@ -43,7 +43,7 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...], seed: int = 0, tier_slots: int = 0,
                  tier_folder: Optional[str] = None, request_seed: Callable[[int], int] = lambda seed: seed,
                  swap_slots: int = 0, encoder_cache_tokens: int = 8192, max_num_seqs: int = 16,
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, prompt_embeds: bool = False) -> None:
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -85,9 +85,11 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, once use_decode_graphs is called
         self.mixed_graphs = None  # MixedGraphs, when use_decode_graphs is given a token budget
         self.step_graphed = False  # whether the last forward pass replayed (or, uncaptured, ran) a graph
-        # a vision-language model's image embeddings (worker/encoder_cache.py), at the stage that embeds
+        # a vision-language model's image embeddings and prompts given as embeddings (worker/encoder_cache.py), at
+        # the stage that embeds
         vision = getattr(model, "vision", None)
-        self.encoder_cache = EncoderCache(vision, device, encoder_cache_tokens) if vision is not None else None
+        self.encoder_cache = (EncoderCache(vision, device, encoder_cache_tokens)
+                              if vision is not None or prompt_embeds else None)
         self.mrope = getattr(getattr(model, "arch", None), "mrope_section", None) is not None
         self.encoder_failures: dict[str, Exception] = {}  # the step's requests whose image failed to encode
         self.inputs = StepInputs(block_size)

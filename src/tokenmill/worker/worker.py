@@ -87,6 +87,7 @@ class Worker:
         from tokenmill.worker.model_setup import load_model
 
         self.spec = spec
+        self.weights_path = spec.model_path  # the checkpoint the served weights came from (updates move it)
         self.device = rank_device(spec.device, spec.rank, spec.ranks_per_node)
         # this rank's threads (cpu_threads.py), applied in each thread that runs it: this one (the load) first
         self.threads = thread_plan(spec.threads, spec.cpu_bind, spec.rank % spec.ranks_per_node, spec.ranks_per_node)
@@ -115,7 +116,8 @@ class Worker:
         self.runner = ModelRunner(self.model, backend, self.num_blocks, spec.block_size, layout, dtype,
                                   self.device, spec.eos_token_ids, spec.model.seed, spec.tier_slots, spec.tier_folder,
                                   swap_slots=spec.swap_slots, encoder_cache_tokens=spec.encoder_cache_tokens,
-                                  max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
+                                  max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
+                                  prompt_embeds=spec.model.enable_prompt_embeds)
         self.runner.logits_processors = load_logits_processors(spec.model.logits_processors or [])
         self.extension_methods = _extension_methods(spec.model.worker_extension_cls)
         # (a recurrent state's per-request loop is not captured: those models run eagerly)
@@ -179,10 +181,31 @@ class Worker:
             check_same_model(self.model.arch, source.arch, model_path)
             staged, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
                                    self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
-            return copy_weights_in_place(self.model, staged)
+            copied = copy_weights_in_place(self.model, staged)
         except ValueError as exc:
             raise ValueError(f"the weights at {model_path!r} were not loaded, the served ones are unchanged: {exc}"
                              ) from exc
+        self.weights_path = model_path
+        return copied
+
+    def load_weights_from_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Serve `tensors` (Hugging Face-named, as a trainer sends them; any subset of the checkpoint) in place of
+        the served checkpoint's tensors of those names: a second model is loaded from the checkpoint the served
+        weights came from with these tensors in their places, checked and copied in place as `load_weights_from`
+        does (ValueError, nothing changed, for a name or shape the checkpoint lacks). Tensors earlier updates sent
+        and this one does not are lost: every update names what it changes against the checkpoint (trainers send
+        every parameter each time). Returns the bytes copied."""
+        from tokenmill.models.weight_update import copy_weights_in_place, overlaid_source
+        from tokenmill.worker.model_setup import load_model
+
+        try:
+            source = overlaid_source(load_model_source(self.weights_path, with_tokenizer=False), tensors)
+            staged, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
+                                   self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
+            return copy_weights_in_place(self.model, staged)
+        except ValueError as exc:
+            raise ValueError(f"the {len(tensors)} tensors sent were not loaded, the served weights are unchanged: "
+                             f"{exc}") from exc
 
     def call_extension(self, method: str, args: tuple, kwargs: dict) -> Any:
         """`method` of the worker extension class (--worker-extension-cls) called with this worker as self;
@@ -199,10 +222,11 @@ class Worker:
         gc.collect()
 
     def restore_weights(self) -> None:
-        """Load the model again from its checkpoint, as at start (wake_up after sleep level 2)."""
+        """Load the model again from its checkpoint (wake_up after sleep level 2): the one it started with or the
+        last `load_weights_from` read; tensors a trainer sent are not kept (vLLM's level 2 drops them too)."""
         from tokenmill.worker.model_setup import load_model
 
-        source = load_model_source(self.spec.model_path, with_tokenizer=False)
+        source = load_model_source(self.weights_path, with_tokenizer=False)
         self.model, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
                                    self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
         self.runner.model = self.model
