@@ -12,6 +12,7 @@ import pytest
 
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.cpu_kernels import cpu_kernels
 
 BLOCK = 4
 PROMPT = list(range(1, 40))  # 9 full blocks before the last token
@@ -56,6 +57,19 @@ def answer(out):
     return completion.token_ids, [{t: lp.logprob for t, lp in entry.items()} for entry in completion.logprobs]
 
 
+def assert_same_answer(out, reference) -> None:
+    """The single engine's answer: its bits with the native kernels (batch-invariant products: a prefix hit changes
+    nothing); without them (TOKENMILL_KERNELS=off) the ids, and logprobs within 1e-4, since F.linear's sums may
+    depend on how many rows a step multiplies (the imported prompt's last tokens run as a 3-row chunk)."""
+    if cpu_kernels() is not None:
+        assert answer(out) == answer(reference)
+        return
+    (ids, logprobs), (expected_ids, expected) = answer(out), answer(reference)
+    assert ids == expected_ids
+    for got, want in zip(logprobs, expected):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) <= 1e-4 for t in got)
+
+
 def test_the_decode_engine_continues_from_the_transferred_blocks_with_the_single_engines_output(engines):
     single, producer, consumer, folder = engines
     (reference,) = single.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)
@@ -63,7 +77,7 @@ def test_the_decode_engine_continues_from_the_transferred_blocks_with_the_single
     assert transfer["do_remote_prefill"] is True and transfer["remote_num_blocks"] == 9
     assert os.path.exists(transfer["remote_kv_path"])
     out = decode(consumer, PROMPT, transfer)
-    assert answer(out) == answer(reference)
+    assert_same_answer(out, reference)
     assert out.metrics.num_cached_tokens == 9 * BLOCK  # the prompt came from the transfer, not a prefill
     assert not os.path.exists(transfer["remote_kv_path"]), "an imported file is removed"
 
@@ -90,7 +104,7 @@ def test_an_unusable_transfer_is_a_local_prefill_with_the_same_answer(engines, d
         transfer = {**transfer, "remote_kv_path": str(tmp_path / os.path.basename(path))}
     refused = consumer.llm_engine.kv_transfers.num_refused
     out = decode(consumer, prompt, transfer)
-    assert answer(out) == answer(reference)
+    assert_same_answer(out, reference)
     assert consumer.llm_engine.kv_transfers.num_refused == refused + 1
     assert out.metrics.num_cached_tokens == 0
 
@@ -139,7 +153,7 @@ def test_over_tcp_the_decode_engine_continues_with_the_single_engines_output(tcp
     assert transfer["remote_port"] == producer.llm_engine.kv_transfers.server.port
     assert "remote_kv_path" not in transfer and transfer["remote_num_blocks"] == 9
     out = decode(consumer, prompt, transfer)
-    assert answer(out) == answer(reference)
+    assert_same_answer(out, reference)
     assert out.metrics.num_cached_tokens == 9 * BLOCK
     assert os.listdir(producer.llm_engine.kv_transfers.folder) == []  # sent, so gone
     assert os.listdir(consumer.llm_engine.kv_transfers.folder) == []  # imported, so gone
@@ -169,7 +183,7 @@ def test_an_unusable_tcp_transfer_is_a_local_prefill_with_the_same_answer(tcp_en
         transfer = {**transfer, "remote_kv_path": str(bystander)}
     refused = consumer.llm_engine.kv_transfers.num_refused
     out = decode(consumer, prompt, transfer)
-    assert answer(out) == answer(reference)
+    assert_same_answer(out, reference)
     assert consumer.llm_engine.kv_transfers.num_refused == refused + 1
     assert out.metrics.num_cached_tokens == 0
     assert os.listdir(consumer.llm_engine.kv_transfers.folder) == []

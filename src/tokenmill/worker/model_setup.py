@@ -115,6 +115,10 @@ def choose_kernels(config: ModelConfig, device: torch.device, dtype: torch.dtype
         native = TritonProducts()
     elif native is None and device.type == "cpu" and fast_linears:
         native = cpu_kernels()  # the linears use them whatever the attention backend
+    if invariant and device.type == "cpu" and native is None:
+        logger.warning("batch invariance without the native CPU kernels (TOKENMILL_KERNELS=off, a failed build, or "
+                       "--linear-kernel dense): the products run on PyTorch's F.linear, whose sums can depend on the "
+                       "number of rows, so a request's output can depend on its batch and on prefix-cache hits")
     elementwise = None
     # float32 keeps PyTorch's norms (pinned to HF's bits) unless batch-invariant: PyTorch's CUDA reductions
     # may split a row by the tensor's shape, the Triton norm takes one program per row (test_triton_fused.py)
