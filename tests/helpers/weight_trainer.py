@@ -17,19 +17,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def broadcast_checkpoint(port: int, folder: str, names: list[str], die_after: int = -1) -> None:
-    """Join the group at 127.0.0.1:`port` as rank 0 of 2 and broadcast `names`' tensors of the checkpoint in
-    `folder`, in order; with `die_after` >= 0 the process exits abruptly after that many (a trainer that dies
-    mid-update)."""
+def broadcast_checkpoint(rounds: list[tuple[int, int]], folder: str, names: list[str]) -> None:
+    """For each (port, die_after) of `rounds`, in order: join the group at 127.0.0.1:port as rank 0 of 2 and broadcast
+    `names`' tensors of the checkpoint in `folder`, in order; with `die_after` >= 0 the process exits abruptly after
+    that many (a trainer that dies mid-update: the last round)."""
     import torch
 
     from tokenmill.parallel.weight_sync import init_custom_process_group
 
     tensors = load_file(os.path.join(folder, "model.safetensors"))
-    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "weight_update_group",
-                                      datetime.timedelta(seconds=60))
-    for sent, name in enumerate(names):
-        if sent == die_after:
-            os._exit(1)
-        torch.distributed.broadcast(tensors[name].contiguous(), src=0, group=group)
-    torch.distributed.destroy_process_group(group)
+    for port, die_after in rounds:
+        group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, f"weight_update_group_{port}",
+                                          datetime.timedelta(seconds=60))
+        for sent, name in enumerate(names):
+            if sent == die_after:
+                os._exit(1)
+            torch.distributed.broadcast(tensors[name].contiguous(), src=0, group=group)
+        torch.distributed.destroy_process_group(group)

@@ -278,28 +278,26 @@ class LLMEngine:
                                       f"{master_address}:{master_port}: {exc}") from exc
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                        shapes: Sequence[Sequence[int]], group_name: Optional[str] = None,
-                                        flush_cache: bool = True) -> int:
+                                        shapes: Sequence[Sequence[int]], group_name: Optional[str] = None) -> int:
         """Receive the tensors the trainer broadcasts over the weight-update group (SGLang's
         update_weights_from_distributed: one per name, in order, of the dtypes and shapes given) and serve them in
         place of the checkpoint's of those names (Worker.load_weights_from_tensors), then forget the prefix cache.
         Only while no request is unfinished. Atomic: a name or shape the checkpoint lacks (ValueError) or a
         transfer that breaks (WeightTransferError: the trainer died; the group is left, join a new one) leaves
         the old weights serving. The staging copy costs the sent tensors plus a second copy of the weights while it
-        runs. Returns the bytes copied. (`flush_cache` is SGLang's; the prefix cache is always forgotten: the old
-        weights computed it.)"""
+        runs. Returns the bytes copied."""
         worker = self._single_worker("update_weights_from_distributed")
         group = self.weight_group
         if group is None or group_name not in (None, group.name):
-            raise ValueError(f"no weight-update group {group_name or ''!r} joined: call init_weights_update_group "
-                             "first".replace(" ''", ""))
+            named = f" {group_name!r}" if group_name else ""
+            raise ValueError(f"no weight-update group{named} is joined: call init_weights_update_group first")
         self._check_idle("update_weights_from_distributed")
         try:
             tensors = group.receive(names, dtypes, shapes)
         except RuntimeError as exc:
             self.destroy_weights_update_group()
-            raise WeightTransferError(f"the weight transfer broke after the trainer's last tensor (the served "
-                                      f"weights are unchanged; the group is left: join a new one): {exc}") from exc
+            raise WeightTransferError(f"the weight transfer broke (the trainer stopped sending; the served weights "
+                                      f"are unchanged, and the group is left: join a new one): {exc}") from exc
         copied = worker.load_weights_from_tensors(tensors)
         if not self.reset_prefix_cache():  # (idle: no block is held)
             raise RuntimeError("the prefix cache could not be reset after the weight update")
