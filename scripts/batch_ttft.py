@@ -33,11 +33,12 @@ def first_token_seconds(client: httpx.Client, max_tokens: int) -> float:
     started = time.perf_counter()
     with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
+        lines = response.iter_lines()
+        for line in lines:
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 seconds = time.perf_counter() - started
                 break
-        for _ in response.iter_lines():  # (the rest of the stream)
+        for _ in lines:  # (the rest of the stream)
             pass
     return seconds
 
