@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 # How long a stopping worker gets to exit by itself before it is terminated, then killed.
 _STOP_GRACE_SECONDS = 5.0
+# how long a rank's failed step waits for a peer's exit to show before the rank's own failure is reported: a peer
+# killed mid-step breaks the others' collectives while its process is still being reaped
+PEER_EXIT_GRACE_S = 2.0
 
 
 class MultiprocExecutor(Executor):
@@ -137,16 +140,27 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError) as exc:
                     raise ExecutorDiedError(self._died(speaker, f"its pipe closed ({exc})")) from exc
                 if isinstance(message, WorkerFailed):
-                    message = f"worker rank {speaker} failed: {message.reason}"
+                    failed = f"worker rank {speaker} failed: {message.reason}"
                     if len(self.pipes) > 1:
-                        self._failure = self._failure or message
-                        raise ExecutorDiedError(message)
-                    raise WorkerStepError(message)
+                        dead = self._dead_peer(speaker)
+                        if dead is not None:  # its collective broke because that peer died: name the peer
+                            raise ExecutorDiedError(self._died(dead, f"it exited{self._last_words(dead)}; then "
+                                                                     f"{failed}"))
+                        self._failure = self._failure or failed
+                        raise ExecutorDiedError(failed)
+                    raise WorkerStepError(failed)
                 if speaker == rank:
                     return message
             for sentinel in (s for s in ready if s in sentinels):
                 gone = sentinels[sentinel]
                 raise ExecutorDiedError(self._died(gone, f"it exited{self._last_words(gone)}"))
+
+    def _dead_peer(self, rank: int) -> Optional[int]:
+        """A local rank other than `rank` that has exited or exits within PEER_EXIT_GRACE_S, else None. A rank whose
+        collective fails because a peer was killed often reports before the peer's exit is seen."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self.processes) if r != rank}
+        ready = connection.wait(list(sentinels), timeout=PEER_EXIT_GRACE_S)
+        return min((sentinels[s] for s in ready), default=None)
 
     def _last_words(self, rank: int) -> str:
         """The error a worker sent before exiting (a failed start), if any is waiting in its pipe."""
