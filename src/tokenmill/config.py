@@ -607,6 +607,20 @@ class ServerConfig:
     max_image_pixels: int = _opt(4096 * 4096, "image inputs: largest image, in pixels (width x height, read from "
                                  "its header before it is decoded; a 400 past it)")
     media_fetch_timeout: float = _opt(10.0, "image inputs: seconds fetching one http(s) image may take")
+    ssl_keyfile: Optional[str] = _opt(None, "serve HTTPS: the server's private key (PEM), with --ssl-certfile")
+    ssl_certfile: Optional[str] = _opt(None, "serve HTTPS: the server's certificate chain (PEM), with --ssl-keyfile")
+    ssl_ca_certs: Optional[str] = _opt(None, "HTTPS: the CA certificates (PEM) client certificates are checked "
+                                       "against (with --ssl-cert-reqs 1 or 2)")
+    ssl_cert_reqs: int = _opt(0, "HTTPS: client certificates: 0 not asked for, 1 checked when a client sends one, "
+                              "2 required (Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)", choices=[0, 1, 2])
+    allowed_origins: Optional[list[str]] = _opt(
+        None, "CORS: the browser origins (https://app.example.com, or *) whose pages may call the API; default: "
+        "none, no CORS headers are sent (vLLM allows every origin by default)", nargs="+")
+    allowed_methods: Optional[list[str]] = _opt(None, "CORS: the methods those origins may use (default: all)",
+                                                nargs="+")
+    allowed_headers: Optional[list[str]] = _opt(None, "CORS: the request headers those origins may send (default: "
+                                                "all)", nargs="+")
+    allow_credentials: bool = _opt(False, "CORS: let those origins send cookies and HTTP authentication")
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -633,6 +647,21 @@ class ServerConfig:
         for domain in self.allowed_media_domains or ():
             if not domain or "/" in domain:
                 raise ValueError(f"allowed_media_domains takes host names (images.example.com), got {domain!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile come together: give both to serve HTTPS")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            if getattr(self, name) is not None and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{name} {getattr(self, name)!r} is not a file")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if (self.ssl_cert_reqs or self.ssl_ca_certs) and self.ssl_certfile is None:
+            raise ValueError("ssl_cert_reqs and ssl_ca_certs check client certificates over HTTPS: give ssl_keyfile "
+                             "and ssl_certfile too")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("ssl_cert_reqs 1 or 2 checks client certificates against ssl_ca_certs: give it")
+        if self.allow_credentials and "*" in (self.allowed_origins or ()):
+            raise ValueError("allow_credentials with allowed_origins '*' would let every site's pages call the API "
+                             "with a user's credentials: name the origins")
 
     def resolved_api_key(self) -> Optional[str]:
         """The API key from --api-key, --api-key-file or $TOKENMILL_API_KEY (in that order), or None."""

@@ -7,6 +7,7 @@ import socket
 from typing import Any
 
 from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.server.transport import add_cors, tls_settings
 
 logger = logging.getLogger(__name__)
 _EXIT_REPLICAS_DIED = 3
@@ -65,9 +66,11 @@ def run_data_parallel(engine_config: EngineConfig, server_config: ServerConfig) 
                 "from their KV events" if index is not None else "off: prefix caching is off")
     for process in processes:
         process.start()
+    add_cors(app, server_config)
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level="info", access_log=False,
-                                           timeout_graceful_shutdown=server_config.shutdown_timeout))
+                                           timeout_graceful_shutdown=server_config.shutdown_timeout,
+                                           **tls_settings(server_config)))
     servers.append(server)
     try:
         server.run()

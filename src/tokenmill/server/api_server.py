@@ -36,6 +36,7 @@ from tokenmill.server.serving_common import (ENGINE_ERRORS, APIError, ClientDisc
                                              error_response, new_id, respond)
 from tokenmill.server.serving_completion import CompletionHandler, prompt_items, tokenize_prompts
 from tokenmill.server.tool_calls import tool_mode
+from tokenmill.server.transport import add_cors
 from tokenmill.structured.json_text import MAX_NESTING
 from tokenmill.version import __version__
 
@@ -174,6 +175,7 @@ def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, trac
     if api_key:  # added last, so it runs first: no body of an unauthenticated request is read
         open_paths = {"/health", *PAGES} | (set() if config.metrics_require_key else {"/metrics"})
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
+    add_cors(app, config)  # outermost: a browser's preflight carries no key, and a 401 still gets its CORS headers
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.server.transport import tls_settings
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="info",
-                            timeout_graceful_shutdown=server_config.shutdown_timeout, access_log=False)
+                            timeout_graceful_shutdown=server_config.shutdown_timeout, access_log=False,
+                            **tls_settings(server_config))
     server = _GracefulServer(config)
     servers.append(server)
     server.should_exit = bool(died)
