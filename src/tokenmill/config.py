@@ -552,7 +552,9 @@ class ServerConfig:
                                    "the server serves): level 1 gives the KV pool's memory back, level 2 the weights' "
                                    "too (docs/rl.md)")
     state_dir: Optional[str] = _opt(None, "where the server keeps what outlives a request: the Files API's files "
-                                    "(batch inputs and results). Default: a temporary folder, gone with the server")
+                                    "(batch inputs and results) and, in state.sqlite3, the stored Responses, so a "
+                                    "restarted server continues a previous_response_id conversation. Default: a "
+                                    "temporary folder for files, Responses in memory, both gone with the server")
     files_max_mb: int = _opt(1024, "the most the Files API stores in all (MiB); an upload beyond it gets a 413")
     batch_max_concurrency: int = _opt(4, "requests of Batch API batches in the engine at once: batches take this "
                                       "much of the engine and interactive requests the rest")

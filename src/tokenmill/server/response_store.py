@@ -1,17 +1,18 @@
 """The responses /v1/responses keeps (`store: true`), for GET, DELETE and `previous_response_id`.
 
-A bounded, in-memory store: past `max_entries` the oldest response is dropped. Each entry keeps the
-response object and the whole conversation it ended (its input and its output, as chat messages, without
-the `instructions`, which OpenAI does not carry over), so a later request continues it. A conversation
-shares its message dicts with the one it continued, so a long chain costs a list of references per turn.
-It is only touched on the event loop.
+A bounded store: past `max_entries` the oldest response is dropped. Each entry keeps the response object and the
+whole conversation it ended (its input and its output, as chat messages, without the `instructions`, which OpenAI
+does not carry over), so a later request continues it. In memory by default, where a conversation shares its
+message dicts with the one it continued (a long chain costs a list of references per turn); with `--state-dir` in
+the state database (server/durable_state.py), so a restarted server continues a conversation. It is only touched
+on the event loop.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from tokenmill.server.serving_common import APIError
 
@@ -24,40 +25,70 @@ class StoredResponse:
     conversation: list[dict[str, Any]]
 
 
-class ResponseStore:
-    """At most `max_entries` responses by id, the oldest dropped first."""
+class MemoryResponses:
+    """Stored responses in memory, oldest first (the `ResponseStore`'s shelf without a state folder)."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self) -> None:
+        self._entries: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Store (or replace, as the newest) the response and its conversation."""
+        self._entries[response_id] = (response, conversation)
+        self._entries.move_to_end(response_id)
+
+    def get(self, response_id: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """(response, conversation), or None."""
+        return self._entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        """Drop one; False when it was not stored."""
+        return self._entries.pop(response_id, None) is not None
+
+    def keep_newest(self, count: int) -> None:
+        """Drop all but the `count` newest."""
+        while len(self._entries) > count:
+            self._entries.popitem(last=False)
+
+
+class ResponseStore:
+    """At most `max_entries` responses by id, the oldest dropped first; kept in the state database under
+    `state_dir` when one is given, else in memory."""
+
+    def __init__(self, max_entries: int, state_dir: Optional[str] = None) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        if state_dir is None:
+            self._shelf: Any = MemoryResponses()
+        else:
+            from tokenmill.server.durable_state import SqliteResponses
+
+            self._shelf = SqliteResponses(state_dir)
+            self._shelf.keep_newest(max_entries)  # (a restart with a smaller bound)
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Keep `response` (by its id) and the conversation it ended, dropping the oldest past the bound."""
-        self._entries[response["id"]] = StoredResponse(response, conversation)
-        self._entries.move_to_end(response["id"])
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._shelf.put(response["id"], response, conversation)
+        self._shelf.keep_newest(self.max_entries)
 
     def delete(self, response_id: str) -> bool:
         """Drop a response; False when it was not stored."""
-        return self._entries.pop(response_id, None) is not None
+        return self._shelf.delete(response_id)
 
     def continued(self, previous_response_id: str) -> list[dict[str, Any]]:
         """The conversation a request with `previous_response_id` continues; a 400 naming the field when
         that response is not stored here."""
-        stored = self._entries.get(previous_response_id)
+        stored = self._shelf.get(previous_response_id)
         if stored is None:
             raise APIError(400, f"previous response '{previous_response_id}' is not stored here: it was never "
                                 "stored (store: false), was deleted, or was dropped as the oldest of the "
                                 f"{self.max_entries} this server keeps", param="previous_response_id")
-        return stored.conversation
+        return stored[1]
 
     def found(self, response_id: str) -> StoredResponse:
         """The stored response; a 404 (not_found_error) when it is not stored."""
-        stored = self._entries.get(response_id)
+        stored = self._shelf.get(response_id)
         if stored is None:
             raise APIError(404, f"no response with id '{response_id}' is stored here", "not_found_error",
                            param="response_id")
-        return stored
+        return StoredResponse(*stored)

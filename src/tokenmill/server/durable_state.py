@@ -1,0 +1,70 @@
+"""What a server keeps across restarts under `--state-dir`: one SQLite database (the standard library's sqlite3, WAL
+mode, `state.sqlite3`) of its stored Responses. Every write is committed before the request that made it is
+answered, so a server killed at any moment keeps every response it has answered with. A database that cannot be
+opened or read (a corrupted file) is moved aside, with a log line, and the server starts with an empty one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+DATABASE = "state.sqlite3"
+
+
+def open_database(folder: str) -> sqlite3.Connection:
+    """The state database under `folder` (made if missing), its tables ready; a file that is no readable SQLite
+    database is renamed `state.sqlite3.corrupt-<time>` first. (Made where the app is built, used on the event loop:
+    one thread at a time, so the connection may cross threads.)"""
+    path = Path(folder) / DATABASE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _ready(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
+    except sqlite3.DatabaseError as exc:
+        aside = path.with_name(f"{DATABASE}.corrupt-{int(time.time())}")
+        for suffix in ("", "-wal", "-shm"):
+            if Path(f"{path}{suffix}").exists():
+                Path(f"{path}{suffix}").rename(f"{aside}{suffix}")
+        logger.error("the state database %s could not be read (%s): moved aside to %s; starting with an empty one",
+                     path, exc, aside)
+        return _ready(sqlite3.connect(path, isolation_level=None, check_same_thread=False))
+
+
+def _ready(connection: sqlite3.Connection) -> sqlite3.Connection:
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
+                       "response TEXT NOT NULL, conversation TEXT NOT NULL)")
+    connection.execute("SELECT count(*) FROM responses").fetchone()  # (reads a page: a corrupted file fails here)
+    return connection
+
+
+class SqliteResponses:
+    """Stored responses in the state database, oldest first by insertion (the `ResponseStore`'s shelf)."""
+
+    def __init__(self, folder: str) -> None:
+        self.db = open_database(folder)
+
+    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Store (or replace, as the newest) the response and its conversation; committed on return."""
+        self.db.execute("INSERT OR REPLACE INTO responses VALUES (?, (SELECT coalesce(max(seq), 0) + 1 FROM "
+                        "responses), ?, ?)", (response_id, json.dumps(response), json.dumps(conversation)))
+
+    def get(self, response_id: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """(response, conversation), or None."""
+        row = self.db.execute("SELECT response, conversation FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return None if row is None else (json.loads(row[0]), json.loads(row[1]))
+
+    def delete(self, response_id: str) -> bool:
+        """Drop one; False when it was not stored."""
+        return self.db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+
+    def keep_newest(self, count: int) -> None:
+        """Drop all but the `count` newest."""
+        self.db.execute("DELETE FROM responses WHERE id NOT IN (SELECT id FROM responses ORDER BY seq DESC LIMIT ?)",
+                        (count,))

@@ -1,0 +1,74 @@
+"""Stored Responses under --state-dir (server/durable_state.py): a new store on the same folder (a restarted
+server) continues what the old one stored, bounded as in memory; a corrupted database is moved aside with a log
+line and the store starts empty; and through the server's own app, a conversation goes on across a restart."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.serving_common import APIError
+
+
+def _turn(index: int) -> tuple[dict, list]:
+    return {"id": f"resp_{index}", "object": "response"}, [{"role": "user", "content": f"turn {index}"}]
+
+
+def test_a_restarted_store_continues_the_newest_conversations(tmp_path):
+    store = ResponseStore(3, str(tmp_path))
+    for index in range(4):
+        store.put(*_turn(index))
+    assert store.delete("resp_3") and not store.delete("resp_3")
+    store.put(*_turn(3))
+    again = ResponseStore(3, str(tmp_path))  # the server restarted (or was killed: every put is committed)
+    assert again.continued("resp_2") == [{"role": "user", "content": "turn 2"}]
+    assert again.found("resp_3").response == {"id": "resp_3", "object": "response"}
+    with pytest.raises(APIError, match="dropped as the oldest of the 3"):
+        again.continued("resp_0")
+    assert ResponseStore(2, str(tmp_path)).found("resp_2") and not ResponseStore(1, str(tmp_path)).delete("resp_2")
+
+
+def test_a_corrupted_database_is_moved_aside_and_the_store_starts_empty(tmp_path, caplog):
+    (tmp_path / "state.sqlite3").write_bytes(b"not a database, " * 512)
+    with caplog.at_level(logging.ERROR):
+        store = ResponseStore(5, str(tmp_path))
+    assert "could not be read" in caplog.text and "moved aside" in caplog.text
+    assert [p.name.split("-")[0] for p in tmp_path.glob("state.sqlite3.corrupt-*")] == ["state.sqlite3.corrupt"]
+    store.put(*_turn(1))
+    assert ResponseStore(5, str(tmp_path)).found("resp_1")
+
+
+def test_a_conversation_goes_on_across_a_server_restart(tmp_path):
+    from helpers.agreeing_drafts import write_bigram_llama
+    from tokenmill.config import EngineConfig, ServerConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.api_server import build_app
+
+    model = str(write_bigram_llama(tmp_path / "llama"))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+    def serve():
+        engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32",
+                                                                        num_kv_blocks=64)), "m")
+        return engine, TestClient(build_app(engine, ServerConfig(state_dir=str(tmp_path / "state")), template))
+
+    engine, client = serve()
+    first = client.post("/v1/responses", json={"model": "m", "input": "hello there", "max_output_tokens": 4,
+                                               "temperature": 0, "store": True}).json()
+    engine.shutdown()
+    engine, client = serve()  # a new server on the same --state-dir
+    try:
+        follow = client.post("/v1/responses", json={"model": "m", "input": "and then?", "max_output_tokens": 4,
+                                                    "temperature": 0, "previous_response_id": first["id"]})
+        alone = client.post("/v1/responses", json={"model": "m", "input": "and then?", "max_output_tokens": 4,
+                                                   "temperature": 0})
+        assert follow.status_code == 200 and alone.status_code == 200
+        # the earlier turn is part of the prompt: its tokens count
+        assert follow.json()["usage"]["input_tokens"] > alone.json()["usage"]["input_tokens"] + 4
+        assert client.get(f"/v1/responses/{first['id']}").json()["id"] == first["id"]
+    finally:
+        engine.shutdown()
