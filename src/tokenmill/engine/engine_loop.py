@@ -58,7 +58,7 @@ class EngineLoop:
         # runs; `_pausing` is set when paused, once the engine is idle (mode wait)
         self._holding = False
         self.paused = False
-        self._held: dict[str, tuple] = {}
+        self._held: dict[str, dict[str, Any]] = {}  # request id -> LLMEngine.add_request's keywords
         self._pausing: Optional[threading.Event] = None
         self.engine: LLMEngine  # this thread's alone (see the class's docstring)
         self.info: EngineInfo  # what other threads read of it
@@ -121,16 +121,15 @@ class EngineLoop:
         raises for a request that can never run. While the engine is paused the request waits outside it (in
         `_held`, bounded alike) and enters on `resume`."""
         self._check_room(len(prompt_token_ids) if prompt_embeds is None else embeds_length(prompt_embeds))
+        request = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids, priority=priority,
+                       arrival_time=arrival_time, images=images, prompt_embeds=prompt_embeds, background=background)
         if self._holding:
             if len(self._held) >= self._limits.max_waiting_requests:
                 self._metrics.record_rejection()
                 raise QueueFullError(f"the engine is paused and {len(self._held)} requests wait for it; retry later")
-            self._held[request_id] = (prompt, params, prompt_token_ids, priority, arrival_time, images, prompt_embeds,
-                                      background)
+            self._held[request_id] = request
         else:
-            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                    priority=priority, arrival_time=arrival_time, images=images,
-                                    prompt_embeds=prompt_embeds, background=background)
+            self.engine.add_request(request_id, **request)
         self._streams[request_id] = stream
 
     def pause(self, mode: str, paused: threading.Event) -> None:
@@ -157,12 +156,9 @@ class EngineLoop:
             self._pausing.set()
             self._pausing = None
         held, self._held = self._held, {}
-        for request_id, (prompt, params, prompt_token_ids, priority, arrival_time, images, embeds,
-                         background) in held.items():
+        for request_id, request in held.items():
             try:
-                self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                        priority=priority, arrival_time=arrival_time, images=images,
-                                        prompt_embeds=embeds, background=background)
+                self.engine.add_request(request_id, **request)
             except Exception as exc:  # that request's alone
                 stream = self._streams.pop(request_id)
                 stream.loop.call_soon_threadsafe(stream.put, RequestFailedError(str(exc)))
