@@ -174,14 +174,11 @@ class Worker:
         (models/weight_update.py); ValueError, the old weights still serving, otherwise. Returns the bytes copied.
         One rank only (the engine checks)."""
         from tokenmill.models.weight_update import check_same_model, copy_weights_in_place
-        from tokenmill.worker.model_setup import load_model
 
         try:
             source = load_model_source(model_path, with_tokenizer=False)
             check_same_model(self.model.arch, source.arch, model_path)
-            staged, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
-                                   self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
-            copied = copy_weights_in_place(self.model, staged)
+            copied = copy_weights_in_place(self.model, self._one_rank_model(source))
         except ValueError as exc:
             raise ValueError(f"the weights at {model_path!r} were not loaded, the served ones are unchanged: {exc}"
                              ) from exc
@@ -196,13 +193,10 @@ class Worker:
         and this one does not are lost: every update names what it changes against the checkpoint (trainers send
         every parameter each time). Returns the bytes copied."""
         from tokenmill.models.weight_update import copy_weights_in_place, overlaid_source
-        from tokenmill.worker.model_setup import load_model
 
         try:
             source = overlaid_source(load_model_source(self.weights_path, with_tokenizer=False), tensors)
-            staged, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
-                                   self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
-            return copy_weights_in_place(self.model, staged)
+            return copy_weights_in_place(self.model, self._one_rank_model(source))
         except ValueError as exc:
             raise ValueError(f"the {len(tensors)} tensors sent were not loaded, the served weights are unchanged: "
                              f"{exc}") from exc
@@ -224,12 +218,16 @@ class Worker:
     def restore_weights(self) -> None:
         """Load the model again from its checkpoint (wake_up after sleep level 2): the one it started with or the
         last `load_weights_from` read; tensors a trainer sent are not kept (vLLM's level 2 drops them too)."""
+        self.model = self.runner.model = self._one_rank_model(load_model_source(self.weights_path,
+                                                                                with_tokenizer=False))
+
+    def _one_rank_model(self, source: ModelSource) -> Any:
+        """A model of `source` built as this one-rank worker's was at start (dtype, kernels, packing, KV rows)."""
         from tokenmill.worker.model_setup import load_model
 
-        source = load_model_source(self.weights_path, with_tokenizer=False)
-        self.model, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype],
-                                   self.spec.max_model_len, kv_rows=self.spec.quantized_kv)
-        self.runner.model = self.model
+        model, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype], self.spec.max_model_len,
+                              kv_rows=self.spec.quantized_kv)
+        return model
 
     def _apply_threads(self) -> None:
         """Size and pin the calling thread's OpenMP team, once per thread (OpenMP keeps it per thread)."""
