@@ -67,17 +67,23 @@ def test_results_do_not_depend_on_batching_chunking_or_preemption():
     assert scheduler.kv_cache.pool.num_free_blocks == 16
 
 
-def test_preemption_victim_is_lowest_priority_then_latest():
-    scheduler, runner = make_scheduler(num_blocks=6, block_size=4, budget=64)
-    scheduler.add_request(make_request("low", 7, max_tokens=9, priority=5))
-    scheduler.add_request(make_request("high-late", 7, max_tokens=9, priority=0))
-    scheduler.add_request(make_request("high-early", 7, max_tokens=9, priority=0))
+def preemptions_to_the_end(scheduler, runner) -> list[str]:
+    """Run the scheduler's requests to their end; the ids of the requests preempted, in the order they were."""
     preempted = []
     while scheduler.has_unfinished_requests():
         before = {r.request_id: r.num_preemptions for r in scheduler.requests.values()}
         schedule = scheduler.schedule()
         preempted += [rid for rid, r in scheduler.requests.items() if r.num_preemptions > before[rid]]
         scheduler.update_from_output(schedule, runner.execute(schedule))
+    return preempted
+
+
+def test_preemption_victim_is_lowest_priority_then_latest():
+    scheduler, runner = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    scheduler.add_request(make_request("low", 7, max_tokens=9, priority=5))
+    scheduler.add_request(make_request("high-late", 7, max_tokens=9, priority=0))
+    scheduler.add_request(make_request("high-early", 7, max_tokens=9, priority=0))
+    preempted = preemptions_to_the_end(scheduler, runner)
     assert preempted and preempted[0] == "low"
 
 
@@ -102,12 +108,7 @@ def test_batch_lines_wait_behind_interactive_requests_and_are_preempted_first_wh
     scheduler, runner = make_scheduler(num_blocks=6, block_size=4, budget=64)
     for rid, background in (("batch-line", True), ("late", False), ("later", False)):
         scheduler.add_request(request(rid, background))
-    preempted = []
-    while scheduler.has_unfinished_requests():
-        before = {r.request_id: r.num_preemptions for r in scheduler.requests.values()}
-        schedule = scheduler.schedule()
-        preempted += [rid for rid, r in scheduler.requests.items() if r.num_preemptions > before[rid]]
-        scheduler.update_from_output(schedule, runner.execute(schedule))
+    preempted = preemptions_to_the_end(scheduler, runner)
     assert preempted and preempted[0] == "batch-line"
 
 
