@@ -1,8 +1,9 @@
 """The routes an RL trainer drives between rollouts, under vLLM's and SGLang's names: `POST /pause?mode=abort|wait|
 keep&clear_cache=`, `POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache`, `POST
 /update_weights_from_disk` ({"model_path": ...}), and the weight-update group a trainer streams tensors over
-(`POST /init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`). They change what the server serves, so each needs the server's
-API key: a server started without `--api-key` answers them 403 (vLLM leaves them open).
+(`POST /init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`). They
+change what the server serves, so each needs the server's API key: a server started without `--api-key` answers
+them 403 (vLLM leaves them open).
 
 Pausing: new requests wait outside the engine until `/resume` (bounded as the waiting queue); mode abort ends the
 requests in the engine (failed, saying why), wait lets them finish first, keep leaves them where they are to go on

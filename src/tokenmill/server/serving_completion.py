@@ -60,13 +60,13 @@ def tokenize_prompts(items: list[Any], tokenizer: Any) -> list[CompletionPrompt]
     result = []
     for item in items:
         if isinstance(item, EmbedsItem):
-            from tokenmill.engine.prompt_embeds import decode_prompt_embeds, embeds_length
+            from tokenmill.engine.prompt_embeds import PLACEHOLDER_ID, decode_prompt_embeds, embeds_length
 
             try:
                 embeds = decode_prompt_embeds(item.encoded)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="prompt_embeds") from None
-            result.append(CompletionPrompt(None, [0] * embeds_length(embeds), embeds))
+            result.append(CompletionPrompt(None, [PLACEHOLDER_ID] * embeds_length(embeds), embeds))
         elif isinstance(item, str):
             result.append(CompletionPrompt(item, tokenizer(item).input_ids))
         else:
