@@ -545,6 +545,10 @@ class ServerConfig:
                                   "/metrics (also from $TOKENMILL_API_KEY or --api-key-file, which keep it out "
                                   "of the process list)")
     api_key_file: Optional[str] = _opt(None, "read the API key from this file (its first line)")
+    tenants_file: Optional[str] = _opt(None, "serve the tenants of this JSON or YAML file, each with its own key "
+                                       "(stored as `tokenmill hash-key` prints its hash), limits (requests and tokens "
+                                       "per minute, requests at once), priority, weight in the fair share, models "
+                                       "and admin right; reloaded on SIGHUP (docs/tenants.md). Instead of --api-key")
     metrics_require_key: bool = _opt(False, "put /metrics behind the API key too (by default Prometheus and "
                                      "routers scrape it without one)")
     enable_sleep_mode: bool = _opt(False, "serve vLLM's sleep routes (POST /sleep?level=1|2, POST /wake_up?tags=, "
@@ -644,6 +648,12 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give api_key or api_key_file, not both")
+        if self.tenants_file is not None and (self.api_key is not None or self.api_key_file is not None):
+            raise ValueError("give tenants_file or an API key, not both (an admin tenant of the file does what "
+                             "the API key does)")
+        if self.tenants_file is not None and self.data_parallel_size > 1:
+            raise ValueError("tenants_file with data_parallel_size > 1 is not supported yet: the front would have "
+                             "to keep each tenant's budget across the replicas")
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder")
         for domain in self.allowed_media_domains or ():
@@ -664,6 +674,13 @@ class ServerConfig:
         if self.allow_credentials and "*" in (self.allowed_origins or ()):
             raise ValueError("allow_credentials with allowed_origins '*' would let every site's pages call the API "
                              "with a user's credentials: name the origins")
+
+    def resolved_tenants(self) -> Any:
+        """The server's tenants (server/tenants.py's Tenants): the tenants file's, else one admin tenant for the API
+        key, else None (an open server). ValueError for a file that cannot be read or is wrong."""
+        from tokenmill.server.tenant_gate import server_tenants
+
+        return server_tenants(None if self.tenants_file else self.resolved_api_key(), self.tenants_file)
 
     def resolved_api_key(self) -> Optional[str]:
         """The API key from --api-key, --api-key-file or $TOKENMILL_API_KEY (in that order), or None."""

@@ -5,12 +5,22 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Optional, Union
 
 from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """The tenant a request is served for, and its weight: the scheduler shares its token budget between tenants
+    in proportion to their weights (core/fair_share.py)."""
+
+    name: str
+    weight: float = 1.0
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +75,7 @@ class Request:
         num_samples_to_fork: int = 0,
         images: tuple[ImageFeature, ...] = (),
         background: bool = False,
+        tenant: Optional[TenantShare] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -75,6 +86,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.background = background  # a batch job's line: queued below every interactive request
+        self.tenant = tenant  # who it is served for: the scheduler shares the engine between tenants
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_seq = next(_arrival_counter)
         self.num_computed_tokens = 0
@@ -149,7 +161,7 @@ class Request:
         """A new sample of the same prompt that starts with `num_computed_tokens` already cached."""
         child = Request(child_id, self.prompt_token_ids, sampling_params, self.max_tokens,
                         self.eos_token_ids, self.priority, self.arrival_time, images=self.images,
-                        background=self.background)
+                        background=self.background, tenant=self.tenant)
         child.arrival_seq = self.arrival_seq
         child.num_computed_tokens = num_computed_tokens
         child.status = RequestStatus.RUNNING

@@ -17,6 +17,7 @@ from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.api_server import build_app
+from tokenmill.server.tenants import Tenants
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def client(tmp_path_factory):
     engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=path, num_kv_blocks=64)), "tiny")
     state = tmp_path_factory.mktemp("state")
     try:
-        with TestClient(build_app(engine, ServerConfig(state_dir=str(state)), None, api_key="k")) as http:
+        with TestClient(build_app(engine, ServerConfig(state_dir=str(state)), None, Tenants.single_key("k"))) as http:
             yield OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http), state, http
     finally:
         engine.shutdown()
@@ -43,7 +44,8 @@ def _lines() -> bytes:
 def test_the_sdk_runs_a_batch_end_to_end(client):
     sdk, state, _ = client
     upload = sdk.files.create(file=("in.jsonl", io.BytesIO(_lines())), purpose="batch")
-    assert upload.bytes == len(_lines()) and (state / "files" / upload.id).is_file()
+    # under --api-key, the one tenant "default" owns what it uploads
+    assert upload.bytes == len(_lines()) and (state / "files" / "tenants" / "default" / upload.id).is_file()
     batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
                                metadata={"job": "test"})
     assert batch.status in ("validating", "in_progress", "finalizing", "completed")

@@ -18,6 +18,7 @@ from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.api_server import build_app
+from tokenmill.server.tenants import Tenants
 
 KEY = {"Authorization": "Bearer trainer-key"}
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -31,7 +32,8 @@ def checkpoints(tmp_path_factory):
 
 def _server(path: str, api_key, **server):
     engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=path, **ENGINE)), "policy")
-    return engine, TestClient(build_app(engine, ServerConfig(**server), None, api_key=api_key))
+    return engine, TestClient(build_app(engine, ServerConfig(**server), None,
+                                            Tenants.single_key(api_key) if api_key else None))
 
 
 def _complete(client, max_tokens: int = 6) -> dict:

@@ -21,6 +21,7 @@ from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.api_server import build_app
+from tokenmill.server.tenants import Tenants
 from tokenmill.server.transport import tls_settings
 
 ALLOWED = "https://app.example"
@@ -43,7 +44,7 @@ def https_server(tmp_path_factory):
     engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", num_kv_blocks=32)),
                          "m")
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, config, None, api_key="k"), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, config, None, Tenants.single_key("k")), host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=5,
                                            **tls_settings(config)))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -35,7 +35,7 @@ def engine(model_path):
 
 
 def client_for(engine: AsyncEngine, config: ServerConfig) -> TestClient:
-    app = build_app(engine, config, engine.info.chat_template, config.resolved_api_key())
+    app = build_app(engine, config, engine.info.chat_template, config.resolved_tenants())
     return TestClient(app)
 
 

@@ -124,6 +124,36 @@ def _run_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hash_key_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("hash-key", help="print the key_hash of an API key read from stdin, for --tenants-file",
+                       description="Read one API key from stdin (its first line) and print the salted hash a "
+                                   "tenants file stores as key_hash: the key itself is never written down, nor "
+                                   "passed on a command line. Keys shorter than 20 characters are refused: the "
+                                   "hash of a short key could be searched. Example: "
+                                   "`tokenmill hash-key < key.txt`.")
+    p.add_argument("--new", action="store_true",
+                   help="read nothing: make a new random key and print it (line 1) and its hash (line 2); give "
+                        "the key to the tenant and the hash to the tenants file")
+    p.set_defaults(func=_run_hash_key)
+
+
+def _run_hash_key(args: argparse.Namespace) -> int:
+    import secrets
+
+    from tokenmill.server.tenants import MIN_KEY_CHARS, hash_key
+
+    if args.new:
+        key = f"tm-{secrets.token_urlsafe(32)}"
+        print(key)
+    else:
+        key = sys.stdin.readline().strip()
+        if len(key) < MIN_KEY_CHARS:
+            raise ValueError(f"the key on stdin has {len(key)} characters; a key needs at least {MIN_KEY_CHARS} "
+                             "(`tokenmill hash-key --new` makes one)")
+    print(hash_key(key))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full `tokenmill` argument parser."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference engine")
@@ -133,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _env_parser(sub)
+    _hash_key_parser(sub)
     add_chat_parser(sub)
     add_bench_parser(sub)
     add_run_batch_parser(sub)

@@ -4,11 +4,42 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional, Protocol
+
+from tokenmill.request import TenantShare
 
 # set by the Batch API and run-batch around their lines' requests (server/batch_lines.py), which post them to the
 # server's routes in-process: the engine queues those requests below every interactive one, and preempts them first
 batch_work: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_work", default=False)
+
+
+class UsageListener(Protocol):
+    """Hears what each of a client's requests used (server/tenant_limits.py keeps a tenant's budget with it)."""
+
+    def prompt(self, tokens: int) -> None:
+        """A request of the client's was admitted with `tokens` prompt tokens."""
+
+    def first_output(self, seconds: float) -> None:
+        """Its first output came `seconds` after it arrived."""
+
+    def finished(self, completion_tokens: int, seconds: float) -> None:
+        """It ended (finished, failed or aborted) after generating `completion_tokens`, `seconds` after arrival."""
+
+
+@dataclass(frozen=True)
+class Client:
+    """Who the requests started in a context are served for: the scheduler shares the engine between clients'
+    `share`s, a request's priority is never better (lower) than `priority`, and `usage` hears every request's
+    tokens."""
+
+    share: TenantShare
+    priority: int = 0
+    usage: Optional[UsageListener] = None
+
+
+# set by the server's tenant gate around a request's handling (server/tenant_gate.py), and inherited by the work
+# that request starts in-process (a batch's lines): None when the server has no tenants
+current_client: contextvars.ContextVar[Optional[Client]] = contextvars.ContextVar("current_client", default=None)
 
 
 @dataclass(frozen=True)

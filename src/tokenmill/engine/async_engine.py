@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, TypeVar
 
-from tokenmill.engine.admission import AdmissionLimits, Ticket, batch_work
+from tokenmill.engine.admission import AdmissionLimits, Ticket, batch_work, current_client
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.engine_loop import EngineLoop
@@ -30,6 +30,7 @@ from tokenmill.engine.live_sample import build_sample
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_stream import OutputStream
+from tokenmill.engine.prompt_embeds import embeds_length
 from tokenmill.engine.tracing import RequestTracer, incoming_trace
 from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.multimodal.processing import ImageLike
@@ -167,6 +168,10 @@ class AsyncEngine:
         submitted = finished = False
         trace_parent = incoming_trace.get()
         background = batch_work.get()
+        client = current_client.get()
+        if client is not None:
+            priority = max(priority, client.priority)
+        usage = client.usage if client is not None else None
         last: Optional[RequestOutput] = None
         completion_tokens = 0
         failure: Optional[str] = None
@@ -175,7 +180,7 @@ class AsyncEngine:
             try:
                 self._check_open()
                 self._engine_loop.admit(request_id, stream, prompt, params, prompt_token_ids, priority, arrival,
-                                        images, prompt_embeds, background)
+                                        images, prompt_embeds, background, client.share if client else None)
                 if params.structured_output is not None:
                     self.metrics.record_structured()
                 admitted.set_result(None)
@@ -193,6 +198,8 @@ class AsyncEngine:
             self._engine_loop.submit(add)
             submitted = True
             await asyncio.wrap_future(admitted)
+            if usage is not None:
+                usage.prompt(len(prompt_token_ids) if prompt_embeds is None else embeds_length(prompt_embeds))
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -202,6 +209,8 @@ class AsyncEngine:
                 finished = item.finished
                 last = item
                 produced = sum(len(c.token_ids) for c in item.outputs)
+                if usage is not None and completion_tokens == 0 < produced:
+                    usage.first_output(time.monotonic() - arrival)
                 completion_tokens = completion_tokens + produced if item.delta else produced
                 yield item
                 if finished:
@@ -211,6 +220,8 @@ class AsyncEngine:
             if submitted and not finished:
                 self.abort(request_id)
                 failure = "aborted"
+            if usage is not None and admitted.done() and admitted.exception() is None:
+                usage.finished(completion_tokens, time.monotonic() - arrival)
             if self.tracer is not None and admitted.done() and admitted.exception() is None:
                 try:
                     self.tracer.record(request_id, last, params, len(prompt_token_ids), completion_tokens,

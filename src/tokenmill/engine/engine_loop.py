@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.metrics import EngineMetrics
     from tokenmill.engine.output_stream import OutputStream
     from tokenmill.multimodal.inputs import ImageFeature
+    from tokenmill.request import TenantShare
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +116,16 @@ class EngineLoop:
     # ------------------------------------------------------------------ the engine thread
     def admit(self, request_id: str, stream: OutputStream, prompt: Optional[str], params: SamplingParams,
               prompt_token_ids: list[int], priority: int, arrival_time: float,
-              images: tuple[ImageFeature, ...], prompt_embeds: Any = None, background: bool = False) -> None:
+              images: tuple[ImageFeature, ...], prompt_embeds: Any = None, background: bool = False,
+              tenant: Optional[TenantShare] = None) -> None:
         """From a submitted command only: queue the request in the engine, its outputs bound for `stream`.
         Raises QueueFullError when the waiting queue is at a bound, and what `LLMEngine.add_request`
         raises for a request that can never run. While the engine is paused the request waits outside it (in
         `_held`, bounded alike) and enters on `resume`."""
         self._check_room(len(prompt_token_ids) if prompt_embeds is None else embeds_length(prompt_embeds))
         request = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids, priority=priority,
-                       arrival_time=arrival_time, images=images, prompt_embeds=prompt_embeds, background=background)
+                       arrival_time=arrival_time, images=images, prompt_embeds=prompt_embeds, background=background,
+                       tenant=tenant)
         if self._holding:
             if len(self._held) >= self._limits.max_waiting_requests:
                 self._metrics.record_rejection()

@@ -11,7 +11,7 @@ from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.lora.request import LoRARequest
 from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.multimodal.processing import ImageLike, ImageProcessing
-from tokenmill.request import Request
+from tokenmill.request import Request, TenantShare
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -63,9 +63,10 @@ class InputProcessor:
                 prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
                 arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
                 images: Sequence[ImageLike] = (), prompt_embeds: Any = None,
-                background: bool = False) -> ProcessedRequest:
+                background: bool = False, tenant: Optional[TenantShare] = None) -> ProcessedRequest:
         """The checked request (see the class); ValueError when it can never run. `prompt_embeds`: the prompt
-        given as input embeddings instead (engine/prompt_embeds.py). `background`: a batch job's (Request)."""
+        given as input embeddings instead (engine/prompt_embeds.py). `background`: a batch job's; `tenant`: who it is
+        served for (both Request's)."""
         if lora_request is not None:
             if self.loras is None:
                 raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
@@ -99,7 +100,7 @@ class InputProcessor:
         transfer = self._check_transfer(params)
         request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
                           priority, arrival_time, num_samples_to_fork=params.n - 1, images=image_features,
-                          background=background)
+                          background=background, tenant=tenant)
         if transfer.get("do_remote_decode"):
             self.kv_transfers.plan_export(request)
         elif transfer.get("do_remote_prefill"):

@@ -34,7 +34,7 @@ from tokenmill.models.loader import ModelSource, load_model_source, model_locati
 from tokenmill.multimodal.inputs import ImageFeature
 from tokenmill.multimodal.processing import ImageLike, ImageProcessing
 from tokenmill.outputs import RequestOutput
-from tokenmill.request import RequestStatus
+from tokenmill.request import RequestStatus, TenantShare
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.setup import make_speculation
 from tokenmill.structured.compiler import GrammarCache
@@ -198,18 +198,19 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Union[str, list[int], None], params: SamplingParams,
                     prompt_token_ids: Optional[list[int]] = None, priority: int = 0,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                    images: Sequence[ImageLike] = (), prompt_embeds: Any = None, background: bool = False) -> None:
+                    images: Sequence[ImageLike] = (), prompt_embeds: Any = None, background: bool = False,
+                    tenant: Optional[TenantShare] = None) -> None:
         """Queue a request (with the LoRA adapter `lora_request`, registered on first use; for a vision-language
         model, with `images`, one per image placeholder of the prompt; with `prompt_embeds`, a [tokens, hidden]
         tensor, the prompt given as input embeddings under enable_prompt_embeds; `background`: a batch job's line,
-        queued below every interactive request). Raises ValueError (naming the problem) if it can never run
+        queued below every interactive request; `tenant`: who it is served for, in the scheduler's fair share). Raises ValueError (naming the problem) if it can never run
         (engine/input_processor.py)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.asleep:
             raise ValueError(f"the engine is asleep ({', '.join(sorted(self.asleep))}): wake_up first")
         processed = self.inputs.process(request_id, prompt, params, prompt_token_ids, priority, arrival_time,
-                                        lora_request, images, prompt_embeds, background)
+                                        lora_request, images, prompt_embeds, background, tenant)
         request = processed.request
         self.scheduler.add_request(request)
         self.output_processor.add(request_id, processed.prompt_text, request.prompt_token_ids,

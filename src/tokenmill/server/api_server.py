@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -36,6 +35,8 @@ from tokenmill.server.serving_common import (ENGINE_ERRORS, APIError, ClientDisc
                                              error_response, new_id, respond)
 from tokenmill.server.serving_completion import CompletionHandler, prompt_items, tokenize_prompts
 from tokenmill.server.tool_calls import tool_mode
+from tokenmill.server.tenant_gate import TenantGate, TenantGateMiddleware, check_tenant_model
+from tokenmill.server.tenants import Tenants, current_tenant
 from tokenmill.server.transport import add_cors
 from tokenmill.structured.json_text import MAX_NESTING
 from tokenmill.version import __version__
@@ -43,32 +44,6 @@ from tokenmill.version import __version__
 logger = logging.getLogger(__name__)
 
 _error = error_response
-
-
-class ApiKeyMiddleware:
-    """Answers 401 to requests without `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`),
-    on every path but the open
-    ones (/health, the web pages and their static files, and /metrics unless it requires the key).
-    Plain ASGI, so streamed responses pass through untouched: Starlette's BaseHTTPMiddleware relays
-    every chunk through a memory stream and a task switch (measured here at batch 1: TPOT 12.5 -> 11.7
-    ms, two alternating pairs)."""
-
-    def __init__(self, app: Any, api_key: str, open_paths: frozenset[str]) -> None:
-        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), open_paths
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and path not in self.open_paths and not path.startswith(STATIC_PREFIX):
-            headers = dict(scope["headers"])
-            bearer = headers.get(b"authorization", b"")
-            key = b"Bearer " + headers[b"x-api-key"] if b"x-api-key" in headers else b""
-            # both compared, so the time taken does not tell which header was tried
-            if not hmac.compare_digest(bearer, self.expected) | hmac.compare_digest(key, self.expected):
-                response = _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>' or "
-                                  "'x-api-key: <key>')", "authentication_error", path=path)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -161,20 +136,23 @@ def rendered_params(body: Any, max_tokens: Optional[int]) -> dict[str, Any]:
                                                      "presence_penalty", "frequency_penalty")}
 
 
-def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, tracing: bool,
+def base_app(config: ServerConfig, tenants: Optional[Tenants], model_name: str, tracing: bool,
              fault: Callable[[], Optional[str]], model_cards: Callable[[int], list[dict[str, Any]]],
              render_metrics: Callable[[], bytes]) -> tuple[FastAPI, Callable[[Optional[str]], None]]:
-    """What every tokenmill server has, whatever its model does: the middleware (body limit, tracing, API
-    key), the OpenAI-shaped error handlers, /health (503 while `fault()` says why), /version,
-    /v1/models (`model_cards(created)`) and /metrics. Returns the app and the check of a body's `model`."""
+    """What every tokenmill server has, whatever its model does: the middleware (body limit, tracing, the
+    tenants' gate when `tenants` are given: app.state.tenant_gate), the OpenAI-shaped error handlers, /health
+    (503 while `fault()` says why), /version, /v1/models (`model_cards(created)`, those the tenant may use) and
+    /metrics. Returns the app and the check of a body's `model`."""
     app = FastAPI(title="tokenmill", version=__version__)
+    app.state.tenant_gate = gate = TenantGate(tenants) if tenants is not None else None
     started = int(time.time())
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * (1 << 20)))
     if tracing:
         app.add_middleware(TraceHeadersMiddleware)
-    if api_key:  # added last, so it runs first: no body of an unauthenticated request is read
+    if gate is not None:  # added last, so it runs first: no body of an unauthenticated request is read
         open_paths = {"/health", *PAGES} | (set() if config.metrics_require_key else {"/metrics"})
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
+        app.add_middleware(TenantGateMiddleware, gate=gate, open_paths=frozenset(open_paths),
+                           open_prefix=STATIC_PREFIX)
     add_cors(app, config)  # outermost: a browser's preflight carries no key, and a 401 still gets its CORS headers
 
     @app.exception_handler(RequestValidationError)
@@ -214,6 +192,7 @@ def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, trac
         if name is not None and name != model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'.",
                            "not_found_error", "model")
+        check_tenant_model(model_name)
 
     @app.get("/health")
     async def health() -> Response:
@@ -228,11 +207,14 @@ def base_app(config: ServerConfig, api_key: Optional[str], model_name: str, trac
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": model_cards(started)}
+        tenant = current_tenant.get()
+        return {"object": "list", "data": [card for card in model_cards(started)
+                                           if tenant is None or tenant.may_use(card["id"])]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render_metrics(), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_metrics() + (gate.render_metrics() if gate is not None else b""),
+                        media_type=CONTENT_TYPE_LATEST)
 
     return app, check_model
 
@@ -250,9 +232,9 @@ POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional[str],
-              api_key: Optional[str] = None) -> FastAPI:
-    """The HTTP application over a running AsyncEngine; with `api_key`, every route but /health (and
-    /metrics, unless config.metrics_require_key) requires it."""
+              tenants: Optional[Tenants] = None) -> FastAPI:
+    """The HTTP application over a running AsyncEngine; with `tenants`, every route but /health (and
+    /metrics, unless config.metrics_require_key) requires a tenant's key."""
     model_name = engine.model_name
     limits = RequestLimits.from_config(config)
     served = ServedModels(model_name, engine.info.loras)
@@ -268,15 +250,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
                            MediaPolicy.from_config(config))
     live = EngineStream(engine)
     app, _ = base_app(
-        config, api_key, model_name, engine.tracer is not None,
+        config, tenants, model_name, engine.tracer is not None,
         lambda: None if engine.is_alive else engine.fault or "the engine is not running",
         lambda created: served.cards(created, {"max_model_len": engine.info.max_model_len}), engine.metrics.render)
     add_lora_routes(app, served)
-    add_rl_routes(app, engine, api_key, config.enable_sleep_mode)
-    add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency, api_key)
+    add_rl_routes(app, engine, config.enable_sleep_mode)
+    add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency)
 
     def check_model(name: Optional[str]) -> None:
         served.adapter(name)  # 404 for a name this server does not serve
+        check_tenant_model(name or model_name)  # 403 for one the tenant may not use
     refuse(app, POOLING_PATHS, f"the model '{model_name}' generates text; it does not embed or score (serve an "
                                "embedding model for /v1/embeddings, /v1/score and /v1/rerank)")
 

@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from tokenmill.server.batch_lines import BATCH_URLS, BatchLine, parse_line, run_lines
 from tokenmill.server.protocol import _Strict
 from tokenmill.server.serving_common import APIError
+from tokenmill.server.tenants import current_tenant
 
 
 class CreateBatchRequest(_Strict):
@@ -37,25 +38,37 @@ class CreateBatchRequest(_Strict):
 
 
 class FileStore:
-    """Uploaded and produced files, each `<id>` (bytes) beside `<id>.json` (its OpenAI file object), in `folder`
-    (None: a temporary folder made on first use), at most `max_bytes` in all."""
+    """Uploaded and produced files, each `<id>` (bytes) beside `<id>.json` (its OpenAI file object), in `root`
+    (None: a temporary folder made on first use), at most `max_bytes` in all. A tenant's files are its own: they
+    lie in `root`/tenants/<name> (tenant names are folder-safe: server/tenants.py), and another tenant's id is
+    not found."""
 
-    def __init__(self, folder: Optional[Path], max_bytes: int) -> None:
-        self._folder, self.max_bytes = folder, max_bytes
+    def __init__(self, root: Optional[Path], max_bytes: int) -> None:
+        self._root, self.max_bytes = root, max_bytes
+
+    @property
+    def root(self) -> Path:
+        """The store's folder, made on first use."""
+        if self._root is None:
+            import tempfile
+
+            self._root = Path(tempfile.mkdtemp(prefix="tokenmill-files-"))
+        self._root.mkdir(parents=True, exist_ok=True)
+        return self._root
 
     @property
     def folder(self) -> Path:
-        """The store's folder, made on first use."""
-        if self._folder is None:
-            import tempfile
-
-            self._folder = Path(tempfile.mkdtemp(prefix="tokenmill-files-"))
-        self._folder.mkdir(parents=True, exist_ok=True)
-        return self._folder
+        """The folder of the request's tenant (the root on a server without tenants)."""
+        tenant = current_tenant.get()
+        if tenant is None:
+            return self.root
+        folder = self.root / "tenants" / tenant.name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def used_bytes(self) -> int:
-        """The bytes the stored files hold."""
-        return sum(self.get(path.stem)["bytes"] for path in self.folder.glob("*.json"))
+        """The bytes the stored files of every tenant hold."""
+        return sum(json.loads(path.read_text())["bytes"] for path in self.root.rglob("file-*.json"))
 
     def add(self, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
         """Store `data`; its file object. APIError 413 when the store would hold more than its bound."""
@@ -96,9 +109,10 @@ class FileStore:
 class Batches:
     """The batches of this server's life and the tasks running them over `app` (the server's own app)."""
 
-    def __init__(self, app: Any, files: FileStore, max_concurrency: int, headers: dict[str, str]) -> None:
-        self.app, self.files, self.max_concurrency, self.headers = app, files, max_concurrency, headers
+    def __init__(self, app: Any, files: FileStore, max_concurrency: int) -> None:
+        self.app, self.files, self.max_concurrency = app, files, max_concurrency
         self.batches: dict[str, dict[str, Any]] = {}
+        self.owners: dict[str, Optional[str]] = {}  # batch id -> the tenant that made it (None: no tenants)
         self.tasks: dict[str, asyncio.Task] = {}
 
     def create(self, body: CreateBatchRequest) -> dict[str, Any]:
@@ -118,6 +132,8 @@ class Batches:
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
         self.batches[batch["id"]] = batch
+        self.owners[batch["id"]] = _tenant_name()
+        # the task runs in a copy of this request's context: its lines are the tenant's (server/tenant_gate.py)
         task = asyncio.get_running_loop().create_task(self._run(batch))
         task.add_done_callback(lambda _: _settle(batch))
         self.tasks[batch["id"]] = task
@@ -125,9 +141,15 @@ class Batches:
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """A batch's object; APIError 404 for an unknown id."""
-        if batch_id not in self.batches:
+        if batch_id not in self.batches or self.owners[batch_id] != _tenant_name():
             raise APIError(404, f"no batch {batch_id!r}", "not_found_error", "batch_id")
         return self.batches[batch_id]
+
+    def listing(self) -> list[dict[str, Any]]:
+        """The request's tenant's batches, newest first."""
+        tenant = _tenant_name()
+        return sorted((b for i, b in self.batches.items() if self.owners[i] == tenant), key=lambda b: b["created_at"],
+                      reverse=True)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """Stop a batch: the lines not finished are dropped (those in the engine aborted); what finished is kept."""
@@ -151,7 +173,7 @@ class Batches:
                      if t.strip()]
             batch["request_counts"]["total"] = len(lines)
             batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
-            await run_lines(self.app, lines, write, self.max_concurrency, self.headers)
+            await run_lines(self.app, lines, write, self.max_concurrency)
             batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
         except asyncio.CancelledError:
             pass
@@ -220,7 +242,7 @@ def add_batch_routes(app: FastAPI, files: FileStore, batches: Batches) -> None:
 
     @app.get("/v1/batches")
     async def list_batches() -> dict[str, Any]:
-        data = sorted(batches.batches.values(), key=lambda b: b["created_at"], reverse=True)
+        data = batches.listing()
         return {"object": "list", "data": data, "has_more": False,
                 "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
@@ -233,13 +255,16 @@ def add_batch_routes(app: FastAPI, files: FileStore, batches: Batches) -> None:
         return batches.cancel(batch_id)
 
 
-def add_batch_api(app: FastAPI, state_dir: Optional[str], files_max_mb: int, max_concurrency: int,
-                  api_key: Optional[str]) -> None:
+def add_batch_api(app: FastAPI, state_dir: Optional[str], files_max_mb: int, max_concurrency: int) -> None:
     """The Files and Batch API on `app`, its files under `state_dir` (a temporary folder when None), batches posting
-    to `app` itself (with the API key, where one is set)."""
+    to `app` itself, as the tenant that made them."""
     if files_max_mb < 1 or max_concurrency < 1:
         raise ValueError(f"files_max_mb and batch_max_concurrency must be >= 1, got {files_max_mb} and "
                          f"{max_concurrency}")
     files = FileStore(Path(state_dir) / "files" if state_dir is not None else None, files_max_mb << 20)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    add_batch_routes(app, files, Batches(app, files, max_concurrency, headers))
+    add_batch_routes(app, files, Batches(app, files, max_concurrency))
+
+
+def _tenant_name() -> Optional[str]:
+    tenant = current_tenant.get()
+    return None if tenant is None else tenant.name

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from tokenmill.config import EngineConfig, ServerConfig
+from tokenmill.server.tenants import Tenants
 from tokenmill.server.transport import tls_settings
 
 logger = logging.getLogger(__name__)
@@ -22,11 +23,12 @@ _ENGINE_DEAD_EXIT = 3  # the engine died while serving (`tokenmill serve` exits 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM. On SIGTERM: stop admitting, let running requests finish for up to
-    `shutdown_timeout` seconds, abort the rest, exit 0. If the engine dies, exit 3."""
+    `shutdown_timeout` seconds, abort the rest, exit 0. If the engine dies, exit 3. On SIGHUP, read the tenants
+    file again."""
     import uvicorn
 
     server_config.validate()
-    api_key = server_config.resolved_api_key()
+    tenants = server_config.resolved_tenants()
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     name = server_config.served_model_name or default_name(engine_config.model.model)
     died: list[str] = []
@@ -39,7 +41,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         for running in servers:
             running.should_exit = True
 
-    app, stop_accepting, shutdown = make_app(engine_config, server_config, name, api_key, on_dead)
+    app, stop_accepting, shutdown = make_app(engine_config, server_config, name, tenants, on_dead)
+    if server_config.tenants_file is not None:
+        signal.signal(signal.SIGHUP, lambda sig, frame: reload_tenants(app.state.tenant_gate, server_config.tenants_file))
 
     class _GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -65,7 +69,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     return _ENGINE_DEAD_EXIT if died else 0
 
 
-def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, api_key: Optional[str],
+def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional[Tenants],
              on_dead: Optional[Callable[[str], None]] = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
     """The server's app over a new engine (a generating model's, or an embedding model's), and the engine's
     stop-admitting and shutdown calls: what `tokenmill serve` listens with and `tokenmill run-batch` posts to."""
@@ -76,7 +80,7 @@ def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str
     from tokenmill.server.api_server import build_app
 
     if runs_pooling(engine_config.model):
-        return _pooling_app(engine_config, server_config, name, api_key)
+        return _pooling_app(engine_config, server_config, name, tenants)
     limits = AdmissionLimits(server_config.max_waiting_requests, server_config.max_waiting_tokens,
                              server_config.grammar_compile_timeout)
     tracer = None
@@ -85,7 +89,7 @@ def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str
         tracer = RequestTracer(server_config.otlp_traces_endpoint, name)
     async_engine = AsyncEngine(lambda: _with_adapters(LLMEngine(engine_config), server_config.lora_modules),
                                name, limits, on_dead, tracer)
-    app = build_app(async_engine, server_config, async_engine.info.chat_template, api_key)
+    app = build_app(async_engine, server_config, async_engine.info.chat_template, tenants)
     return app, async_engine.stop_accepting, async_engine.shutdown
 
 
@@ -106,7 +110,7 @@ def _with_adapters(engine: Any, modules: Optional[list[str]]) -> Any:
     return engine
 
 
-def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, api_key: Optional[str]):
+def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional[Tenants]):
     """An embedding model's app, and its engine's stop-admitting and shutdown calls."""
     from tokenmill.pooling.engine import PoolingEngine
     from tokenmill.models.loader import model_location
@@ -123,7 +127,16 @@ def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name:
     sched = engine_config.scheduler
     engine = PoolingEngine(embedder, sched.max_num_batched_tokens, sched.max_num_seqs,
                            server_config.max_waiting_requests)
-    return build_pooling_app(engine, server_config, name, api_key), engine.stop_accepting, engine.shutdown
+    return build_pooling_app(engine, server_config, name, tenants), engine.stop_accepting, engine.shutdown
+
+
+def reload_tenants(gate: Any, path: str) -> None:
+    """Serve the tenants file's tenants from now on; a file that cannot be read or is wrong changes nothing and
+    says why in the log."""
+    try:
+        gate.reload(Tenants.from_file(path))
+    except ValueError as exc:
+        logger.error("the tenants file was not reloaded; the tenants stay as they were: %s", exc)
 
 
 def _exit_cleanly(sig: int, frame: Any) -> None:

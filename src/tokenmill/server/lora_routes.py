@@ -14,6 +14,7 @@ from tokenmill.engine.lora_registry import LoRARegistry
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.protocol import _Strict
 from tokenmill.server.serving_common import APIError
+from tokenmill.server.tenants import current_tenant
 
 
 class LoadLoRAAdapterRequest(_Strict):
@@ -85,6 +86,10 @@ def add_lora_routes(app: FastAPI, models: ServedModels) -> None:
     """vLLM's runtime adapter routes (400 naming the problem; 404 for an unknown name)."""
 
     def registry() -> LoRARegistry:
+        tenant = current_tenant.get()
+        if tenant is not None and not tenant.admin:
+            raise APIError(403, f"loading and unloading adapters changes what every tenant is served: tenant "
+                                f"'{tenant.name}' is not an admin tenant", "permission_error")
         if models.loras is None:
             raise APIError(400, "this server serves no LoRA adapters (start it with --enable-lora)", param="lora_name")
         return models.loras

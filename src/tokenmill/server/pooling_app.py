@@ -19,6 +19,7 @@ from tokenmill.server.protocol import TokenizeRequest
 from tokenmill.server.request_limits import RequestLimits
 from tokenmill.server.serving_common import APIError, unless_disconnected
 from tokenmill.server.serving_pooling import PoolingHandler
+from tokenmill.server.tenants import Tenants
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/completions/render",
                     "/v1/chat/completions/render")
@@ -53,7 +54,7 @@ class PoolingMetrics:
 
 
 def build_pooling_app(engine: PoolingEngine, config: ServerConfig, model_name: str,
-                      api_key: Optional[str] = None) -> FastAPI:
+                      tenants: Optional[Tenants] = None) -> FastAPI:
     """The HTTP application over a running PoolingEngine (same middleware, errors and auth as build_app)."""
     limits = RequestLimits.from_config(config)
     handler = PoolingHandler(engine, model_name, limits)
@@ -61,11 +62,11 @@ def build_pooling_app(engine: PoolingEngine, config: ServerConfig, model_name: s
     model = engine.model
     card = {"object": "model", "owned_by": "tokenmill", "root": model_name, "parent": None,
             "max_model_len": model.max_model_len}
-    app, check_model = base_app(config, api_key, model_name, False, lambda: None,
+    app, check_model = base_app(config, tenants, model_name, False, lambda: None,
                                 lambda created: [{"id": model_name, "created": created, **card}], metrics.render)
     refuse(app, GENERATION_PATHS, f"the model '{model_name}' is an embedding model; it does not generate text "
                                   "(use /v1/embeddings, /v1/score or /v1/rerank)")
-    add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency, api_key)
+    add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency)
 
     async def answer(body: Any, request: Request, work: Any) -> JSONResponse:
         check_model(body.model)

@@ -4,8 +4,9 @@ A bounded store: past `max_entries` the oldest response is dropped. Each entry k
 whole conversation it ended (its input and its output, as chat messages, without the `instructions`, which OpenAI
 does not carry over), so a later request continues it. In memory by default, where a conversation shares its
 message dicts with the one it continued (a long chain costs a list of references per turn); with `--state-dir` in
-the state database (server/durable_state.py), so a restarted server continues a conversation. It is only touched
-on the event loop.
+the state database (server/durable_state.py), so a restarted server continues a conversation. A tenant's responses
+are its own: they are kept under `<tenant>/<id>`, so another tenant's id is not found. It is only touched on the
+event loop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenmill.server.serving_common import APIError
+from tokenmill.server.tenants import current_tenant
 
 
 @dataclass(frozen=True)
@@ -68,17 +70,17 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Keep `response` (by its id) and the conversation it ended, dropping the oldest past the bound."""
-        self._shelf.put(response["id"], response, conversation)
+        self._shelf.put(_key(response["id"]), response, conversation)
         self._shelf.keep_newest(self.max_entries)
 
     def delete(self, response_id: str) -> bool:
         """Drop a response; False when it was not stored."""
-        return self._shelf.delete(response_id)
+        return self._shelf.delete(_key(response_id))
 
     def continued(self, previous_response_id: str) -> list[dict[str, Any]]:
         """The conversation a request with `previous_response_id` continues; a 400 naming the field when
         that response is not stored here."""
-        stored = self._shelf.get(previous_response_id)
+        stored = self._shelf.get(_key(previous_response_id))
         if stored is None:
             raise APIError(400, f"previous response '{previous_response_id}' is not stored here: it was never "
                                 "stored (store: false), was deleted, or was dropped as the oldest of the "
@@ -87,8 +89,14 @@ class ResponseStore:
 
     def found(self, response_id: str) -> StoredResponse:
         """The stored response; a 404 (not_found_error) when it is not stored."""
-        stored = self._shelf.get(response_id)
+        stored = self._shelf.get(_key(response_id))
         if stored is None:
             raise APIError(404, f"no response with id '{response_id}' is stored here", "not_found_error",
                            param="response_id")
         return StoredResponse(*stored)
+
+
+def _key(response_id: str) -> str:
+    """Where the request's tenant keeps `response_id` (response ids hold no '/')."""
+    tenant = current_tenant.get()
+    return response_id if tenant is None else f"{tenant.name}/{response_id}"

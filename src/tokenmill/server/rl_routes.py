@@ -21,6 +21,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine_errors import WeightTransferError
 from tokenmill.server.protocol import _Strict
 from tokenmill.server.serving_common import APIError
+from tokenmill.server.tenants import require_admin
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -69,14 +70,12 @@ class UpdateWeightsFromDiskRequest(_Strict):
     load_format: Optional[str] = None  # SGLang's; the checkpoint's own format is read ("auto")
 
 
-def add_rl_routes(app: FastAPI, engine: AsyncEngine, api_key: Optional[str], sleep_mode: bool = False) -> None:
-    """The routes above on `app` (the API key middleware checks the key where one is set), and with `sleep_mode`
+def add_rl_routes(app: FastAPI, engine: AsyncEngine, sleep_mode: bool = False) -> None:
+    """The routes above on `app`, each for admin tenants only (server/tenants.py), and with `sleep_mode`
     (--enable-sleep-mode) vLLM's sleep routes."""
 
     def guarded() -> None:
-        if not api_key:
-            raise APIError(403, "this route changes the weights or the state the server serves: it needs the "
-                                "server's API key (start the server with --api-key)", "permission_error")
+        require_admin("this route changes the weights or the state the server serves")
 
     async def reset() -> bool:
         return await engine.call(lambda e: e.reset_prefix_cache())
