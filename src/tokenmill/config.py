@@ -675,13 +675,6 @@ class ServerConfig:
             raise ValueError("allow_credentials with allowed_origins '*' would let every site's pages call the API "
                              "with a user's credentials: name the origins")
 
-    def resolved_tenants(self) -> Any:
-        """The server's tenants (server/tenants.py's Tenants): the tenants file's, else one admin tenant for the API
-        key, else None (an open server). ValueError for a file that cannot be read or is wrong."""
-        from tokenmill.server.tenant_gate import server_tenants
-
-        return server_tenants(None if self.tenants_file else self.resolved_api_key(), self.tenants_file)
-
     def resolved_api_key(self) -> Optional[str]:
         """The API key from --api-key, --api-key-file or $TOKENMILL_API_KEY (in that order), or None."""
         if self.api_key:

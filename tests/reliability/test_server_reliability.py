@@ -76,6 +76,13 @@ BAD_REQUESTS = {
     "deeply nested JSON": ("/v1/completions", deep_json(100_000), "nests deeper than the parser follows"),
     "a JSON schema nested 300 levels": ("/v1/completions", deep_json(300), "nested"),
     "prompt token id past the vocabulary": ("/v1/completions", {"prompt": [1, VOCAB]}, "prompt"),
+    # strict types: a string where a boolean or a number belongs is not read as one, on every API
+    "store as a string on Responses": ("/v1/responses", {"input": "hi", "store": "yes"}, "store"),
+    "temperature as a string on Responses": ("/v1/responses", {"input": "hi", "temperature": "0.5"}, "temperature"),
+    "stream as a string on chat": (
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "true"}, "stream"),
+    "max_tokens as a string on Messages": (
+        "/v1/messages", {"model": "m", "max_tokens": "5", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
 }
 
 

@@ -6,11 +6,13 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from tokenmill.config import EngineConfig, ServerConfig
-from tokenmill.server.tenants import Tenants
 from tokenmill.server.transport import tls_settings
+
+if TYPE_CHECKING:
+    from tokenmill.server.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +29,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     file again."""
     import uvicorn
 
+    from tokenmill.server.tenant_gate import server_tenants
+
     server_config.validate()
-    tenants = server_config.resolved_tenants()
+    tenants = server_tenants(server_config)
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     name = server_config.served_model_name or default_name(engine_config.model.model)
     died: list[str] = []
@@ -69,7 +73,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     return _ENGINE_DEAD_EXIT if died else 0
 
 
-def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional[Tenants],
+def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional["Tenants"],
              on_dead: Optional[Callable[[str], None]] = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
     """The server's app over a new engine (a generating model's, or an embedding model's), and the engine's
     stop-admitting and shutdown calls: what `tokenmill serve` listens with and `tokenmill run-batch` posts to."""
@@ -110,7 +114,7 @@ def _with_adapters(engine: Any, modules: Optional[list[str]]) -> Any:
     return engine
 
 
-def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional[Tenants]):
+def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional["Tenants"]):
     """An embedding model's app, and its engine's stop-admitting and shutdown calls."""
     from tokenmill.pooling.engine import PoolingEngine
     from tokenmill.models.loader import model_location
@@ -133,6 +137,8 @@ def _pooling_app(engine_config: EngineConfig, server_config: ServerConfig, name:
 def reload_tenants(gate: Any, path: str) -> None:
     """Serve the tenants file's tenants from now on; a file that cannot be read or is wrong changes nothing and
     says why in the log."""
+    from tokenmill.server.tenants import Tenants
+
     try:
         gate.reload(Tenants.from_file(path))
     except ValueError as exc:

@@ -17,7 +17,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Body(_Strict):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tokenmill.config import ServerConfig
 from tokenmill.engine.admission import Client, current_client
 from tokenmill.server.serving_common import error_response
 from tokenmill.server.tenant_limits import TenantBudget
@@ -170,9 +171,10 @@ def check_tenant_model(model: str) -> None:
         raise APIError(403, f"tenant '{tenant.name}' may not use the model '{model}'", "permission_error", "model")
 
 
-def server_tenants(api_key: Optional[str], tenants_file: Optional[str]) -> Optional[Tenants]:
-    """The tenants a server serves: those of `tenants_file`, else one admin tenant for `api_key`, else None (an
-    open server)."""
-    if tenants_file is not None:
-        return Tenants.from_file(tenants_file)
+def server_tenants(config: ServerConfig) -> Optional[Tenants]:
+    """The tenants a server serves: its tenants file's, else one admin tenant for its API key, else None (an open
+    server). ValueError for a file that cannot be read or is wrong."""
+    if config.tenants_file is not None:
+        return Tenants.from_file(config.tenants_file)
+    api_key = config.resolved_api_key()
     return Tenants.single_key(api_key) if api_key else None
