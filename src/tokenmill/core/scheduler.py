@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Protocol, Sequence
 
+from tokenmill.core.fair_share import FairShare
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_connector import KVConnectorScheduler
 from tokenmill.core.runner_views import RunnerViews
@@ -86,7 +87,13 @@ class Scheduler:
     swap space and come back when it resumes (core/swap_space.py).
 
     Invariant: `running` and `waiting` are both sorted by Request.priority_key, so the preemption
-    victim is always running[-1] and, under fcfs, the next admission is always waiting[0].
+    victim is always running[-1] and, under fcfs with one tenant, the next admission is always waiting[0].
+
+    Tenants (Request.tenant) share the engine by weighted fair queuing on tokens (core/fair_share.py): the next
+    admission is the first waiting request of the head's class and priority whose tenant was served the fewest
+    tokens for its weight, and with every seat of the batch taken, a tenant below its weighted share of seats
+    takes one from a tenant above its own (the victim preempted before the step is built, only with no step
+    in flight). Which requests run changes, never what a request computes.
 
     Steps in flight: a step may be built while earlier ones still run, up to `limits.max_steps_in_flight`
     (pipeline stages), or one ahead of the step running with async scheduling. Nothing is preempted
@@ -123,6 +130,7 @@ class Scheduler:
         self.in_flight: dict[str, InFlight] = {}  # requests in steps sent to the runner and not yet updated
         self.num_preemptions_total = 0
         self.spec_totals = SpecTotals()
+        self.fair = FairShare()
 
     # ------------------------------------------------------------------ admission
     def check_admissible(self, prompt_len: int, max_total_tokens: int) -> None:
@@ -149,6 +157,7 @@ class Scheduler:
         processor checks every request once, engine/input_processor.py)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.fair.activate(request, (*self.running, *self.waiting))
         self.requests[request.request_id] = request
         self._insert(self.waiting, request)
 
@@ -272,6 +281,7 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledChunk] = []
         num_preempted = 0
+        seats_given = self._give_seats()
         room = self._step_share()
         stalled = False
         encoder = _EncoderBudget(self.limits.max_num_encoder_input_tokens)
@@ -318,7 +328,7 @@ class Scheduler:
         self.kv_cache.transfer.plan_exports(scheduled, self.requests)
         copies = [c for c in (connector.take_copies() for connector in self.connectors) if c]
         output = SchedulerOutput(scheduled, finished_request_ids=self._finished_since_last_step,
-                                 num_preempted=num_preempted, kv_copies=copies)
+                                 num_preempted=num_preempted + seats_given, kv_copies=copies)
         for connector in self.connectors:
             connector.step_built()
         self._runner_views.describe(output, self.requests, self.kv_cache)
@@ -327,10 +337,26 @@ class Scheduler:
             flight.tokens += chunk.num_tokens
             flight.samples += chunk.sample
         self._finished_since_last_step = []
-        self.num_preemptions_total += num_preempted
+        self.num_preemptions_total += num_preempted + seats_given
         for attachment in self.attachments:
             attachment.attach(output, self.requests)
         return output
+
+    def _give_seats(self) -> int:
+        """With every seat of the batch taken and no step in flight, preempt the running request that a waiting
+        tenant below its weighted share of seats takes from a tenant above its own (FairShare.seat_victim): one
+        seat a step at most. Returns how many were preempted (0 or 1)."""
+        if self.in_flight or not self.waiting:
+            return 0
+        seats = self.limits.max_num_seqs
+        if sum(1 + r.num_samples_to_fork for r in self.running) < seats:
+            return 0
+        victim = self.fair.seat_victim(self.running, self.waiting, seats)
+        if victim is None:
+            return 0
+        self.running.remove(victim)
+        self._preempt(victim)
+        return 1
 
     def _step_share(self) -> int:
         """How many requests this step may take: all of them with one step in flight at a time, else an
@@ -439,14 +465,13 @@ class Scheduler:
         return num_new
 
     def _next_waiting(self, passed_over: set[str]) -> Request:
-        """fcfs: the head of the queue (of those not `passed_over`). lpm: among the head's priority class,
-        the request with the longest cached prefix (ties: earliest), unless one was passed over too often
-        — it goes first."""
+        """Of the waiting requests not `passed_over`, among the head's class and priority, those of the tenant
+        next in the fair share; of them, fcfs: the first. lpm: the one with the longest cached prefix (ties:
+        earliest), unless one was passed over too often — it goes first."""
         candidates = [r for r in self.waiting if r.request_id not in passed_over] if passed_over else self.waiting
-        head = candidates[0]
-        if self.limits.policy != "lpm" or len(candidates) == 1:
-            return head
-        peers = [r for r in candidates if r.priority_key[:2] == head.priority_key[:2]]
+        peers = self.fair.choose(candidates, self.running)  # the head's class and priority, of one tenant
+        if self.limits.policy != "lpm" or len(peers) == 1:
+            return peers[0]
         chosen = next((r for r in peers if r.num_times_passed_over >= MAX_TIMES_PASSED_OVER), None)
         if chosen is None:
             chosen = max(peers, key=lambda r: (self.kv_cache.num_cached_tokens(r, r.num_tokens), -r.arrival_seq))
@@ -455,10 +480,11 @@ class Scheduler:
                 r.num_times_passed_over += 1
         return chosen
 
-    @staticmethod
-    def _scheduled(request: Request, start: int, num_new: int, known_end: int) -> ScheduledChunk:
-        """The chunk of `num_new` tokens from `start`; it samples when it reaches `known_end` (the request's
-        tokens and placeholders). Invariant (from _grant): proposals come only with every token it lacks."""
+    def _scheduled(self, request: Request, start: int, num_new: int, known_end: int) -> ScheduledChunk:
+        """The chunk of `num_new` tokens from `start`, charged to the request's tenant at once (so the same
+        step's admissions see it); it samples when it reaches `known_end` (the request's tokens and
+        placeholders). Invariant (from _grant): proposals come only with every token it lacks."""
+        self.fair.charge(request, num_new)
         real = num_new - len(request.spec_token_ids)
         return ScheduledChunk(request.request_id, start, num_new, start + real == known_end,
                               list(request.spec_token_ids))

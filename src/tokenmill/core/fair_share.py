@@ -1,0 +1,108 @@
+"""Weighted fair sharing of the engine between tenants, on tokens (no torch).
+
+Each tenant has a virtual time: the tokens its requests were scheduled (prompt chunks, decoded and proposed
+tokens) divided by its weight. Among waiting requests of the same class (interactive or batch) and priority, the
+tenant with the smallest virtual time is admitted next, and inside a tenant the order stays priority then arrival.
+A tenant that becomes active again starts from the smallest virtual time of the active ones, so idling banks no
+credit (start-time fair queuing). Seats (the running batch's max_num_seqs) are shared the same way: a tenant with
+fewer running requests than its weighted share may take one from a tenant holding more than its own
+(`seat_victim`), so one tenant's flood of long requests cannot keep another out of the batch until they end.
+
+Requests without a tenant share one anonymous tenant: with no tenants at all the order is exactly the queue's.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+from tokenmill.request import Request
+
+_ANONYMOUS = ""
+
+
+def _name(request: Request) -> str:
+    return request.tenant.name if request.tenant is not None else _ANONYMOUS
+
+
+def _weight(request: Request) -> float:
+    return request.tenant.weight if request.tenant is not None else 1.0
+
+
+class FairShare:
+    """Virtual times of the tenants with live requests (and of those idle above the floor)."""
+
+    def __init__(self) -> None:
+        self._virtual: dict[str, float] = {}
+
+    def virtual_time(self, tenant: str) -> float:
+        """The tenant's tokens served, divided by its weight, since it last caught up with the floor."""
+        return self._virtual.get(tenant, 0.0)
+
+    def activate(self, request: Request, live: Iterable[Request]) -> None:
+        """`request` arrives; `live` are the other waiting and running requests. If its tenant had none of them,
+        its virtual time catches up with the smallest of the tenants that have (idle time banks nothing), and
+        idle tenants at or below that floor are forgotten (they would catch up to it anyway)."""
+        name = _name(request)
+        active = {_name(r) for r in live}
+        if name in active:
+            return
+        floor = min((self.virtual_time(t) for t in active), default=0.0)
+        self._virtual = {t: v for t, v in self._virtual.items() if t in active or v > floor}
+        self._virtual[name] = max(self.virtual_time(name), floor)
+
+    def charge(self, request: Request, tokens: int) -> None:
+        """The request's tenant was scheduled `tokens` more tokens."""
+        name = _name(request)
+        self._virtual[name] = self.virtual_time(name) + tokens / _weight(request)
+
+    def choose(self, candidates: Sequence[Request], running: Sequence[Request]) -> Sequence[Request]:
+        """The requests the next admission is chosen from: of the class and priority of the queue's head
+        (`candidates` are in queue order), those of the tenant with the smallest virtual time (ties: the tenant
+        with fewer `running` requests, then the tenant of the earliest request), in queue order."""
+        head = candidates[0]
+        peers = [r for r in candidates if r.priority_key[:2] == head.priority_key[:2]]
+        names = {_name(r) for r in peers}
+        if len(names) == 1:
+            return peers
+        first_seen: dict[str, int] = {}
+        for index, r in enumerate(peers):
+            first_seen.setdefault(_name(r), index)
+        held = {t: 0 for t in names}
+        for r in running:
+            if _name(r) in held:
+                held[_name(r)] += 1
+        tenant = min(names, key=lambda t: (self.virtual_time(t), held[t], first_seen[t]))
+        return [r for r in peers if _name(r) == tenant]
+
+    @staticmethod
+    def seat_victim(running: Sequence[Request], waiting: Sequence[Request], seats: int) -> Optional[Request]:
+        """With the running batch's `seats` all taken: the running request to preempt so that a waiting one of a
+        tenant holding fewer seats than its weighted share can run, or None. The victim is of a tenant holding
+        more than its share, in the same or a lower class and priority than the waiting request, and the last of
+        that tenant's in queue order (its lowest priority, latest arrival). Shares are over the tenants with
+        live requests: seats x weight / total weight."""
+        if not waiting or not running:
+            return None
+        weights: dict[str, float] = {}
+        held: dict[str, int] = {}
+        for r in (*running, *waiting):
+            weights[_name(r)] = _weight(r)
+        if len(weights) < 2:
+            return None
+        for r in running:
+            held[_name(r)] = held.get(_name(r), 0) + 1
+        total = sum(weights.values())
+
+        def share(tenant: str) -> float:
+            return seats * weights[tenant] / total
+
+        for candidate in waiting:  # in queue order: the first under-seated tenant's first request
+            tenant = _name(candidate)
+            if held.get(tenant, 0) + 1 > share(tenant):
+                continue
+            for victim in reversed(running):
+                other = _name(victim)
+                if (other != tenant and held[other] - 1 >= share(other)
+                        and victim.priority_key[:2] >= candidate.priority_key[:2]):
+                    return victim
+        return None

@@ -1,0 +1,100 @@
+"""Tenants share the scheduler fairly (core/fair_share.py), on the fake runner: a flood of one tenant does not keep
+another's requests out, weights divide the tokens, idling banks no credit, and no request's output changes."""
+
+from __future__ import annotations
+
+from fake_runner import make_request, make_scheduler, run_to_completion
+from tokenmill.request import TenantShare
+
+A, B = TenantShare("a"), TenantShare("b")
+
+
+def tenant_request(rid: str, tenant, prompt_len: int, max_tokens: int, seed: int = 5):
+    request = make_request(rid, prompt_len, max_tokens=max_tokens, seed_token=seed)
+    request.tenant = tenant
+    return request
+
+
+def steps_to_first_tokens(scheduler, runner, ids: set[str]) -> dict[str, int]:
+    """Run until each of `ids` has sampled its first token: the step count at which each did."""
+    first: dict[str, int] = {}
+    step = 0
+    while len(first) < len(ids):
+        step += 1
+        schedule = scheduler.schedule()
+        for update in scheduler.update_from_output(schedule, runner.execute(schedule)):
+            if update.request_id in ids and update.new_token_ids:
+                first.setdefault(update.request_id, step)
+        assert step < 2_000, "the short requests never started"
+    return first
+
+
+def flood_then_short(tenants: bool) -> dict[str, int]:
+    """Tenant a queues 40 long requests and fills the batch's 8 seats; then b queues 4 short ones: the steps
+    until each of b's has its first token."""
+    scheduler, runner = make_scheduler(max_seqs=8, budget=32, num_blocks=512)
+    for i in range(40):
+        scheduler.add_request(tenant_request(f"a{i}", A if tenants else None, 12, 40, seed=i))
+    while scheduler.num_running < 8:  # a's requests hold every seat of the batch
+        schedule = scheduler.schedule()
+        scheduler.update_from_output(schedule, runner.execute(schedule))
+    short = {f"b{i}" for i in range(4)}
+    for i, rid in enumerate(sorted(short)):
+        scheduler.add_request(tenant_request(rid, B if tenants else None, 6, 4, seed=100 + i))
+    return steps_to_first_tokens(scheduler, runner, short)
+
+
+def test_one_tenants_flood_does_not_keep_another_tenants_requests_waiting():
+    unfair = flood_then_short(tenants=False)
+    fair = flood_then_short(tenants=True)
+    assert min(unfair.values()) > 40  # one queue: b waits for a's requests to end, 8 at a time
+    # b takes a's seats one a step, up to its half of the 8: its four requests start within a few steps
+    assert max(fair.values()) <= 6, fair
+
+
+def test_weights_divide_the_tokens_while_both_tenants_are_backlogged():
+    scheduler, runner = make_scheduler(max_seqs=16, budget=24, num_blocks=1024)
+    heavy = TenantShare("heavy", weight=3.0)
+    for i in range(60):
+        scheduler.add_request(tenant_request(f"l{i}", A, 30, 2, seed=i))
+        scheduler.add_request(tenant_request(f"h{i}", heavy, 30, 2, seed=200 + i))
+    served = {"a": 0, "heavy": 0}
+    for _ in range(60):  # both stay backlogged throughout
+        schedule = scheduler.schedule()
+        for chunk in schedule.scheduled:
+            served["a" if chunk.request_id.startswith("l") else "heavy"] += chunk.num_tokens
+        scheduler.update_from_output(schedule, runner.execute(schedule))
+    assert 2.5 <= served["heavy"] / served["a"] <= 3.5, served
+
+
+def test_an_idle_tenant_banks_no_credit():
+    """b is served a little, idles while a runs alone for a long time, then comes back with a flood: it shares
+    with a from then on instead of taking everything until its virtual time catches up."""
+    scheduler, runner = make_scheduler(max_seqs=16, budget=24, num_blocks=1024)
+    scheduler.add_request(tenant_request("b-early", B, 10, 2))
+    for i in range(30):
+        scheduler.add_request(tenant_request(f"a{i}", A, 30, 2, seed=i))
+    run_to_completion(scheduler, runner)  # a's 30 requests: ~1,000 tokens while b is idle
+    for i in range(30):
+        scheduler.add_request(tenant_request(f"a-late{i}", A, 30, 2, seed=50 + i))
+        scheduler.add_request(tenant_request(f"b{i}", B, 30, 2, seed=100 + i))
+    served = {"a": 0, "b": 0}
+    for _ in range(20):
+        schedule = scheduler.schedule()
+        for chunk in schedule.scheduled:
+            served[chunk.request_id[0]] += chunk.num_tokens
+        scheduler.update_from_output(schedule, runner.execute(schedule))
+    assert 0.6 <= served["a"] / served["b"] <= 1.6, served
+
+
+def test_the_fair_share_changes_who_runs_never_what_a_request_computes():
+    def outputs(tenants: bool):
+        scheduler, runner = make_scheduler(max_seqs=4, budget=16, num_blocks=24)  # small: preemption too
+        for i in range(10):
+            tenant = (A if i % 3 else TenantShare("b", 2.0)) if tenants else None
+            scheduler.add_request(tenant_request(f"r{i}", tenant, 5 + 3 * i, 10, seed=i))
+        return run_to_completion(scheduler, runner), scheduler
+
+    plain, _ = outputs(False)
+    shared, scheduler = outputs(True)
+    assert shared == plain and scheduler.num_preemptions_total > 0
