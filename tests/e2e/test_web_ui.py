@@ -320,12 +320,17 @@ def test_with_an_api_key_the_pages_load_and_ask_for_it(servers, page):
     assert wait_answered(page)
     page.goto(url + "/dashboard")  # the key is kept: the stream opens with it
     page.wait_for_function("window.tokenmillDashboard.samples > 1", timeout=20_000)
+    # --api-key is one admin tenant: the tenants' table shows it, with the first-token time of its "hi"
+    row = page.locator("#tenants-card:not([hidden]) tbody tr")
+    assert row.locator("th").inner_text() == "default"
+    assert row.locator("td").nth(3).inner_text() != "–"
 
 
 def test_the_dashboard_moves_under_load_and_shows_cached_blocks(servers, page):
     url = servers["open"].url
     page.goto(url + "/dashboard")
     page.wait_for_function("window.tokenmillDashboard.samples > 0", timeout=20_000)
+    assert page.locator("#tenants-card").is_hidden()  # no keys, no tenants
     prompt = "the quick brown fox jumps over the lazy dog " * 10
     body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     seen_running = threading.Event()

@@ -248,11 +248,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         chat = ChatHandler(engine, model_name, chat_template, limits, served.adapter,
                            reasoning_parser(config.reasoning_parser, engine.tokenizer), config.tool_call_parser,
                            MediaPolicy.from_config(config))
-    live = EngineStream(engine)
     app, _ = base_app(
         config, tenants, model_name, engine.tracer is not None,
         lambda: None if engine.is_alive else engine.fault or "the engine is not running",
         lambda created: served.cards(created, {"max_model_len": engine.info.max_model_len}), engine.metrics.render)
+    gate = app.state.tenant_gate
+    live = EngineStream(engine, gate.usage if gate is not None else None)
     add_lora_routes(app, served)
     add_rl_routes(app, engine, config.enable_sleep_mode)
     add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency)

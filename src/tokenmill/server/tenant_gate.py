@@ -82,11 +82,17 @@ class TenantGate:
         return generate_latest(self.metrics.registry)
 
     def usage(self) -> list[dict[str, Any]]:
-        """Each tenant's use now (the dashboard's table): in flight, requests and tokens in the last minute."""
+        """Each tenant's use now (the dashboard's table): in flight, requests and tokens in the last minute against
+        its limits, and the median time to first token of its last requests (ms; None before any)."""
         now = self.clock()
-        return [{"tenant": name, "in_flight": b.in_flight, "requests_last_minute": b.requests.total(now),
-                 "tokens_last_minute": b.tokens.total(now), "requests_per_minute": b.tenant.requests_per_minute,
-                 "tokens_per_minute": b.tenant.tokens_per_minute} for name, b in self.budgets.items()]
+        rows = []
+        for name, b in self.budgets.items():
+            ttfts = sorted(b.recent_ttft)
+            rows.append({"tenant": name, "in_flight": b.in_flight, "requests_last_minute": b.requests.total(now),
+                         "tokens_last_minute": b.tokens.total(now), "requests_per_minute": b.tenant.requests_per_minute,
+                         "tokens_per_minute": b.tenant.tokens_per_minute,
+                         "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else None})
+        return rows
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes:

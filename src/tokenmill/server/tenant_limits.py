@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from tokenmill.server.tenants import Tenant
 
 WINDOW_S = 60
+RECENT_TTFTS = 64  # the first-token times a budget keeps for the dashboard's median
 
 
 class SlidingWindow:
@@ -84,6 +85,7 @@ class TenantBudget:
         self.clock = clock
         self.requests, self.tokens = SlidingWindow(), SlidingWindow()
         self.in_flight = 0
+        self.recent_ttft: collections.deque[float] = collections.deque(maxlen=RECENT_TTFTS)
         self._lock = threading.Lock()
         self._observe = observe or (lambda tenant, what, value: None)
 
@@ -132,6 +134,7 @@ class TenantBudget:
 
     def first_output(self, seconds: float) -> None:
         """A request's first output came `seconds` after it arrived."""
+        self.recent_ttft.append(seconds)
         self._observe(self.tenant.name, "ttft", seconds)
 
     def finished(self, completion_tokens: int, seconds: float) -> None:

@@ -113,10 +113,34 @@ function onSample(sample) {
   figure("fig-errors", String(sample.requests.finished.error + sample.requests.engine_faults));
   figure("fig-rejected", String(sample.requests.rejected));
   figure("fig-finished", String(finished));
+  showTenants(sample.tenants);
   drawKvMap(sample.kv);
   drawLatency(sample.latency);
   drawTimeline(sample.timeline, sample.time);
   showSlos(sample.timeline);
+}
+
+// a server with tenants sends their use (every tenant's to an admin, its own to another); others send none
+function showTenants(tenants) {
+  const card = document.getElementById("tenants-card");
+  card.hidden = !tenants;
+  if (!tenants) return;
+  const against = (used, limit) => (limit == null ? String(used) : `${used} / ${limit}`);
+  card.querySelector("tbody").replaceChildren(...tenants.map((t) => {
+    const row = document.createElement("tr");
+    const name = document.createElement("th");
+    name.scope = "row";
+    name.textContent = t.tenant;
+    row.append(name);
+    for (const text of [String(t.in_flight), against(t.requests_last_minute, t.requests_per_minute),
+                        against(t.tokens_last_minute, t.tokens_per_minute),
+                        t.ttft_p50_ms == null ? "–" : t.ttft_p50_ms.toFixed(1)]) {
+      const cell = document.createElement("td");
+      cell.textContent = text;
+      row.append(cell);
+    }
+    return row;
+  }));
 }
 
 const SLO_STORE = "tokenmill.dashboard.slos";
