@@ -425,6 +425,14 @@ class ParallelConfig:
                          "of the node; or CPU lists as vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND, '0-3,8', with several "
                          "ranks on a node '0-3|4-7' (the node's i-th rank takes the i-th list). A rank pinned to "
                          "one NUMA node's CPUs keeps its weights and KV pool in that node's memory")
+    worker_step_timeout: float = _opt(300.0, "seconds a step may take before its worker group is taken for hung "
+                                      "(a rank stopped, or stuck in a collective) and replaced as a dead one is "
+                                      "(multiprocess executor; 0: never)")
+    max_worker_restarts: int = _opt(1, "times the worker group of one node is replaced within "
+                                    "--worker-restart-window after a rank died or hung: the requests in flight "
+                                    "resume by recompute, the clients see a pause; one failure more ends them with "
+                                    "503 and the server exits 3 (0: never replace)")
+    worker_restart_window: float = _opt(600.0, "seconds over which --max-worker-restarts counts replacements")
     data_parallel_rank: int = _opt(0, "this engine's index among data-parallel replicas (`serve "
                                    "--data-parallel-size` sets it): its KV events say it, and their tcp ports "
                                    "are offset by it as vLLM does")
@@ -455,6 +463,10 @@ class ParallelConfig:
         if self.backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
                              f"pipeline_parallel_size is {self.world_size}: use 'mp'")
+        if self.worker_step_timeout < 0 or self.max_worker_restarts < 0 or self.worker_restart_window <= 0:
+            raise ValueError(f"worker_step_timeout and max_worker_restarts must be >= 0 and worker_restart_window "
+                             f"> 0, got {self.worker_step_timeout}, {self.max_worker_restarts} and "
+                             f"{self.worker_restart_window}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank} of nnodes "
                              f"{self.nnodes}")

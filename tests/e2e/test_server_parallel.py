@@ -1,10 +1,12 @@
 """`tokenmill serve` with 2 tensor-parallel ranks or 2 pipeline stages: the same streamed answer as one
-rank; a killed rank makes the server exit for its supervisor, within seconds."""
+rank; a rank killed (or stopped) mid-stream is replaced with its whole group and the stream goes on to the same
+answer; one failure more than --max-worker-restarts makes the server exit for its supervisor, within seconds."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import httpx
 import pytest
@@ -14,6 +16,8 @@ from e2e.server_harness import ServerProcess
 from helpers.tiny_models import make_tiny_hf_model
 
 BODY = dict(prompt="The lighthouse keeper", max_tokens=24, temperature=0, logprobs=2)
+# long enough that a rank killed after the first streamed chunk dies mid-stream
+LONG = dict(BODY, max_tokens=400, extra_body={"ignore_eos": True})
 # a small KV pool (the one request takes 2 blocks): a pool sized from memory costs each rank seconds to start
 KV = ("--num-kv-blocks", "64")
 
@@ -23,10 +27,13 @@ def tiny(tmp_path_factory):
     return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", num_key_value_heads=4))
 
 
-def streamed(url: str) -> tuple[str, list]:
+def streamed(url: str, body: dict = BODY, after_first_chunk=lambda: None) -> tuple[str, list]:
+    """The streamed text and token logprobs of `body`; `after_first_chunk` runs once the first chunk came."""
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
     text, logprobs = "", []
-    for chunk in client.completions.create(model=client.models.list().data[0].id, stream=True, **BODY):
+    for chunk in client.completions.create(model=client.models.list().data[0].id, stream=True, **body):
+        if not text:
+            after_first_chunk()
         text += chunk.choices[0].text
         logprobs += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []
     return text, logprobs
@@ -57,34 +64,69 @@ def worker_pids(server_pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def one_rank_answer(tiny):
-    """One rank's greedy text and token logprobs for BODY, from the engine in this process: the ranks' servers
-    must stream exactly what the engine alone makes (a one-rank server of its own would add only its start)."""
+    """One rank's greedy text and token logprobs for BODY and LONG, from the engine in this process: the ranks'
+    servers must stream exactly what the engine alone makes (a one-rank server of its own would add only its
+    start)."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(tiny, num_kv_blocks=64)
     try:
-        (out,) = llm.generate(BODY["prompt"], SamplingParams(max_tokens=BODY["max_tokens"], temperature=0,
-                                                             logprobs=BODY["logprobs"]), use_tqdm=False)
+        outs = llm.generate([BODY["prompt"]] * 2, [
+            SamplingParams(max_tokens=body["max_tokens"], temperature=0, logprobs=BODY["logprobs"], ignore_eos=ignore)
+            for body, ignore in ((BODY, False), (LONG, True))], use_tqdm=False)
     finally:
         llm.shutdown()
-    (completion,) = out.outputs
-    return completion.text, [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+    return [(c.text, [entry[token].logprob for token, entry in zip(c.token_ids, c.logprobs)])
+            for c in (out.outputs[0] for out in outs)]
+
+
+def metric(url: str, name: str) -> float:
+    """A series of the server's /metrics (its first sample)."""
+    line = next(l for l in httpx.get(f"{url}/metrics").text.splitlines() if l.startswith(name))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def disturbed_mid_stream(server: ServerProcess, how: int) -> tuple[str, list]:
+    """LONG streamed while one worker gets the signal `how` once the first chunk came."""
+    def signal_a_rank() -> None:
+        os.kill(worker_pids(server.proc.pid)[-1], how)
+    return streamed(server.url, LONG, signal_a_rank)
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-def test_two_ranks_stream_the_one_rank_answer_and_a_killed_rank_stops_the_server(tiny, one_rank_answer, flag,
-                                                                                   tmp_path):
-    expected = one_rank_answer
-    assert expected[1], "the engine answered nothing to compare with"
-    two = ServerProcess(tiny, flag, "2", *KV, log_path=tmp_path / "two.log").start().wait_ready()
+def test_two_ranks_stream_the_one_rank_answer_through_a_replaced_worker_group(tiny, one_rank_answer, flag, tmp_path):
+    short, long = one_rank_answer
+    assert short[1] and len(long[1]) == LONG["max_tokens"], "the engine answered nothing to compare with"
+    # tensor-parallel: a kill and a stop, each replaced (two within the window); pipeline: a kill, replaced
+    restarts = 2 if flag == "--tensor-parallel-size" else 1
+    two = ServerProcess(tiny, flag, "2", *KV, "--max-worker-restarts", str(restarts), "--worker-step-timeout", "5",
+                        log_path=tmp_path / "two.log").start().wait_ready()
     try:
-        assert streamed(two.url) == expected
-        workers = worker_pids(two.proc.pid)
-        assert len(workers) == 2, two.log()[-2000:]
-        os.kill(workers[-1], signal.SIGKILL)
+        assert streamed(two.url) == short
+        assert len(worker_pids(two.proc.pid)) == 2, two.log()[-2000:]
+        assert disturbed_mid_stream(two, signal.SIGKILL) == long  # the client saw a pause, not an error
+        assert metric(two.url, "tokenmill:worker_restarts_total") == 1
+        assert metric(two.url, "tokenmill:worker_recovery_seconds") > 0
+        assert "1 requests resume by recomputing" in two.log()  # the stream's request was in flight
+        if restarts == 2:  # a stopped rank hangs the group: after --worker-step-timeout it is replaced too
+            assert disturbed_mid_stream(two, signal.SIGSTOP) == long
+            assert "the worker group hangs (stopped: rank 1)" in two.log()
+        assert len(worker_pids(two.proc.pid)) == 2, two.log()[-2000:]
+        # one failure more within the window: the stream ends with an error and the server exits 3
+        ended: list[BaseException] = []
+
+        def last_stream() -> None:
+            try:
+                disturbed_mid_stream(two, signal.SIGKILL)
+            except Exception as exc:  # (the SDK raises on the stream's error event or its broken connection)
+                ended.append(exc)
+        failed = threading.Thread(target=last_stream)
+        failed.start()
         code = two.proc.wait(timeout=120)  # it exits by itself, however loaded the machine
+        failed.join(timeout=60)
         assert code == 3, two.log()[-2000:]
-        assert "worker rank" in two.log()
+        assert ended, "the last stream ended without an error"
+        assert "not replacing it again" in two.log()
     finally:
         two.stop()
 

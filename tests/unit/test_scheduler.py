@@ -1,9 +1,10 @@
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 
-from fake_runner import make_request, make_scheduler, run_to_completion
+from fake_runner import FakeRunner, make_request, make_scheduler, run_to_completion
 from tokenmill.request import RequestStatus
 
 
@@ -165,3 +166,29 @@ def test_stop_token_and_min_tokens():
     req.output_token_ids.append(7)
     req.output_token_ids.append(9)
     assert req.check_stop_token(9) and req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == 9
+
+
+def test_a_lost_worker_group_resumes_every_request_by_recompute_with_the_same_tokens():
+    """`recompute_everything` (a replaced worker group): the running requests, a step in flight among them, go
+    back to the queue with nothing computed, the runner is told every request again in full, and every request
+    ends with the tokens it would have had undisturbed."""
+    def run(lose_after: Optional[int]):
+        scheduler, runner = make_scheduler(budget=16, num_blocks=64, prefix_caching=True)
+        for i in range(4):
+            scheduler.add_request(make_request(f"r{i}", 9 + 5 * i, max_tokens=10, seed_token=i))
+        outputs: dict[str, list[int]] = {}
+        step = 0
+        while scheduler.has_unfinished_requests():
+            schedule = scheduler.schedule()
+            step += 1
+            if step == lose_after:  # this step's answer never comes: its group died
+                scheduler.recompute_everything()
+                assert scheduler.kv_cache.reset_prefix_cache() and not scheduler.running
+                assert all(r.num_computed_tokens == 0 for r in scheduler.waiting)
+                runner = FakeRunner(scheduler.kv_cache)  # a new group: it knows no request, its pool is empty
+                continue
+            for update in scheduler.update_from_output(schedule, runner.execute(schedule)):
+                outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+        return outputs
+
+    assert run(lose_after=6) == run(lose_after=None)

@@ -178,6 +178,29 @@ class Scheduler:
             done.append(rid)
         return done
 
+    def recompute_everything(self) -> None:
+        """The workers' state is lost (their group was replaced): every running request and every swapped-out one
+        goes back to the waiting queue to recompute its prompt and the tokens it already produced (as a preemption
+        by recompute: what it streamed stays, and batch invariance makes the rest the same), nothing is in flight
+        and the runner knows no request. The caller resets the prefix cache once the blocks are free."""
+        self.in_flight.clear()
+        while self.running:
+            request = self.running.pop()
+            request.spec_token_ids = []
+            self.kv_cache.free(request.request_id)
+            self.num_recomputed_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self._insert(self.waiting, request)
+        for request in self.waiting:
+            if self.swap is not None and self.swap.holds(request.request_id):
+                self.swap.drop(request.request_id)
+                self.kv_cache.free(request.request_id)
+                self.num_recomputed_tokens += request.num_computed_tokens
+                request.num_computed_tokens = 0
+        self._finished_since_last_step = []
+        self._runner_views = RunnerViews()
+
     def set_proposals(self, proposals: dict[str, list[int]]) -> None:
         """The next step's speculative proposals: each running request named gets its own, every other
         running request none (proposals not verified in the step after they were made are stale)."""

@@ -5,9 +5,11 @@ from a failed step or declares the engine dead (engine/async_engine.py says how 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
@@ -61,6 +63,7 @@ class EngineLoop:
         self.paused = False
         self._held: dict[str, dict[str, Any]] = {}  # request id -> LLMEngine.add_request's keywords
         self._pausing: Optional[threading.Event] = None
+        self._restarts: collections.deque[float] = collections.deque()  # when the worker group was replaced
         self.engine: LLMEngine  # this thread's alone (see the class's docstring)
         self.info: EngineInfo  # what other threads read of it
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="tokenmill-engine",
@@ -200,9 +203,10 @@ class EngineLoop:
                 self._run_commands()
                 return
             gone = self.engine.executor.failure()
-            if gone is not None:  # a worker process died: no step can run again
-                self._die(gone)
-                return
+            if gone is not None:  # a worker process died: no step can run on this group again
+                if not self._replace_workers(gone):
+                    return
+                continue
             idle = not self.engine.has_unfinished_requests()
             if idle and self._pausing is not None:  # a pause in mode wait: the engine has emptied
                 self.paused = True
@@ -215,8 +219,8 @@ class EngineLoop:
             try:
                 self._step()
             except ExecutorDiedError as exc:
-                self._die(str(exc))
-                return
+                if not self._replace_workers(str(exc)):
+                    return
             except Exception as exc:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._recover(f"{type(exc).__name__}: {exc}")
@@ -278,6 +282,37 @@ class EngineLoop:
         self._refresh_gauges()
         logger.warning("the engine recovered from a failed step (%s)", reason)
         self.fault = None
+
+    def _replace_workers(self, reason: str) -> bool:
+        """A rank of the worker group died or hung: replace the group and resume every request by recompute
+        (the clients see a pause), unless --max-worker-restarts replacements were already made within
+        --worker-restart-window (or the group cannot be replaced): then the engine is dead. True when it serves
+        again."""
+        parallel = self.engine.config.parallel
+        now = time.monotonic()
+        while self._restarts and self._restarts[0] <= now - parallel.worker_restart_window:
+            self._restarts.popleft()
+        if len(self._restarts) >= parallel.max_worker_restarts:
+            self._die(f"{reason}; {len(self._restarts)} worker group replacement(s) within the last "
+                      f"{parallel.worker_restart_window:g} s already (--max-worker-restarts "
+                      f"{parallel.max_worker_restarts}): not replacing it again")
+            return False
+        self._restarts.append(now)
+        self.fault = f"replacing the worker group: {reason}"
+        logger.error("the worker group failed (%s); replacing it", reason)
+        try:
+            resumed = self.engine.replace_workers()
+        except Exception as exc:
+            logger.exception("the worker group could not be replaced")
+            self._die(f"{reason}; the worker group could not be replaced: {type(exc).__name__}: {exc}")
+            return False
+        seconds = time.monotonic() - now
+        self._metrics.record_worker_restart(seconds)
+        self._refresh_gauges()
+        logger.warning("worker group replaced in %.1f s; %d requests resume by recomputing what they had", seconds,
+                       resumed)
+        self.fault = None
+        return True
 
     def _probe(self) -> None:
         engine = self.engine

@@ -100,7 +100,8 @@ class LLMEngine:
         self.async_scheduling = async_scheduling_applies(config, self.device.type)
         # every check is done: what starts from here is stopped again if a later part fails
         with ExitStack() as on_failure:
-            self.executor: Executor = make_executor(worker_spec(config, model, plan), config.parallel, self.source)
+            self._worker_spec = worker_spec(config, model, plan)
+            self.executor: Executor = make_executor(self._worker_spec, config.parallel, self.source)
             on_failure.callback(self.executor.shutdown)
             self.kv_cache, self.kv_transfers, self.kv_events = build_kv_cache(
                 config, model, plan, self.executor.num_blocks, events_config, transfer_config, on_failure)
@@ -241,6 +242,32 @@ class LLMEngine:
         if self.kv_events is not None:
             self._publish_kv_events()
         return True
+
+    def replace_workers(self) -> int:
+        """After the worker group failed (a rank died or hung): stop what is left of it, start a new one with the
+        same ranks, which load the weights again, and let every unfinished request resume by recomputing its
+        prompt and the tokens it already produced; the prefix cache is forgotten (its blocks were the old group's).
+        Returns the requests that resume. ValueError when the group cannot be replaced here (one rank in the
+        engine's process, or ranks on other nodes); what starting the new group raises, when it fails."""
+        old = self.executor
+        if not hasattr(old, "processes"):
+            raise ValueError("the model runs in the engine's process: there is no worker group to replace")
+        if getattr(old, "multi_node", False):
+            raise ValueError("the ranks on the other nodes would have to start again too: a multi-node group is "
+                             "not replaced")
+        self._in_flight.clear()
+        self._drafts.hold({})
+        self.scheduler.recompute_everything()
+        if not self.kv_cache.reset_prefix_cache():
+            raise RuntimeError("KV blocks stayed held after every request was set to recompute")
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        old.shutdown(grace=0.5)  # a hung rank never stops by itself
+        self.executor = make_executor(self._worker_spec, self.config.parallel, self.source)
+        if self.executor.num_blocks < self.kv_cache.num_blocks:
+            raise RuntimeError(f"the new worker group holds {self.executor.num_blocks} KV blocks, fewer than the "
+                               f"{self.kv_cache.num_blocks} the scheduler plans with")
+        return self.scheduler.num_waiting
 
     def update_weights_from_disk(self, model_path: str) -> int:
         """Serve the weights of the checkpoint at `model_path` (a folder or Hub id of the same model: architecture,

@@ -56,6 +56,10 @@ class EngineMetrics:
         self.rejections = counter("num_requests_rejected", "Requests refused with 429 (admission limits).")
         self.faults = counter("engine_faults", "Engine steps that failed as a whole (the requests in flight "
                               "failed with them).")
+        self.worker_restarts = counter("worker_restarts", "Worker groups replaced after a rank died or hung (the "
+                                       "requests in flight resumed by recompute).")
+        self.worker_recovery = gauge("worker_recovery_seconds", "How long the last worker group replacement took, "
+                                     "from the failure seen to the new group ready.")
         self._success = family(Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finish_reason"], registry=r))
         self.model_name = model_name
@@ -203,6 +207,11 @@ class EngineMetrics:
     def record_fault(self) -> None:
         """Count a failed engine step."""
         self.faults.inc()
+
+    def record_worker_restart(self, seconds: float) -> None:
+        """Count a replaced worker group, and how long replacing it took."""
+        self.worker_restarts.inc()
+        self.worker_recovery.set(seconds)
 
     def render(self) -> bytes:
         """The Prometheus exposition text."""

@@ -2,7 +2,9 @@
 
 Each worker owns its device, its model (its shard) and its KV pool. The engine's process keeps the
 scheduler, tokenizer and grammars. A worker that exits is noticed at once (its process sentinel), by
-the step waiting on it and by a monitor thread when no step runs, so nothing waits on a dead rank.
+the step waiting on it and by a monitor thread when no step runs, so nothing waits on a dead rank; a step
+that takes longer than `worker_step_timeout` fails the executor as hung (a rank stopped, or stuck in a
+collective). Either way the engine may replace the whole group (LLMEngine.replace_workers).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class MultiprocExecutor(Executor):
         world_size = spec.world_size
         self.driver = spec.driver_rank
         self.max_steps_in_flight = spec.pp_size
+        self.step_timeout = parallel.worker_step_timeout or None
+        self.multi_node = parallel.nnodes > 1
         self._num_in_flight = 0
         # Held while a step is sent or its answer received, so the monitor sees a quiet connection only
         # when no step is in flight (see _watch).
@@ -117,22 +121,34 @@ class MultiprocExecutor(Executor):
         """The driver's output of the oldest step in flight."""
         if self._num_in_flight == 0:
             raise RuntimeError("collect() with no step in flight")
+        if self._failure is not None:  # (a hung group would keep the caller another timeout)
+            self._num_in_flight -= 1
+            raise ExecutorDiedError(self._failure)
         with self._step_lock:
             try:
-                done = self._receive(self.driver, range(len(self.pipes)))
+                done = self._receive(self.driver, range(len(self.pipes)), self.step_timeout)
                 assert isinstance(done, StepDone), f"a worker answered a step with {type(done).__name__}"
                 return done.output
             finally:
                 self._num_in_flight -= 1
 
-    def _receive(self, rank: int, listening: Iterable[int]) -> WorkerMessage:
+    def _receive(self, rank: int, listening: Iterable[int], timeout: Optional[float] = None) -> WorkerMessage:
         """The next answer of `rank`, while watching the `listening` ranks' pipes (the others speak only
         to report a failed step) and every worker's sentinel. A step that fails on one rank of several
-        leaves the ranks out of step (some may wait in a collective): the executor is then failed too."""
+        leaves the ranks out of step (some may wait in a collective): the executor is then failed too, as it
+        is when no answer comes within `timeout` seconds (None: no limit)."""
         pipes = {self.pipes[r]: r for r in listening}
         sentinels = {process.sentinel: r for r, process in enumerate(self.processes)}
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            ready = connection.wait([*pipes, *sentinels])
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = connection.wait([*pipes, *sentinels], timeout=left)
+            if not ready:
+                stopped = [r for r, p in enumerate(self.processes) if _stopped(p.pid)]
+                how = f" (stopped: rank {', '.join(map(str, stopped))})" if stopped else ""
+                self._failure = self._failure or (f"a step had no answer within {timeout:g} s (--worker-step-timeout): "
+                                                  f"the worker group hangs{how}")
+                raise ExecutorDiedError(self._failure)
             for pipe in (p for p in ready if p in pipes):
                 speaker = pipes[pipe]
                 try:
@@ -215,8 +231,9 @@ class MultiprocExecutor(Executor):
         """Why a worker is gone, or None while all run."""
         return self._failure
 
-    def shutdown(self) -> None:
-        """Ask every worker to stop, then terminate and kill what is left (idempotent)."""
+    def shutdown(self, grace: float = _STOP_GRACE_SECONDS) -> None:
+        """Ask every worker to stop, then terminate and kill what is left, each step given `grace` seconds
+        (idempotent). A failed group being replaced gets a short grace: a hung rank never stops by itself."""
         if self._stopping:
             return
         self._stopping = True
@@ -227,15 +244,24 @@ class MultiprocExecutor(Executor):
             except OSError:
                 pass
         for process in self.processes:
-            process.join(timeout=_STOP_GRACE_SECONDS)
+            process.join(timeout=grace)
             if process.is_alive():
                 process.terminate()
-                process.join(timeout=_STOP_GRACE_SECONDS)
+                process.join(timeout=grace)
             if process.is_alive():
                 process.kill()
                 process.join()
         for pipe in (p for p in self.pipes if p is not None):
             pipe.close()
+
+
+def _stopped(pid: Optional[int]) -> bool:
+    """Whether the process is stopped (SIGSTOP; Linux's /proc says so; False where it cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _free_port() -> int:
