@@ -208,3 +208,30 @@ def test_a_client_that_goes_away_aborts_its_stream(served):
             assert metric(metric_samples(url), "tokenmill:num_requests_running") == 1
     wait_for_metrics(url, lambda samples: metric(samples, "tokenmill:num_requests_running") == 0
                      and aborted(samples) == before + 1, timeout=10)
+
+
+def test_a_conversation_goes_on_after_the_server_is_killed(tmp_path):
+    """kill -9 of a server with --state-dir, a restart on the same folder: the next turn continuing the stored
+    response answers as the killed server would have (every stored response is committed when it is answered)."""
+    import os
+    import signal
+
+    model = str(make_tiny_hf_model(tmp_path / "model"))
+    args = (model, "--max-model-len", "512", "--num-kv-blocks", "64", "--served-model-name", "tiny",
+            "--state-dir", str(tmp_path / "state"))
+    turn = dict(model="tiny", temperature=0, max_output_tokens=6, extra_body={"ignore_eos": True})
+    first = ServerProcess(*args, log_path=tmp_path / "first.log").start().wait_ready()
+    try:
+        client = OpenAI(base_url=f"{first.url}/v1", api_key="none", max_retries=0)
+        opened = client.responses.create(input=QUESTION, **turn)
+        expected = client.responses.create(input="And tomorrow?", previous_response_id=opened.id, store=False, **turn)
+        os.kill(first.proc.pid, signal.SIGKILL)
+        assert first.proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        first.stop()
+    second = ServerProcess(*args, log_path=tmp_path / "second.log").start().wait_ready()
+    with second.running():
+        client = OpenAI(base_url=f"{second.url}/v1", api_key="none", max_retries=0)
+        assert client.responses.retrieve(opened.id).output_text == opened.output_text
+        again = client.responses.create(input="And tomorrow?", previous_response_id=opened.id, **turn)
+        assert again.output_text == expected.output_text and again.usage.input_tokens == expected.usage.input_tokens
