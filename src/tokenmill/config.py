@@ -611,6 +611,9 @@ class ServerConfig:
                  "deepseek_v31", "openai"])
     max_stored_responses: int = _opt(1000, "responses /v1/responses keeps for previous_response_id and GET "
                                      "(store: true); the oldest is dropped past it")
+    max_stored_responses_mb: float = _opt(256.0, "the most the stored responses hold in all, each counted as its "
+                                          "response's and conversation's JSON (MiB); the oldest are dropped "
+                                          "past it")
     data_parallel_size: int = _opt(1, "engine processes (replicas of the whole model) behind this port, each "
                                    "request sent to the one with the least outstanding tokens once its cached "
                                    "prefix is counted (from the replicas' KV events; docs/scale-out.md)")
@@ -651,7 +654,8 @@ class ServerConfig:
                      "max_stored_responses", "limit_mm_per_prompt", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_request_body_mb", "max_constraint_kb", "grammar_compile_timeout", "media_fetch_timeout"):
+        for name in ("max_request_body_mb", "max_constraint_kb", "grammar_compile_timeout", "media_fetch_timeout",
+                     "max_stored_responses_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.data_parallel_size < 1:

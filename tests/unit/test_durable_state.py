@@ -31,6 +31,37 @@ def test_a_restarted_store_continues_the_newest_conversations(tmp_path):
     assert ResponseStore(2, str(tmp_path)).found("resp_2") and not ResponseStore(1, str(tmp_path)).delete("resp_2")
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_the_store_is_bounded_by_bytes_too_oldest_first(tmp_path, durable, caplog):
+    store = ResponseStore(100, str(tmp_path) if durable else None, max_bytes=300)
+    for index in range(4):  # ~107 bytes each: two fit
+        store.put({"id": f"resp_{index}", "text": "x" * 40}, [{"role": "user", "content": "y" * 20}])
+    with pytest.raises(APIError, match="dropped as the oldest"):
+        store.continued("resp_1")
+    assert store.found("resp_2") and store.found("resp_3")
+    store.put({"id": "resp_big", "text": "z" * 400}, [])  # larger than the whole store: not kept (said), the rest stay
+    assert "resp_big was not kept" in caplog.text
+    with pytest.raises(APIError):
+        store.found("resp_big")
+    if durable:  # a restart with a smaller byte bound drops the oldest at once
+        assert ResponseStore(100, str(tmp_path), max_bytes=150).found("resp_3")
+        with pytest.raises(APIError):
+            ResponseStore(100, str(tmp_path)).found("resp_2")
+
+
+def test_a_database_of_the_first_version_gets_its_sizes(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "state.sqlite3", isolation_level=None)
+    db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, response TEXT NOT NULL, "
+               "conversation TEXT NOT NULL)")
+    db.execute("INSERT INTO responses VALUES ('resp_old', 1, '{\"id\": \"resp_old\"}', '[]')")
+    db.close()
+    store = ResponseStore(10, str(tmp_path), max_bytes=1000)
+    assert store.found("resp_old").response == {"id": "resp_old"}
+    assert store._shelf.db.execute("SELECT bytes FROM responses").fetchone()[0] == len('{"id": "resp_old"}') + 2
+
+
 def test_a_corrupted_database_is_moved_aside_and_the_store_starts_empty(tmp_path, caplog):
     (tmp_path / "state.sqlite3").write_bytes(b"not a database, " * 512)
     with caplog.at_level(logging.ERROR):

@@ -1,5 +1,5 @@
 """What a server keeps across restarts under `--state-dir`: one SQLite database (the standard library's sqlite3, WAL
-mode, `state.sqlite3`) of its stored Responses. Every write is committed before the request that made it is
+mode, `state.sqlite3`) of its stored Responses, each with its size in bytes. Every write is committed before the request that made it is
 answered, so a server killed at any moment keeps every response it has answered with. A database that cannot be
 opened or read (a corrupted file) is moved aside, with a log line, and the server starts with an empty one.
 """
@@ -39,8 +39,12 @@ def open_database(folder: str) -> sqlite3.Connection:
 def _ready(connection: sqlite3.Connection) -> sqlite3.Connection:
     connection.execute("PRAGMA journal_mode=WAL")
     connection.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
-                       "response TEXT NOT NULL, conversation TEXT NOT NULL)")
+                       "response TEXT NOT NULL, conversation TEXT NOT NULL, bytes INTEGER NOT NULL DEFAULT 0)")
     connection.execute("SELECT count(*) FROM responses").fetchone()  # (reads a page: a corrupted file fails here)
+    if "bytes" not in {row[1] for row in connection.execute("PRAGMA table_info(responses)")}:  # an older database
+        connection.execute("ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
+        connection.execute("UPDATE responses SET bytes = length(CAST(response AS BLOB)) + "
+                           "length(CAST(conversation AS BLOB))")
     return connection
 
 
@@ -50,10 +54,11 @@ class SqliteResponses:
     def __init__(self, folder: str) -> None:
         self.db = open_database(folder)
 
-    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Store (or replace, as the newest) the response and its conversation; committed on return."""
+    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]], size: int) -> None:
+        """Store (or replace, as the newest) the response and its conversation, counted as `size` bytes; committed
+        on return."""
         self.db.execute("INSERT OR REPLACE INTO responses VALUES (?, (SELECT coalesce(max(seq), 0) + 1 FROM "
-                        "responses), ?, ?)", (response_id, json.dumps(response), json.dumps(conversation)))
+                        "responses), ?, ?, ?)", (response_id, json.dumps(response), json.dumps(conversation), size))
 
     def get(self, response_id: str) -> Optional[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """(response, conversation), or None."""
@@ -64,7 +69,11 @@ class SqliteResponses:
         """Drop one; False when it was not stored."""
         return self.db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
 
-    def keep_newest(self, count: int) -> None:
-        """Drop all but the `count` newest."""
-        self.db.execute("DELETE FROM responses WHERE id NOT IN (SELECT id FROM responses ORDER BY seq DESC LIMIT ?)",
-                        (count,))
+    def keep_newest(self, count: int, max_bytes: int) -> int:
+        """Drop the oldest until at most `count` are kept, holding at most `max_bytes`; how many were dropped."""
+        kept, held = 0, 0
+        for seq, size in self.db.execute("SELECT seq, bytes FROM responses ORDER BY seq DESC"):
+            if kept + 1 > count or held + size > max_bytes:
+                return self.db.execute("DELETE FROM responses WHERE seq <= ?", (seq,)).rowcount
+            kept, held = kept + 1, held + size
+        return 0
