@@ -83,3 +83,21 @@ def test_cancel_unknown_ids_and_a_wrong_purpose(client):
     http.post("/resume", headers=key)
     assert cancelled.status == "cancelled" and cancelled.request_counts.completed == 0
     assert sdk.files.delete(upload.id).deleted
+
+
+def test_a_batch_past_its_completion_window_expires_with_its_lines_failed(client):
+    sdk, _, http = client
+    batches = http.app.state.batches
+    batches.window_s = 0  # (24 h for real: a window that has already ended)
+    try:
+        upload = sdk.files.create(file=("in.jsonl", io.BytesIO(_lines())), purpose="batch")
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        while batch.status in ("validating", "in_progress"):
+            batch = sdk.batches.retrieve(batch.id)
+    finally:
+        batches.window_s = 24 * 3600
+    assert batch.status == "expired", batch.errors
+    assert batch.expired_at is not None and batch.output_file_id is None
+    assert batch.request_counts.failed == batch.request_counts.total > 0
+    errors = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"} and len(errors) == batch.request_counts.total

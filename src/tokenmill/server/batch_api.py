@@ -5,8 +5,9 @@ Files live under `--state-dir` (a temporary folder for the server's life when no
 `--files-max-mb` in all (413 beyond). A batch reads its input file's lines (OpenAI's batch input format) and runs
 them through the server's own routes in-process (server/batch_lines.py), at most `--batch-max-concurrency` at once
 so that interactive requests keep most of the engine; its state follows OpenAI's statuses (validating,
-in_progress, finalizing, completed, failed, cancelling, cancelled; `expired` is never reached: a batch runs until
-done), with request counts, the answered lines in `output_file_id` and the failed ones in `error_file_id`. Batches
+in_progress, finalizing, completed, failed, cancelling, cancelled, and expired: a batch not done within its 24 h
+completion window stops, its unfinished lines failed with `batch_expired` and what finished kept), with request
+counts, the answered lines in `output_file_id` and the failed ones in `error_file_id`. Batches
 are kept in memory: a restart forgets them (their files stay). One bad line never stops the others.
 """
 
@@ -22,10 +23,13 @@ from typing import Any, Optional
 from fastapi import FastAPI, File, Form, UploadFile
 from fastapi.responses import Response
 
-from tokenmill.server.batch_lines import BATCH_URLS, BatchLine, parse_line, run_lines
+from tokenmill.server.batch_lines import BATCH_URLS, BatchLine, output_line, parse_line, run_lines
 from tokenmill.server.protocol import _Strict
 from tokenmill.server.serving_common import APIError
 from tokenmill.server.tenants import current_tenant
+
+
+COMPLETION_WINDOW_S = 24 * 3600  # the one completion window OpenAI offers, "24h"
 
 
 class CreateBatchRequest(_Strict):
@@ -109,8 +113,8 @@ class FileStore:
 class Batches:
     """The batches of this server's life and the tasks running them over `app` (the server's own app)."""
 
-    def __init__(self, app: Any, files: FileStore, max_concurrency: int) -> None:
-        self.app, self.files, self.max_concurrency = app, files, max_concurrency
+    def __init__(self, app: Any, files: FileStore, max_concurrency: int, window_s: float = COMPLETION_WINDOW_S) -> None:
+        self.app, self.files, self.max_concurrency, self.window_s = app, files, max_concurrency, window_s
         self.batches: dict[str, dict[str, Any]] = {}
         self.owners: dict[str, Optional[str]] = {}  # batch id -> the tenant that made it (None: no tenants)
         self.tasks: dict[str, asyncio.Task] = {}
@@ -128,7 +132,7 @@ class Batches:
         batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body.endpoint, "errors": None,
                  "input_file_id": body.input_file_id, "completion_window": "24h", "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-                 "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                 "expires_at": now + int(self.window_s), "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
         self.batches[batch["id"]] = batch
@@ -173,8 +177,18 @@ class Batches:
                      if t.strip()]
             batch["request_counts"]["total"] = len(lines)
             batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
-            await run_lines(self.app, lines, write, self.max_concurrency)
-            batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
+            try:
+                await asyncio.wait_for(run_lines(self.app, lines, write, self.max_concurrency),
+                                       max(0.0, batch["expires_at"] - time.time()))
+            except asyncio.TimeoutError:  # past the completion window: what did not finish fails as expired
+                done = {r["custom_id"] for r in answered + failed}
+                failed += [output_line(line.custom_id, error={"code": "batch_expired", "message": "the batch's "
+                                                              "completion window ended before this line ran"})
+                           for line in lines if line.custom_id not in done]
+                batch["request_counts"]["failed"] = len(failed)
+                batch["status"], batch["expired_at"] = "expired", int(time.time())
+            else:
+                batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # the batch's own failure (its file unreadable): no line ran
@@ -187,7 +201,7 @@ class Batches:
                 batch[name] = self.files.add(f"{batch['id']}_{name.split('_')[0]}.jsonl", "batch_output", data)["id"]
         if batch["status"] == "cancelling":
             batch["status"], batch["cancelled_at"] = "cancelled", int(time.time())
-        else:
+        elif batch["status"] != "expired":
             batch["status"], batch["completed_at"] = "completed", int(time.time())
 
 
@@ -196,7 +210,7 @@ def _settle(batch: dict[str, Any]) -> None:
     whose task broke off otherwise has failed (each status ends the batch)."""
     if batch["status"] == "cancelling":
         batch["status"], batch["cancelled_at"] = "cancelled", int(time.time())
-    elif batch["status"] not in ("completed", "failed", "cancelled"):
+    elif batch["status"] not in ("completed", "failed", "cancelled", "expired"):
         batch["status"], batch["failed_at"] = "failed", int(time.time())
 
 
@@ -257,12 +271,13 @@ def add_batch_routes(app: FastAPI, files: FileStore, batches: Batches) -> None:
 
 def add_batch_api(app: FastAPI, state_dir: Optional[str], files_max_mb: int, max_concurrency: int) -> None:
     """The Files and Batch API on `app`, its files under `state_dir` (a temporary folder when None), batches posting
-    to `app` itself, as the tenant that made them."""
+    to `app` itself, as the tenant that made them (the batches: app.state.batches)."""
     if files_max_mb < 1 or max_concurrency < 1:
         raise ValueError(f"files_max_mb and batch_max_concurrency must be >= 1, got {files_max_mb} and "
                          f"{max_concurrency}")
     files = FileStore(Path(state_dir) / "files" if state_dir is not None else None, files_max_mb << 20)
-    add_batch_routes(app, files, Batches(app, files, max_concurrency))
+    app.state.batches = batches = Batches(app, files, max_concurrency)
+    add_batch_routes(app, files, batches)
 
 
 def _tenant_name() -> Optional[str]:

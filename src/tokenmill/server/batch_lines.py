@@ -92,14 +92,20 @@ async def run_lines(app: Any, lines: Iterable[BatchLine], write: Callable[[dict[
 
     async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
         pending: set[asyncio.Task] = set()
-        for line in lines:
-            while len(pending) >= 4 * max_concurrency:  # the lines read ahead stay bounded
-                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            for line in lines:
+                while len(pending) >= 4 * max_concurrency:  # the lines read ahead stay bounded
+                    finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    _raise_any(finished)
+                pending.add(asyncio.create_task(one(client, line)))
+            if pending:
+                finished, pending = await asyncio.wait(pending)
                 _raise_any(finished)
-            pending.add(asyncio.create_task(one(client, line)))
-        if pending:
-            finished, _ = await asyncio.wait(pending)
-            _raise_any(finished)
+        finally:  # cancelled (or failed): the lines still running end with it, their requests aborted
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
     return counts
 
 
