@@ -103,3 +103,46 @@ def test_a_conversation_goes_on_across_a_server_restart(tmp_path):
         assert client.get(f"/v1/responses/{first['id']}").json()["id"] == first["id"]
     finally:
         engine.shutdown()
+
+
+class _Adapters:
+    """A LoRA registry that checks nothing but a path named 'gone' (which no longer loads)."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, str] = {}
+
+    def add(self, name: str, path: str) -> None:
+        if path.endswith("gone"):
+            raise ValueError(f"no adapter at {path}")
+        self.adapters[name] = path
+
+    def remove(self, name: str) -> None:
+        del self.adapters[name]
+
+    def get(self, name):
+        return self.adapters.get(name)
+
+    def listing(self) -> list:
+        return []
+
+
+def test_adapters_loaded_at_run_time_are_loaded_again_after_a_restart(tmp_path, caplog):
+    from fastapi import FastAPI
+
+    from tokenmill.server.durable_state import SqliteAdapters
+    from tokenmill.server.lora_routes import ServedModels, add_lora_routes
+
+    def serve() -> tuple[_Adapters, TestClient]:
+        registry, app = _Adapters(), FastAPI()
+        add_lora_routes(app, ServedModels("base", registry), str(tmp_path))
+        return registry, TestClient(app)
+
+    _, client = serve()
+    for name in ("kept", "dropped", "moved"):
+        assert client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": f"/a/{name}"}).status_code == 200
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "dropped"}).status_code == 200
+    SqliteAdapters(str(tmp_path)).put("moved", "/a/gone")  # its folder went away while the server was down
+    with caplog.at_level(logging.INFO):
+        registry, _ = serve()
+    assert registry.adapters == {"kept": "/a/kept"}
+    assert "no longer loads" in caplog.text and SqliteAdapters(str(tmp_path)).listing() == [("kept", "/a/kept")]

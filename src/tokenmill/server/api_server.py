@@ -254,7 +254,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         lambda created: served.cards(created, {"max_model_len": engine.info.max_model_len}), engine.metrics.render)
     gate = app.state.tenant_gate
     live = EngineStream(engine, gate.usage if gate is not None else None)
-    add_lora_routes(app, served)
+    add_lora_routes(app, served, config.state_dir)
     add_rl_routes(app, engine, config.enable_sleep_mode)
     add_batch_api(app, config.state_dir, config.files_max_mb, config.batch_max_concurrency)
 

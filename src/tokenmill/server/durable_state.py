@@ -1,5 +1,6 @@
 """What a server keeps across restarts under `--state-dir`: one SQLite database (the standard library's sqlite3, WAL
-mode, `state.sqlite3`) of its stored Responses, each with its size in bytes. Every write is committed before the request that made it is
+mode, `state.sqlite3`) of its stored Responses, each with its size in bytes, and of the LoRA adapters loaded at run
+time (by name and path), which a restarted server loads again. Every write is committed before the request that made it is
 answered, so a server killed at any moment keeps every response it has answered with. A database that cannot be
 opened or read (a corrupted file) is moved aside, with a log line, and the server starts with an empty one.
 """
@@ -40,6 +41,7 @@ def _ready(connection: sqlite3.Connection) -> sqlite3.Connection:
     connection.execute("PRAGMA journal_mode=WAL")
     connection.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
                        "response TEXT NOT NULL, conversation TEXT NOT NULL, bytes INTEGER NOT NULL DEFAULT 0)")
+    connection.execute("CREATE TABLE IF NOT EXISTS adapters (name TEXT PRIMARY KEY, path TEXT NOT NULL)")
     connection.execute("SELECT count(*) FROM responses").fetchone()  # (reads a page: a corrupted file fails here)
     if "bytes" not in {row[1] for row in connection.execute("PRAGMA table_info(responses)")}:  # an older database
         connection.execute("ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
@@ -77,3 +79,22 @@ class SqliteResponses:
                 return self.db.execute("DELETE FROM responses WHERE seq <= ?", (seq,)).rowcount
             kept, held = kept + 1, held + size
         return 0
+
+
+class SqliteAdapters:
+    """The LoRA adapters loaded at run time (POST /v1/load_lora_adapter), by name, in the state database."""
+
+    def __init__(self, folder: str) -> None:
+        self.db = open_database(folder)
+
+    def put(self, name: str, path: str) -> None:
+        """Remember (or replace) an adapter; committed on return."""
+        self.db.execute("INSERT OR REPLACE INTO adapters VALUES (?, ?)", (name, path))
+
+    def delete(self, name: str) -> None:
+        """Forget an adapter."""
+        self.db.execute("DELETE FROM adapters WHERE name = ?", (name,))
+
+    def listing(self) -> list[tuple[str, str]]:
+        """(name, path) of every adapter remembered, by name."""
+        return list(self.db.execute("SELECT name, path FROM adapters ORDER BY name"))

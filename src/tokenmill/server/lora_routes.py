@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, Optional
 
 from fastapi import FastAPI
@@ -15,6 +16,8 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.server.protocol import _Strict
 from tokenmill.server.serving_common import APIError
 from tokenmill.server.tenants import current_tenant
+
+logger = logging.getLogger(__name__)
 
 
 class LoadLoRAAdapterRequest(_Strict):
@@ -82,8 +85,23 @@ class ServedModels:
         return cards
 
 
-def add_lora_routes(app: FastAPI, models: ServedModels) -> None:
-    """vLLM's runtime adapter routes (400 naming the problem; 404 for an unknown name)."""
+def add_lora_routes(app: FastAPI, models: ServedModels, state_dir: Optional[str] = None) -> None:
+    """vLLM's runtime adapter routes (400 naming the problem; 404 for an unknown name). With `state_dir`, the
+    adapters they load are remembered in the state database and loaded again when a server starts on it (one that
+    no longer loads is forgotten, with a log line)."""
+    remembered = None
+    if state_dir is not None and models.loras is not None:
+        from tokenmill.server.durable_state import SqliteAdapters
+
+        remembered = SqliteAdapters(state_dir)
+        for name, path in remembered.listing():
+            try:
+                models.loras.add(name, path)
+                logger.info("LoRA adapter %r loaded again from %s (loaded at run time before a restart)", name, path)
+            except ValueError as exc:
+                remembered.delete(name)
+                logger.error("LoRA adapter %r, loaded at run time before a restart, no longer loads (%s): forgotten",
+                             name, exc)
 
     def registry() -> LoRARegistry:
         tenant = current_tenant.get()
@@ -105,6 +123,8 @@ def add_lora_routes(app: FastAPI, models: ServedModels) -> None:
             await asyncio.to_thread(loras.add, body.lora_name, body.lora_path)
         except ValueError as exc:
             raise APIError(400, str(exc), param="lora_path" if "already" not in str(exc) else "lora_name") from None
+        if remembered is not None:
+            remembered.put(body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -116,4 +136,6 @@ def add_lora_routes(app: FastAPI, models: ServedModels) -> None:
             raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded; loaded: "
                                 f"{', '.join(models.adapter_names()) or 'none'}", "not_found_error",
                            "lora_name") from None
+        if remembered is not None:
+            remembered.delete(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
