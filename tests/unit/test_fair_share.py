@@ -48,8 +48,25 @@ def test_one_tenants_flood_does_not_keep_another_tenants_requests_waiting():
     unfair = flood_then_short(tenants=False)
     fair = flood_then_short(tenants=True)
     assert min(unfair.values()) > 40  # one queue: b waits for a's requests to end, 8 at a time
-    # b takes a's seats one a step, up to its half of the 8: its four requests start within a few steps
-    assert max(fair.values()) <= 6, fair
+    # b takes four of a's seats (its half of the 8 is four) and the budget its prompts lack: they start at once
+    assert max(fair.values()) <= 3, fair
+
+
+def test_a_tenants_short_prompt_does_not_wait_for_anothers_long_prompts_to_be_computed():
+    def wait(tenants: bool) -> int:
+        scheduler, runner = make_scheduler(max_seqs=16, budget=32, num_blocks=1024, max_model_len=512)
+        for i in range(4):  # 1,600 prompt tokens: 50 steps of the whole budget
+            scheduler.add_request(tenant_request(f"a{i}", A if tenants else None, 400, 8, seed=i))
+        for _ in range(2):
+            schedule = scheduler.schedule()
+            scheduler.update_from_output(schedule, runner.execute(schedule))
+        scheduler.add_request(tenant_request("b", B if tenants else None, 6, 2, seed=99))
+        return steps_to_first_tokens(scheduler, runner, {"b"})["b"]
+
+    assert wait(tenants=False) > 40  # the running prompts take the budget first, step after step
+    # b starts level with a (the floor) and is below it once a's next chunk is charged: from then on a's chunk
+    # leaves b's six tokens, and b runs (without that, b would wait for a's running prompt: 11 steps)
+    assert wait(tenants=True) <= 2
 
 
 def test_weights_divide_the_tokens_while_both_tenants_are_backlogged():

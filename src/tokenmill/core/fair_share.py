@@ -74,21 +74,38 @@ class FairShare:
         tenant = min(names, key=lambda t: (self.virtual_time(t), held[t], first_seen[t]))
         return [r for r in peers if _name(r) == tenant]
 
+    def waiting_demand(self, waiting: Sequence[Request], budget: int) -> list[tuple[float, tuple, int]]:
+        """For each tenant and class (background, priority) with waiting requests: (its virtual time, the class, the
+        tokens its waiting requests lack, at most `budget`). Computed once a step for `kept_for_waiting`."""
+        lacking: dict[tuple[str, tuple], int] = {}
+        for r in waiting:
+            key = (_name(r), r.priority_key[:2])
+            lacking[key] = min(budget, lacking.get(key, 0) + r.num_tokens - r.num_computed_tokens)
+        return [(self.virtual_time(tenant), cls, tokens) for (tenant, cls), tokens in lacking.items()]
+
+    def kept_for_waiting(self, request: Request, demand: Sequence[tuple[float, tuple, int]], budget: int) -> int:
+        """Of this step's `budget`, the tokens the running `request`'s prefill chunk leaves for the waiting requests
+        of tenants served less than its own (their virtual time below its tenant's) in its class or a better one:
+        what they lack, at most half the budget, so that the running prompt still moves on. 0 without tenants."""
+        own, cls = self.virtual_time(_name(request)), request.priority_key[:2]
+        kept = sum(tokens for vt, other, tokens in demand if vt < own and other <= cls)
+        return min(budget // 2, kept)
+
     @staticmethod
-    def seat_victim(running: Sequence[Request], waiting: Sequence[Request], seats: int) -> Optional[Request]:
-        """With the running batch's `seats` all taken: the running request to preempt so that a waiting one of a
-        tenant holding fewer seats than its weighted share can run, or None. The victim is of a tenant holding
-        more than its share, in the same or a lower class and priority than the waiting request, and the last of
-        that tenant's in queue order (its lowest priority, latest arrival). Shares are over the tenants with
-        live requests: seats x weight / total weight."""
+    def seat_victims(running: Sequence[Request], waiting: Sequence[Request], seats: int) -> list[Request]:
+        """With the running batch's `seats` all taken: the running requests to preempt so that waiting ones of
+        tenants holding fewer seats than their weighted share can run. A victim is of a tenant holding more than
+        its share (and still at least its share without it), in the same or a lower class and priority than the
+        waiting request it makes room for, and the last of that tenant's in queue order (its lowest priority,
+        latest arrival). Shares are over the tenants with live requests: seats x weight / total weight."""
         if not waiting or not running:
-            return None
+            return []
         weights: dict[str, float] = {}
-        held: dict[str, int] = {}
         for r in (*running, *waiting):
             weights[_name(r)] = _weight(r)
         if len(weights) < 2:
-            return None
+            return []
+        held: dict[str, int] = {}
         for r in running:
             held[_name(r)] = held.get(_name(r), 0) + 1
         total = sum(weights.values())
@@ -96,13 +113,17 @@ class FairShare:
         def share(tenant: str) -> float:
             return seats * weights[tenant] / total
 
-        for candidate in waiting:  # in queue order: the first under-seated tenant's first request
+        victims: list[Request] = []
+        for candidate in waiting:  # in queue order
             tenant = _name(candidate)
             if held.get(tenant, 0) + 1 > share(tenant):
                 continue
             for victim in reversed(running):
                 other = _name(victim)
-                if (other != tenant and held[other] - 1 >= share(other)
+                if (other != tenant and victim not in victims and held[other] - 1 >= share(other)
                         and victim.priority_key[:2] >= candidate.priority_key[:2]):
-                    return victim
-        return None
+                    victims.append(victim)
+                    held[other] -= 1
+                    held[tenant] = held.get(tenant, 0) + 1  # the seat it is given
+                    break
+        return victims

@@ -91,9 +91,11 @@ class Scheduler:
 
     Tenants (Request.tenant) share the engine by weighted fair queuing on tokens (core/fair_share.py): the next
     admission is the first waiting request of the head's class and priority whose tenant was served the fewest
-    tokens for its weight, and with every seat of the batch taken, a tenant below its weighted share of seats
-    takes one from a tenant above its own (the victim preempted before the step is built, only with no step
-    in flight). Which requests run changes, never what a request computes.
+    tokens for its weight; a running prompt's chunk leaves what waiting requests of tenants served less than its
+    own lack (at most half the budget), so that they start in this step; and with every seat of the batch taken,
+    tenants below their weighted share of seats take them from tenants above their own (the victims preempted
+    before the step is built, only with no step in flight). Which requests run changes, never what a request
+    computes.
 
     Steps in flight: a step may be built while earlier ones still run, up to `limits.max_steps_in_flight`
     (pipeline stages), or one ahead of the step running with async scheduling. Nothing is preempted
@@ -308,6 +310,7 @@ class Scheduler:
         room = self._step_share()
         stalled = False
         encoder = _EncoderBudget(self.limits.max_num_encoder_input_tokens)
+        demand = self.fair.waiting_demand(self.waiting, budget)
 
         index = 0
         while index < len(self.running) and budget > 0 and room > 0:
@@ -319,7 +322,13 @@ class Scheduler:
             start, known_end = self._next_span(request, flight)
             if not request.num_samples_to_fork:  # a parent about to fork keeps what its samples will share
                 self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
-            num_new = encoder.fit(request, start, self._grant(request, start, known_end, budget))
+            granted = budget
+            if known_end - start > 1:  # a prefill chunk leaves room for tenants served less (a decode never waits)
+                granted -= self.fair.kept_for_waiting(request, demand, budget)
+                if granted <= 0:
+                    index += 1
+                    continue
+            num_new = encoder.fit(request, start, self._grant(request, start, known_end, granted))
             if num_new == 0:  # its next image waits for the next step's encoder budget
                 index += 1
                 continue
@@ -366,20 +375,19 @@ class Scheduler:
         return output
 
     def _give_seats(self) -> int:
-        """With every seat of the batch taken and no step in flight, preempt the running request that a waiting
-        tenant below its weighted share of seats takes from a tenant above its own (FairShare.seat_victim): one
-        seat a step at most. Returns how many were preempted (0 or 1)."""
+        """With every seat of the batch taken and no step in flight, preempt the running requests that waiting
+        tenants below their weighted share of seats take from tenants above their own (FairShare.seat_victims).
+        Returns how many were preempted."""
         if self.in_flight or not self.waiting:
             return 0
         seats = self.limits.max_num_seqs
         if sum(1 + r.num_samples_to_fork for r in self.running) < seats:
             return 0
-        victim = self.fair.seat_victim(self.running, self.waiting, seats)
-        if victim is None:
-            return 0
-        self.running.remove(victim)
-        self._preempt(victim)
-        return 1
+        victims = self.fair.seat_victims(self.running, self.waiting, seats)
+        for victim in victims:
+            self.running.remove(victim)
+            self._preempt(victim)
+        return len(victims)
 
     def _step_share(self) -> int:
         """How many requests this step may take: all of them with one step in flight at a time, else an
