@@ -74,21 +74,24 @@ class FairShare:
         tenant = min(names, key=lambda t: (self.virtual_time(t), held[t], first_seen[t]))
         return [r for r in peers if _name(r) == tenant]
 
-    def waiting_demand(self, waiting: Sequence[Request], budget: int) -> list[tuple[float, tuple, int]]:
-        """For each tenant and class (background, priority) with waiting requests: (its virtual time, the class, the
-        tokens its waiting requests lack, at most `budget`). Computed once a step for `kept_for_waiting`."""
+    def waiting_demand(self, waiting: Sequence[Request], budget: int) -> list[tuple[str, float, tuple, int]]:
+        """For each tenant and class (background, priority) with waiting requests: (the tenant, its virtual time,
+        the class, the tokens its waiting requests lack, at most `budget`). Computed once a step for
+        `kept_for_waiting`."""
         lacking: dict[tuple[str, tuple], int] = {}
         for r in waiting:
             key = (_name(r), r.priority_key[:2])
             lacking[key] = min(budget, lacking.get(key, 0) + r.num_tokens - r.num_computed_tokens)
-        return [(self.virtual_time(tenant), cls, tokens) for (tenant, cls), tokens in lacking.items()]
+        return [(tenant, self.virtual_time(tenant), cls, tokens) for (tenant, cls), tokens in lacking.items()]
 
-    def kept_for_waiting(self, request: Request, demand: Sequence[tuple[float, tuple, int]], budget: int) -> int:
+    def kept_for_waiting(self, request: Request, demand: Sequence[tuple[str, float, tuple, int]], budget: int) -> int:
         """Of this step's `budget`, the tokens the running `request`'s prefill chunk leaves for the waiting requests
-        of tenants served less than its own (their virtual time below its tenant's) in its class or a better one:
-        what they lack, at most half the budget, so that the running prompt still moves on. 0 without tenants."""
-        own, cls = self.virtual_time(_name(request)), request.priority_key[:2]
-        kept = sum(tokens for vt, other, tokens in demand if vt < own and other <= cls)
+        of other tenants served no more than its own (their virtual time at most its tenant's: a tenant just
+        active again starts level) in its class or a better one: what they lack, at most half the budget, so that
+        the running prompt still moves on. 0 without tenants."""
+        name = _name(request)
+        own, cls = self.virtual_time(name), request.priority_key[:2]
+        kept = sum(tokens for tenant, vt, other, tokens in demand if tenant != name and vt <= own and other <= cls)
         return min(budget // 2, kept)
 
     @staticmethod
