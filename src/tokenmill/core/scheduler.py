@@ -92,10 +92,10 @@ class Scheduler:
     Tenants (Request.tenant) share the engine by weighted fair queuing on tokens (core/fair_share.py): the next
     admission is the first waiting request of the head's class and priority whose tenant was served the fewest
     tokens for its weight; a running prompt's chunk leaves what waiting requests of other tenants served no more
-    than its own lack (at most half the budget), so that they start in this step; and with every seat of the batch taken,
-    tenants below their weighted share of seats take them from tenants above their own (the victims preempted
-    before the step is built, only with no step in flight). Which requests run changes, never what a request
-    computes.
+    than its own lack (at most half the budget), so that they start in this step; and with every seat of the
+    batch taken, tenants below their weighted share of seats take them from tenants above their own (the victims
+    preempted before the step is built, only with no step in flight). Which requests run changes, never what a
+    request computes.
 
     Steps in flight: a step may be built while earlier ones still run, up to `limits.max_steps_in_flight`
     (pipeline stages), or one ahead of the step running with async scheduling. Nothing is preempted
