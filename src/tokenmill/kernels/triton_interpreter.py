@@ -1,6 +1,7 @@
 """Triton's interpreter (TRITON_INTERPRET=1: the kernels on CPU tensors, as CI tests them and a CPU triton_paged
-run uses them), prepared once by `prepare_interpreter`: every `tl.dot` computed one row at a time, and the
-language's builtins found by name rather than by listing whole modules at every call.
+run uses them), prepared once by `prepare_interpreter`: every `tl.dot` computed one row at a time, the language's
+builtins found by name rather than by listing whole modules at every call, and a Triton dtype's numpy dtype looked
+up in a table built once.
 
 The interpreter computes a `tl.dot` as numpy's matmul of the whole tile. OpenBLAS's AVX2 (Haswell, Zen) sgemm
 kernel sums a row's products in an order that depends on the row's place in the tile, so a row's bits changed with
@@ -28,9 +29,10 @@ _applied = False
 
 
 def prepare_interpreter() -> None:
-    """Replace the interpreter's dot by the row-by-row one and its builtin patching by the one that remembers
-    the builtins' names (once; nothing when Triton compiles for a GPU). Call it after importing Triton, in
-    every module whose kernels run in the interpreter."""
+    """Replace the interpreter's dot by the row-by-row one, its builtin patching by the one that remembers the
+    builtins' names and its numpy dtype lookup by the one with a lasting table (once, for the whole process;
+    nothing when Triton compiles for a GPU). Call it after importing Triton, in every module whose kernels take
+    `tl.dot`."""
     global _applied
     if _applied or not envs.triton_interpreted():
         return
