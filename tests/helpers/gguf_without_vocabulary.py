@@ -107,7 +107,7 @@ def hf_float32_model(gguf_path: str | Path, folder: Path):
 
     copy = write_without_vocabulary(gguf_path, Path(folder) / Path(gguf_path).name)
     try:
-        with _tensor_name_maps_built_once():
+        with _tensor_name_maps_built_once(), _dequantised_in_larger_groups():
             return AutoModelForCausalLM.from_pretrained(copy.parent, gguf_file=copy.name, dtype=torch.float32).eval()
     finally:
         copy.unlink()
@@ -126,3 +126,34 @@ def _tensor_name_maps_built_once():
         yield
     finally:
         gguf.get_tensor_name_map = original
+
+
+# output values per group of rows that gguf-py dequantises at once, instead of its 16 rows (the same values bit for
+# bit: every block of a row decodes on its own). Measured on Gemma 3 270M's weights: 7.2 s of transformers'
+# load in gguf-py's 16-row groups, most of it numpy's calls on small arrays
+_GROUP_VALUES = 1 << 18
+
+
+@contextlib.contextmanager
+def _dequantised_in_larger_groups():
+    """transformers dequantises each tensor through gguf-py, which runs its numpy decoding of blocks over groups of
+    16 rows. This has gguf-py's own decoding (its `dequantize_rows`, the oracle's arithmetic, untouched) run over
+    groups of about _GROUP_VALUES values; gguf-py's grouping is put back afterwards."""
+    import numpy as np
+    from gguf import quants
+
+    original = quants._apply_over_grouped_rows
+
+    def larger_groups(func, arr, otype, oshape):
+        rows = arr.reshape((-1, arr.shape[-1]))
+        out = np.empty(shape=int(np.prod(oshape)), dtype=otype).reshape((rows.shape[0], -1))
+        per_group = max(1, _GROUP_VALUES // max(1, out.shape[1]))
+        for first in range(0, rows.shape[0], per_group):
+            out[first:first + per_group] = func(rows[first:first + per_group]).reshape((-1, out.shape[1]))
+        return out.reshape(oshape)
+
+    quants._apply_over_grouped_rows = larger_groups
+    try:
+        yield
+    finally:
+        quants._apply_over_grouped_rows = original

@@ -25,9 +25,9 @@ import triton.language as tl
 
 from tokenmill import envs
 from tokenmill.attention.triton_kv_rows import FLOAT_ROWS, FP8_ROWS, row_tiles
-from tokenmill.kernels.triton_interpreter import make_dots_row_exact
+from tokenmill.kernels.triton_interpreter import prepare_interpreter
 
-make_dots_row_exact()  # (under the interpreter: a row's dot the same wherever it sits in its tile)
+prepare_interpreter()  # (under the interpreter: a row's dot the same wherever it sits in its tile, cheaper launches)
 
 INTERPRETED = envs.triton_interpreted()
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_interpreter import make_dots_row_exact
+from tokenmill.kernels.triton_interpreter import prepare_interpreter
 
-make_dots_row_exact()  # (under the interpreter: a row's dot the same wherever it sits in its tile)
+prepare_interpreter()  # (under the interpreter: a row's dot the same wherever it sits in its tile, cheaper launches)
 
 
 @triton.jit

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from tokenmill import envs
-from tokenmill.kernels.triton_interpreter import make_dots_row_exact
+from tokenmill.kernels.triton_interpreter import prepare_interpreter
 
-make_dots_row_exact()  # (under the interpreter: a row's dot the same wherever it sits in its tile)
+prepare_interpreter()  # (under the interpreter: a row's dot the same wherever it sits in its tile, cheaper launches)
 
 INTERPRETED = envs.triton_interpreted()
 # Triton's interpreter runs a program at a time, each launch of a program costing ~50 ms: two programs

@@ -35,9 +35,9 @@ import triton.language as tl
 
 from tokenmill import envs
 from tokenmill.kernels.quantized import BLOCK, SUB_BLOCK, QuantizedWeight
-from tokenmill.kernels.triton_interpreter import make_dots_row_exact
+from tokenmill.kernels.triton_interpreter import prepare_interpreter
 
-make_dots_row_exact()  # (under the interpreter: a row's dot the same wherever it sits in its tile)
+prepare_interpreter()  # (under the interpreter: a row's dot the same wherever it sits in its tile, cheaper launches)
 
 INTERPRETED = envs.triton_interpreted()  # Triton decided it when imported, just above
 

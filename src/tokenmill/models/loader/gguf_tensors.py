@@ -8,7 +8,7 @@ from typing import Union
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, ReaderTensor
-from gguf.quants import dequantize
+from gguf import quants
 
 from tokenmill.kernels.quantized import QuantizedWeight
 
@@ -117,6 +117,30 @@ def to_torch_data(data: np.ndarray, tensor_type: GGMLQuantizationType) -> torch.
     if tensor_type in FLOAT_TYPES:
         return torch.from_numpy(np.array(data))
     return torch.from_numpy(dequantize(data, tensor_type))
+
+
+# values a dequantising pass decodes at once: 1 MB of float32, whose temporaries stay in cache (gguf's own
+# dequantize goes 16 rows at a time; measured on the default model's weights, passes of 256k values took 0.9 s,
+# of 1M-4M 0.9-2.0 s, gguf's 2.2 s)
+_DEQUANTIZE_VALUES = 1 << 18
+
+
+def dequantize(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
+    """gguf's dequantize of `data` (raw bytes, rows in its last dimension), bit for bit: the same per-block
+    arithmetic (each block is decoded on its own) over passes of about _DEQUANTIZE_VALUES values instead of
+    16 rows, whose numpy calls on small arrays made most of its time (the default model's weights decode in
+    0.9 s instead of 2.2, Gemma 3 270M's in 1.0 instead of 3.0)."""
+    codec = getattr(quants, tensor_type.name, None)
+    if codec is None or getattr(codec, "qtype", None) != tensor_type or data.ndim == 0:
+        return quants.dequantize(data, tensor_type)
+    codec.init_grid()
+    rows = data.view(np.uint8).reshape(-1, data.shape[-1])
+    shape = quants.quant_shape_from_byte_shape(data.shape, tensor_type)
+    per_pass = max(1, _DEQUANTIZE_VALUES // max(1, shape[-1]))
+    out = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)
+    for first in range(0, rows.shape[0], per_pass):
+        out[first:first + per_pass] = codec.dequantize_rows(rows[first:first + per_pass])
+    return out.reshape(shape)
 
 
 def undo_llama_rope_permute(weight: Union[torch.Tensor, QuantizedWeight], num_heads: int):
