@@ -6,7 +6,7 @@ with it, rounds alternate idle and busy. An idle round sends B's 10 streamed com
 median time to their first tokens; a busy round first starts A's 200 streamed long completions, waits until the
 batch is full of them (A's first `--wait-started` tokens came back), sends B's 10, then closes A's streams (the
 server aborts them) and waits for the server to drain. Every prompt starts with a fresh nonce (no prefix hits).
-Prints each round's median, the medians over rounds, busy / idle, and how many of A's requests got a 429.
+Prints each round's median, the medians over rounds, busy / idle, and how many of A's and B's requests got a 429.
 
     .venv/bin/python scripts/tenant_fairness.py --write-tenants /tmp/tenants.json
     tokenmill serve --tenants-file /tmp/tenants.json --port 8300 &
@@ -68,9 +68,13 @@ async def first_token(client: httpx.AsyncClient, key: str, repeats: int, max_tok
     return seconds
 
 
+B_REFUSED = [0]  # B's requests refused with 429 (none should be: B stays within its share)
+
+
 async def b_round(client: httpx.AsyncClient, key: str, requests: int, max_tokens: int) -> float:
-    """The median first-token time of B's `requests` completions sent at once."""
+    """The median first-token time of B's `requests` completions sent at once (their refusals counted)."""
     times = await asyncio.gather(*(first_token(client, key, 2, max_tokens) for _ in range(requests)))
+    B_REFUSED[0] += sum(t is None for t in times)
     return statistics.median(t for t in times if t is not None)
 
 
@@ -118,7 +122,7 @@ async def measure(args: argparse.Namespace) -> None:
                 print(f"round {round_} {kind}: B's median TTFT {medians[kind][-1] * 1000:.1f} ms", flush=True)
     idle, busy = statistics.median(medians["idle"]), statistics.median(medians["busy"])
     print(f"B's median TTFT alone {idle * 1000:.1f} ms, during A's flood {busy * 1000:.1f} ms: busy / idle "
-          f"{busy / idle:.2f}x; A's requests refused with 429: {refused}")
+          f"{busy / idle:.2f}x; refused with 429: {refused} of A's, {B_REFUSED[0]} of B's")
 
 
 def main() -> None:

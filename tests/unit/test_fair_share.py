@@ -115,3 +115,15 @@ def test_the_fair_share_changes_who_runs_never_what_a_request_computes():
     plain, _ = outputs(False)
     shared, scheduler = outputs(True)
     assert shared == plain and scheduler.num_preemptions_total > 0
+
+
+def test_a_full_waiting_queue_still_takes_a_tenant_within_its_share_of_it():
+    from tokenmill.core.fair_share import FairShare
+
+    flood = [tenant_request(f"a{i}", A, 50, 4, seed=i) for i in range(10)]  # a fills a queue of 10 / 1,000 tokens
+    assert not FairShare.within_share(flood, A, 50, 10, 1000)  # a alone: its share is the whole queue, full
+    assert FairShare.within_share(flood, B, 50, 10, 1000)  # b's half is 5 requests and 500 tokens
+    assert not FairShare.within_share(flood, B, 600, 10, 1000)  # but not a prompt past its half of the tokens
+    five = flood + [tenant_request(f"b{i}", B, 50, 4, seed=50 + i) for i in range(5)]
+    assert not FairShare.within_share(five, B, 50, 10, 1000)  # its half is taken
+    assert FairShare.within_share(five, TenantShare("c", 2.0), 50, 10, 1000)  # c: half of the queue (2 of 4)

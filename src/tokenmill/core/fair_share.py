@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from tokenmill.request import Request
+from tokenmill.request import Request, TenantShare
 
 _ANONYMOUS = ""
 
@@ -93,6 +93,20 @@ class FairShare:
         own, cls = self.virtual_time(name), request.priority_key[:2]
         kept = sum(tokens for tenant, vt, other, tokens in demand if tenant != name and vt <= own and other <= cls)
         return min(budget // 2, kept)
+
+    @staticmethod
+    def within_share(waiting: Sequence[Request], tenant: TenantShare, prompt_len: int, max_requests: int,
+                     max_tokens: int) -> bool:
+        """Whether `tenant`'s waiting requests, with one more of `prompt_len` tokens, stay within its weighted share
+        of the waiting queue's bounds (the share over itself and the tenants with waiting requests). The engine
+        queues such a request even past the bounds, so another tenant's flood cannot lock it out; the queue then
+        holds at most the bounds plus each tenant's share of them."""
+        weights = {_name(r): _weight(r) for r in waiting}
+        weights[tenant.name] = tenant.weight
+        share = tenant.weight / sum(weights.values())
+        mine = [r for r in waiting if _name(r) == tenant.name]
+        lacking = sum(r.num_tokens - r.num_computed_tokens for r in mine)
+        return len(mine) + 1 <= max_requests * share and lacking + prompt_len <= max_tokens * share
 
     @staticmethod
     def seat_victims(running: Sequence[Request], waiting: Sequence[Request], seats: int) -> list[Request]:

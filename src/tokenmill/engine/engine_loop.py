@@ -12,6 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from tokenmill.core.fair_share import FairShare
 from tokenmill.engine.engine_errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.output_stream import deliver
@@ -125,7 +126,7 @@ class EngineLoop:
         Raises QueueFullError when the waiting queue is at a bound, and what `LLMEngine.add_request`
         raises for a request that can never run. While the engine is paused the request waits outside it (in
         `_held`, bounded alike) and enters on `resume`."""
-        self._check_room(len(prompt_token_ids) if prompt_embeds is None else embeds_length(prompt_embeds))
+        self._check_room(len(prompt_token_ids) if prompt_embeds is None else embeds_length(prompt_embeds), tenant)
         request = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids, priority=priority,
                        arrival_time=arrival_time, images=images, prompt_embeds=prompt_embeds, background=background,
                        tenant=tenant)
@@ -169,17 +170,22 @@ class EngineLoop:
                 stream = self._streams.pop(request_id)
                 stream.loop.call_soon_threadsafe(stream.put, RequestFailedError(str(exc)))
 
-    def _check_room(self, prompt_len: int) -> None:
+    def _check_room(self, prompt_len: int, tenant: Optional["TenantShare"] = None) -> None:
+        """QueueFullError when the waiting queue is at a bound, unless `tenant` holds less than its weighted share
+        of it (FairShare.within_share): another tenant's flood never locks it out."""
         scheduler = self.engine.scheduler
-        limit = self._limits.max_waiting_requests
+        limit, token_limit = self._limits.max_waiting_requests, self._limits.max_waiting_tokens
+        tokens = scheduler.num_waiting_tokens
         if scheduler.num_waiting >= limit:
-            self._metrics.record_rejection()
-            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-        tokens, token_limit = scheduler.num_waiting_tokens, self._limits.max_waiting_tokens
-        if scheduler.num_waiting and tokens + prompt_len > token_limit:
-            self._metrics.record_rejection()
-            raise QueueFullError(f"the waiting queue holds {tokens} prompt tokens and takes at most "
-                                 f"{token_limit}; retry later")
+            problem = f"the waiting queue is full ({limit} requests); retry later"
+        elif scheduler.num_waiting and tokens + prompt_len > token_limit:
+            problem = f"the waiting queue holds {tokens} prompt tokens and takes at most {token_limit}; retry later"
+        else:
+            return
+        if tenant is not None and FairShare.within_share(scheduler.waiting, tenant, prompt_len, limit, token_limit):
+            return
+        self._metrics.record_rejection()
+        raise QueueFullError(problem)
 
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
