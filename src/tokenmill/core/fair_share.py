@@ -13,7 +13,7 @@ Requests without a tenant share one anonymous tenant: with no tenants at all the
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from tokenmill.request import Request, TenantShare
 
@@ -74,25 +74,34 @@ class FairShare:
         tenant = min(names, key=lambda t: (self.virtual_time(t), held[t], first_seen[t]))
         return [r for r in peers if _name(r) == tenant]
 
-    def waiting_demand(self, waiting: Sequence[Request], budget: int) -> list[tuple[str, float, tuple, int]]:
-        """For each tenant and class (background, priority) with waiting requests: (the tenant, its virtual time,
-        the class, the tokens its waiting requests lack, at most `budget`). Computed once a step for
-        `kept_for_waiting`."""
-        lacking: dict[tuple[str, tuple], int] = {}
-        for r in waiting:
-            key = (_name(r), r.priority_key[:2])
-            lacking[key] = min(budget, lacking.get(key, 0) + r.num_tokens - r.num_computed_tokens)
-        return [(tenant, self.virtual_time(tenant), cls, tokens) for (tenant, cls), tokens in lacking.items()]
+    def leader(self, waiting: Sequence[Request], running: Sequence[Request],
+               can_start: Callable[[Request], bool]) -> Optional[tuple[str, float, tuple]]:
+        """Of the tenants whose first waiting request of a class can start now (`can_start`: a seat and KV blocks
+        for its first chunk), the one the fair share serves next: (the tenant, its virtual time, the class), the
+        smallest virtual time first, then the fewest running requests, then the earliest waiting. None when none
+        can. Computed once a step for `defers`."""
+        first: dict[tuple[str, tuple], int] = {}
+        for index, r in enumerate(waiting):
+            first.setdefault((_name(r), r.priority_key[:2]), index)
+        held: dict[str, int] = {}
+        for r in running:
+            held[_name(r)] = held.get(_name(r), 0) + 1
+        ready = [(self.virtual_time(t), held.get(t, 0), index, t, cls) for (t, cls), index in first.items()
+                 if can_start(waiting[index])]
+        if not ready:
+            return None
+        vt, _, _, tenant, cls = min(ready)
+        return tenant, vt, cls
 
-    def kept_for_waiting(self, request: Request, demand: Sequence[tuple[str, float, tuple, int]], budget: int) -> int:
-        """Of this step's `budget`, the tokens the running `request`'s prefill chunk leaves for the waiting requests
-        of other tenants served no more than its own (their virtual time at most its tenant's: a tenant just
-        active again starts level) in its class or a better one: what they lack, at most half the budget, so that
-        the running prompt still moves on. 0 without tenants."""
+    def defers(self, request: Request, leader: tuple[str, float, tuple]) -> bool:
+        """Whether `request`'s prompt chunk (running, or its first as it is admitted) waits this step for the
+        `leader`'s waiting request: it is another tenant's, served no more than this one's (a tenant active again
+        starts level), in this request's class or a better one. The leader's request then starts in a step of
+        its own prompt and the batch's decodes only: on a CPU a step takes as long as its tokens, so that is its
+        time to first token. Never without tenants."""
+        tenant, vt, cls = leader
         name = _name(request)
-        own, cls = self.virtual_time(name), request.priority_key[:2]
-        kept = sum(tokens for tenant, vt, other, tokens in demand if tenant != name and vt <= own and other <= cls)
-        return min(budget // 2, kept)
+        return name != tenant and vt <= self.virtual_time(name) and cls <= request.priority_key[:2]
 
     @staticmethod
     def within_share(waiting: Sequence[Request], tenant: TenantShare, prompt_len: int, max_requests: int,

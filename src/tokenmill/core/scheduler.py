@@ -91,9 +91,9 @@ class Scheduler:
 
     Tenants (Request.tenant) share the engine by weighted fair queuing on tokens (core/fair_share.py): the next
     admission is the first waiting request of the head's class and priority whose tenant was served the fewest
-    tokens for its weight; a running prompt's chunk leaves what waiting requests of other tenants served no more
-    than its own lack (at most half the budget), so that they start in this step; and with every seat of the
-    batch taken, tenants below their weighted share of seats take them from tenants above their own (the victims
+    tokens for its weight; a running prompt's chunk waits a step while a waiting request of another tenant
+    served no more than its own can start, so that it starts in a short step; and with every seat of the batch
+    taken, tenants below their weighted share of seats take them from tenants above their own (the victims
     preempted before the step is built, only with no step in flight). Which requests run changes, never what a
     request computes.
 
@@ -133,6 +133,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.spec_totals = SpecTotals()
         self.fair = FairShare()
+        self._deferred_for: set[str] = set()  # waiting requests the last step deferred prompt chunks for
 
     # ------------------------------------------------------------------ admission
     def check_admissible(self, prompt_len: int, max_total_tokens: int) -> None:
@@ -310,7 +311,7 @@ class Scheduler:
         room = self._step_share()
         stalled = False
         encoder = _EncoderBudget(self.limits.max_num_encoder_input_tokens)
-        demand = self.fair.waiting_demand(self.waiting, budget)
+        leader, checked = self._fair_leader(budget)
 
         index = 0
         while index < len(self.running) and budget > 0 and room > 0:
@@ -322,13 +323,11 @@ class Scheduler:
             start, known_end = self._next_span(request, flight)
             if not request.num_samples_to_fork:  # a parent about to fork keeps what its samples will share
                 self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
-            granted = budget
-            if known_end - start > 1:  # a prefill chunk leaves room for tenants served less (a decode never waits)
-                granted -= self.fair.kept_for_waiting(request, demand, budget)
-                if granted <= 0:
-                    index += 1
-                    continue
-            num_new = encoder.fit(request, start, self._grant(request, start, known_end, granted))
+            if known_end - start > 1 and leader is not None and self.fair.defers(request, leader):
+                self._deferred_for = checked  # its prompt chunk waits a step for another tenant's
+                index += 1  # (a decode never waits)
+                continue
+            num_new = encoder.fit(request, start, self._grant(request, start, known_end, budget))
             if num_new == 0:  # its next image waits for the next step's encoder budget
                 index += 1
                 continue
@@ -355,7 +354,7 @@ class Scheduler:
                 break
 
         if num_preempted == 0 and not stalled:
-            budget = self._admit_waiting(budget, room, scheduled, encoder)
+            budget = self._admit_waiting(budget, room, scheduled, encoder, leader if self._deferred_for else None)
 
         self.kv_cache.transfer.plan_exports(scheduled, self.requests)
         copies = [c for c in (connector.take_copies() for connector in self.connectors) if c]
@@ -388,6 +387,25 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
         return len(victims)
+
+    def _fair_leader(self, budget: int) -> tuple[Optional[tuple], set[str]]:
+        """FairShare.leader for this step (the tenant served next whose first waiting request finds a seat and KV
+        blocks for its first chunk now) and the ids of the requests checked. None when the previous step deferred
+        prompt chunks for requests that are still waiting (what they lacked was not what the check sees): the
+        deferred prompts then run, so they move on at least every other step whatever happens."""
+        waited_in_vain = any(self.requests.get(rid) in self.waiting for rid in self._deferred_for)
+        self._deferred_for = set()
+        if waited_in_vain or not self.waiting or len({r.tenant for r in (*self.waiting, *self.running)}) < 2:
+            return None, set()
+        seats_taken = sum(1 + r.num_samples_to_fork for r in self.running)
+        checked: set[str] = set()
+
+        def can_start(request: Request) -> bool:
+            checked.add(request.request_id)
+            return (seats_taken + 1 + request.num_samples_to_fork <= self.limits.max_num_seqs
+                    and self.kv_cache.can_admit(request.request_id, min(request.num_tokens, budget)))
+
+        return self.fair.leader(self.waiting, self.running, can_start), checked
 
     def _step_share(self) -> int:
         """How many requests this step may take: all of them with one step in flight at a time, else an
@@ -423,15 +441,21 @@ class Scheduler:
         return min(lacking + len(request.spec_token_ids), budget)
 
     def _admit_waiting(self, budget: int, room: int, scheduled: list[ScheduledChunk],
-                       encoder: "_EncoderBudget") -> int:
+                       encoder: "_EncoderBudget", deferring: Optional[tuple] = None) -> int:
+        """Admit waiting requests while the budget, the seats and the pool allow. `deferring`: the tenant this
+        step's running prompt chunks waited for (FairShare.leader); a waiting request whose chunk would wait for
+        it too is not admitted in this step either."""
         num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
         computing = set()  # keys of full blocks that requests admitted in this step compute
         adapters = {_adapter(r) for r in self.running} - {None}  # the LoRA adapters this step runs
-        passed_over: set[str] = set()  # waiting requests whose adapter does not fit this step
+        passed_over: set[str] = set()  # waiting requests whose adapter does not fit this step, or that wait a step
         while len(self.waiting) > len(passed_over) and budget > 0 and room > 0:
             request = self._next_waiting(passed_over)
             if num_seqs + 1 + request.num_samples_to_fork > self.limits.max_num_seqs:
                 break
+            if deferring is not None and self.fair.defers(request, deferring):
+                passed_over.add(request.request_id)
+                continue
             adapter = _adapter(request)
             if adapter is not None and adapter not in adapters and 0 < self.limits.max_loras <= len(adapters):
                 passed_over.add(request.request_id)
