@@ -204,8 +204,8 @@ class LLMEngine:
         """Queue a request (with the LoRA adapter `lora_request`, registered on first use; for a vision-language
         model, with `images`, one per image placeholder of the prompt; with `prompt_embeds`, a [tokens, hidden]
         tensor, the prompt given as input embeddings under enable_prompt_embeds; `background`: a batch job's line,
-        queued below every interactive request; `tenant`: who it is served for, in the scheduler's fair share). Raises ValueError (naming the problem) if it can never run
-        (engine/input_processor.py)."""
+        queued below every interactive request; `tenant`: who it is served for, in the scheduler's fair share).
+        Raises ValueError (naming the problem) if it can never run (engine/input_processor.py)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.asleep:
@@ -250,11 +250,9 @@ class LLMEngine:
         Returns the requests that resume. ValueError when the group cannot be replaced here (one rank in the
         engine's process, or ranks on other nodes); what starting the new group raises, when it fails."""
         old = self.executor
-        if not hasattr(old, "processes"):
-            raise ValueError("the model runs in the engine's process: there is no worker group to replace")
-        if getattr(old, "multi_node", False):
-            raise ValueError("the ranks on the other nodes would have to start again too: a multi-node group is "
-                             "not replaced")
+        refused = old.replacement_refused()
+        if refused is not None:
+            raise ValueError(refused)
         self._in_flight.clear()
         self._drafts.hold({})
         self.scheduler.recompute_everything()

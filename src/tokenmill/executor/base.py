@@ -45,5 +45,11 @@ class Executor(ABC):
         """Why the executor can no longer run steps (a worker died), or None while it can."""
         return None
 
-    def shutdown(self) -> None:
-        """Stop every worker (idempotent)."""
+    def replacement_refused(self) -> Optional[str]:
+        """Why this executor's ranks cannot be replaced by a new group after a failure (LLMEngine.replace_workers),
+        or None when they can."""
+        return "the model runs in the engine's process: there is no worker group to replace"
+
+    def shutdown(self, grace: Optional[float] = None) -> None:
+        """Stop every worker (idempotent); `grace`: how long each may take to stop by itself (None: the
+        executor's default)."""

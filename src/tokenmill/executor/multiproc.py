@@ -231,9 +231,17 @@ class MultiprocExecutor(Executor):
         """Why a worker is gone, or None while all run."""
         return self._failure
 
-    def shutdown(self, grace: float = _STOP_GRACE_SECONDS) -> None:
+    def replacement_refused(self) -> Optional[str]:
+        """None on one node; ranks on other nodes would have to start again too."""
+        if self.multi_node:
+            return "the ranks on the other nodes would have to start again too: a multi-node group is not replaced"
+        return None
+
+    def shutdown(self, grace: Optional[float] = None) -> None:
         """Ask every worker to stop, then terminate and kill what is left, each step given `grace` seconds
-        (idempotent). A failed group being replaced gets a short grace: a hung rank never stops by itself."""
+        (default _STOP_GRACE_SECONDS; idempotent). A failed group being replaced gets a short grace: a hung rank
+        never stops by itself."""
+        grace = _STOP_GRACE_SECONDS if grace is None else grace
         if self._stopping:
             return
         self._stopping = True

@@ -326,9 +326,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, chat_template: Optional
         check_model(body.model)
         return await respond(chat, body, request)
 
-    add_responses_routes(app, ResponsesHandler(chat, ResponseStore(config.max_stored_responses, config.state_dir,
-                                                                         int(config.max_stored_responses_mb * (1 << 20)))),
-                         check_model)
+    store = ResponseStore(config.max_stored_responses, config.state_dir,
+                          int(config.max_stored_responses_mb * (1 << 20)))
+    add_responses_routes(app, ResponsesHandler(chat, store), check_model)
 
     add_messages_routes(app, MessagesHandler(chat, engine.info.sampling_defaults), check_model)
 

@@ -47,7 +47,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     app, stop_accepting, shutdown = make_app(engine_config, server_config, name, tenants, on_dead)
     if server_config.tenants_file is not None:
-        signal.signal(signal.SIGHUP, lambda sig, frame: reload_tenants(app.state.tenant_gate, server_config.tenants_file))
+        tenants_file = server_config.tenants_file
+        signal.signal(signal.SIGHUP, lambda sig, frame: reload_tenants(app.state.tenant_gate, tenants_file))
 
     class _GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
