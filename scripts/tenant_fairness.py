@@ -13,7 +13,11 @@ Prints each round's median, the medians over rounds, busy / idle, and how many o
     .venv/bin/python scripts/tenant_fairness.py --tenants /tmp/tenants.json http://127.0.0.1:8300 --rounds 2
 
 With `--one-queue`, the same file is served as one tenant (both keys are tenant a's): the baseline without fair
-sharing, to compare.
+sharing, to compare. With `--in-process` (no server, no file), the same flood on an LLMEngine of the default model
+in this process, B's requests added between two steps: the scheduler's share of the figure, without the wait for
+the step in flight that a request arriving over HTTP has.
+
+    .venv/bin/python scripts/tenant_fairness.py --in-process
 """
 
 from __future__ import annotations
@@ -125,11 +129,52 @@ async def measure(args: argparse.Namespace) -> None:
           f"{busy / idle:.2f}x; refused with 429: {refused} of A's, {B_REFUSED[0]} of B's")
 
 
+def in_process(args: argparse.Namespace) -> None:
+    """B's median first-token time alone and during A's flood on an LLMEngine in this process (one round each)."""
+    from tokenmill import SamplingParams
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.request import TenantShare
+
+    engine = LLMEngine(EngineConfig.from_kwargs())
+    a_share, b_share = (None, None) if args.one_queue else (TenantShare("a"), TenantShare("b"))
+
+    def ids(repeats: int) -> list[int]:
+        return engine.tokenizer(f"{uuid.uuid4().hex} {TEXT * repeats}").input_ids
+
+    def b_median(prefix: str) -> float:
+        params = SamplingParams(max_tokens=args.b_tokens, temperature=0, ignore_eos=True)
+        started, first = time.perf_counter(), {}
+        for i in range(args.b_requests):
+            engine.add_request(f"{prefix}{i}", None, params, prompt_token_ids=ids(2), tenant=b_share)
+        while len(first) < args.b_requests:
+            for output in engine.step():
+                if output.request_id.startswith(prefix) and output.outputs[0].token_ids:
+                    first.setdefault(output.request_id, time.perf_counter() - started)
+        return statistics.median(first.values())
+
+    alone = b_median("alone-")
+    while engine.has_unfinished_requests():
+        engine.step()
+    params = SamplingParams(max_tokens=args.a_tokens, temperature=0, ignore_eos=True)
+    for i in range(args.a_requests):
+        engine.add_request(f"a{i}", None, params, prompt_token_ids=ids(args.a_repeats), tenant=a_share)
+    started: set[str] = set()
+    while len(started) < args.wait_started:
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    busy = b_median("busy-")
+    engine.shutdown()
+    print(f"in process: B's median TTFT alone {alone * 1000:.1f} ms, during A's flood {busy * 1000:.1f} ms: "
+          f"busy / idle {busy / alone:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("url", nargs="?", help="base URL of the running server")
     parser.add_argument("--write-tenants", metavar="PATH", help="write a tenants file (and PATH.keys) and stop")
-    parser.add_argument("--one-queue", action="store_true", help="with --write-tenants: a and b share one tenant")
+    parser.add_argument("--one-queue", action="store_true", help="with --write-tenants (or --in-process): a and b share "
+                                                                 "one tenant")
+    parser.add_argument("--in-process", action="store_true", help="run the flood on an engine in this process")
     parser.add_argument("--tenants", metavar="PATH", help="the tenants file the server runs (its .keys beside it)")
     parser.add_argument("--rounds", type=int, default=2, help="idle and busy rounds, alternating")
     parser.add_argument("--a-requests", type=int, default=200, help="A's concurrent requests")
@@ -142,6 +187,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.write_tenants:
         write_tenants(args.write_tenants, args.one_queue)
+        return
+    if args.in_process:
+        in_process(args)
         return
     if not args.url or not args.tenants:
         parser.error("give the server's URL and --tenants")

@@ -93,14 +93,29 @@ def disturbed_mid_stream(server: ServerProcess, how: int) -> tuple[str, list]:
     return streamed(server.url, LONG, signal_a_rank)
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-def test_two_ranks_stream_the_one_rank_answer_through_a_replaced_worker_group(tiny, one_rank_answer, flag, tmp_path):
+def test_two_pipeline_stages_stream_the_one_rank_answer_and_with_no_replacement_a_killed_rank_stops_the_server(
+        tiny, one_rank_answer, tmp_path):
+    short, _ = one_rank_answer
+    two = ServerProcess(tiny, "--pipeline-parallel-size", "2", *KV, "--max-worker-restarts", "0",
+                        log_path=tmp_path / "two.log").start().wait_ready()
+    try:
+        assert streamed(two.url) == short
+        workers = worker_pids(two.proc.pid)
+        assert len(workers) == 2, two.log()[-2000:]
+        os.kill(workers[-1], signal.SIGKILL)
+        assert two.proc.wait(timeout=120) == 3, two.log()[-2000:]  # it exits by itself, however loaded the machine
+        assert "worker rank" in two.log() and "not replacing it again" in two.log()
+    finally:
+        two.stop()
+
+
+def test_two_ranks_stream_the_one_rank_answer_through_a_replaced_worker_group(tiny, one_rank_answer, tmp_path):
+    """Tensor-parallel: a rank killed, then one stopped (SIGSTOP: the group hangs until --worker-step-timeout),
+    mid-stream, each time replaced with its group (two within the window); a third failure exits 3."""
     short, long = one_rank_answer
     assert short[1] and len(long[1]) == LONG["max_tokens"], "the engine answered nothing to compare with"
-    # tensor-parallel: a kill and a stop, each replaced (two within the window); pipeline: a kill, replaced
-    restarts = 2 if flag == "--tensor-parallel-size" else 1
-    two = ServerProcess(tiny, flag, "2", *KV, "--max-worker-restarts", str(restarts), "--worker-step-timeout", "5",
-                        log_path=tmp_path / "two.log").start().wait_ready()
+    two = ServerProcess(tiny, "--tensor-parallel-size", "2", *KV, "--max-worker-restarts", "2",
+                        "--worker-step-timeout", "5", log_path=tmp_path / "two.log").start().wait_ready()
     try:
         assert streamed(two.url) == short
         assert len(worker_pids(two.proc.pid)) == 2, two.log()[-2000:]
@@ -108,9 +123,8 @@ def test_two_ranks_stream_the_one_rank_answer_through_a_replaced_worker_group(ti
         assert metric(two.url, "tokenmill:worker_restarts_total") == 1
         assert metric(two.url, "tokenmill:worker_recovery_seconds") > 0
         assert "1 requests resume by recomputing" in two.log()  # the stream's request was in flight
-        if restarts == 2:  # a stopped rank hangs the group: after --worker-step-timeout it is replaced too
-            assert disturbed_mid_stream(two, signal.SIGSTOP) == long
-            assert "the worker group hangs (stopped: rank 1)" in two.log()
+        assert disturbed_mid_stream(two, signal.SIGSTOP) == long
+        assert "the worker group hangs (stopped: rank 1)" in two.log()
         assert len(worker_pids(two.proc.pid)) == 2, two.log()[-2000:]
         # one failure more within the window: the stream ends with an error and the server exits 3
         ended: list[BaseException] = []

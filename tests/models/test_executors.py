@@ -62,10 +62,13 @@ def test_a_killed_worker_fails_the_next_step_naming_the_rank(tiny_llama):
         engine.shutdown()
 
 
-def test_the_server_engine_fails_in_flight_requests_and_dies_when_a_worker_dies(tiny_llama):
+def test_with_no_replacement_allowed_a_dead_worker_fails_in_flight_requests_and_the_engine(tiny_llama):
+    """--max-worker-restarts 0: the engine does not replace the group (tests/e2e/test_server_parallel.py has the
+    replacement), so the requests in flight fail and the engine dies at once."""
     deaths = []
     engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(
-        model=tiny_llama, num_kv_blocks=64, distributed_executor_backend="mp")), "tiny", on_dead=deaths.append)
+        model=tiny_llama, num_kv_blocks=64, distributed_executor_backend="mp", max_worker_restarts=0)), "tiny",
+        on_dead=deaths.append)
 
     async def generate_until_killed():
         params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True, output_kind="delta")
@@ -82,7 +85,7 @@ def test_the_server_engine_fails_in_flight_requests_and_dies_when_a_worker_dies(
         deadline = time.monotonic() + 5
         while not deaths and time.monotonic() < deadline:  # on_dead runs just after the streams are failed
             time.sleep(0.05)
-        assert seconds < 5 and engine.dead and "worker rank 0" in deaths[0]
+        assert seconds < 5 and engine.dead and "worker rank 0" in deaths[0] and "not replacing it" in deaths[0]
     finally:
         engine.shutdown()
 
