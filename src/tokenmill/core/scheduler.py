@@ -190,17 +190,13 @@ class Scheduler:
         while self.running:
             request = self.running.pop()
             request.spec_token_ids = []
-            self.kv_cache.free(request.request_id)
-            self.num_recomputed_tokens += request.num_computed_tokens
-            request.num_computed_tokens = 0
+            self._drop_computed(request)
             request.status = RequestStatus.WAITING
             self._insert(self.waiting, request)
         for request in self.waiting:
             if self.swap is not None and self.swap.holds(request.request_id):
                 self.swap.drop(request.request_id)
-                self.kv_cache.free(request.request_id)
-                self.num_recomputed_tokens += request.num_computed_tokens
-                request.num_computed_tokens = 0
+                self._drop_computed(request)
         self._finished_since_last_step = []
         self._runner_views = RunnerViews()
 
@@ -373,6 +369,10 @@ class Scheduler:
             attachment.attach(output, self.requests)
         return output
 
+    def _seats_taken(self) -> int:
+        """The running batch's sequences: each running request and the samples it will fork."""
+        return sum(1 + r.num_samples_to_fork for r in self.running)
+
     def _give_seats(self) -> int:
         """With every seat of the batch taken and no step in flight, preempt the running requests that waiting
         tenants below their weighted share of seats take from tenants above their own (FairShare.seat_victims).
@@ -380,7 +380,7 @@ class Scheduler:
         if self.in_flight or not self.waiting:
             return 0
         seats = self.limits.max_num_seqs
-        if sum(1 + r.num_samples_to_fork for r in self.running) < seats:
+        if self._seats_taken() < seats:
             return 0
         victims = self.fair.seat_victims(self.running, self.waiting, seats)
         for victim in victims:
@@ -397,7 +397,7 @@ class Scheduler:
         self._deferred_for = set()
         if waited_in_vain or not self.waiting or len({r.tenant for r in (*self.waiting, *self.running)}) < 2:
             return None, set()
-        seats_taken = sum(1 + r.num_samples_to_fork for r in self.running)
+        seats_taken = self._seats_taken()
         checked: set[str] = set()
 
         def can_start(request: Request) -> bool:
@@ -445,7 +445,7 @@ class Scheduler:
         """Admit waiting requests while the budget, the seats and the pool allow. `deferring`: the tenant this
         step's running prompt chunks waited for (FairShare.leader); a waiting request whose chunk would wait for
         it too is not admitted in this step either."""
-        num_seqs = sum(1 + r.num_samples_to_fork for r in self.running)
+        num_seqs = self._seats_taken()
         computing = set()  # keys of full blocks that requests admitted in this step compute
         adapters = {_adapter(r) for r in self.running} - {None}  # the LoRA adapters this step runs
         passed_over: set[str] = set()  # waiting requests whose adapter does not fit this step, or that wait a step
@@ -549,12 +549,16 @@ class Scheduler:
         if self._swaps(request) and self.swap.swap_out(self.kv_cache, request.request_id):
             pass  # its computed tokens wait in the swap space: num_computed_tokens stands
         else:
-            self.kv_cache.free(request.request_id)
-            self.num_recomputed_tokens += request.num_computed_tokens
-            request.num_computed_tokens = 0
+            self._drop_computed(request)
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self._insert(self.waiting, request)
+
+    def _drop_computed(self, request: Request) -> None:
+        """Free the request's blocks: what it computed is to be computed again (counted in num_recomputed_tokens)."""
+        self.kv_cache.free(request.request_id)
+        self.num_recomputed_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
 
     def _swaps(self, request: Request) -> bool:
         """Whether the preempted `request` should go to the swap space rather than be recomputed."""
