@@ -13,6 +13,7 @@ Requests without a tenant share one anonymous tenant: with no tenants at all the
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, Iterable, Optional, Sequence
 
 from tokenmill.request import Request, TenantShare
@@ -26,6 +27,11 @@ def _name(request: Request) -> str:
 
 def _weight(request: Request) -> float:
     return request.tenant.weight if request.tenant is not None else 1.0
+
+
+def _held(running: Sequence[Request]) -> collections.Counter:
+    """Running requests per tenant (0 for a tenant with none)."""
+    return collections.Counter(_name(r) for r in running)
 
 
 class FairShare:
@@ -67,10 +73,7 @@ class FairShare:
         first_seen: dict[str, int] = {}
         for index, r in enumerate(peers):
             first_seen.setdefault(_name(r), index)
-        held = {t: 0 for t in names}
-        for r in running:
-            if _name(r) in held:
-                held[_name(r)] += 1
+        held = _held(running)
         tenant = min(names, key=lambda t: (self.virtual_time(t), held[t], first_seen[t]))
         return [r for r in peers if _name(r) == tenant]
 
@@ -83,10 +86,8 @@ class FairShare:
         first: dict[tuple[str, tuple], int] = {}
         for index, r in enumerate(waiting):
             first.setdefault((_name(r), r.priority_key[:2]), index)
-        held: dict[str, int] = {}
-        for r in running:
-            held[_name(r)] = held.get(_name(r), 0) + 1
-        ready = [(self.virtual_time(t), held.get(t, 0), index, t, cls) for (t, cls), index in first.items()
+        held = _held(running)
+        ready = [(self.virtual_time(t), held[t], index, t, cls) for (t, cls), index in first.items()
                  if can_start(waiting[index])]
         if not ready:
             return None
@@ -131,9 +132,7 @@ class FairShare:
             weights[_name(r)] = _weight(r)
         if len(weights) < 2:
             return []
-        held: dict[str, int] = {}
-        for r in running:
-            held[_name(r)] = held.get(_name(r), 0) + 1
+        held = _held(running)
         total = sum(weights.values())
 
         def share(tenant: str) -> float:
@@ -142,7 +141,7 @@ class FairShare:
         victims: list[Request] = []
         for candidate in waiting:  # in queue order
             tenant = _name(candidate)
-            if held.get(tenant, 0) + 1 > share(tenant):
+            if held[tenant] + 1 > share(tenant):
                 continue
             for victim in reversed(running):
                 other = _name(victim)
@@ -150,6 +149,6 @@ class FairShare:
                         and victim.priority_key[:2] >= candidate.priority_key[:2]):
                     victims.append(victim)
                     held[other] -= 1
-                    held[tenant] = held.get(tenant, 0) + 1  # the seat it is given
+                    held[tenant] += 1  # the seat it is given
                     break
         return victims
