@@ -56,29 +56,26 @@ def hf_greedy_tokens_from(model, ids: list[int], count: int, candidate: list[int
 
 
 @torch.inference_mode()
-def hf_greedy_logprobs(model, ids: list[int], count: int) -> tuple[list[int], list[float]]:
-    """Greedy decoding with HF's own KV cache: the tokens and each one's float32 log-probability."""
-    out = model(torch.tensor([ids]), use_cache=True)
-    if "cache" in out:  # a recurrent model (Mamba2): its forward alone steps its state cache wrongly, generate right
-        return _hf_generate_logprobs(model, ids, count)
-    tokens, logprobs = [], []
-    for _ in range(count):
-        row = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-        token = int(row.argmax())
-        tokens.append(token)
-        logprobs.append(float(row[token]))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, logprobs
+def hf_forced(model, ids: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
+    """HF's float32 distributions after each prefix of `ids` followed by `tokens` (the engine's greedy output),
+    from one forward pass: HF's argmax at each of those positions and the log-probability of each of `tokens`.
+    Where every argmax equals its token, HF's own greedy decoding gives exactly `tokens`, by induction (each
+    step of it sees the same prefix), so this is the greedy oracle at the price of one pass, not one per token."""
+    logits = model(torch.tensor([list(ids) + list(tokens[:-1])]), use_cache=False).logits[0, len(ids) - 1:]
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    return rows.argmax(dim=-1).tolist(), rows[torch.arange(len(tokens)), torch.tensor(list(tokens))].tolist()
 
 
-def _hf_generate_logprobs(model, ids: list[int], count: int) -> tuple[list[int], list[float]]:
-    """Greedy decoding through HF's `generate` (which steps a recurrent model's state cache as its forward alone
-    does not): the tokens and each one's float32 log-probability."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(ids):].tolist()
-    logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[token]) for step, token in zip(out.logits, tokens)]
-    return tokens, logprobs
+def assert_sample_matches_hf(model, ids: list[int], sample, tolerance: float = 1e-4, mode: str = "") -> list[float]:
+    """`sample` (a CompletionOutput generated greedily with logprobs) gives HF's greedy ids after `ids` and, for each
+    token, a logprob within `tolerance` of HF's; returns HF's logprobs (for comparing other runs of the prompt)."""
+    tokens = list(sample.token_ids)
+    argmax, logprobs = hf_forced(model, ids, tokens)
+    assert tokens == argmax, f"{mode}: prompt of {len(ids)} tokens, HF's greedy ids differ"
+    ours = [entry[token].logprob for entry, token in zip(sample.logprobs, tokens)]
+    worst = max(abs(a - b) for a, b in zip(ours, logprobs))
+    assert worst <= tolerance, f"{mode}: prompt of {len(ids)} tokens, logprob off by {worst}"
+    return logprobs
 
 
 def assert_logits_equal_hf(llm, hf, prompts: list[list[int]]) -> None:
@@ -98,17 +95,13 @@ EIGHT_PROMPTS = [[1, 520, 9531, 42], list(range(100, 400, 7)), [7, 8, 9] * 30, [
 def assert_greedy_matches_hf(llm, hf, prompts: list[list[int]] = EIGHT_PROMPTS, count: int = 32,
                              logprob_tolerance: float = 1e-4) -> None:
     """The engine's greedy ids equal HF's for every prompt (run as one batch), and each token's
-    logprob is within `logprob_tolerance` of HF's."""
+    logprob is within `logprob_tolerance` of HF's (`hf_forced`: one HF pass a prompt)."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=count, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     for ids, output in zip(prompts, outputs):
-        sample = output.outputs[0]
-        tokens, logprobs = hf_greedy_logprobs(hf, ids, count)
-        assert sample.token_ids == tokens, f"prompt of {len(ids)} tokens"
-        ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, logprobs)) <= logprob_tolerance
+        assert_sample_matches_hf(hf, ids, output.outputs[0], logprob_tolerance)
 
 
 PERPLEXITY_TEXT = (Path(__file__).parent.parent / "data" / "perplexity.txt").read_text()

@@ -8,8 +8,7 @@ import math
 import pytest
 
 from helpers.engine_probe import PERPLEXITY_TEXT as TEXT
-from helpers.engine_probe import llm_maker, perplexity
-from helpers.hf_teacher_forced import assert_greedy_matches_hf_forced
+from helpers.engine_probe import assert_greedy_matches_hf, llm_maker, perplexity
 from tokenmill.models.loader.resolve import GEMMA3_270M, resolve_model_path
 
 # prose, code, a question and numbers, of different lengths, in one batch
@@ -45,9 +44,8 @@ def gemma_float(make_gemma):
 
 
 def test_float32_greedy_ids_and_logprobs_equal_hf(gemma_float, hf_gemma):
-    # HF in one forward pass per prompt rather than one per generated token (a decode step of HF costs as much)
     tokenizer = gemma_float.get_tokenizer()
-    assert_greedy_matches_hf_forced(gemma_float, hf_gemma, [tokenizer(p).input_ids for p in PROMPTS], count=16)
+    assert_greedy_matches_hf(gemma_float, hf_gemma, [tokenizer(p).input_ids for p in PROMPTS], count=16)
 
 
 def test_packed_default_perplexity(make_gemma, gemma_float):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers.engine_probe import hf_greedy_logprobs
+from helpers.engine_probe import assert_sample_matches_hf
 from helpers.family_check import check_alone_equals_batched, check_family
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
@@ -51,17 +51,13 @@ def test_gpt_oss_request_alone_equals_it_in_a_batch_in_the_default_dtype(folder)
 def assert_short_runs_equal_hf(path, hf, count, **engine):
     """SHORT_PROMPTS together, prefilled in 16-token chunks beside the others' decodes: HF's greedy ids, logprobs
     within 1e-4."""
-    expected = [hf_greedy_logprobs(hf, ids, count) for ids in SHORT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=count, ignore_eos=True, logprobs=0)
     llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=64,
               max_num_batched_tokens=16, **engine)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in SHORT_PROMPTS], params, use_tqdm=False)
     llm.shutdown()
-    for (tokens, logprobs), output in zip(expected, outputs):
-        sample = output.outputs[0]
-        assert sample.token_ids == tokens, engine
-        ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, logprobs)) <= 1e-4, engine
+    for ids, output in zip(SHORT_PROMPTS, outputs):
+        assert_sample_matches_hf(hf, ids, output.outputs[0], mode=str(engine))
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "triton_paged"])

@@ -6,7 +6,7 @@ default dtype does not depend on its batch; with speculation (proposals of every
 the ids and logprobs are the same bits as without; prefix caching is turned off, saying why; speculation on two
 stages and a Mamba2 draft are refused.
 
-Cost: check_family about 4 s (HF's generate is the oracle: its forward alone does not step the state), the
+Cost: check_family about 4 s (HF one uncached forward pass a prompt: helpers/engine_probe.hf_forced), the
 engine runs below 2 prompts x 12 tokens each; the checkpoint and the HF model are built once per module."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf, hf_greedy_logprobs, model_logits
+from helpers.engine_probe import assert_greedy_matches_hf, assert_logits_equal_hf, hf_forced, model_logits
 from helpers.tiny_gguf import write_deepseek2_gguf_from_hf
 from helpers.tiny_models import make_tiny_hf_model
 from tokenmill import LLM, SamplingParams
@@ -75,7 +75,7 @@ def test_batched_greedy_tokens_and_logprobs_equal_hf(pair):
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=1)
     ours = tokens_and_logprobs(llm.generate(GREEDY_PROMPTS, params, use_tqdm=False))
     for (tokens, logprobs), ids in zip(ours, GREEDY_PROMPTS):
-        hf_tokens, hf_logprobs = hf_greedy_logprobs(hf, ids, TOKENS)
+        hf_tokens, hf_logprobs = hf_forced(hf, ids, tokens)
         assert tokens == hf_tokens
         assert logprobs == pytest.approx(hf_logprobs, abs=1e-4)
 
