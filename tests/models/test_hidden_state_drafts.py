@@ -7,7 +7,7 @@ dtype the same bits batched as alone.
 
 Cost: one target per family (tests/helpers/agreeing_drafts.py, written without transformers), one engine with
 speculation and one without per family, shared by the tests through the module fixtures `run` / `glm4_moe_run`;
-the from-scratch reference runs a tiny one-layer draft over at most 48 positions per proposal; GLM-4.5's batch
+the from-scratch reference runs a tiny one-layer draft over at most 80 positions per proposal; GLM-4.5's batch
 invariance two default-dtype engines, its refusals two target loads (~1 s each)."""
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ from tokenmill import LLM, SamplingParams
 
 PROMPTS = ["Hello there, how", "one two three four five", "The capital of France is", "def f(x):\n    return",
            "a b c d e f", "Why is the sky", "1 2 3 4", "Tell me a story about a dragon who"]
-# 8 prompts x 24 tokens: a pool too small for them all (preemptions), 12-token budgets (chunked prefills beside
-# verifications), and ~10 verification rounds per request, enough for every accepted length 0..3 to occur
-MAX_TOKENS = 24
+# 8 prompts x 64 tokens (the issue's size): a pool too small for them all (preemptions), 12-token budgets (chunked
+# prefills beside verifications), and ~25 verification rounds per request, enough for every accepted length 0..3
+MAX_TOKENS = 64
 K = 3
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 BLOCK = 16
-# a pool of 5 blocks cannot hold the eight requests at once (some are preempted and recomputed); 12-token
-# budgets chunk the prompts, so prefill chunks run beside other requests' verifications
-STRESSED = dict(dtype="float32", quantization="none", block_size=BLOCK, num_kv_blocks=5, max_num_batched_tokens=12,
-                max_model_len=48, speculative_max_batch=8, speculative_min_acceptance=0.0)
+# a pool of 12 blocks cannot hold the eight requests at once (some are preempted and recomputed, and propose again);
+# 12-token budgets chunk the prompts, so prefill chunks run beside other requests' verifications (and a step verifies
+# the proposals of the requests its budget has room for)
+STRESSED = dict(dtype="float32", quantization="none", block_size=BLOCK, num_kv_blocks=12, max_num_batched_tokens=12,
+                max_model_len=80, speculative_max_batch=8, speculative_min_acceptance=0.0)
 
 
 @dataclasses.dataclass
@@ -249,12 +250,13 @@ def test_glm4_moe_mtp_refuses_a_checkpoint_without_a_complete_mtp_layer(glm4_moe
 def test_glm4_moe_output_with_mtp_in_the_default_dtype_is_the_same_batched_as_alone(glm4_moe_target):
     """Batch invariance with the MTP layer drafting, in this CPU's default dtype and kernels: each prompt's greedy ids
     and top-2 logprobs, run alone without speculation, equal its result among the 8 batched with speculation,
-    chunked and preempted. (Costs two more engines on the shared tiny target, ~2 s.)"""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    chunked and preempted. (Costs two more engines on the shared tiny target, ~3 s: 24 tokens a request.)"""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     alone = LLM(str(glm4_moe_target), prefix_caching=False)
     expected = [_ids_and_logprobs(alone.generate([prompt], params, use_tqdm=False)[0]) for prompt in PROMPTS]
     alone.shutdown()
     stressed = {key: value for key, value in STRESSED.items() if key not in ("dtype", "quantization")}
+    stressed.update(num_kv_blocks=5, max_model_len=48)  # 5 blocks: preemptions at 24 tokens a request
     busy = LLM(str(glm4_moe_target), **stressed, speculative_config={"method": "mtp", "num_speculative_tokens": K})
     outputs = busy.generate(PROMPTS, params, use_tqdm=False)
     stats = busy.llm_engine.stats()

@@ -24,6 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.engine_probe import EIGHT_PROMPTS
 from helpers.family_check import check_family
 from helpers.forced_preemption import OTHERS, PROMPT, greedy_runs
 from helpers.scripted_proposals import assert_speculation_changes_no_bit
@@ -182,7 +183,8 @@ def test_speculation_keeps_the_states_of_accepted_proposals_only(folder):
 @torch.inference_mode()
 def test_qwen3_next_mtp_drafts_what_vllms_qwen3_next_mtp_computes(folder, hf):
     """speculative_method mtp drafts with the mtp.* layer: greedy output identical to no speculation (the target's
-    states rolled back past rejected proposals); and the draft's states and logits equal a float32 reference of
+    states rolled back past rejected proposals), 8 prompts x 64 tokens batched in a pool too small for them (swap
+    preemptions) with 12-token budgets; and the draft's states and logits equal a float32 reference of
     vLLM's Qwen3NextMultiTokenPredictor built on transformers' Qwen3-Next: the target's final (normed) hidden states
     h, fc(concat(pre_fc_norm_embedding(embedding of the next token), pre_fc_norm_hidden(h))) (no position zeroed)
     through the decoder block (transformers' layer 1: gated full attention and the experts, whose tensors the MTP
@@ -192,15 +194,15 @@ def test_qwen3_next_mtp_drafts_what_vllms_qwen3_next_mtp_computes(folder, hf):
 
     from tokenmill import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = [PROMPT, OTHERS[0]]
-    plain = LLM(str(folder), dtype="float32", num_kv_blocks=32).generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=32, speculative_min_acceptance=0.0,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    drafted = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in EIGHT_PROMPTS]
+    plain = LLM(str(folder), dtype="float32", num_kv_blocks=128).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=40, max_num_batched_tokens=12, preemption_mode="swap",
+              speculative_min_acceptance=0.0, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    drafted = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
-    assert llm.llm_engine.stats().spec.draft_tokens > 0
+    stats = llm.llm_engine.stats()
+    assert stats.spec.draft_tokens > 0 and stats.num_preemptions > 0, stats
 
     tokens = [5, 900, 17, 4242, 33, 1000, 77, 12, 600, 41, 8, 3000]
     n, draft = len(tokens), llm.llm_engine.speculation.proposer.runner
