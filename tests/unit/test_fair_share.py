@@ -127,3 +127,26 @@ def test_a_full_waiting_queue_still_takes_a_tenant_within_its_share_of_it():
     five = flood + [tenant_request(f"b{i}", B, 50, 4, seed=50 + i) for i in range(5)]
     assert not FairShare.within_share(five, B, 50, 10, 1000)  # its half is taken
     assert FairShare.within_share(five, TenantShare("c", 2.0), 50, 10, 1000)  # c: half of the queue (2 of 4)
+
+
+def test_every_ended_request_leaves_the_live_counts_so_one_tenant_again_takes_the_queues_order():
+    """The fair share keeps a count of live requests per tenant (its questions skip the queue while one tenant has
+    them all): finished, aborted, forked (n > 1) and preempted requests leave nothing behind, and a tenant that was
+    the only one again orders admissions by the queue alone."""
+    from tokenmill.request import RequestStatus
+
+    scheduler, runner = make_scheduler(max_seqs=4, budget=16, num_blocks=24)  # small: preemptions too
+    for i in range(8):
+        request = make_request(f"r{i}", 5 + 3 * i, max_tokens=6, n=2 if i % 4 == 0 else 1, seed_token=i)
+        request.tenant = A if i % 2 else B
+        scheduler.add_request(request)
+    assert scheduler.fair.num_live_tenants == 2
+    for _ in range(3):
+        schedule = scheduler.schedule()
+        scheduler.update_from_output(schedule, runner.execute(schedule))
+    scheduler.finish_requests(["r1", "r2"], RequestStatus.FINISHED_ABORTED)  # one running or waiting of each
+    run_to_completion(scheduler, runner)
+    assert scheduler.num_preemptions_total > 0 and scheduler.fair.num_live_tenants == 0
+    scheduler.add_request(tenant_request("late", A, 6, 2))
+    assert scheduler.fair.num_live_tenants == 1
+    assert scheduler.fair.choose(scheduler.waiting, scheduler.running) is None

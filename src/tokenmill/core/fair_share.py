@@ -35,47 +35,71 @@ def _held(running: Sequence[Request]) -> collections.Counter:
 
 
 class FairShare:
-    """Virtual times of the tenants with live requests (and of those idle above the floor)."""
+    """Virtual times of the tenants with live requests (and of those idle above the floor), and how many live
+    (waiting or running) requests each tenant has: the scheduler reports each arrival (`activate`) and each
+    request that ends (`retire`), so that no per-request or per-step question scans the queue when one tenant has
+    every live request (the case without tenants)."""
 
     def __init__(self) -> None:
         self._virtual: dict[str, float] = {}
+        self._live: collections.Counter = collections.Counter()  # invariant: only tenants with live requests
+
+    @property
+    def num_live_tenants(self) -> int:
+        """Tenants with waiting or running requests."""
+        return len(self._live)
 
     def virtual_time(self, tenant: str) -> float:
         """The tenant's tokens served, divided by its weight, since it last caught up with the floor."""
         return self._virtual.get(tenant, 0.0)
 
-    def activate(self, request: Request, live: Iterable[Request]) -> None:
-        """`request` arrives; `live` are the other waiting and running requests. If its tenant had none of them,
-        its virtual time catches up with the smallest of the tenants that have (idle time banks nothing), and
-        idle tenants at or below that floor are forgotten (they would catch up to it anyway)."""
+    def activate(self, request: Request) -> None:
+        """`request` arrives (or is forked from a live one). If its tenant had no live request, its virtual time
+        catches up with the smallest of the tenants that have (idle time banks nothing), and idle tenants at or
+        below that floor are forgotten (they would catch up to it anyway)."""
         name = _name(request)
-        active = {_name(r) for r in live}
-        if name in active:
-            return
-        floor = min((self.virtual_time(t) for t in active), default=0.0)
-        self._virtual = {t: v for t, v in self._virtual.items() if t in active or v > floor}
-        self._virtual[name] = max(self.virtual_time(name), floor)
+        if name not in self._live:
+            floor = min((self.virtual_time(t) for t in self._live), default=0.0)
+            self._virtual = {t: v for t, v in self._virtual.items() if t in self._live or v > floor}
+            self._virtual[name] = max(self.virtual_time(name), floor)
+        self._live[name] += 1
+
+    def retire(self, request: Request) -> None:
+        """`request` ended (finished or aborted): it is no longer live."""
+        name = _name(request)
+        self._live[name] -= 1
+        if self._live[name] <= 0:
+            del self._live[name]
 
     def charge(self, request: Request, tokens: int) -> None:
         """The request's tenant was scheduled `tokens` more tokens."""
         name = _name(request)
         self._virtual[name] = self.virtual_time(name) + tokens / _weight(request)
 
-    def choose(self, candidates: Sequence[Request], running: Sequence[Request]) -> Sequence[Request]:
-        """The requests the next admission is chosen from: of the class and priority of the queue's head
-        (`candidates` are in queue order), those of the tenant with the smallest virtual time (ties: the tenant
-        with fewer `running` requests, then the tenant of the earliest request), in queue order."""
-        head = candidates[0]
-        peers = [r for r in candidates if r.priority_key[:2] == head.priority_key[:2]]
-        names = {_name(r) for r in peers}
-        if len(names) == 1:
-            return peers
+    def choose(self, candidates: Iterable[Request], running: Sequence[Request]) -> Optional[str]:
+        """The tenant the next admission serves, among those with a request of the class and priority of the
+        queue's head (`candidates` in queue order, so those requests come first): the smallest virtual time (ties:
+        fewer `running` requests, then the earliest request). None when one tenant has every live request (then
+        the queue's order decides alone)."""
+        if len(self._live) < 2:
+            return None
         first_seen: dict[str, int] = {}
-        for index, r in enumerate(peers):
+        head_class = None
+        for index, r in enumerate(candidates):
+            if head_class is None:
+                head_class = r.priority_key[:2]
+            elif r.priority_key[:2] != head_class:
+                break  # (the queue is sorted by class and priority)
             first_seen.setdefault(_name(r), index)
+            if len(first_seen) == len(self._live):
+                break  # every live tenant seen
         held = _held(running)
-        tenant = min(names, key=lambda t: (self.virtual_time(t), held[t], first_seen[t]))
-        return [r for r in peers if _name(r) == tenant]
+        return min(first_seen, key=lambda t: (self.virtual_time(t), held[t], first_seen[t]), default=None)
+
+    @staticmethod
+    def serves(request: Request, tenant: Optional[str]) -> bool:
+        """Whether `request` is of `tenant` (any request, for None)."""
+        return tenant is None or _name(request) == tenant
 
     def leader(self, waiting: Sequence[Request], running: Sequence[Request],
                can_start: Callable[[Request], bool]) -> Optional[tuple[str, float, tuple]]:
@@ -118,14 +142,13 @@ class FairShare:
         lacking = sum(r.num_tokens - r.num_computed_tokens for r in mine)
         return len(mine) + 1 <= max_requests * share and lacking + prompt_len <= max_tokens * share
 
-    @staticmethod
-    def seat_victims(running: Sequence[Request], waiting: Sequence[Request], seats: int) -> list[Request]:
+    def seat_victims(self, running: Sequence[Request], waiting: Sequence[Request], seats: int) -> list[Request]:
         """With the running batch's `seats` all taken: the running requests to preempt so that waiting ones of
         tenants holding fewer seats than their weighted share can run. A victim is of a tenant holding more than
         its share (and still at least its share without it), in the same or a lower class and priority than the
         waiting request it makes room for, and the last of that tenant's in queue order (its lowest priority,
         latest arrival). Shares are over the tenants with live requests: seats x weight / total weight."""
-        if not waiting or not running:
+        if not waiting or not running or len(self._live) < 2:
             return []
         weights: dict[str, float] = {}
         for r in (*running, *waiting):
@@ -139,9 +162,10 @@ class FairShare:
             return seats * weights[tenant] / total
 
         victims: list[Request] = []
+        unmatched: set[tuple] = set()  # (tenant, class) that found no victim: later requests of theirs find none
         for candidate in waiting:  # in queue order
             tenant = _name(candidate)
-            if held[tenant] + 1 > share(tenant):
+            if held[tenant] + 1 > share(tenant) or (tenant, candidate.priority_key[:2]) in unmatched:
                 continue
             for victim in reversed(running):
                 other = _name(victim)
@@ -151,4 +175,6 @@ class FairShare:
                     held[other] -= 1
                     held[tenant] += 1  # the seat it is given
                     break
+            else:
+                unmatched.add((tenant, candidate.priority_key[:2]))
         return victims

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Protocol, Sequence
+from typing import Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
 from tokenmill.core.fair_share import FairShare
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -160,7 +161,7 @@ class Scheduler:
         processor checks every request once, engine/input_processor.py)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.fair.activate(request, (*self.running, *self.waiting))
+        self.fair.activate(request)
         self.requests[request.request_id] = request
         self._insert(self.waiting, request)
 
@@ -292,6 +293,7 @@ class Scheduler:
             shared = self.kv_cache.fork(parent.request_id, child_id, parent.num_prompt_tokens - 1)
             child = parent.fork(child_id, params.for_sample(index), shared)
             self.requests[child_id] = child
+            self.fair.activate(child)
             self._insert(self.running, child)
         parent.num_samples_to_fork = 0
 
@@ -395,7 +397,7 @@ class Scheduler:
         deferred prompts then run, so they move on at least every other step whatever happens."""
         waited_in_vain = any(self.requests.get(rid) in self.waiting for rid in self._deferred_for)
         self._deferred_for = set()
-        if waited_in_vain or not self.waiting or len({r.tenant for r in (*self.waiting, *self.running)}) < 2:
+        if waited_in_vain or not self.waiting or self.fair.num_live_tenants < 2:
             return None, set()
         seats_taken = self._seats_taken()
         checked: set[str] = set()
@@ -523,9 +525,17 @@ class Scheduler:
         """Of the waiting requests not `passed_over`, among the head's class and priority, those of the tenant
         next in the fair share; of them, fcfs: the first. lpm: the one with the longest cached prefix (ties:
         earliest), unless one was passed over too often — it goes first."""
-        candidates = [r for r in self.waiting if r.request_id not in passed_over] if passed_over else self.waiting
-        peers = self.fair.choose(candidates, self.running)  # the head's class and priority, of one tenant
-        if self.limits.policy != "lpm" or len(peers) == 1:
+        def candidates() -> Iterator[Request]:
+            return (r for r in self.waiting if r.request_id not in passed_over) if passed_over else iter(self.waiting)
+
+        tenant = self.fair.choose(candidates(), self.running)
+        head = next(candidates())
+        # the head's class and priority (a prefix of the sorted queue), of the tenant served next
+        peers = (r for r in candidates() if self.fair.serves(r, tenant))
+        if self.limits.policy != "lpm":
+            return next(peers)  # (the chosen tenant has a request in the head's class: it comes first)
+        peers = list(itertools.takewhile(lambda r: r.priority_key[:2] == head.priority_key[:2], peers))
+        if len(peers) == 1:
             return peers[0]
         chosen = next((r for r in peers if r.num_times_passed_over >= MAX_TIMES_PASSED_OVER), None)
         if chosen is None:
@@ -568,6 +578,7 @@ class Scheduler:
         return mode == "swap" or self.limits.costs.swap_is_cheaper(request.num_computed_tokens)
 
     def _release(self, request: Request) -> None:
+        self.fair.retire(request)
         if self.swap is not None:
             self.swap.drop(request.request_id)
         self.kv_cache.free(request.request_id)
