@@ -1,12 +1,14 @@
 """OpenAI's Files and Batch API (server/batch_api.py) driven by the official `openai` SDK, unmodified, against the
 server's own app in-process: files.create, batches.create, batches.retrieve until the batch completes, and
 files.content of its output and error files, in OpenAI's shapes: the good lines answered as the route answers them,
-the bad ones in the error file; cancel, unknown ids and a wrong purpose. Cost: one tiny engine (~1 s)."""
+the bad ones in the error file; cancel, unknown ids and a wrong purpose; a batch cut off by a restart resumes from the
+lines it had not finished. Cost: one tiny engine (~1 s)."""
 
 from __future__ import annotations
 
 import io
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -21,15 +23,18 @@ from tokenmill.server.tenants import Tenants
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def engine(tmp_path_factory):
     path = str(write_bigram_llama(tmp_path_factory.mktemp("batches")))
     engine = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=path, num_kv_blocks=64)), "tiny")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine, tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    try:
-        with TestClient(build_app(engine, ServerConfig(state_dir=str(state)), None, Tenants.single_key("k"))) as http:
-            yield OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http), state, http
-    finally:
-        engine.shutdown()
+    with TestClient(build_app(engine, ServerConfig(state_dir=str(state)), None, Tenants.single_key("k"))) as http:
+        yield OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http), state, http
 
 
 def _lines() -> bytes:
@@ -101,3 +106,37 @@ def test_a_batch_past_its_completion_window_expires_with_its_lines_failed(client
     assert batch.request_counts.failed == batch.request_counts.total > 0
     errors = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
     assert {e["error"]["code"] for e in errors} == {"batch_expired"} and len(errors) == batch.request_counts.total
+
+
+def test_a_batch_cut_off_by_a_restart_resumes_from_the_lines_it_had_not_finished(engine, tmp_path):
+    """A server with --state-dir stops while a batch runs (three lines answered, the fourth held in the paused engine);
+    a new server on the same folder runs the rest as the batch's tenant: every line answered once, the three kept
+    as they were (their output lines, ids included, are the first life's)."""
+    from tokenmill.server.durable_state import SqliteBatches
+
+    config = ServerConfig(state_dir=str(tmp_path), batch_max_concurrency=1)  # one line at a time
+    key = {"Authorization": "Bearer k"}
+    with TestClient(build_app(engine, config, None, Tenants.single_key("k"))) as http:
+        sdk = OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http)
+        upload = sdk.files.create(file=("in.jsonl", io.BytesIO(_lines())), purpose="batch")
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        while batch.request_counts.completed < 3:
+            batch = sdk.batches.retrieve(batch.id)
+        http.post("/pause?mode=keep", headers=key)  # the line in flight cannot finish before the server stops
+    engine.resume()
+    kept = SqliteBatches(str(tmp_path))
+    before = kept.lines(batch.id)
+    [(stored, owner)] = kept.listing()
+    assert 3 <= len(before) < 10 and (stored["id"], stored["status"], owner) == (batch.id, "in_progress", "default")
+    with TestClient(build_app(engine, config, None, Tenants.single_key("k"))) as http:
+        sdk = OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http)
+        deadline = time.monotonic() + 300  # (a bound on a failure, not a timing: a resumed batch ends in seconds)
+        batch = sdk.batches.retrieve(batch.id)
+        while batch.status not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
+            batch = sdk.batches.retrieve(batch.id)
+        assert batch.status == "completed", (batch.status, batch.errors)
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 8, 2)
+        lines = [json.loads(line) for file_id in (batch.output_file_id, batch.error_file_id)
+                 for line in sdk.files.content(file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted([f"c{i}" for i in range(8)] + ["bad-max", "bad-url"])
+    assert all(result in lines for result in before.values())

@@ -104,7 +104,7 @@ def run_batch(args: argparse.Namespace) -> int:
                 out.flush()
 
             counts = asyncio.run(run_lines(app, lines, write, args.max_concurrency,
-                                           done=lambda result: progress.update(1)))
+                                           done=lambda line, result: progress.update(1)))
     finally:
         shutdown()
     print(f"run-batch: {counts['completed']} completed, {counts['failed']} failed"

@@ -7,18 +7,23 @@ them through the server's own routes in-process (server/batch_lines.py), at most
 so that interactive requests keep most of the engine; its state follows OpenAI's statuses (validating,
 in_progress, finalizing, completed, failed, cancelling, cancelled, and expired: a batch not done within its 24 h
 completion window stops, its unfinished lines failed with `batch_expired` and what finished kept), with request
-counts, the answered lines in `output_file_id` and the failed ones in `error_file_id`. Batches
-are kept in memory: a restart forgets them (their files stay). One bad line never stops the others.
+counts, the answered lines in `output_file_id` and the failed ones in `error_file_id`. One bad line never stops the
+others. With `--state-dir`, batches and the output line of each input line they finished are kept in the state
+database (server/durable_state.py) as each line finishes: a restarted server runs every batch that had not ended
+again from the lines it had not finished, as the tenant that made it (a tenant no longer in the tenants file fails
+its batch). Without one they are kept in memory and a restart forgets them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import FastAPI, File, Form, UploadFile
 from fastapi.responses import Response
@@ -28,8 +33,13 @@ from tokenmill.server.protocol import _Strict
 from tokenmill.server.serving_common import APIError
 from tokenmill.server.tenants import current_tenant
 
+if TYPE_CHECKING:
+    from tokenmill.server.durable_state import SqliteBatches
+
+logger = logging.getLogger(__name__)
 
 COMPLETION_WINDOW_S = 24 * 3600  # the one completion window OpenAI offers, "24h"
+ENDED = ("completed", "failed", "cancelled", "expired")
 
 
 class CreateBatchRequest(_Strict):
@@ -111,13 +121,22 @@ class FileStore:
 
 
 class Batches:
-    """The batches of this server's life and the tasks running them over `app` (the server's own app)."""
+    """The batches and the tasks running them over `app` (the server's own app); with a `shelf`, also those of the
+    server's earlier lives, kept in the state database (`resume` runs the unfinished ones again)."""
 
-    def __init__(self, app: Any, files: FileStore, max_concurrency: int, window_s: float = COMPLETION_WINDOW_S) -> None:
+    def __init__(self, app: Any, files: FileStore, max_concurrency: int, window_s: float = COMPLETION_WINDOW_S,
+                 shelf: Optional["SqliteBatches"] = None) -> None:
         self.app, self.files, self.max_concurrency, self.window_s = app, files, max_concurrency, window_s
         self.batches: dict[str, dict[str, Any]] = {}
         self.owners: dict[str, Optional[str]] = {}  # batch id -> the tenant that made it (None: no tenants)
         self.tasks: dict[str, asyncio.Task] = {}
+        self.shelf = shelf
+        for batch, owner in shelf.listing() if shelf is not None else ():
+            self.batches[batch["id"]], self.owners[batch["id"]] = batch, owner
+
+    def _save(self, batch: dict[str, Any]) -> None:
+        if self.shelf is not None:
+            self.shelf.put(batch, self.owners[batch["id"]])
 
     def create(self, body: CreateBatchRequest) -> dict[str, Any]:
         """A new batch, validating then running in the background."""
@@ -137,11 +156,44 @@ class Batches:
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
         self.batches[batch["id"]] = batch
         self.owners[batch["id"]] = _tenant_name()
+        self._save(batch)
         # the task runs in a copy of this request's context: its lines are the tenant's (server/tenant_gate.py)
-        task = asyncio.get_running_loop().create_task(self._run(batch))
-        task.add_done_callback(lambda _: _settle(batch))
-        self.tasks[batch["id"]] = task
+        self._start(batch, {}, contextvars.copy_context())
         return batch
+
+    def _start(self, batch: dict[str, Any], finished: dict[int, dict[str, Any]], context: contextvars.Context) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(batch, finished), context=context)
+
+        def settle(task: asyncio.Task) -> None:
+            if task.cancelled() and batch["status"] != "cancelling":
+                return  # the server is shutting down: a kept batch resumes when it starts again
+            _settle(batch)
+            self._save(batch)
+        task.add_done_callback(settle)
+        self.tasks[batch["id"]] = task
+
+    def resume(self, gate: Any) -> None:
+        """Run every kept batch that had not ended again, from the input lines it had not finished, in a context of
+        its own tenant's (`gate`: the server's TenantGate, None without tenants); a batch whose tenant is no longer
+        served fails. Called on the event loop as the server starts."""
+        from tokenmill.server.tenant_gate import act_as
+
+        for batch_id, batch in self.batches.items():
+            if batch["status"] in ENDED:
+                continue
+            owner, context = self.owners[batch_id], contextvars.copy_context()
+            if owner is not None:
+                budget = None if gate is None else gate.budgets.get(owner)
+                if budget is None:
+                    batch["status"], batch["failed_at"] = "failed", int(time.time())
+                    batch["errors"] = {"object": "list", "data": [{"code": "batch_failed", "message": f"its tenant "
+                                                                   f"'{owner}' is no longer served"}]}
+                    self._save(batch)
+                    continue
+                context.run(act_as, budget)
+            finished = self.shelf.lines(batch_id)
+            logger.info("resuming batch %s: %d of its lines had finished before the restart", batch_id, len(finished))
+            self._start(batch, finished, context)
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """A batch's object; APIError 404 for an unknown id."""
@@ -160,10 +212,14 @@ class Batches:
         batch = self.get(batch_id)
         if batch["status"] in ("validating", "in_progress"):
             batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
+            self._save(batch)
             self.tasks[batch_id].cancel()
         return batch
 
-    async def _run(self, batch: dict[str, Any]) -> None:
+    async def _run(self, batch: dict[str, Any], finished: dict[int, dict[str, Any]]) -> None:
+        """Run the batch's lines but those `finished` before (by line number, their output lines), then write its
+        output and error files. Cancelled by `cancel` (status cancelling): what finished is kept; cancelled
+        otherwise (the server shutting down): the batch stays as it is, to resume."""
         answered, failed = [], []
 
         def write(result: dict[str, Any]) -> None:
@@ -171,26 +227,40 @@ class Batches:
             (answered if response is not None and response["status_code"] == 200 else failed).append(result)
             batch["request_counts"] = {"total": batch["request_counts"]["total"], "completed": len(answered),
                                        "failed": len(failed)}
+
+        def keep(line: BatchLine, result: dict[str, Any]) -> None:
+            finished[line.number] = result
+            response = result["response"]
+            if self.shelf is not None and (response is None or response["status_code"] != 503):
+                # (a 503: the server was shutting down under the line; it runs again after the restart)
+                self.shelf.add_line(batch["id"], line.number, result)
+                self._save(batch)
+        for result in finished.values():
+            write(result)
         try:
             text = self.files.content(batch["input_file_id"]).decode("utf-8", errors="replace")
             lines = [_for_endpoint(parse_line(n, t), batch["endpoint"]) for n, t in enumerate(text.splitlines(), 1)
                      if t.strip()]
             batch["request_counts"]["total"] = len(lines)
-            batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
-            try:
-                await asyncio.wait_for(run_lines(self.app, lines, write, self.max_concurrency),
-                                       max(0.0, batch["expires_at"] - time.time()))
-            except asyncio.TimeoutError:  # past the completion window: what did not finish fails as expired
-                done = {r["custom_id"] for r in answered + failed}
-                failed += [output_line(line.custom_id, error={"code": "batch_expired", "message": "the batch's "
-                                                              "completion window ended before this line ran"})
-                           for line in lines if line.custom_id not in done]
-                batch["request_counts"]["failed"] = len(failed)
-                batch["status"], batch["expired_at"] = "expired", int(time.time())
-            else:
-                batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
+            if batch["status"] in ("validating", "in_progress"):
+                batch["status"], batch["in_progress_at"] = "in_progress", batch["in_progress_at"] or int(time.time())
+                self._save(batch)
+                todo = [line for line in lines if line.number not in finished]
+                try:
+                    await asyncio.wait_for(run_lines(self.app, todo, write, self.max_concurrency, done=keep),
+                                           max(0.0, batch["expires_at"] - time.time()))
+                except asyncio.TimeoutError:  # past the completion window: what did not finish fails as expired
+                    failed += [output_line(line.custom_id, error={"code": "batch_expired", "message": "the batch's "
+                                                                  "completion window ended before this line ran"})
+                               for line in lines if line.number not in finished]
+                    batch["request_counts"]["failed"] = len(failed)
+                    batch["status"], batch["expired_at"] = "expired", int(time.time())
+                else:
+                    batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
+                self._save(batch)
         except asyncio.CancelledError:
-            pass
+            if batch["status"] != "cancelling":
+                raise
         except Exception as exc:  # the batch's own failure (its file unreadable): no line ran
             batch["status"], batch["failed_at"] = "failed", int(time.time())
             batch["errors"] = {"object": "list", "data": [{"code": "batch_failed", "message": str(exc)}]}
@@ -276,8 +346,14 @@ def add_batch_api(app: FastAPI, state_dir: Optional[str], files_max_mb: int, max
         raise ValueError(f"files_max_mb and batch_max_concurrency must be >= 1, got {files_max_mb} and "
                          f"{max_concurrency}")
     files = FileStore(Path(state_dir) / "files" if state_dir is not None else None, files_max_mb << 20)
-    app.state.batches = batches = Batches(app, files, max_concurrency)
+    shelf = None
+    if state_dir is not None:
+        from tokenmill.server.durable_state import SqliteBatches
+
+        shelf = SqliteBatches(state_dir)
+    app.state.batches = batches = Batches(app, files, max_concurrency, shelf=shelf)
     add_batch_routes(app, files, batches)
+    app.router.on_startup.append(lambda: batches.resume(getattr(app.state, "tenant_gate", None)))
 
 
 def _tenant_name() -> Optional[str]:

@@ -64,9 +64,9 @@ def output_line(custom_id: Optional[str], status: Optional[int] = None, body: An
 
 async def run_lines(app: Any, lines: Iterable[BatchLine], write: Callable[[dict[str, Any]], None],
                     max_concurrency: int, headers: Optional[dict[str, str]] = None,
-                    done: Callable[[dict[str, Any]], None] = lambda line: None) -> dict[str, int]:
+                    done: Callable[[BatchLine, dict[str, Any]], None] = lambda line, result: None) -> dict[str, int]:
     """Post every line to `app` (at most `max_concurrency` in flight) and hand each output line to `write` (in the
-    order they finish) and then `done`. Returns the counts: completed (status 200) and failed."""
+    order they finish) and then, with its input line, to `done`. Returns the counts: completed (status 200) and failed."""
     import httpx
 
     counts = {"completed": 0, "failed": 0}
@@ -88,7 +88,7 @@ async def run_lines(app: Any, lines: Iterable[BatchLine], write: Callable[[dict[
             ok = result["response"] is not None and result["response"]["status_code"] == 200
             counts["completed" if ok else "failed"] += 1
             write(result)
-            done(result)
+            done(line, result)
 
     async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
         pending: set[asyncio.Task] = set()

@@ -1,6 +1,7 @@
 """What a server keeps across restarts under `--state-dir`: one SQLite database (the standard library's sqlite3, WAL
-mode, `state.sqlite3`) of its stored Responses, each with its size in bytes, and of the LoRA adapters loaded at run
-time (by name and path), which a restarted server loads again. Every write is committed before the request that
+mode, `state.sqlite3`) of its stored Responses, each with its size in bytes, of the LoRA adapters loaded at run
+time (by name and path), which a restarted server loads again, and of its Batch API batches with the output line of
+each input line they finished, so a restarted server resumes a batch where it stopped. Every write is committed before the request that
 made it is answered, so a server killed at any moment keeps every response it has answered with. A database that
 cannot be opened or read (a corrupted file) is moved aside, with a log line, and the server starts with an empty
 one.
@@ -43,6 +44,9 @@ def _ready(connection: sqlite3.Connection) -> sqlite3.Connection:
     connection.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
                        "response TEXT NOT NULL, conversation TEXT NOT NULL, bytes INTEGER NOT NULL DEFAULT 0)")
     connection.execute("CREATE TABLE IF NOT EXISTS adapters (name TEXT PRIMARY KEY, path TEXT NOT NULL)")
+    connection.execute("CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, owner TEXT, batch TEXT NOT NULL)")
+    connection.execute("CREATE TABLE IF NOT EXISTS batch_lines (batch_id TEXT NOT NULL, line INTEGER NOT NULL, "
+                       "result TEXT NOT NULL, PRIMARY KEY (batch_id, line))")
     connection.execute("SELECT count(*) FROM responses").fetchone()  # (reads a page: a corrupted file fails here)
     if "bytes" not in {row[1] for row in connection.execute("PRAGMA table_info(responses)")}:  # an older database
         connection.execute("ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
@@ -99,3 +103,29 @@ class SqliteAdapters:
     def listing(self) -> list[tuple[str, str]]:
         """(name, path) of every adapter remembered, by name."""
         return list(self.db.execute("SELECT name, path FROM adapters ORDER BY name"))
+
+
+class SqliteBatches:
+    """Batch API batches (their OpenAI objects and the tenant that made each: None on a server without tenants) and
+    the output line of each input line they finished (by line number), in the state database."""
+
+    def __init__(self, folder: str) -> None:
+        self.db = open_database(folder)
+
+    def put(self, batch: dict[str, Any], owner: Optional[str]) -> None:
+        """Store (or replace) a batch's object; committed on return."""
+        self.db.execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?)", (batch["id"], owner, json.dumps(batch)))
+
+    def add_line(self, batch_id: str, line: int, result: dict[str, Any]) -> None:
+        """Remember the output line of input line `line` (from 1); committed on return."""
+        self.db.execute("INSERT OR REPLACE INTO batch_lines VALUES (?, ?, ?)", (batch_id, line, json.dumps(result)))
+
+    def lines(self, batch_id: str) -> dict[int, dict[str, Any]]:
+        """The output lines the batch finished, by input line number."""
+        return {line: json.loads(result) for line, result in
+                self.db.execute("SELECT line, result FROM batch_lines WHERE batch_id = ? ORDER BY line", (batch_id,))}
+
+    def listing(self) -> list[tuple[dict[str, Any], Optional[str]]]:
+        """(batch, owner) of every batch stored, oldest first."""
+        return [(json.loads(batch), owner) for batch, owner in
+                self.db.execute("SELECT batch, owner FROM batches ORDER BY rowid")]

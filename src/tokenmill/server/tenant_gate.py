@@ -153,8 +153,7 @@ class TenantGateMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
-        tenant_token = current_tenant.set(tenant)
-        client_token = current_client.set(Client(tenant.share, tenant.priority, budget))
+        tenant_token, client_token = act_as(budget)
         in_flight = self.gate.metrics.in_flight.labels(tenant.name)
         in_flight.inc()
         try:
@@ -166,6 +165,13 @@ class TenantGateMiddleware:
             if counted:
                 budget.release()
             self.gate.metrics.requests.labels(tenant.name, status[0]).inc()
+
+
+def act_as(budget: TenantBudget) -> tuple:
+    """Handle what follows in this context as `budget`'s tenant's: `current_tenant` and the engine's `current_client`
+    set (the tokens that reset them are returned)."""
+    tenant = budget.tenant
+    return current_tenant.set(tenant), current_client.set(Client(tenant.share, tenant.priority, budget))
 
 
 def check_tenant_model(model: str) -> None:
