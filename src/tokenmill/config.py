@@ -561,6 +561,10 @@ class ServerConfig:
                                        "(stored as `tokenmill hash-key` prints its hash), limits (requests and tokens "
                                        "per minute, requests at once), priority, weight in the fair share, models "
                                        "and admin right; reloaded on SIGHUP (docs/tenants.md). Instead of --api-key")
+    tenant_step_tokens: int = _opt(512, "with a tenants file of two or more tenants: the most tokens one engine step "
+                                   "computes (--max-num-batched-tokens is lowered to it), so that a tenant's new "
+                                   "request waits for at most a short step of another tenant's work; 0 keeps "
+                                   "--max-num-batched-tokens")
     metrics_require_key: bool = _opt(False, "put /metrics behind the API key too (by default Prometheus and "
                                      "routers scrape it without one)")
     enable_sleep_mode: bool = _opt(False, "serve vLLM's sleep routes (POST /sleep?level=1|2, POST /wake_up?tags=, "
@@ -670,6 +674,9 @@ class ServerConfig:
         if self.tenants_file is not None and self.data_parallel_size > 1:
             raise ValueError("tenants_file with data_parallel_size > 1 is not supported yet: the front would have "
                              "to keep each tenant's budget across the replicas")
+        if self.tenant_step_tokens < 0:
+            raise ValueError(f"tenant_step_tokens must be >= 0 (0 keeps max_num_batched_tokens), got "
+                             f"{self.tenant_step_tokens}")
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder")
         for domain in self.allowed_media_domains or ():

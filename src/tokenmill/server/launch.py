@@ -33,6 +33,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     server_config.validate()
     tenants = server_tenants(server_config)
+    engine_config = tenant_step_budget(engine_config, server_config, tenants)
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     name = server_config.served_model_name or default_name(engine_config.model.model)
     died: list[str] = []
@@ -72,6 +73,22 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         shutdown()
         signal.signal(signal.SIGTERM, previous)
     return _ENGINE_DEAD_EXIT if died else 0
+
+
+def tenant_step_budget(engine_config: EngineConfig, server_config: ServerConfig,
+                       tenants: Optional["Tenants"]) -> EngineConfig:
+    """The engine's configuration with its step budget lowered to `--tenant-step-tokens` when two or more tenants
+    share the server: a step on a CPU takes as long as its tokens, and a request that arrives waits for the step in
+    flight before the fair share can start it."""
+    import dataclasses
+
+    budget = engine_config.scheduler.max_num_batched_tokens
+    if tenants is None or len(tenants.tenants) < 2 or not 0 < server_config.tenant_step_tokens < budget:
+        return engine_config
+    logger.info("%d tenants share the server: steps of at most %d tokens (--tenant-step-tokens; "
+                "--max-num-batched-tokens was %d)", len(tenants.tenants), server_config.tenant_step_tokens, budget)
+    scheduler = dataclasses.replace(engine_config.scheduler, max_num_batched_tokens=server_config.tenant_step_tokens)
+    return dataclasses.replace(engine_config, scheduler=scheduler)
 
 
 def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional["Tenants"],
