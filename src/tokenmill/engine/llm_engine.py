@@ -361,23 +361,21 @@ class LLMEngine:
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         """vLLM's collective_rpc: `method` of the worker extension class (--worker-extension-cls) called on every
-        worker, each result in a list (one rank here: the model in the engine's process). ValueError for a method the
-        class does not define, or several ranks."""
-        worker = getattr(self.executor, "worker", None)
-        if worker is None:
-            raise ValueError("collective_rpc calls the worker in the engine's process: it runs with one rank "
-                             "(distributed_executor_backend uni)")
-        return [worker.call_extension(method, tuple(args), dict(kwargs or {}))]
+        rank between steps, each rank's result in a list, in rank order. ValueError for a method the class does not
+        define."""
+        return self.executor.call("call_extension", (method, tuple(args), dict(kwargs or {})))
 
     def sleep(self, level: int = 1) -> dict[str, int]:
         """vLLM's sleep mode, on CPU: level 1 gives the KV pool's memory back to the OS (its blocks and the prefix
         cache are forgotten: they read as zeros after); level 2 also lets go of the weights, which `wake_up`
         reloads from the checkpoint. Only while no request is unfinished; requests are refused until `wake_up`.
-        Returns the process's resident memory before and after and the KV pool's bytes released."""
+        Level 1 runs on every rank, level 2 with one. Returns the engine process's resident memory before and after
+        (with several ranks their pools are in their own processes) and the KV pool bytes every rank released."""
         worker = getattr(self.executor, "worker", None)
         problem = (f"level must be 1 or 2, got {level!r}" if level not in (1, 2)
                    else "requests are unfinished: wait for them, abort them or pause first" if self.has_unfinished_requests()
-                   else "it runs the model in the engine's process (distributed_executor_backend uni)" if worker is None
+                   else "level 2 reloads the weights in the engine's process: it runs with one rank (level 1 "
+                        "runs on every rank)" if level == 2 and worker is None
                    else f"it runs on CPU for now (this engine runs on {self.device.type})" if self.device.type != "cpu"
                    else None)
         if problem is None and level == 2 and (self.loras is not None or self.image_processing is not None
@@ -386,7 +384,7 @@ class LLMEngine:
         if problem is not None:
             raise ValueError(f"sleep: {problem}")
         before = resident_bytes()
-        released = worker.runner.release_kv_pool()
+        released = sum(self.executor.call("release_kv_pool"))  # (every rank's pool)
         self.reset_prefix_cache()  # (idle: nothing is held) the pool's blocks are zeros now
         if level == 2:
             worker.drop_weights()

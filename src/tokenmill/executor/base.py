@@ -41,6 +41,11 @@ class Executor(ABC):
         self.submit(schedule)
         return self.collect()
 
+    @abstractmethod
+    def call(self, name: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """Worker.control(`name`, ...) on every rank between steps (none in flight), each rank's result in rank
+        order; ValueError with a rank's own message when it refuses."""
+
     def failure(self) -> Optional[str]:
         """Why the executor can no longer run steps (a worker died), or None while it can."""
         return None

@@ -35,3 +35,7 @@ class InProcessExecutor(Executor):
     def collect(self) -> ModelRunnerOutput:
         """The oldest uncollected step's output (waiting for the device where it has not finished it)."""
         return self._outputs.popleft().result()
+
+    def call(self, name: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """The one worker's Worker.control."""
+        return [self.worker.control(name, tuple(args), dict(kwargs or {}))]

@@ -22,7 +22,8 @@ from tokenmill.config import ParallelConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, ExecutorDiedError, WorkerStepError
 from tokenmill.executor.rank_start import Surroundings, rank_context
-from tokenmill.executor.worker_process import StepDone, WorkerFailed, WorkerMessage, WorkerReady, worker_main
+from tokenmill.executor.worker_process import (CallDone, StepDone, WorkerCall, WorkerFailed, WorkerMessage,
+                                              WorkerReady, worker_main)
 from tokenmill.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,32 @@ class MultiprocExecutor(Executor):
                 return done.output
             finally:
                 self._num_in_flight -= 1
+
+    def call(self, name: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """Worker.control on every rank, with no step in flight; each rank's answer within the step timeout (a
+        group that does not answer has failed, as for a step). ValueError (a rank refused: the first one's
+        message) or RuntimeError (a rank raised) when one did not answer with a result; the ranks serve on."""
+        if self._failure is not None:
+            raise ExecutorDiedError(self._failure)
+        if self._num_in_flight:
+            raise RuntimeError(f"a control call ({name}) with a step in flight")
+        payload = pickle.dumps(WorkerCall(name, tuple(args), dict(kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._step_lock:
+            for rank, pipe in enumerate(self.pipes):
+                try:
+                    pipe.send_bytes(payload)
+                except OSError as exc:
+                    raise ExecutorDiedError(self._died(rank, f"its pipe broke ({exc})")) from exc
+            answers = []
+            for rank in range(len(self.pipes)):
+                answer = self._receive(rank, (rank,), self.step_timeout)  # (the others' answers wait in their pipes)
+                assert isinstance(answer, CallDone), f"a worker answered a call with {type(answer).__name__}"
+                answers.append(answer)
+        for rank, answer in enumerate(answers):
+            if answer.problem is not None:
+                raise (ValueError if answer.refused else RuntimeError)(
+                    answer.problem if answer.refused else f"{name} failed on rank {rank}: {answer.problem}")
+        return [answer.result for answer in answers]
 
     def _receive(self, rank: int, listening: Iterable[int], timeout: Optional[float] = None) -> WorkerMessage:
         """The next answer of `rank`, while watching the `listening` ranks' pipes (the others speak only

@@ -42,7 +42,26 @@ class StepDone:
     output: ModelRunnerOutput
 
 
-WorkerMessage = Union[WorkerReady, WorkerFailed, StepDone]
+@dataclass(frozen=True)
+class WorkerCall:
+    """The engine asks every rank, between steps, for Worker.control(name, *args, **kwargs)."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class CallDone:
+    """A rank's answer to a WorkerCall: its result, or what it raised (`problem`: a ValueError's message when
+    `refused`, else the traceback); either way the rank serves on."""
+
+    result: object = None
+    problem: Optional[str] = None
+    refused: bool = False
+
+
+WorkerMessage = Union[WorkerReady, WorkerFailed, StepDone, CallDone]
 
 
 def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int,
@@ -73,6 +92,13 @@ def worker_main(spec: WorkerSpec, pipe: connection.Connection, log_level: int,
             return
         if schedule is None:
             return
+        if isinstance(schedule, WorkerCall):
+            try:
+                _send(pipe, CallDone(worker.control(schedule.name, schedule.args, schedule.kwargs)))
+            except Exception as exc:
+                refused = isinstance(exc, ValueError)
+                _send(pipe, CallDone(problem=str(exc) if refused else traceback.format_exc(), refused=refused))
+            continue
         try:
             output = worker.execute(schedule)
         except Exception:

@@ -210,6 +210,16 @@ class Worker:
                              f"methods: {known})")
         return self.extension_methods[method](self, *args, **kwargs)
 
+    def control(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """A call between steps from the engine to every rank (Executor.call): `call_extension` (collective_rpc) or
+        `release_kv_pool` (sleep: this rank's KV pool memory given back; its bytes). ValueError for another name:
+        nothing else of the worker is reachable."""
+        if name == "call_extension":
+            return self.call_extension(*args, **kwargs)
+        if name == "release_kv_pool":
+            return self.runner.release_kv_pool()
+        raise ValueError(f"{name!r} is not a worker control call (call_extension, release_kv_pool)")
+
     def drop_weights(self) -> None:
         """Let go of the model and its weights (sleep level 2): nothing runs until `restore_weights`."""
         self.model = self.runner.model = None
