@@ -102,8 +102,8 @@ def test_parallel_sizes_the_executor_cannot_run_are_refused(tiny_llama):
 def test_collective_rpc_and_sleep_reach_every_tensor_parallel_rank(tiny_llama):
     """Control calls between steps reach each rank's worker process: collective_rpc answers in rank order; a method
     the extension class lacks is refused with its message and the ranks serve on; sleep level 1 gives back every
-    rank's KV pool and after wake_up the same greedy tokens come; level 2 (the weights reloaded in the engine's
-    process) is refused with two ranks."""
+    rank's KV pool, level 2 every rank's weights too, and after each wake_up the same greedy tokens come (each rank
+    reloads its own shard)."""
     llm = LLM(tiny_llama, tensor_parallel_size=2, num_kv_blocks=64,
               worker_extension_cls="helpers.worker_extensions:Inspector")
     params = SamplingParams(max_tokens=8, temperature=0.0)
@@ -113,14 +113,15 @@ def test_collective_rpc_and_sleep_reach_every_tensor_parallel_rank(tiny_llama):
         assert llm.collective_rpc("num_layers") == [layers, layers]
         with pytest.raises(ValueError, match="'_private' is not a method of the worker extension class"):
             llm.collective_rpc("_private")
-        with pytest.raises(ValueError, match="level 2 reloads the weights in the engine's process"):
-            llm.sleep(level=2)
         released = llm.sleep(level=1)["kv_pool_bytes_released"]
         engine = llm.llm_engine
         arch, kv = engine.arch, engine.kv_cache  # each rank's pool: K and V of its half of the KV heads, float32
         per_rank = kv.num_blocks * kv.block_size * arch.num_hidden_layers * 2 * (arch.num_key_value_heads // 2) * \
             arch.head_dim * 4
         assert released == 2 * per_rank
+        llm.wake_up()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == before
+        llm.sleep(level=2)
         llm.wake_up()
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == before
     finally:

@@ -50,6 +50,22 @@ def test_generate_update_generate_gives_a_fresh_engines_output_on_the_new_weight
     assert again == fresh
 
 
+def test_two_tensor_parallel_ranks_each_load_their_shard_of_the_new_weights(checkpoints):
+    """update_weights_from_disk on two ranks in worker processes: each loads its own shard of the new checkpoint, and
+    the outputs are the one-rank engine's on the new weights (float32: the ranks' partial sums add up exactly)."""
+    old, new, _ = checkpoints
+    options = dict(ENGINE, dtype="float32", quantization="none")
+    llm = LLM(old, **options, tensor_parallel_size=2)
+    try:
+        assert llm.update_weights_from_disk(new) > 0
+        after = _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+    finally:
+        llm.shutdown()
+    fresh = _ids_and_logprobs(LLM(new, **options).generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS,
+                                                           use_tqdm=False))
+    assert after == fresh
+
+
 def test_a_checkpoint_of_another_config_is_refused_naming_the_setting(checkpoints, tmp_path):
     import json
 

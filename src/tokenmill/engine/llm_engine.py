@@ -275,11 +275,11 @@ class LLMEngine:
         still serving. The staging copy costs a second copy of the weights in memory while it runs. Returns the
         bytes copied."""
         self._check_idle("update_weights_from_disk")
-        worker = self._single_worker("update_weights_from_disk")
+        self._check_updatable("update_weights_from_disk")
         from tokenmill.models.loader.resolve import resolve_model_path
 
         path = resolve_model_path(model_path)
-        copied = worker.load_weights_from(path)
+        copied = sum(self.executor.call("load_weights_from", (path,)))  # (every rank its shard)
         if not self.reset_prefix_cache():  # (idle: no block is held)
             raise RuntimeError("the prefix cache could not be reset after the weight update")
         logger.info("weights updated in place from %s (%.1f MB copied); prefix cache reset", path, copied / 1e6)
@@ -291,14 +291,14 @@ class LLMEngine:
         """Join the process group a trainer streams new weights over (SGLang's init_weights_update_group; the
         trainer is rank 0 and serves the rendezvous at master_address:master_port; this engine is rank
         `rank_offset`). Blocks until every rank has joined, at most `timeout_s`. One group at a time."""
-        worker = self._single_worker("init_weights_update_group")
+        self._check_updatable("init_weights_update_group")
         if self.weight_group is not None:
             raise ValueError(f"already in weight-update group {self.weight_group.name!r}: destroy it first")
         from tokenmill.parallel.weight_sync import open_group
 
         try:
             self.weight_group = open_group(master_address, master_port, rank_offset, world_size, group_name,
-                                           backend, worker.device, timeout_s)
+                                           backend, self.device, timeout_s)
         except (RuntimeError, OSError) as exc:  # (torch's DistStoreError is a RuntimeError)
             raise WeightTransferError(f"could not join weight-update group {group_name!r} at "
                                       f"{master_address}:{master_port}: {exc}") from exc
@@ -312,7 +312,7 @@ class LLMEngine:
         transfer that breaks (WeightTransferError: the trainer died; the group is left, join a new one) leaves
         the old weights serving. The staging copy costs the sent tensors plus a second copy of the weights while it
         runs. Returns the bytes copied."""
-        worker = self._single_worker("update_weights_from_distributed")
+        self._check_updatable("update_weights_from_distributed")
         group = self.weight_group
         if group is None or group_name not in (None, group.name):
             named = f" {group_name!r}" if group_name else ""
@@ -324,7 +324,7 @@ class LLMEngine:
             self.destroy_weights_update_group()
             raise WeightTransferError(f"the weight transfer broke (the trainer stopped sending; the served weights "
                                       f"are unchanged, and the group is left: join a new one): {exc}") from exc
-        copied = worker.load_weights_from_tensors(tensors)
+        copied = sum(self.executor.call("load_weights_from_tensors", (tensors,)))  # (every rank its shard)
         if not self.reset_prefix_cache():  # (idle: no block is held)
             raise RuntimeError("the prefix cache could not be reset after the weight update")
         logger.info("weights updated in place from %d tensors of group %r (%.1f MB copied); prefix cache reset",
@@ -343,16 +343,11 @@ class LLMEngine:
             logger.warning("leaving weight-update group %r: %s", group.name, exc)
         return True
 
-    def _single_worker(self, method: str) -> Any:
-        """The worker in the engine's process, which weight updates change; ValueError with several ranks or LoRA."""
-        worker = getattr(self.executor, "worker", None)
-        if worker is None:
-            raise ValueError(f"{method} updates the model in the engine's process: it runs with one rank "
-                             "(distributed_executor_backend uni)")
+    def _check_updatable(self, method: str) -> None:
+        """ValueError while LoRA adapters are served (they are on the base weights)."""
         if self.loras is not None:
             raise ValueError(f"{method}: LoRA adapters are served on the base weights; start without enable_lora "
                              "to update them")
-        return worker
 
     def _check_idle(self, method: str) -> None:
         if self.has_unfinished_requests():
@@ -369,13 +364,10 @@ class LLMEngine:
         """vLLM's sleep mode, on CPU: level 1 gives the KV pool's memory back to the OS (its blocks and the prefix
         cache are forgotten: they read as zeros after); level 2 also lets go of the weights, which `wake_up`
         reloads from the checkpoint. Only while no request is unfinished; requests are refused until `wake_up`.
-        Level 1 runs on every rank, level 2 with one. Returns the engine process's resident memory before and after
-        (with several ranks their pools are in their own processes) and the KV pool bytes every rank released."""
-        worker = getattr(self.executor, "worker", None)
+        Both run on every rank. Returns the engine process's resident memory before and after (with several ranks
+        their pools and weights are in their own processes) and the KV pool bytes every rank released."""
         problem = (f"level must be 1 or 2, got {level!r}" if level not in (1, 2)
                    else "requests are unfinished: wait for them, abort them or pause first" if self.has_unfinished_requests()
-                   else "level 2 reloads the weights in the engine's process: it runs with one rank (level 1 "
-                        "runs on every rank)" if level == 2 and worker is None
                    else f"it runs on CPU for now (this engine runs on {self.device.type})" if self.device.type != "cpu"
                    else None)
         if problem is None and level == 2 and (self.loras is not None or self.image_processing is not None
@@ -387,7 +379,7 @@ class LLMEngine:
         released = sum(self.executor.call("release_kv_pool"))  # (every rank's pool)
         self.reset_prefix_cache()  # (idle: nothing is held) the pool's blocks are zeros now
         if level == 2:
-            worker.drop_weights()
+            self.executor.call("drop_weights")
         self.asleep = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
         after = resident_bytes()
         logger.info("asleep (level %d): resident memory %.1f -> %.1f MB, KV pool %.1f MB released", level,
@@ -402,7 +394,7 @@ class LLMEngine:
         if unknown:
             raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; known: weights, kv_cache")
         if "weights" in tags and "weights" in self.asleep:
-            self.executor.worker.restore_weights()
+            self.executor.call("restore_weights")  # (every rank its shard)
         self.asleep -= tags
 
     @property

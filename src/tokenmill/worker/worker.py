@@ -80,6 +80,10 @@ class WorkerSpec:
         return (self.pp_size - 1) * self.tp_size
 
 
+# the worker's methods Worker.control reaches by name (besides release_kv_pool, its runner's)
+CONTROL_CALLS = ("call_extension", "drop_weights", "restore_weights", "load_weights_from", "load_weights_from_tensors")
+
+
 class Worker:
     """Loads its model and KV pool, then runs steps: `execute(SchedulerOutput) -> ModelRunnerOutput`."""
 
@@ -103,6 +107,7 @@ class Worker:
             check_divisible(arch, spec.tp_size, spec.tp_exact, spec.pp_size, spec.expert_parallel)
             tp, stage = init_parallel(spec.rank, spec.tp_size, spec.pp_size, arch.num_hidden_layers, spec.init_method,
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
+        self.tp, self.stage = tp, stage  # (a reload builds this rank's shard again: _rank_model)
         self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
                                          stage=stage, kv_rows=spec.quantized_kv)
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
@@ -172,13 +177,13 @@ class Worker:
         """Serve the weights of the checkpoint at `model_path` (the same model: architecture, config and format),
         copied in place into this rank's model once a second model loaded from it has checked out
         (models/weight_update.py); ValueError, the old weights still serving, otherwise. Returns the bytes copied.
-        One rank only (the engine checks)."""
+        Every rank loads its own shard (each checks the same checkpoint, so all agree on a refusal)."""
         from tokenmill.models.weight_update import check_same_model, copy_weights_in_place
 
         try:
             source = load_model_source(model_path, with_tokenizer=False)
             check_same_model(self.model.arch, source.arch, model_path)
-            copied = copy_weights_in_place(self.model, self._one_rank_model(source))
+            copied = copy_weights_in_place(self.model, self._rank_model(source))
         except ValueError as exc:
             raise ValueError(f"the weights at {model_path!r} were not loaded, the served ones are unchanged: {exc}"
                              ) from exc
@@ -196,7 +201,7 @@ class Worker:
 
         try:
             source = overlaid_source(load_model_source(self.weights_path, with_tokenizer=False), tensors)
-            return copy_weights_in_place(self.model, self._one_rank_model(source))
+            return copy_weights_in_place(self.model, self._rank_model(source))
         except ValueError as exc:
             raise ValueError(f"the {len(tensors)} tensors sent were not loaded, the served weights are unchanged: "
                              f"{exc}") from exc
@@ -211,14 +216,16 @@ class Worker:
         return self.extension_methods[method](self, *args, **kwargs)
 
     def control(self, name: str, args: tuple, kwargs: dict) -> Any:
-        """A call between steps from the engine to every rank (Executor.call): `call_extension` (collective_rpc) or
-        `release_kv_pool` (sleep: this rank's KV pool memory given back; its bytes). ValueError for another name:
-        nothing else of the worker is reachable."""
-        if name == "call_extension":
-            return self.call_extension(*args, **kwargs)
+        """A call between steps from the engine to every rank (Executor.call): `call_extension` (collective_rpc),
+        `release_kv_pool` (sleep: this rank's KV pool memory given back; its bytes), `drop_weights` and
+        `restore_weights` (sleep level 2 and wake_up), `load_weights_from` and `load_weights_from_tensors` (weight
+        updates: each rank loads its own shard). ValueError for another name: nothing else of the worker is
+        reachable."""
         if name == "release_kv_pool":
             return self.runner.release_kv_pool()
-        raise ValueError(f"{name!r} is not a worker control call (call_extension, release_kv_pool)")
+        if name in CONTROL_CALLS:
+            return getattr(self, name)(*args, **kwargs)
+        raise ValueError(f"{name!r} is not a worker control call ({', '.join(('release_kv_pool', *CONTROL_CALLS))})")
 
     def drop_weights(self) -> None:
         """Let go of the model and its weights (sleep level 2): nothing runs until `restore_weights`."""
@@ -228,15 +235,15 @@ class Worker:
     def restore_weights(self) -> None:
         """Load the model again from its checkpoint (wake_up after sleep level 2): the one it started with or the
         last `load_weights_from` read; tensors a trainer sent are not kept (vLLM's level 2 drops them too)."""
-        self.model = self.runner.model = self._one_rank_model(load_model_source(self.weights_path,
+        self.model = self.runner.model = self._rank_model(load_model_source(self.weights_path,
                                                                                 with_tokenizer=False))
 
-    def _one_rank_model(self, source: ModelSource) -> Any:
-        """A model of `source` built as this one-rank worker's was at start (dtype, kernels, packing, KV rows)."""
+    def _rank_model(self, source: ModelSource) -> Any:
+        """A model of `source` built as this rank's was at start (its shard, dtype, kernels, packing, KV rows)."""
         from tokenmill.worker.model_setup import load_model
 
         model, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype], self.spec.max_model_len,
-                              kv_rows=self.spec.quantized_kv)
+                              tp=self.tp, stage=self.stage, kv_rows=self.spec.quantized_kv)
         return model
 
     def _apply_threads(self) -> None:
