@@ -52,18 +52,25 @@ def test_generate_update_generate_gives_a_fresh_engines_output_on_the_new_weight
 
 def test_two_tensor_parallel_ranks_each_load_their_shard_of_the_new_weights(checkpoints):
     """update_weights_from_disk on two ranks in worker processes: each loads its own shard of the new checkpoint, and
-    the outputs are the one-rank engine's on the new weights (float32: the ranks' partial sums add up exactly)."""
+    the outputs are the one-rank engine's on the new weights (float32: the ranks' partial sums add up exactly); then
+    the old checkpoint's tensors, as update_weights_from_distributed hands what a trainer sent to every rank, give
+    the old weights' outputs back."""
+    from safetensors.torch import load_file
+
     old, new, _ = checkpoints
     options = dict(ENGINE, dtype="float32", quantization="none")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     llm = LLM(old, **options, tensor_parallel_size=2)
     try:
         assert llm.update_weights_from_disk(new) > 0
-        after = _ids_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False))
+        after = _ids_and_logprobs(llm.generate(prompts, PARAMS, use_tqdm=False))
+        llm.llm_engine.executor.call("load_weights_from_tensors", (load_file(f"{old}/model.safetensors"),))
+        assert llm.reset_prefix_cache()  # (as update_weights_from_distributed does after the ranks' loads)
+        back = _ids_and_logprobs(llm.generate(prompts, PARAMS, use_tqdm=False))
     finally:
         llm.shutdown()
-    fresh = _ids_and_logprobs(LLM(new, **options).generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS,
-                                                           use_tqdm=False))
-    assert after == fresh
+    assert after == _ids_and_logprobs(LLM(new, **options).generate(prompts, PARAMS, use_tqdm=False))
+    assert back == _ids_and_logprobs(LLM(old, **options).generate(prompts, PARAMS, use_tqdm=False)) != after
 
 
 def test_a_checkpoint_of_another_config_is_refused_naming_the_setting(checkpoints, tmp_path):
