@@ -16,8 +16,10 @@ from e2e.server_harness import ServerProcess
 from helpers.tiny_models import make_tiny_hf_model
 
 BODY = dict(prompt="The lighthouse keeper", max_tokens=24, temperature=0, logprobs=2)
-# long enough that a rank killed after the first streamed chunk dies mid-stream
-LONG = dict(BODY, max_tokens=400, extra_body={"ignore_eos": True})
+# long enough that a rank signalled on the first streamed chunk is signalled mid-stream: 127 steps more to go (each
+# a round trip through both ranks) while the client sends one signal to a pid it looked up before streaming. The
+# test checks it: the server logs that the stream's request resumed (a kill) or that the group hung (a stop).
+LONG = dict(BODY, max_tokens=128, extra_body={"ignore_eos": True})
 # a small KV pool (the one request takes 2 blocks): a pool sized from memory costs each rank seconds to start
 KV = ("--num-kv-blocks", "64")
 
@@ -87,10 +89,10 @@ def metric(url: str, name: str) -> float:
 
 
 def disturbed_mid_stream(server: ServerProcess, how: int) -> tuple[str, list]:
-    """LONG streamed while one worker gets the signal `how` once the first chunk came."""
-    def signal_a_rank() -> None:
-        os.kill(worker_pids(server.proc.pid)[-1], how)
-    return streamed(server.url, LONG, signal_a_rank)
+    """LONG streamed while one worker gets the signal `how` once the first chunk came (the worker looked up
+    before the stream starts, so that the signal follows the first chunk at once)."""
+    rank = worker_pids(server.proc.pid)[-1]
+    return streamed(server.url, LONG, lambda: os.kill(rank, how))
 
 
 def test_two_pipeline_stages_stream_the_one_rank_answer_and_with_no_replacement_a_killed_rank_stops_the_server(
@@ -125,6 +127,7 @@ def test_two_ranks_stream_the_one_rank_answer_through_a_replaced_worker_group(ti
         assert "1 requests resume by recomputing" in two.log()  # the stream's request was in flight
         assert disturbed_mid_stream(two, signal.SIGSTOP) == long
         assert "the worker group hangs (stopped: rank 1)" in two.log()
+        assert two.log().count("1 requests resume by recomputing") == 2  # this stream's request was in flight too
         assert len(worker_pids(two.proc.pid)) == 2, two.log()[-2000:]
         # one failure more within the window: the stream ends with an error and the server exits 3
         ended: list[BaseException] = []
