@@ -24,8 +24,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def front(tiny, tmp_path_factory):
-    # a KV pool per replica that holds its longest load (4 streams of up to 1,009 tokens, in blocks of 4) without
-    # preempting: a pool sized from memory costs each replica seconds to start
+    # a KV pool per replica that holds its longest load (4 streams of up to 409 tokens, in blocks of 4) without
+    # preempting, with room to spare: a pool sized from memory costs each replica seconds to start
     server = ServerProcess(tiny, "--data-parallel-size", "2", "--block-size", "4", "--max-num-seqs", "4",
                            "--num-kv-blocks", "1100", "--served-model-name", "m",
                            log_path=tmp_path_factory.mktemp("dp") / "dp.log").start()
@@ -96,6 +96,8 @@ def test_concurrent_requests_without_a_shared_prefix_use_both_replicas(front):
 
 
 def test_a_killed_replica_stops_getting_requests_and_its_requests_end_cleanly(front):
+    """The replica is killed as soon as every stream has its first event (its pid looked up before they start):
+    400 tokens leave each stream hundreds of steps to go then, and the test fails if no stream was cut."""
     reference = complete(front.url, [7] * 9, max_tokens=24)["choices"][0]["text"]
     streams: list[list[str]] = []
     answers: list[dict] = []
@@ -103,7 +105,7 @@ def test_a_killed_replica_stops_getting_requests_and_its_requests_end_cleanly(fr
 
     def stream(i: int) -> None:
         with httpx.stream("POST", f"{front.url}/v1/completions", timeout=60, json=dict(
-                model="m", prompt=[300 + i] * 9, max_tokens=1000, temperature=0, ignore_eos=True,
+                model="m", prompt=[300 + i] * 9, max_tokens=400, temperature=0, ignore_eos=True,
                 stream=True)) as r:
             lines = r.iter_lines()
             first = [next(lines)]
@@ -113,12 +115,12 @@ def test_a_killed_replica_stops_getting_requests_and_its_requests_end_cleanly(fr
     def whole() -> None:
         answers.append(complete(front.url, [7] * 9, max_tokens=24))
 
+    victim = replica_pids(front.proc.pid)[1]
     workers = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for worker in workers:
         worker.start()
     for _ in workers:
         assert started.acquire(timeout=30)  # every stream is under way
-    victim = replica_pids(front.proc.pid)[1]
     os.kill(victim, signal.SIGKILL)
     late = [threading.Thread(target=whole) for _ in range(4)]
     for worker in late:
