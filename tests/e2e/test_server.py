@@ -1,10 +1,10 @@
 """`tokenmill serve` end to end: the real server in a subprocess, driven by the openai client and raw HTTP.
 
-Four servers over one tiny random-weight Llama boot in parallel once per module:
+Three servers over one tiny random-weight Llama, each booted once per module when a test first asks for it:
   main     --max-model-len 128 --served-model-name tiny-test   (nearly every test)
   guarded  --api-key ... --max-waiting-requests 0               (401 / 429)
-  slow     --max-model-len 4096                                  (aborts: a 4000-token request runs for tens of s)
-  drain    --max-model-len 4096 --shutdown-timeout 120           (SIGTERM; the process is gone afterwards)
+  drain    --max-model-len 4096 --shutdown-timeout 120           (aborts: a 4000-token request runs for tens of s;
+                                                                  then SIGTERM, last: the process is gone afterwards)
 Only 127.0.0.1 is ever contacted.
 """
 
@@ -52,7 +52,6 @@ class Fleet:
                                   *blocks, log_path=logs / "main.log"),
             "guarded": ServerProcess(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
                                      "--max-waiting-requests", "0", *blocks, log_path=logs / "guarded.log"),
-            "slow": ServerProcess(tiny_model, "--max-model-len", "4096", *blocks, log_path=logs / "slow.log"),
             "drain": ServerProcess(tiny_model, "--max-model-len", "4096", "--shutdown-timeout", "120", *blocks,
                                    log_path=logs / "drain.log"),
         }
@@ -86,7 +85,9 @@ def main_url(fleet) -> str:
 
 @pytest.fixture(scope="module")
 def slow_url(fleet) -> str:
-    return fleet["slow"].wait_ready().url
+    """The drain server, for the aborts of long requests (its 4096-token context) and the name it serves under
+    (no --served-model-name); the SIGTERM test, the module's last, stops it after them."""
+    return fleet["drain"].wait_ready().url
 
 
 @pytest.fixture(scope="module")
