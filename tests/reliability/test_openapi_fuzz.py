@@ -6,7 +6,7 @@ nothing left running afterwards.
 
 The server runs a tiny random-weight model with the default model's tokenizer and --max-model-len 64,
 so any accepted request is short. TOKENMILL_FUZZ_EXAMPLES sets the examples per operation and mode
-(CI: 15; `make reliability`: 1000); the run is derandomised, so CI sees the same requests every time.
+(CI: 10; `make reliability`: 1000); the run is derandomised, so CI sees the same requests every time.
 At CI size the hostile values go into the fields each endpoint's schema declares, plus one it does not (the
 rejection of an unknown field is one path whatever the field); TOKENMILL_RELIABILITY_SCALE above 1 (`make
 reliability`) puts them into every field of SAMPLING_FIELDS on every endpoint.
@@ -27,7 +27,7 @@ from schemathesis import GenerationMode
 from e2e.server_harness import ServerProcess, metric, wait_for_metrics
 from helpers.tiny_models import make_tiny_hf_model
 
-EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "10"))
 EVERY_FIELD = int(os.environ.get("TOKENMILL_RELIABILITY_SCALE", "1")) > 1
 HOSTILE_VALUES = [2 ** 64, 2 ** 75, -(2 ** 70), 1e308, float("inf"), float("-inf"), float("nan"), "\ud800",
                   "a\udfffb", {"k": 1}, [[[[[1]]]]], [2 ** 65], {str(2 ** 70): 1.0}, {"49152": 1.0}, 0, -1, None,
