@@ -27,8 +27,10 @@ ENGINE = dict(dtype="float32", linear_kernel="dense", block_size=8, num_kv_block
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """A tiny random Llama (the engines that load it are each the test's own)."""
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("llama"), arch="llama"))
+    """A tiny random Llama (the engines that load it are each the test's own): one layer and one KV head (its 4
+    query heads still grouped), since the interpreter runs an attention program per KV head and layer."""
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("llama"), arch="llama", num_hidden_layers=1,
+                                  num_key_value_heads=1))
 
 
 def run(path, backend, prompts=PROMPTS):
@@ -39,9 +41,11 @@ def run(path, backend, prompts=PROMPTS):
     return llm, first, again
 
 
-# Gemma 3: a sliding layer and a full one (two of the tiny model's six layers: the interpreter's time goes with
-# the layers), head_dim 32; DeepSeek-V2: MLA (llama: the GPU check's dry run)
-SHAPES = {"gemma3_text": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
+# Gemma 3: a sliding layer and a full one (two of the tiny model's six layers) and one KV head for its 4 query
+# heads (the interpreter's time goes with the layers and the KV heads), head_dim 32; DeepSeek-V2: MLA (llama:
+# the GPU check's dry run)
+SHAPES = {"gemma3_text": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                              num_key_value_heads=1),
           "deepseek_v2": {}}
 
 
