@@ -19,9 +19,19 @@ helper call's 0.5 ms, 0.13 after; the interpreted attention calls a helper per k
 Likewise the numpy dtype of a Triton dtype, which the interpreter looks up at most of its operations in a table
 of 18 numpy dtypes it built anew at each lookup (16 us, 0.7 after; 70k lookups in a test of a few decode steps):
 the same table, built once.
+
+Two more costs the interpreter pays for nothing. Its options ask for integer overflow checks (sanitize_overflow,
+as a GPU compile's do) but not for debug, without which device_assert does nothing: every integer add, sub and mul
+was recomputed in int64, compared with its type's bounds and the result thrown away (37% of a split decode's
+interpreted time); its builder's options turn the checks off when debug is off, which changes no value. And a
+helper's every call patched the language anew (`_patch_lang`) though its first call's patches stay in place to the
+end of the launch: a helper is patched for at its first call in each launch only (12% of the same time).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
 
 from tokenmill import envs
 
@@ -30,7 +40,8 @@ _applied = False
 
 def prepare_interpreter() -> None:
     """Replace the interpreter's dot by the row-by-row one, its builtin patching by the one that remembers the
-    builtins' names and its numpy dtype lookup by the one with a lasting table (once, for the whole process;
+    builtins' names, its numpy dtype lookup by the one with a lasting table, its helpers' patching by one a
+    launch, and turn off its discarded overflow checks (once, for the whole process;
     nothing when Triton compiles for a GPU). Call it after importing Triton, in every module whose kernels take
     `tl.dot`."""
     global _applied
@@ -54,7 +65,37 @@ def prepare_interpreter() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
     interpreter._patch_builtin = _builtin_patcher(interpreter, tl.core.is_builtin)
     interpreter._get_np_dtype = _np_dtype_lookup(interpreter, tl, np)
+    _patch_helpers_once_a_launch(interpreter)
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:  # device_assert does nothing: the overflow checks' work is thrown away
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
     _applied = True
+
+
+def _patch_helpers_once_a_launch(interpreter) -> None:
+    """The interpreter's `_patch_lang(fn)` run at a helper's first call in a launch only: the patches it makes
+    stay in place until the launch ends (only the launch's own scope is ever restored, and the helper's scope
+    never), so a later call of the same helper in the same launch would set the same stand-ins again."""
+    original_patch_lang = interpreter._patch_lang
+    original_launch = interpreter.GridExecutor.__call__
+    state = SimpleNamespace(patched=None)  # the functions patched for in the running launch
+
+    def patch_lang(fn):
+        if state.patched is not None:
+            if fn in state.patched:
+                return interpreter._LangPatchScope()  # (a helper's call discards it)
+            state.patched.add(fn)
+        return original_patch_lang(fn)
+
+    def launch(self, *args, **kwargs):
+        state.patched = set()
+        try:
+            return original_launch(self, *args, **kwargs)
+        finally:
+            state.patched = None
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
 
 
 def _np_dtype_lookup(interpreter, tl, np):
@@ -84,7 +125,6 @@ def _builtin_patcher(interpreter, is_builtin):
     helper's call patches inside its kernel's launch, and the interpreter leaves some of those patches in
     place), so that a name is looked up wherever the interpreter's own listing would find a builtin there."""
     import inspect
-    from types import SimpleNamespace
 
     patch_attr = interpreter._patch_attr
     probe = SimpleNamespace()
