@@ -26,6 +26,10 @@ was recomputed in int64, compared with its type's bounds and the result thrown a
 interpreted time); its builder's options turn the checks off when debug is off, which changes no value. And a
 helper's every call patched the language anew (`_patch_lang`) though its first call's patches stay in place to the
 end of the launch: a helper is patched for at its first call in each launch only (12% of the same time).
+
+Every operation makes a tensor, and most a block type, whose constructors rebuild the shape's language tuple (a
+type object per dimension), its element count and its printed form each time (a third of what was left): those
+are built once per shape (`_shapes_built_once`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ _applied = False
 def prepare_interpreter() -> None:
     """Replace the interpreter's dot by the row-by-row one, its builtin patching by the one that remembers the
     builtins' names, its numpy dtype lookup by the one with a lasting table, its helpers' patching by one a
-    launch, and turn off its discarded overflow checks (once, for the whole process;
+    launch, its types' and tensors' shapes by ones built once, and turn off its discarded overflow checks (once,
+    for the whole process;
     nothing when Triton compiles for a GPU). Call it after importing Triton, in every module whose kernels take
     `tl.dot`."""
     global _applied
@@ -66,10 +71,54 @@ def prepare_interpreter() -> None:
     interpreter._patch_builtin = _builtin_patcher(interpreter, tl.core.is_builtin)
     interpreter._get_np_dtype = _np_dtype_lookup(interpreter, tl, np)
     _patch_helpers_once_a_launch(interpreter)
+    _shapes_built_once(tl.core)
     builder = interpreter.interpreter_builder
     if not builder.options.debug:  # device_assert does nothing: the overflow checks' work is thrown away
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
     _applied = True
+
+
+def _shapes_built_once(core) -> None:
+    """`block_type(element_ty, shape)` and `tensor(handle, type)` with the parts that depend on the shape alone
+    built once per shape of plain ints: a block type's shape (a language tuple), its element count and the shape
+    in its name; a tensor's element count and its shape as constexprs. These objects are never changed once
+    built (an interpreted kernel cannot assign into a shape), so every type and tensor of a shape shares them;
+    any other shape (constexpr elements, a bad size) takes the language's own constructor, which checks it."""
+    block_type, tensor, constexpr, language_tuple = core.block_type, core.tensor, core.constexpr, core.tuple
+    block_init, tensor_init = block_type.__init__, tensor.__init__
+    block_parts: dict[tuple, tuple] = {}
+    tensor_parts: dict[tuple, tuple] = {(): (constexpr(1), language_tuple([]))}
+
+    def plain(key: tuple) -> bool:
+        return all(d.__class__ is int for d in key)
+
+    def init_block_type(self, element_ty, shape):
+        key = tuple(shape) if isinstance(shape, (list, language_tuple)) else None  # (as its assert takes)
+        parts = block_parts.get(key) if key is not None and plain(key) else None
+        if parts is None:
+            block_init(self, element_ty, shape)
+            if key and plain(key):
+                block_parts[key] = (self.shape, self.numel, str(self.shape))
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, shown = parts
+        self.name = f'<{shown}, {element_ty}>'
+
+    def init_tensor(self, handle, type):
+        key = tuple(type.shape) if type.is_block() else ()
+        parts = tensor_parts.get(key) if plain(key) else None
+        if parts is None:
+            tensor_init(self, handle, type)
+            if plain(key):
+                tensor_parts[key] = (self.numel, self.shape)
+            return
+        self.handle = handle
+        self.numel, self.shape = parts
+        self.type = type
+        self.dtype = type.scalar
+
+    block_type.__init__ = init_block_type
+    tensor.__init__ = init_tensor
 
 
 def _patch_helpers_once_a_launch(interpreter) -> None:
