@@ -29,7 +29,8 @@ end of the launch: a helper is patched for at its first call in each launch only
 
 Every operation makes a tensor, and most a block type, whose constructors rebuild the shape's language tuple (a
 type object per dimension), its element count and its printed form each time (a third of what was left): those
-are built once per shape (`_shapes_built_once`).
+are built once per shape (`_shapes_built_once`). Then the operands of most binary operations share one shape
+object, and broadcasting them is nothing to do: it is skipped without comparing their shapes.
 """
 
 from __future__ import annotations
@@ -71,14 +72,14 @@ def prepare_interpreter() -> None:
     interpreter._patch_builtin = _builtin_patcher(interpreter, tl.core.is_builtin)
     interpreter._get_np_dtype = _np_dtype_lookup(interpreter, tl, np)
     _patch_helpers_once_a_launch(interpreter)
-    _shapes_built_once(tl.core)
+    _shapes_built_once(tl.core, interpreter.interpreter_semantic)
     builder = interpreter.interpreter_builder
     if not builder.options.debug:  # device_assert does nothing: the overflow checks' work is thrown away
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
     _applied = True
 
 
-def _shapes_built_once(core) -> None:
+def _shapes_built_once(core, semantic) -> None:
     """`block_type(element_ty, shape)` and `tensor(handle, type)` with the parts that depend on the shape alone
     built once per shape of plain ints: a block type's shape (a language tuple), its element count and the shape
     in its name; a tensor's element count and its shape as constexprs. These objects are never changed once
@@ -90,7 +91,10 @@ def _shapes_built_once(core) -> None:
     tensor_parts: dict[tuple, tuple] = {(): (constexpr(1), language_tuple([]))}
 
     def plain(key: tuple) -> bool:
-        return all(d.__class__ is int for d in key)
+        for d in key:
+            if d.__class__ is not int:
+                return False
+        return True
 
     def init_block_type(self, element_ty, shape):
         key = tuple(shape) if isinstance(shape, (list, language_tuple)) else None  # (as its assert takes)
@@ -119,6 +123,16 @@ def _shapes_built_once(core) -> None:
 
     block_type.__init__ = init_block_type
     tensor.__init__ = init_tensor
+    broadcast = semantic.broadcast_impl_value
+
+    def broadcast_impl_value(lhs, rhs):
+        """(lhs, rhs) as they are where both are blocks of one shape object (one shape: nothing to broadcast, as
+        the language's own finds comparing them dimension by dimension), else the language's broadcast."""
+        if lhs.type.is_block() and rhs.type.is_block() and lhs.type.shape is rhs.type.shape:
+            return lhs, rhs
+        return broadcast(lhs, rhs)
+
+    semantic.broadcast_impl_value = broadcast_impl_value  # (the interpreter's semantic object's own)
 
 
 def _patch_helpers_once_a_launch(interpreter) -> None:
