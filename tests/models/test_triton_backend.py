@@ -42,11 +42,11 @@ def run(path, backend, prompts=PROMPTS):
 
 
 # Gemma 3: a sliding layer and a full one (two of the tiny model's six layers) and one KV head for its 4 query
-# heads (the interpreter's time goes with the layers and the KV heads), head_dim 32; DeepSeek-V2: MLA (llama:
-# the GPU check's dry run)
+# heads (the interpreter's time goes with the layers and the KV heads), head_dim 32; DeepSeek-V2: MLA, one
+# (dense) layer of the two (llama: the GPU check's dry run)
 SHAPES = {"gemma3_text": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                               num_key_value_heads=1),
-          "deepseek_v2": {}}
+          "deepseek_v2": dict(num_hidden_layers=1, first_k_dense_replace=1)}
 
 
 @pytest.mark.parametrize("arch", list(SHAPES))
