@@ -101,7 +101,7 @@ def test_a_batch_invariant_cuda_run_takes_the_triton_products_and_norms():
 @pytest.fixture(scope="module")
 def one_layer_llama(tmp_path_factory):
     """A one-layer tiny Llama with a 256-token vocabulary (prompts given as ids): the interpreter runs every
-    tile of every product in Python, the LM head's too (49,152 outputs would cost ~18 s a step). Weights
+    tile of every product in Python, the LM head's too (49,152 outputs would cost seconds a step). Weights
     drawn at 0.3 (not 0.02): peaked logits, whose logprobs keep a product's last bits (near-uniform ones,
     logprobs near -5.5, round them away and would hide a product summed in another order)."""
     return str(make_tiny_hf_model(tmp_path_factory.mktemp("small"), arch="llama", num_hidden_layers=1,
@@ -116,7 +116,7 @@ def _ids_and_logprobs(output) -> tuple:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_invariant_triton_products_give_a_request_its_own_output_in_a_batch(one_layer_llama, dtype):
-    # the batch-invariant CUDA path on CPU tensors (~6 s a dtype): products on the Triton invariant matmul,
+    # the batch-invariant CUDA path on CPU tensors (1-2 s a dtype): products on the Triton invariant matmul,
     # attention on the unified kernel. A request alone, then beside a one-token prompt (its decodes) and a
     # 23-token one whose prefill a 16-token budget chunks beside the target's steps, after the target's first
     # block is cached: ids and logprobs equal bit for bit (tests/models/test_batch_invariance.py, on Triton)
@@ -236,7 +236,7 @@ def test_an_fp8_kv_cache_gives_the_reference_backends_tokens(llama):
     # the same one-byte cache on both backends (quantising itself moves the logits): the Triton writer stores
     # the reference's bytes and its kernels read them as the reference does, through a chunked prefill beside
     # a decode and a prefix-cache hit that reads the first request's one-byte blocks. fp8 only and few
-    # tokens (~9 s: the interpreter runs every program in Python): int8 differs in the rounding and the
+    # tokens (~1 s: the interpreter runs every program in Python): int8 differs in the rounding and the
     # widening alone, which tests/kernels/test_triton_kv_rows.py checks for both formats
     prompts, params = [PROMPTS[2], PROMPTS[1]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1)
     outputs = {}

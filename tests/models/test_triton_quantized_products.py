@@ -81,5 +81,5 @@ def test_packed_checkpoints_on_the_triton_products_give_hf_greedy_tokens(base, t
     if checkpoint is _gguf_q6_k:
         assert isinstance(model.embed_quantized, TritonQuantizedProduct)  # the tied table, kept packed
     # a prefill of 47 rows (the many-row tiling) and one decode step of 2 rows (the few-row tiling, its K loop
-    # split): each decode step of the GGUF model, four times as wide, costs ~7 s in the interpreter
+    # split): each decode step of the GGUF model, four times as wide, costs seconds in the interpreter
     assert_greedy_matches_hf(llm, hf, prompts=PROMPTS, count=2)
