@@ -255,6 +255,10 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decode tokens)")
     max_num_seqs: int = _opt(128, "most sequences in the running batch")
+    max_num_prompt_tokens: int = _opt(0, "most prompt tokens one step computes (chunks of several tokens: prompts "
+                                      "and recomputed outputs; decodes come on top), within max_num_batched_tokens: a "
+                                      "shorter step for the requests that wait for it. 0: no cap of its own (a server "
+                                      "with two or more tenants sets --tenant-step-tokens)")
     preemption_mode: str = _opt("auto", "how a request preempted for KV blocks comes back: recompute its tokens, "
                                 "swap its blocks out to host memory (--swap-space-gb) and back, or auto = whichever "
                                 "is estimated cheaper for it (copy bytes against recompute FLOPs: swap on CPU)",
@@ -285,6 +289,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_prompt_tokens < 0:
+            raise ValueError(f"max_num_prompt_tokens must be >= 0, got {self.max_num_prompt_tokens}")
         if self.max_num_encoder_input_tokens < 0:
             raise ValueError(f"max_num_encoder_input_tokens must be >= 0, got {self.max_num_encoder_input_tokens}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -561,10 +567,10 @@ class ServerConfig:
                                        "(stored as `tokenmill hash-key` prints its hash), limits (requests and tokens "
                                        "per minute, requests at once), priority, weight in the fair share, models "
                                        "and admin right; reloaded on SIGHUP (docs/tenants.md). Instead of --api-key")
-    tenant_step_tokens: int = _opt(512, "with a tenants file of two or more tenants: the most tokens one engine step "
-                                   "computes (--max-num-batched-tokens is lowered to it), so that a tenant's new "
-                                   "request waits for at most a short step of another tenant's work; 0 keeps "
-                                   "--max-num-batched-tokens")
+    tenant_step_tokens: int = _opt(512, "with a tenants file of two or more tenants: the most prompt tokens one engine "
+                                   "step computes (--max-num-prompt-tokens, unless that is lower already; decodes come "
+                                   "on top), so that a tenant's new request waits for at most a short step of another "
+                                   "tenant's prompts; 0: no such cap")
     metrics_require_key: bool = _opt(False, "put /metrics behind the API key too (by default Prometheus and "
                                      "routers scrape it without one)")
     enable_sleep_mode: bool = _opt(False, "serve vLLM's sleep routes (POST /sleep?level=1|2, POST /wake_up?tags=, "

@@ -135,14 +135,14 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, 
                    prefix_caching: bool = False, secondary_slots: int = 0,
                    steps_in_flight: int = 1, windows: tuple = (None,),
                    record_events: bool = False, async_scheduling: bool = False,
-                   attachments: tuple = (), chunks: tuple = ()) -> tuple[Scheduler, FakeRunner]:
+                   attachments: tuple = (), chunks: tuple = (), prompt_budget: int = 0) -> tuple[Scheduler, FakeRunner]:
     """A scheduler over a KV cache manager of one group per entry of `windows` (None: full attention,
     W: a sliding window of W tokens; `chunks`, when given, each group's attention chunk C or None), completing
     its steps with `attachments`, and the fake runner it drives."""
     kv = KVCacheManager(num_blocks, block_size, watermark=watermark, enable_prefix_caching=prefix_caching,
                         secondary_slots=secondary_slots, windows=windows, record_events=record_events, chunks=chunks)
     limits = SchedulingLimits(budget, max_seqs, max_model_len, max_steps_in_flight=steps_in_flight,
-                              async_scheduling=async_scheduling)
+                              async_scheduling=async_scheduling, max_num_prompt_tokens=prompt_budget)
     scheduler, runner = Scheduler(limits, kv, attachments=attachments), FakeRunner(kv)
     runner.requests = scheduler.requests
     return scheduler, runner

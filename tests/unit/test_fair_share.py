@@ -150,3 +150,27 @@ def test_every_ended_request_leaves_the_live_counts_so_one_tenant_again_takes_th
     scheduler.add_request(tenant_request("late", A, 6, 2))
     assert scheduler.fair.num_live_tenants == 1
     assert scheduler.fair.choose(scheduler.waiting, scheduler.running) is None
+
+
+def test_a_steps_prompt_tokens_stay_within_their_own_cap_while_decodes_go_on():
+    """max_num_prompt_tokens (a tenants server's --tenant-step-tokens): no step computes more prompt tokens than the
+    cap, decodes come on top, and the outputs are the uncapped scheduler's."""
+    def run(cap: int):
+        scheduler, runner = make_scheduler(max_seqs=8, budget=64, num_blocks=256, prompt_budget=cap)
+        for i in range(6):
+            scheduler.add_request(tenant_request(f"r{i}", A if i % 2 else B, 40 + 7 * i, 12, seed=i))
+        prompt_tokens, decodes = [], []
+        outputs = {}
+        while scheduler.has_unfinished_requests():
+            schedule = scheduler.schedule()
+            prompt_tokens.append(sum(c.num_tokens for c in schedule.scheduled if c.num_tokens > 1))
+            decodes.append(sum(1 for c in schedule.scheduled if c.num_tokens == 1))
+            for update in scheduler.update_from_output(schedule, runner.execute(schedule)):
+                outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+        return prompt_tokens, decodes, outputs
+
+    capped, capped_decodes, capped_outputs = run(16)
+    free, _, free_outputs = run(0)
+    assert max(capped) <= 16 < max(free)
+    assert any(p > 0 and d > 0 for p, d in zip(capped, capped_decodes))  # decodes beside a capped prompt chunk
+    assert capped_outputs == free_outputs

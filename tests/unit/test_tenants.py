@@ -174,7 +174,7 @@ def test_a_reload_keeps_a_staying_tenants_window_and_refuses_a_removed_tenants_k
         assert http.post("/work", headers={"x-api-key": KEY_B}).status_code == 401
 
 
-def test_two_tenants_lower_the_step_budget_to_tenant_step_tokens():
+def test_two_tenants_cap_a_steps_prompt_tokens_at_tenant_step_tokens():
     from tokenmill.config import EngineConfig, ServerConfig
     from tokenmill.server.launch import tenant_step_budget
     from tokenmill.server.tenants import Tenant, Tenants, hash_key
@@ -183,7 +183,7 @@ def test_two_tenants_lower_the_step_budget_to_tenant_step_tokens():
     two = Tenants([Tenant(name, hash_key(f"key-of-{name}-long-enough")) for name in ("a", "b")])
     one = Tenants([Tenant("a", hash_key("key-of-a-long-enough"))])
     lowered = tenant_step_budget(engine, ServerConfig(), two)
-    assert lowered.scheduler.max_num_batched_tokens == 512 and lowered.model == engine.model
+    assert lowered.scheduler.max_num_prompt_tokens == 512 and lowered.scheduler.max_num_batched_tokens == 2048
     assert tenant_step_budget(engine, ServerConfig(), one) is engine  # one tenant: nobody to wait for
     assert tenant_step_budget(engine, ServerConfig(), None) is engine
     assert tenant_step_budget(engine, ServerConfig(tenant_step_tokens=0), two) is engine

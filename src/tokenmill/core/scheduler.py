@@ -303,13 +303,14 @@ class Scheduler:
         output must reach the runner, in order (it carries diffs against the previous ones), before the next
         is built."""
         budget = self.limits.max_num_batched_tokens
+        prompt_budget = self.limits.max_num_prompt_tokens or budget  # (decodes do not count against it)
         scheduled: list[ScheduledChunk] = []
         num_preempted = 0
         seats_given = self._give_seats()
         room = self._step_share()
         stalled = False
         encoder = _EncoderBudget(self.limits.max_num_encoder_input_tokens)
-        leader, checked = self._fair_leader(budget)
+        leader, checked = self._fair_leader(min(budget, prompt_budget))
 
         index = 0
         while index < len(self.running) and budget > 0 and room > 0:
@@ -321,11 +322,14 @@ class Scheduler:
             start, known_end = self._next_span(request, flight)
             if not request.num_samples_to_fork:  # a parent about to fork keeps what its samples will share
                 self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
-            if known_end - start > 1 and leader is not None and self.fair.defers(request, leader):
-                self._deferred_for = checked  # its prompt chunk waits a step for another tenant's
+            prompt = known_end - start > 1  # a chunk of its prompt (or of recomputed tokens), not a decode
+            if prompt and (prompt_budget <= 0 or leader is not None and self.fair.defers(request, leader)):
+                if prompt_budget > 0:
+                    self._deferred_for = checked  # its prompt chunk waits a step for another tenant's
                 index += 1  # (a decode never waits)
                 continue
-            num_new = encoder.fit(request, start, self._grant(request, start, known_end, budget))
+            num_new = encoder.fit(request, start, self._grant(request, start, known_end,
+                                                              min(budget, prompt_budget) if prompt else budget))
             if num_new == 0:  # its next image waits for the next step's encoder budget
                 index += 1
                 continue
@@ -345,6 +349,7 @@ class Scheduler:
             else:
                 scheduled.append(self._scheduled(request, start, num_new, known_end))
                 budget -= num_new
+                prompt_budget -= num_new if prompt else 0
                 room -= 1
                 index += 1
                 continue
@@ -352,7 +357,8 @@ class Scheduler:
                 break
 
         if num_preempted == 0 and not stalled:
-            budget = self._admit_waiting(budget, room, scheduled, encoder, leader if self._deferred_for else None)
+            self._admit_waiting(min(budget, prompt_budget), room, scheduled, encoder,
+                                leader if self._deferred_for else None)
 
         self.kv_cache.transfer.plan_exports(scheduled, self.requests)
         copies = [c for c in (connector.take_copies() for connector in self.connectors) if c]

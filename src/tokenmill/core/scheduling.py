@@ -35,6 +35,9 @@ class SchedulingLimits:
     # every request's last token.
     async_scheduling: bool = False
     speculative: bool = False
+    # Prompt tokens (chunks of more than one token) one step computes, within max_num_batched_tokens (0: no cap of
+    # its own): decodes are not counted, so a step stays short for a request that arrives while it runs.
+    max_num_prompt_tokens: int = 0
 
 
 @dataclass

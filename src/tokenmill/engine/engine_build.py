@@ -157,7 +157,7 @@ def build_scheduler(config: EngineConfig, model: ModelFacts, plan: KVPlan, kv_ca
                               scheduler.preemption_mode,
                               PreemptionCosts.for_model(model.arch, kv_bytes_per_token, model.device.type, state_bytes),
                               scheduler.encoder_budget if model.arch.vision is not None else 0,
-                              async_scheduling, config.speculative.enabled)
+                              async_scheduling, config.speculative.enabled, scheduler.max_num_prompt_tokens)
     return Scheduler(limits, kv_cache, plan.swap_slots, attachments)
 
 

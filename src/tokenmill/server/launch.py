@@ -77,18 +77,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
 def tenant_step_budget(engine_config: EngineConfig, server_config: ServerConfig,
                        tenants: Optional["Tenants"]) -> EngineConfig:
-    """The engine's configuration with its step budget lowered to `--tenant-step-tokens` when two or more tenants
-    share the server: a step on a CPU takes as long as its tokens, and a request that arrives waits for the step in
-    flight before the fair share can start it."""
+    """The engine's configuration with the prompt tokens of a step capped at `--tenant-step-tokens` when two or more
+    tenants share the server: a step on a CPU takes as long as its tokens, and a request that arrives waits for the
+    step in flight before the fair share can start it."""
     import dataclasses
 
-    budget = engine_config.scheduler.max_num_batched_tokens
-    if tenants is None or len(tenants.tenants) < 2 or not 0 < server_config.tenant_step_tokens < budget:
+    cap, scheduler = server_config.tenant_step_tokens, engine_config.scheduler
+    already = scheduler.max_num_prompt_tokens or scheduler.max_num_batched_tokens
+    if tenants is None or len(tenants.tenants) < 2 or not 0 < cap < already:
         return engine_config
-    logger.info("%d tenants share the server: steps of at most %d tokens (--tenant-step-tokens; "
-                "--max-num-batched-tokens was %d)", len(tenants.tenants), server_config.tenant_step_tokens, budget)
-    scheduler = dataclasses.replace(engine_config.scheduler, max_num_batched_tokens=server_config.tenant_step_tokens)
-    return dataclasses.replace(engine_config, scheduler=scheduler)
+    logger.info("%d tenants share the server: steps of at most %d prompt tokens, decodes on top "
+                "(--tenant-step-tokens)", len(tenants.tenants), cap)
+    return dataclasses.replace(engine_config, scheduler=dataclasses.replace(scheduler, max_num_prompt_tokens=cap))
 
 
 def make_app(engine_config: EngineConfig, server_config: ServerConfig, name: str, tenants: Optional["Tenants"],
