@@ -449,7 +449,7 @@ class Scheduler:
         return min(lacking + len(request.spec_token_ids), budget)
 
     def _admit_waiting(self, budget: int, room: int, scheduled: list[ScheduledChunk],
-                       encoder: "_EncoderBudget", deferring: Optional[tuple] = None) -> int:
+                       encoder: "_EncoderBudget", deferring: Optional[tuple] = None) -> None:
         """Admit waiting requests while the budget, the seats and the pool allow. `deferring`: the tenant this
         step's running prompt chunks waited for (FairShare.leader); a waiting request whose chunk would wait for
         it too is not admitted in this step either."""
@@ -510,7 +510,6 @@ class Scheduler:
             num_seqs += 1 + request.num_samples_to_fork
             if adapter is not None:
                 adapters.add(adapter)
-        return budget
 
     def _swap_in(self, request: Request, budget: int) -> Optional[int]:
         """Resume a swapped-out request: blocks for its computed tokens and the next chunk, its slots copied
