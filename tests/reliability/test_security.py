@@ -172,6 +172,31 @@ def test_a_model_the_tenant_may_not_use_is_a_403(engine, tmp_path):
     assert client.get("/v1/models", headers=_as(KEY_USER)).json()["data"] == []
 
 
+def test_a_tenant_with_isolate_cache_shares_prefix_blocks_with_no_other_tenant(engine, tmp_path):
+    """isolate_cache: the same prompt another tenant sent (and one with the other tenant's own cache_salt) finds
+    none of its blocks; the tenant's own next request does, and the other tenants still share theirs."""
+    keys = {name: f"tm-{name}-key-0123456789abcdef" for name in ("iso", "open", "also")}
+    (tmp_path / "t.json").write_text(json.dumps({"tenants": [
+        {"name": name, "key_hash": hash_key(key), "isolate_cache": name == "iso"} for name, key in keys.items()]}))
+    config = ServerConfig(tenants_file=str(tmp_path / "t.json"))
+    client = TestClient(build_app(engine, config, engine.info.chat_template, server_tenants(config)))
+
+    def cached(name, **extra):
+        body = {"model": "tiny", "prompt": list(range(300, 340)), "max_tokens": 1, **extra}
+        answer = client.post("/v1/completions", headers=_as(keys[name]), json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("open") == 0
+    assert cached("iso") == 0 and cached("iso", cache_salt="s") == 0  # not the open tenant's blocks
+    assert cached("iso") > 0 and cached("iso", cache_salt="s") > 0  # its own
+    assert cached("also") > 0  # tenants without isolation share as before
+    assert cached("open", cache_salt="s") == 0  # nor does another tenant reach iso's salted blocks by its salt
+    with pytest.raises(ValueError, match=r"isolate_cache must be true or false"):
+        from tokenmill.server.tenants import tenant_from_dict
+        tenant_from_dict({"name": "x", "key_hash": hash_key(keys["iso"]), "isolate_cache": "yes"}, 0)
+
+
 def test_a_wrong_tenants_file_on_reload_keeps_the_tenants(tmp_path, caplog):
     from tokenmill.server.launch import reload_tenants
     from tokenmill.server.tenant_gate import TenantGate

@@ -35,6 +35,16 @@ class Client:
     share: TenantShare
     priority: int = 0
     usage: Optional[UsageListener] = None
+    isolate_cache: bool = False  # its requests' prefix-cache blocks are its own (`cache_salt`)
+
+    def cache_salt(self, requested: Optional[str]) -> Optional[str]:
+        """The cache_salt a request of this client runs with: its own (`requested`), or with `isolate_cache` one
+        made of the client's tenant and its own, which no other client's request can give."""
+        if not self.isolate_cache:
+            return requested
+        import hashlib
+
+        return hashlib.sha256(f"{self.share.name}\0{requested or ''}".encode()).hexdigest()
 
 
 # set by the server's tenant gate around a request's handling (server/tenant_gate.py), and inherited by the work

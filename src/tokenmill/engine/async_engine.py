@@ -171,6 +171,8 @@ class AsyncEngine:
         client = current_client.get()
         if client is not None:
             priority = max(priority, client.priority)
+            if client.isolate_cache:
+                params = dataclasses.replace(params, cache_salt=client.cache_salt(params.cache_salt))
         usage = client.usage if client is not None else None
         last: Optional[RequestOutput] = None
         completion_tokens = 0

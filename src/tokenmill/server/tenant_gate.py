@@ -171,7 +171,8 @@ def act_as(budget: TenantBudget) -> tuple:
     """Handle what follows in this context as `budget`'s tenant's: `current_tenant` and the engine's `current_client`
     set (the tokens that reset them are returned)."""
     tenant = budget.tenant
-    return current_tenant.set(tenant), current_client.set(Client(tenant.share, tenant.priority, budget))
+    return current_tenant.set(tenant), current_client.set(Client(tenant.share, tenant.priority, budget,
+                                                                 tenant.isolate_cache))
 
 
 def check_tenant_model(model: str) -> None:

@@ -74,6 +74,9 @@ class Tenant:
     weight: float = 1.0  # its share of the engine against other tenants of the same priority
     models: Optional[tuple[str, ...]] = None  # the served model names and adapters it may use (None: all)
     admin: bool = False  # may call the operational routes (weights, sleep, pause, adapters)
+    # its requests' prefix-cache blocks are reachable from its own requests only (each request's cache_salt is
+    # combined with the tenant's name): no other tenant can time a prefix hit on what it sent
+    isolate_cache: bool = False
 
     @property
     def share(self) -> TenantShare:
@@ -113,8 +116,9 @@ def tenant_from_dict(entry: Any, index: int) -> Tenant:
     weight = entry.get("weight", 1.0)
     if type(weight) not in (int, float) or not 0 < weight <= 1e6:
         raise ValueError(f"{where}.weight must be a number in (0, 1e6], got {weight!r}")
-    if type(entry.get("admin", False)) is not bool:
-        raise ValueError(f"{where}.admin must be true or false, got {entry['admin']!r}")
+    for flag in ("admin", "isolate_cache"):
+        if type(entry.get(flag, False)) is not bool:
+            raise ValueError(f"{where}.{flag} must be true or false, got {entry[flag]!r}")
     models = entry.get("models")
     if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
         raise ValueError(f"{where}.models must be a list of model names")
