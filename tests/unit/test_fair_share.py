@@ -154,23 +154,33 @@ def test_every_ended_request_leaves_the_live_counts_so_one_tenant_again_takes_th
 
 def test_a_steps_prompt_tokens_stay_within_their_own_cap_while_decodes_go_on():
     """max_num_prompt_tokens (a tenants server's --tenant-step-tokens): no step computes more prompt tokens than the
-    cap, decodes come on top, and the outputs are the uncapped scheduler's."""
-    def run(cap: int):
+    cap, decodes come on top, and the outputs are the uncapped scheduler's; only the prompts of the tenant served
+    next, while it has requests waiting, run past the cap (the cap keeps steps short for a newcomer, who then need
+    not wait for more than its own prompts)."""
+    def run(cap: int, late_tenant=None):
         scheduler, runner = make_scheduler(max_seqs=8, budget=64, num_blocks=256, prompt_budget=cap)
         for i in range(6):
-            scheduler.add_request(tenant_request(f"r{i}", A if i % 2 else B, 40 + 7 * i, 12, seed=i))
-        prompt_tokens, decodes = [], []
-        outputs = {}
+            scheduler.add_request(tenant_request(f"a{i}", A, 40 + 7 * i, 12, seed=i))
+        chunks, outputs, step = [], {}, 0
         while scheduler.has_unfinished_requests():
+            step += 1
+            if step == 3 and late_tenant is not None:
+                scheduler.add_request(tenant_request("b0", late_tenant, 30, 4, seed=50))
             schedule = scheduler.schedule()
-            prompt_tokens.append(sum(c.num_tokens for c in schedule.scheduled if c.num_tokens > 1))
-            decodes.append(sum(1 for c in schedule.scheduled if c.num_tokens == 1))
+            chunks.append([(c.request_id, c.num_tokens) for c in schedule.scheduled])
             for update in scheduler.update_from_output(schedule, runner.execute(schedule)):
                 outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
-        return prompt_tokens, decodes, outputs
+        return chunks, outputs
 
-    capped, capped_decodes, capped_outputs = run(16)
-    free, _, free_outputs = run(0)
-    assert max(capped) <= 16 < max(free)
-    assert any(p > 0 and d > 0 for p, d in zip(capped, capped_decodes))  # decodes beside a capped prompt chunk
+    def prompt_tokens(step, tenant="a"):
+        return sum(n for rid, n in step if n > 1 and rid.startswith(tenant))
+
+    capped, capped_outputs = run(16)
+    free, free_outputs = run(0)
+    assert max(prompt_tokens(step) for step in capped) <= 16 < max(prompt_tokens(step) for step in free)
+    assert any(prompt_tokens(step) and any(n == 1 for _, n in step) for step in capped)  # decodes beside a chunk
     assert capped_outputs == free_outputs
+    # b arrives while a's prompts run: its whole 30-token prompt starts at once, a's chunks stay within the cap
+    with_b, _ = run(16, late_tenant=B)
+    assert max(prompt_tokens(step, "b") for step in with_b) == 30
+    assert max(prompt_tokens(step) for step in with_b) <= 16

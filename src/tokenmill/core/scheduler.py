@@ -311,6 +311,7 @@ class Scheduler:
         stalled = False
         encoder = _EncoderBudget(self.limits.max_num_encoder_input_tokens)
         leader, checked = self._fair_leader(min(budget, prompt_budget))
+        uncapped = self._newcomer(leader)
 
         index = 0
         while index < len(self.running) and budget > 0 and room > 0:
@@ -323,13 +324,14 @@ class Scheduler:
             if not request.num_samples_to_fork:  # a parent about to fork keeps what its samples will share
                 self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
             prompt = known_end - start > 1  # a chunk of its prompt (or of recomputed tokens), not a decode
-            if prompt and (prompt_budget <= 0 or leader is not None and self.fair.defers(request, leader)):
+            capped = prompt and not (uncapped is not None and self.fair.serves(request, uncapped))
+            if prompt and (capped and prompt_budget <= 0 or leader is not None and self.fair.defers(request, leader)):
                 if prompt_budget > 0:
                     self._deferred_for = checked  # its prompt chunk waits a step for another tenant's
                 index += 1  # (a decode never waits)
                 continue
             num_new = encoder.fit(request, start, self._grant(request, start, known_end,
-                                                              min(budget, prompt_budget) if prompt else budget))
+                                                              min(budget, prompt_budget) if capped else budget))
             if num_new == 0:  # its next image waits for the next step's encoder budget
                 index += 1
                 continue
@@ -357,7 +359,7 @@ class Scheduler:
                 break
 
         if num_preempted == 0 and not stalled:
-            self._admit_waiting(min(budget, prompt_budget), room, scheduled, encoder,
+            self._admit_waiting(budget, prompt_budget, room, scheduled, encoder, uncapped,
                                 leader if self._deferred_for else None)
 
         self.kv_cache.transfer.plan_exports(scheduled, self.requests)
@@ -415,6 +417,18 @@ class Scheduler:
 
         return self.fair.leader(self.waiting, self.running, can_start), checked
 
+    def _newcomer(self, leader: Optional[tuple]) -> Optional[str]:
+        """The tenant whose prompts this step runs past max_num_prompt_tokens: the fair share's `leader` when none of
+        its running requests has prompt tokens left (it has just come, or come back). The cap keeps steps short for a
+        tenant that arrives while one runs; that tenant's own prompts then run at once, not in capped steps beside
+        the others' work. None without a cap or a leader."""
+        if leader is None or not self.limits.max_num_prompt_tokens:
+            return None
+        tenant = leader[0]
+        if any(self.fair.serves(r, tenant) and r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
+            return None
+        return tenant
+
     def _step_share(self) -> int:
         """How many requests this step may take: all of them with one step in flight at a time, else an
         even share of the live requests (at least one), so consecutive steps run disjoint requests."""
@@ -448,11 +462,13 @@ class Scheduler:
             request.spec_token_ids = request.spec_token_ids[:max(0, budget - lacking)]
         return min(lacking + len(request.spec_token_ids), budget)
 
-    def _admit_waiting(self, budget: int, room: int, scheduled: list[ScheduledChunk],
-                       encoder: "_EncoderBudget", deferring: Optional[tuple] = None) -> None:
-        """Admit waiting requests while the budget, the seats and the pool allow. `deferring`: the tenant this
-        step's running prompt chunks waited for (FairShare.leader); a waiting request whose chunk would wait for
-        it too is not admitted in this step either."""
+    def _admit_waiting(self, budget: int, prompt_budget: int, room: int, scheduled: list[ScheduledChunk],
+                       encoder: "_EncoderBudget", uncapped: Optional[str] = None,
+                       deferring: Optional[tuple] = None) -> None:
+        """Admit waiting requests while the budget, the seats and the pool allow; a first chunk takes at most
+        `prompt_budget` (what the step's prompt tokens have left), but for the `uncapped` tenant's requests
+        (`_newcomer`). `deferring`: the tenant this step's running prompt chunks waited for (FairShare.leader); a
+        waiting request whose chunk would wait for it too is not admitted in this step either."""
         num_seqs = self._seats_taken()
         computing = set()  # keys of full blocks that requests admitted in this step compute
         adapters = {_adapter(r) for r in self.running} - {None}  # the LoRA adapters this step runs
@@ -468,11 +484,16 @@ class Scheduler:
             if adapter is not None and adapter not in adapters and 0 < self.limits.max_loras <= len(adapters):
                 passed_over.add(request.request_id)
                 continue
+            cap = budget if uncapped is not None and self.fair.serves(request, uncapped) else min(budget, prompt_budget)
+            if cap <= 0:  # the step's prompt tokens are spent
+                passed_over.add(request.request_id)
+                continue
             if self.swap is not None and self.swap.holds(request.request_id):
-                num_new = self._swap_in(request, budget)
+                num_new = self._swap_in(request, cap)
                 if num_new is None:
                     break
                 budget, room, num_seqs = budget - num_new, room - 1, num_seqs + 1 + request.num_samples_to_fork
+                prompt_budget -= num_new if num_new > 1 else 0
                 adapters |= {adapter} - {None}
                 scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new, request.num_tokens))
                 continue
@@ -486,7 +507,7 @@ class Scheduler:
             upcoming = self.kv_cache.prefix_keys_between(request, num_cached, num_cached + self.kv_cache.block_size)
             if upcoming and upcoming[0] in computing:
                 break
-            num_new = encoder.fit(request, num_cached, min(request.num_tokens - num_cached, budget), True)
+            num_new = encoder.fit(request, num_cached, min(request.num_tokens - num_cached, cap), True)
             if num_new == 0:
                 break
             target = num_cached + num_new
@@ -506,6 +527,7 @@ class Scheduler:
             self._insert(self.running, request)
             scheduled.append(self._scheduled(request, num_cached, num_new, request.num_tokens))
             budget -= num_new
+            prompt_budget -= num_new
             room -= 1
             num_seqs += 1 + request.num_samples_to_fork
             if adapter is not None:
