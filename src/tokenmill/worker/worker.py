@@ -88,8 +88,6 @@ class Worker:
     """Loads its model and KV pool, then runs steps: `execute(SchedulerOutput) -> ModelRunnerOutput`."""
 
     def __init__(self, spec: WorkerSpec, source: Optional[ModelSource] = None) -> None:
-        from tokenmill.worker.model_setup import load_model
-
         self.spec = spec
         self.weights_path = spec.model_path  # the checkpoint the served weights came from (updates move it)
         self.device = rank_device(spec.device, spec.rank, spec.ranks_per_node)
@@ -108,8 +106,7 @@ class Worker:
             tp, stage = init_parallel(spec.rank, spec.tp_size, spec.pp_size, arch.num_hidden_layers, spec.init_method,
                                       self.device, spec.tp_exact, spec.timeout, spec.expert_parallel)
         self.tp, self.stage = tp, stage  # (a reload builds this rank's shard again: _rank_model)
-        self.model, backend = load_model(source, spec.model, self.device, dtype, spec.max_model_len, tp=tp,
-                                         stage=stage, kv_rows=spec.quantized_kv)
+        self.model, backend = self._load_rank_model(source)
         layout = kv_cache_layout(arch, dtype.itemsize, tp.size, spec.quantized_kv)
         if backend.on_triton:  # its kv_cache_shape sees a one-byte row's width only: the exact check, at start
             from tokenmill.attention.triton_paged import check_cache
@@ -235,16 +232,20 @@ class Worker:
     def restore_weights(self) -> None:
         """Load the model again from its checkpoint (wake_up after sleep level 2): the one it started with or the
         last `load_weights_from` read; tensors a trainer sent are not kept (vLLM's level 2 drops them too)."""
-        self.model = self.runner.model = self._rank_model(load_model_source(self.weights_path,
-                                                                                with_tokenizer=False))
+        self.model = self.runner.model = self._rank_model(load_model_source(self.weights_path, with_tokenizer=False))
 
     def _rank_model(self, source: ModelSource) -> Any:
         """A model of `source` built as this rank's was at start (its shard, dtype, kernels, packing, KV rows)."""
+        return self._load_rank_model(source)[0]
+
+    def _load_rank_model(self, source: ModelSource) -> tuple[Any, Any]:
+        """This rank's shard of `source` (tensor-parallel group and pipeline stage) as the spec asks for it, and its
+        attention backend: what the worker serves at start, and what a reload builds again."""
         from tokenmill.worker.model_setup import load_model
 
-        model, _ = load_model(source, self.spec.model, self.device, DTYPES[self.spec.dtype], self.spec.max_model_len,
-                              tp=self.tp, stage=self.stage, kv_rows=self.spec.quantized_kv)
-        return model
+        spec = self.spec
+        return load_model(source, spec.model, self.device, DTYPES[spec.dtype], spec.max_model_len, tp=self.tp,
+                          stage=self.stage, kv_rows=spec.quantized_kv)
 
     def _apply_threads(self) -> None:
         """Size and pin the calling thread's OpenMP team, once per thread (OpenMP keeps it per thread)."""
