@@ -232,9 +232,9 @@ class Batches:
             finished[line.number] = result
             response = result["response"]
             if self.shelf is not None and (response is None or response["status_code"] != 503):
-                # (a 503: the server was shutting down under the line; it runs again after the restart)
+                # (a 503: the server was shutting down under the line; it runs again after the restart; the batch's
+                # counts are not saved with each line: a resumed batch counts its kept lines again)
                 self.shelf.add_line(batch["id"], line.number, result)
-                self._save(batch)
         for result in finished.values():
             write(result)
         try:
