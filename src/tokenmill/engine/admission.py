@@ -37,11 +37,9 @@ class Client:
     usage: Optional[UsageListener] = None
     isolate_cache: bool = False  # its requests' prefix-cache blocks are its own (`cache_salt`)
 
-    def cache_salt(self, requested: Optional[str]) -> Optional[str]:
-        """The cache_salt a request of this client runs with: its own (`requested`), or with `isolate_cache` one
-        made of the client's tenant and its own, which no other client's request can give."""
-        if not self.isolate_cache:
-            return requested
+    def isolated_salt(self, requested: Optional[str]) -> str:
+        """The cache_salt a request of an `isolate_cache` client runs with: one made of the client's tenant and the
+        request's own (`requested`), which no other client's request can give."""
         import hashlib
 
         return hashlib.sha256(f"{self.share.name}\0{requested or ''}".encode()).hexdigest()

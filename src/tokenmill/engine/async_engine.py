@@ -172,7 +172,7 @@ class AsyncEngine:
         if client is not None:
             priority = max(priority, client.priority)
             if client.isolate_cache:
-                params = dataclasses.replace(params, cache_salt=client.cache_salt(params.cache_salt))
+                params = dataclasses.replace(params, cache_salt=client.isolated_salt(params.cache_salt))
         usage = client.usage if client is not None else None
         last: Optional[RequestOutput] = None
         completion_tokens = 0
