@@ -325,9 +325,11 @@ class Scheduler:
                 self.kv_cache.release_out_of_window(request.request_id, request.num_computed_tokens)
             prompt = known_end - start > 1  # a chunk of its prompt (or of recomputed tokens), not a decode
             capped = prompt and not (uncapped is not None and self.fair.serves(request, uncapped))
-            if prompt and (capped and prompt_budget <= 0 or leader is not None and self.fair.defers(request, leader)):
-                if prompt_budget > 0:
-                    self._deferred_for = checked  # its prompt chunk waits a step for another tenant's
+            if capped and prompt_budget <= 0:  # the step's prompt tokens are spent
+                index += 1
+                continue
+            if prompt and leader is not None and self.fair.defers(request, leader):
+                self._deferred_for = checked  # its prompt chunk waits a step for another tenant's
                 index += 1  # (a decode never waits)
                 continue
             num_new = encoder.fit(request, start, self._grant(request, start, known_end,
