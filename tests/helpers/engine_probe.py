@@ -46,8 +46,7 @@ def hf_greedy_tokens_from(model, ids: list[int], count: int, candidate: list[int
     induction. From the first that is not, HF decodes on its own, token by token."""
     tokens = list(candidate[:count])
     if tokens:
-        logits = model(torch.tensor([list(ids) + tokens[:-1]]), use_cache=False).logits[0, len(ids) - 1:]
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = hf_forced(model, ids, tokens)[0]
         agreed = next((i for i, (a, b) in enumerate(zip(tokens, argmax)) if a != b), len(tokens))
         tokens = tokens[:agreed] + argmax[agreed:agreed + 1]  # HF's own token where the first disagreement is
     if len(tokens) < count:
@@ -61,9 +60,9 @@ def hf_forced(model, ids: list[int], tokens: list[int]) -> tuple[list[int], list
     from one forward pass: HF's argmax at each of those positions and the log-probability of each of `tokens`.
     Where every argmax equals its token, HF's own greedy decoding gives exactly `tokens`, by induction (each
     step of it sees the same prefix), so this is the greedy oracle at the price of one pass, not one per token."""
-    logits = model(torch.tensor([list(ids) + list(tokens[:-1])]), use_cache=False).logits[0, len(ids) - 1:]
-    rows = torch.log_softmax(logits.float(), dim=-1)
-    return rows.argmax(dim=-1).tolist(), rows[torch.arange(len(tokens)), torch.tensor(list(tokens))].tolist()
+    logits = model(torch.tensor([list(ids) + list(tokens[:-1])]), use_cache=False).logits[0, len(ids) - 1:].float()
+    rows = torch.log_softmax(logits, dim=-1)
+    return logits.argmax(dim=-1).tolist(), rows[torch.arange(len(tokens)), torch.tensor(list(tokens))].tolist()
 
 
 def assert_sample_matches_hf(model, ids: list[int], sample, tolerance: float = 1e-4, mode: str = "") -> list[float]:
