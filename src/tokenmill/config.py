@@ -681,7 +681,7 @@ class ServerConfig:
             raise ValueError("tenants_file with data_parallel_size > 1 is not supported yet: the front would have "
                              "to keep each tenant's budget across the replicas")
         if self.tenant_step_tokens < 0:
-            raise ValueError(f"tenant_step_tokens must be >= 0 (0 keeps max_num_batched_tokens), got "
+            raise ValueError(f"tenant_step_tokens must be >= 0 (0: no cap on a step's prompt tokens), got "
                              f"{self.tenant_step_tokens}")
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder")

@@ -1,10 +1,10 @@
 """What a server keeps across restarts under `--state-dir`: one SQLite database (the standard library's sqlite3, WAL
 mode, `state.sqlite3`) of its stored Responses, each with its size in bytes, of the LoRA adapters loaded at run
 time (by name and path), which a restarted server loads again, and of its Batch API batches with the output line of
-each input line they finished, so a restarted server resumes a batch where it stopped. Every write is committed before the request that
-made it is answered, so a server killed at any moment keeps every response it has answered with. A database that
-cannot be opened or read (a corrupted file) is moved aside, with a log line, and the server starts with an empty
-one.
+each input line they finished, so a restarted server resumes a batch where it stopped. Every write is committed
+before the request that made it is answered, so a server killed at any moment keeps every response it has answered
+with. A database that cannot be opened or read (a corrupted file) is moved aside, with a log line, and the server
+starts with an empty one.
 """
 
 from __future__ import annotations
